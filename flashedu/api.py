@@ -1,0 +1,118 @@
+"""``flashedu.attention``: one entry point, shaped like torch's scaled_dot_product_attention.
+
+It checks every argument once (so no backend ever sees malformed input), folds the block mask's
+causal flag into ``is_causal``, and hands over to the chosen backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .backends import BACKENDS, resolve_backend
+from .masks import BlockMask
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def attention(q, k, v, *, is_causal=False, scale=None, dropout_p=0.0, block_mask=None,
+              enable_gqa=False, backend="auto"):
+    """Exact attention softmax(scale * q k^T) v, computed by a FlashAttention backend.
+
+    q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d); returns (B, H, Nq, d) in q's dtype.
+    is_causal: query i sees keys j <= i (top-left aligned, as SDPA's is_causal).
+    scale: defaults to 1/sqrt(d). block_mask: a :class:`flashedu.BlockMask`; tiles it marks
+    False are skipped. enable_gqa: allow H to be a multiple of Hkv (grouped-query attention).
+    backend: "naive", "numpy", "numba", "triton", or "auto" (triton on a CUDA GPU, else numpy).
+    A query row that sees no key gives zeros.
+    """
+    name = _check_backend(backend)
+    spec = BACKENDS[name]
+    _check_tensors(q, k, v, enable_gqa)
+    scale = _check_scale(scale, q.shape[-1])
+    dropout_p = _check_dropout(dropout_p)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if block_mask is not None:
+        _check_block_mask(block_mask, q, k)
+        is_causal = is_causal or block_mask.is_causal
+    if dropout_p > 0 and not spec.has_dropout:
+        with_dropout = [n for n, s in BACKENDS.items() if s.has_dropout]
+        raise NotImplementedError(
+            f"backend {name!r} does not implement dropout (dropout_p={dropout_p}); "
+            f"use one of {with_dropout}, or dropout_p=0.0")
+    fn = spec.load()
+    return fn(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p)
+
+
+def _check_backend(backend) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    name = resolve_backend(backend)
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {backend!r}")
+    return name
+
+
+def _check_tensors(q, k, v, enable_gqa) -> None:
+    import torch
+
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{arg} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")
+        if str(t.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
+            raise TypeError(f"{arg} must have a floating dtype {FLOAT_DTYPES}, got {t.dtype}")
+        if 0 in t.shape:
+            raise ValueError(f"{arg} must be non-empty, got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, Hkv, Nk, d), "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim d, got {q.shape[-1]} and {k.shape[-1]}")
+    H, Hkv = q.shape[1], k.shape[1]
+    if H != Hkv:
+        if not enable_gqa:
+            raise ValueError(f"q has {H} heads but k, v have {Hkv}: pass enable_gqa=True for "
+                             "grouped-query attention, or give k, v as many heads as q")
+        if H % Hkv:
+            raise ValueError(f"q's head count ({H}) must be a multiple of k's ({Hkv}) with enable_gqa")
+
+
+def _check_scale(scale, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    return float(scale)
+
+
+def _check_dropout(p) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return float(p)
+
+
+def _check_block_mask(block_mask, q, k) -> None:
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a flashedu.BlockMask (see BlockMask.from_dense / "
+                        f".from_flex), got {type(block_mask).__name__}")
+    B, H, Nq = q.shape[0], q.shape[1], q.shape[2]
+    Nk = k.shape[2]
+    if block_mask.seq_lens != (Nq, Nk):
+        raise ValueError(f"block_mask was built for seq_lens {block_mask.seq_lens}, "
+                         f"but q, k have (Nq, Nk) = {(Nq, Nk)}")
+    b, h = block_mask.blocks.shape[:2]
+    if b not in (1, B) or h not in (1, H):
+        raise ValueError(f"block_mask has blocks for (B, H) = {(b, h)}; expected 1 or {B} "
+                         f"for B and 1 or {H} for H")

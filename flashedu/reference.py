@@ -1,0 +1,179 @@
+"""Ground truth: softmax three ways, and standard (naive) attention in NumPy and torch.
+
+Standard attention materializes the whole Nq x Nk score matrix S and probability matrix P.
+That is exactly what FlashAttention avoids, and exactly what makes these functions the simplest
+correct reference: every other implementation in flashedu is tested against them in float64.
+
+Conventions shared by the whole package: scores are S = scale * Q K^T with scale = 1/sqrt(d) by
+default; L is the natural-log logsumexp of each row of S over the visible keys (-inf for a row
+that sees no key); a row that sees no key outputs zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# ----------------------------------------------------------------------------------------
+# Softmax, from the textbook formula to the streaming form FlashAttention is built on.
+# ----------------------------------------------------------------------------------------
+
+
+def naive_softmax(x):
+    """exp(x) / sum(exp(x)) over the last axis. Overflows for logits above ~88 (float32)."""
+    x = np.asarray(x)
+    e = np.exp(x)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def safe_softmax(x):
+    """Softmax over the last axis, computed as exp(x - max) / sum(exp(x - max)).
+
+    Subtracting the row maximum m changes nothing mathematically (the factor e^-m cancels) but
+    keeps every exponent <= 0, so nothing overflows. A row of all -inf (nothing visible) gives
+    zeros instead of NaN.
+    """
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)  # all -inf row: exp(-inf - 0) = 0 everywhere
+    e = np.exp(x - m)
+    s = e.sum(axis=-1, keepdims=True)
+    return e / np.where(s == 0, 1, s)
+
+
+def online_softmax(x, block_size):
+    """Safe softmax whose statistics are streamed over column blocks of ``block_size``.
+
+    One pass keeps, per row, the running maximum m and the running sum l of exp(x - m). When a
+    new block raises the maximum from m to m_new, the old sum is rescaled by exp(m - m_new):
+    that rescaling identity is the whole trick behind FlashAttention. A second pass normalizes.
+    """
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float64)
+    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    n = x.shape[-1]
+    m = np.full(x.shape[:-1] + (1,), -np.inf, dtype=x.dtype)
+    l = np.zeros(x.shape[:-1] + (1,), dtype=x.dtype)
+    for start in range(0, n, block_size):
+        x_j = x[..., start:start + block_size]
+        m_new = np.maximum(m, x_j.max(axis=-1, keepdims=True))
+        m_safe = np.where(np.isneginf(m_new), 0.0, m_new)
+        l = l * np.exp(m - m_safe) + np.exp(x_j - m_safe).sum(axis=-1, keepdims=True)
+        m = m_new
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    return np.exp(x - m_safe) / np.where(l == 0, 1, l)
+
+
+def logsumexp(x):
+    """log(sum(exp(x))) over the last axis, stably; -inf for an all -inf row."""
+    x = np.asarray(x)
+    m = x.max(axis=-1)
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    with np.errstate(divide="ignore"):
+        return m_safe + np.log(np.exp(x - m_safe[..., None]).sum(axis=-1))
+
+
+# ----------------------------------------------------------------------------------------
+# Standard attention (single head, NumPy): the paper's Algorithm 0.
+# ----------------------------------------------------------------------------------------
+
+
+def causal_mask(Nq: int, Nk: int) -> np.ndarray:
+    """(Nq, Nk) bool, True where query i may see key j: j <= i (top-left aligned, as SDPA)."""
+    return np.tri(Nq, Nk, dtype=bool)
+
+
+def naive_attention(Q, K, V, causal=False, scale=None, mask=None):
+    """Standard attention, materializing S and P. Returns (O, L).
+
+    ``mask`` is an optional (Nq, Nk) bool array of visible pairs (combined with ``causal``).
+    """
+    Q, K, V = (np.asarray(a) for a in (Q, K, V))
+    scale = 1.0 / math.sqrt(Q.shape[-1]) if scale is None else scale
+    S = scale * (Q @ K.T)  # (Nq, Nk): the matrix FlashAttention never writes to HBM
+    visible = np.ones(S.shape, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    if causal:
+        visible = visible & causal_mask(*S.shape)
+    S = np.where(visible, S, -np.inf)
+    P = safe_softmax(S)
+    return P @ V, logsumexp(S).astype(Q.dtype)
+
+
+def naive_attention_backward(Q, K, V, dO, causal=False, scale=None, mask=None):
+    """Gradients of standard attention by the textbook chain rule, storing P. (dQ, dK, dV)."""
+    Q, K, V, dO = (np.asarray(a) for a in (Q, K, V, dO))
+    scale = 1.0 / math.sqrt(Q.shape[-1]) if scale is None else scale
+    S = scale * (Q @ K.T)
+    visible = np.ones(S.shape, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    if causal:
+        visible = visible & causal_mask(*S.shape)
+    P = safe_softmax(np.where(visible, S, -np.inf))
+    dV = P.T @ dO
+    dP = dO @ V.T
+    dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))  # softmax Jacobian, row by row
+    return scale * dS @ K, scale * dS.T @ Q, dV
+
+
+# ----------------------------------------------------------------------------------------
+# Standard attention in torch: the "naive" backend and the float64 reference for tests.
+# ----------------------------------------------------------------------------------------
+
+
+def expand_kv_heads(k, H: int):
+    """Repeat each K/V head H // Hkv times (grouped-query attention), as SDPA's enable_gqa."""
+    Hkv = k.shape[-3]
+    return k if Hkv == H else k.repeat_interleave(H // Hkv, dim=-3)
+
+
+def visible_mask_torch(Nq, Nk, *, is_causal=False, block_mask=None, device="cpu"):
+    """Bool (…, Nq, Nk) tensor of visible pairs, or None when everything is visible."""
+    import torch
+
+    mask = None
+    if block_mask is not None:
+        mask = torch.as_tensor(block_mask.element_mask(), device=device)
+    if is_causal:
+        tri = torch.ones(Nq, Nk, dtype=torch.bool, device=device).tril()
+        mask = tri if mask is None else mask & tri
+    return mask
+
+
+def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=None,
+                          dropout_p=0.0, enable_gqa=False, return_lse=False):
+    """Standard attention on (B, H, N, d) tensors with torch ops; differentiable.
+
+    Computes in the input dtype (as a plain PyTorch implementation would). Rows with no
+    visible key give zeros. Dropout uses torch's RNG (seed it with torch.manual_seed).
+    """
+    import torch
+
+    H, Nq, Nk, d = q.shape[-3], q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k, v = expand_kv_heads(k, H), expand_kv_heads(v, H)
+    S = (q @ k.transpose(-2, -1)) * scale
+    mask = visible_mask_torch(Nq, Nk, is_causal=is_causal, block_mask=block_mask, device=q.device)
+    if mask is not None:
+        S = S.masked_fill(~mask, float("-inf"))
+    m = S.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m).detach()
+    P = torch.exp(S - m)
+    l = P.sum(dim=-1, keepdim=True)
+    P = P / torch.where(l == 0, torch.ones_like(l), l)
+    if dropout_p > 0:
+        P = torch.nn.functional.dropout(P, p=dropout_p)
+    out = P @ v
+    if return_lse:
+        return out, (m + torch.log(l)).squeeze(-1)
+    return out
+
+
+def reference_attention(q, k, v, **kwargs):
+    """float64 ground truth of :func:`naive_attention_torch`, returned in float64."""
+    import torch
+
+    return naive_attention_torch(*(t.to(torch.float64) for t in (q, k, v)), **kwargs)

@@ -1,0 +1,123 @@
+"""What runs where.
+
+The course's later kernels are written for a GPU (numba.cuda, Triton). On a laptop without one
+they still run: Triton through its interpreter (``TRITON_INTERPRET=1``) and numba.cuda through
+its simulator (``NUMBA_ENABLE_CUDASIM=1``). Both switches are read when triton / numba are first
+imported, so :func:`configure` must run before that. ``import flashedu`` calls it, and every
+kernel module imports triton or numba lazily, after it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+import warnings
+
+_CONFIGURED: dict | None = None
+
+INTERPRET_VARS = ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")
+
+
+def has_cuda() -> bool:
+    """True when torch sees a CUDA GPU (never imports triton or numba)."""
+    import torch
+
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken driver is a machine without a GPU for our purposes
+        return False
+
+
+def configure() -> dict:
+    """Decide once per process whether kernels run on the GPU or are emulated on the CPU.
+
+    Without a GPU, sets TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 (unless the user set them),
+    and warns if triton or numba were imported before we could set them.
+    """
+    global _CONFIGURED
+    if _CONFIGURED is not None:
+        return _CONFIGURED
+    gpu = has_cuda()
+    if not gpu:
+        for var in INTERPRET_VARS:
+            os.environ.setdefault(var, "1")
+        late = [m for m in ("triton", "numba") if m in sys.modules]
+        if late:
+            warnings.warn(
+                f"{', '.join(late)} was imported before flashedu; its CPU emulation may be off. "
+                "Import flashedu first (or set TRITON_INTERPRET=1 / NUMBA_ENABLE_CUDASIM=1).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    _CONFIGURED = {
+        "gpu": gpu,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "numba_cudasim": os.environ.get("NUMBA_ENABLE_CUDASIM") == "1",
+    }
+    return _CONFIGURED
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run in the CPU interpreter."""
+    return configure()["triton_interpret"]
+
+
+def numba_simulated() -> bool:
+    """True when numba.cuda kernels run in the CPU simulator."""
+    return configure()["numba_cudasim"]
+
+
+def kernel_device():
+    """The torch device that Triton / numba kernels take their tensors on."""
+    import torch
+
+    return torch.device("cuda") if configure()["gpu"] and not triton_interpreted() else torch.device("cpu")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def doctor() -> str:
+    """A report of versions, the device, and what each backend will run on."""
+    import torch
+
+    from . import __version__
+    from .backends import BACKENDS, available_backends
+
+    cfg = configure()
+    lines = [
+        f"flashedu {__version__}",
+        f"python   {platform.python_version()} ({sys.executable})",
+    ]
+    for dist in ("numpy", "torch", "triton", "numba", "numba-cuda", "ipywidgets", "jupyterlab"):
+        lines.append(f"{dist:<9}{_version(dist)}")
+    if cfg["gpu"]:
+        props = torch.cuda.get_device_properties(0)
+        lines.append(
+            f"device   {props.name}: {props.multi_processor_count} SMs, "
+            f"{props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor}"
+        )
+    else:
+        lines.append("device   no CUDA GPU: kernels are emulated on the CPU")
+    lines.append(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!s:<3} "
+                 f"NUMBA_ENABLE_CUDASIM={os.environ.get('NUMBA_ENABLE_CUDASIM', '')}")
+    lines.append("backends:")
+    available = available_backends()
+    for name, spec in BACKENDS.items():
+        status = available.get(name)
+        where = spec.where() if status is None else f"unavailable ({status})"
+        lines.append(f"  {name:<7}{where}")
+    lines.append(f"  auto   -> {_auto_name()}")
+    return "\n".join(lines)
+
+
+def _auto_name() -> str:
+    from .backends import resolve_backend
+
+    return resolve_backend("auto")

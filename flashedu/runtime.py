@@ -93,18 +93,18 @@ def doctor() -> str:
     cfg = configure()
     lines = [
         f"flashedu {__version__}",
-        f"python   {platform.python_version()} ({sys.executable})",
+        f"python     {platform.python_version()} ({sys.executable})",
     ]
     for dist in ("numpy", "torch", "triton", "numba", "numba-cuda", "ipywidgets", "jupyterlab"):
-        lines.append(f"{dist:<9}{_version(dist)}")
+        lines.append(f"{dist:<11}{_version(dist)}")
     if cfg["gpu"]:
         props = torch.cuda.get_device_properties(0)
         lines.append(
-            f"device   {props.name}: {props.multi_processor_count} SMs, "
+            f"device     {props.name}: {props.multi_processor_count} SMs, "
             f"{props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor}"
         )
     else:
-        lines.append("device   no CUDA GPU: kernels are emulated on the CPU")
+        lines.append("device     no CUDA GPU: kernels are emulated on the CPU")
     lines.append(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!s:<3} "
                  f"NUMBA_ENABLE_CUDASIM={os.environ.get('NUMBA_ENABLE_CUDASIM', '')}")
     lines.append("backends:")

@@ -1,0 +1,68 @@
+"""FlashAttention in Triton: the course's last stage, and the "triton" backend.
+
+    forward.py   one program per (Q tile, batch*head), FlashAttention-2 order, exp2 softmax
+    backward.py  D = rowsum(dO * O), then dK/dV (K/V-outer) and dQ (Q-outer): no atomics
+    autograd.py  torch.autograd.Function tying them together
+    sparse.py    BlockMask -> per-tile index lists (kv_indices, q_indices)
+    config.py    tile sizes per head dim
+
+On a machine without a CUDA GPU the same kernels run in Triton's interpreter on CPU tensors
+(``flashedu.runtime`` sets TRITON_INTERPRET=1 before triton is imported).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import runtime
+from .autograd import FlashAttention, resolve_config
+from .config import MAX_HEAD_DIM
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+__all__ = ["attention", "forward_with_lse", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
+
+
+def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
+    """Backend entry point (inputs already checked by flashedu.attention)."""
+    if dropout_p > 0:
+        raise NotImplementedError(
+            f"the triton backend has no fused dropout yet (dropout_p={dropout_p}); "
+            "use dropout_p=0.0, or backend='naive'")
+    _check(q, k, v)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    config = resolve_config(q.shape[-1], q.dtype, block_mask)
+    return FlashAttention.apply(q, k, v, is_causal, float(scale), block_mask, config)
+
+
+def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
+    """(O, L): the output and the natural-log logsumexp (B, H, Nq) of the scaled scores, as
+    ``flashedu.tiled.flash_forward`` returns per head (-inf for a row that sees no key)."""
+    from .forward import forward
+
+    _check(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    config = resolve_config(q.shape[-1], q.dtype, block_mask)
+    o, lse2 = forward(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=is_causal,
+                      scale=scale, block_mask=block_mask, tiles=config.forward,
+                      interpreted=runtime.triton_interpreted())
+    return o, torch.where(torch.isinf(lse2), -torch.inf, lse2 * math.log(2.0))
+
+
+def _check(q, k, v):
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q, k, v: the triton backend takes {[str(t) for t in SUPPORTED_DTYPES]}, "
+                        f"got {q.dtype}")
+    d = q.shape[-1]
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim d={d} is not supported by the triton backend "
+                         f"(1 <= d <= {MAX_HEAD_DIM})")
+    if runtime.triton_interpreted():
+        if q.device.type != "cpu":
+            raise ValueError(f"q, k, v must be CPU tensors while Triton runs in its interpreter "
+                             f"(TRITON_INTERPRET=1), got device {q.device}")
+    elif q.device.type != "cuda":
+        raise ValueError(f"q, k, v must be CUDA tensors for the compiled triton backend, got "
+                         f"device {q.device}; move them with .cuda()")

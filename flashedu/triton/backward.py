@@ -1,0 +1,284 @@
+"""FlashAttention backward in Triton: three kernels, no atomics, deterministic.
+
+The same recomputation as ``flashedu.tiled.flash_backward``: P_ij is rebuilt from the saved
+logsumexp L_i (P_ij = exp2(S_ij - L_i) in the forward's base-2 scale), never stored.
+
+1. ``preprocess_kernel``: D_i = rowsum(dO_i * O_i), one float per query row.
+2. ``dkdv_kernel``: one program per K/V tile j (and batch, K/V head). dK_j and dV_j live in
+   registers while every Q tile i that sees tile j streams past; with grouped-query attention
+   the program also walks the query heads of its group, so each dK_j, dV_j has one writer.
+3. ``dq_kernel``: one program per Q tile i, streaming K/V tiles exactly like the forward.
+
+Why dQ is a separate pass: in the K/V-outer loop every program would add into every dQ_i,
+which needs atomic adds (nondeterministic order, so bit-different results run to run). Giving
+dQ its own Q-outer pass recomputes S_ij and dP_ij once more (2 of the 5 matmuls), and in
+exchange every output tile has exactly one program writing it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from .forward import LOG2E, dot_precision, load_tile
+
+
+@triton.jit
+def preprocess_kernel(O, dO, D, stride_ob, stride_oh, stride_on, stride_db, stride_dh,
+                      stride_dn, H, Nq, d, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = i * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = (rows[:, None] < Nq) & (dims[None, :] < d)
+    O_i = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dims[None, :],
+                  mask=ok, other=0.0).to(tl.float32)
+    dO_i = tl.load(dO + b * stride_db + h * stride_dh + rows[:, None] * stride_dn + dims[None, :],
+                   mask=ok, other=0.0).to(tl.float32)
+    tl.store(D + bh * Nq + rows, tl.sum(O_i * dO_i, 1), mask=rows < Nq)
+
+
+@triton.jit
+def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn, stride_dn,
+               start_m, cols, dims, Nq, d, qk_scale, Br: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
+    products land directly in dK_j and dV_j."""
+    rows = start_m + tl.arange(0, Br)
+    row_ok = rows[:, None] < Nq
+    dim_ok = dims[None, :] < d
+    Q_i = load_tile(Q_head + rows[:, None] * stride_qn + dims[None, :], row_ok, dim_ok,
+                    MASK, not EVEN_D)
+    dO_i = load_tile(dO_head + rows[:, None] * stride_dn + dims[None, :], row_ok, dim_ok,
+                     MASK, not EVEN_D)
+    if MASK:  # rows past Nq: L = +inf makes their P zero
+        L_i = tl.load(L_head + rows, mask=rows < Nq, other=float("inf"))
+        D_i = tl.load(D_head + rows, mask=rows < Nq, other=0.0)
+    else:
+        L_i = tl.load(L_head + rows)
+        D_i = tl.load(D_head + rows)
+    if UPCAST:
+        Q_i = Q_i.to(tl.float32)
+        dO_i = dO_i.to(tl.float32)
+    S_ijT = tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC) * qk_scale
+    P_ijT = tl.math.exp2(S_ijT - L_i[None, :])
+    if MASK:
+        if IS_CAUSAL:
+            P_ijT = tl.where(cols[:, None] <= rows[None, :], P_ijT, 0.0)
+    dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
+    dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+    dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
+    dK_j += tl.dot(dS_ijT.to(Q_i.dtype), Q_i, input_precision=DOT_PREC)
+    return dK_j, dV_j
+
+
+@triton.jit
+def dkdv_kernel(Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_IDX, qk_scale, scale,
+                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
+                H, Hkv, GROUP, Nq, Nk, d,
+                Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
+                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    j = tl.program_id(0)  # which K/V tile
+    bh_kv = tl.program_id(1)
+    b = bh_kv // Hkv
+    h_kv = bh_kv % Hkv
+    cols = j * Bc + tl.arange(0, Bc)
+    dims = tl.arange(0, HEAD_DIM)
+    col_ok = cols[:, None] < Nk
+    dim_ok = dims[None, :] < d
+    K_j = load_tile(K + b * stride_kb + h_kv * stride_kh + cols[:, None] * stride_kn
+                    + dims[None, :], col_ok, dim_ok, True, not EVEN_D)
+    V_j = load_tile(V + b * stride_vb + h_kv * stride_vh + cols[:, None] * stride_vn
+                    + dims[None, :], col_ok, dim_ok, True, not EVEN_D)
+    if UPCAST:
+        K_j = K_j.to(tl.float32)
+        V_j = V_j.to(tl.float32)
+    dK_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
+    dV_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
+    # Q tiles [lo, diag_end) cross the causal diagonal (masked), [diag_end, full_end) are
+    # wholly visible, [full_end, Nq) is the ragged last tile (rows masked).
+    full_end = Nq // Br * Br
+    if IS_CAUSAL:
+        lo = (j * Bc) // Br * Br  # rows before the tile's first key see none of it
+        diag_end = tl.minimum(tl.cdiv(j * Bc + Bc - 1, Br) * Br, tl.cdiv(Nq, Br) * Br)
+    else:
+        lo = 0
+        diag_end = 0
+    for g in range(0, GROUP):  # the query heads that read this K/V head
+        h = h_kv * GROUP + g
+        Q_head = Q + b * stride_qb + h * stride_qh
+        dO_head = dO + b * stride_db + h * stride_dh
+        L_head = L + (b * H + h) * Nq
+        D_head = D + (b * H + h) * Nq
+        if SPARSE:
+            num = tl.load(Q_NUM + b * stride_numb + h * stride_numh + j)
+            idx_row = Q_IDX + b * stride_idxb + h * stride_idxh + j * stride_idxr
+            for t in range(0, num):
+                i = tl.load(idx_row + t)
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
+                                        stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
+                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+        else:
+            for start_m in range(lo, diag_end, Br):
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
+                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
+                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+            for start_m in range(diag_end, full_end, Br):
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
+                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
+                                        qk_scale, Br, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST)
+            for start_m in range(tl.maximum(diag_end, full_end), Nq, Br):
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
+                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
+                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+    out_ok = col_ok & dim_ok
+    tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
+             (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
+    tl.store(dV + b * stride_dvb + h_kv * stride_dvh + cols[:, None] * stride_dvn + dims[None, :],
+             dV_j.to(dV.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, start_n, rows,
+             dims, Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+             UPCAST: tl.constexpr):
+    """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j."""
+    cols = start_n + tl.arange(0, Bc)
+    col_ok = cols[:, None] < Nk
+    dim_ok = dims[None, :] < d
+    K_j = load_tile(K_head + cols[:, None] * stride_kn + dims[None, :], col_ok, dim_ok,
+                    MASK, not EVEN_D)
+    V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], col_ok, dim_ok,
+                    MASK, not EVEN_D)
+    if UPCAST:
+        K_j = K_j.to(tl.float32)
+        V_j = V_j.to(tl.float32)
+    S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC) * qk_scale
+    P_ij = tl.math.exp2(S_ij - L_i[:, None])
+    if MASK:
+        visible = cols[None, :] < Nk
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        P_ij = tl.where(visible, P_ij, 0.0)
+    dP_ij = tl.dot(dO_i, tl.trans(V_j), input_precision=DOT_PREC)
+    dS_ij = P_ij * (dP_ij - D_i[:, None])
+    dQ_i += tl.dot(dS_ij.to(K_j.dtype), K_j, input_precision=DOT_PREC)
+    return dQ_i
+
+
+@triton.jit
+def dq_kernel(Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
+              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+              stride_dqb, stride_dqh, stride_dqn,
+              stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
+              H, GROUP, Nq, Nk, d,
+              Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
+              DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    h_kv = h // GROUP
+    rows = i * Br + tl.arange(0, Br)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows[:, None] < Nq
+    dim_ok = dims[None, :] < d
+    Q_i = load_tile(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + dims[None, :],
+                    row_ok, dim_ok, True, not EVEN_D)
+    dO_i = load_tile(dO + b * stride_db + h * stride_dh + rows[:, None] * stride_dn
+                     + dims[None, :], row_ok, dim_ok, True, not EVEN_D)
+    if UPCAST:
+        Q_i = Q_i.to(tl.float32)
+        dO_i = dO_i.to(tl.float32)
+    L_i = tl.load(L + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
+    D_i = tl.load(D + bh * Nq + rows, mask=rows < Nq, other=0.0)
+    K_head = K + b * stride_kb + h_kv * stride_kh
+    V_head = V + b * stride_vb + h_kv * stride_vh
+    dQ_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
+    if SPARSE:
+        num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
+        idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
+        for t in range(0, num):
+            j = tl.load(idx_row + t)
+            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
+                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
+                            DOT_PREC, UPCAST)
+    else:  # the forward's split: unmasked tiles, then the diagonal and ragged ones
+        if IS_CAUSAL:
+            end = tl.minimum(Nk, (i + 1) * Br)
+            full_end = tl.minimum(i * Br + 1, Nk) // Bc * Bc
+        else:
+            end = Nk
+            full_end = Nk // Bc * Bc
+        for start_n in range(0, full_end, Bc):
+            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
+                            start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
+                            DOT_PREC, UPCAST)
+        for start_n in range(full_end, end, Bc):
+            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
+                            start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
+                            DOT_PREC, UPCAST)
+    tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
+             (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
+
+
+def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted):
+    """Launch the three kernels; returns (dQ, dK, dV) in the inputs' dtype."""
+    import torch
+
+    from .config import padded_head_dim
+
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    HEAD_DIM = padded_head_dim(d)
+    common = dict(HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, SPARSE=block_mask is not None,
+                  EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
+                  UPCAST=interpreted and q.dtype != torch.float32)
+    qk_scale = scale * LOG2E
+
+    D = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    rows = config.preprocess_rows
+    preprocess_kernel[(math.ceil(Nq / rows), B * H)](
+        o, do, D, *o.stride()[:3], *do.stride()[:3], H, Nq, d, ROWS=rows, HEAD_DIM=HEAD_DIM)
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    t = config.dkdv
+    num, idx, idx_strides = _lists(block_mask, t.Br, t.Bc, True, q.device)
+    dkdv_kernel[(math.ceil(Nk / t.Bc), B * Hkv)](
+        q, k, v, do, lse2, D, dk, dv, num, idx, qk_scale, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3], *idx_strides, H, Hkv, H // Hkv, Nq, Nk, d,
+        Br=t.Br, Bc=t.Bc, **common, **({} if interpreted else t.launch()))
+
+    t = config.dq
+    num, idx, idx_strides = _lists(block_mask, t.Br, t.Bc, False, q.device)
+    dq_kernel[(math.ceil(Nq / t.Br), B * H)](
+        q, k, v, do, lse2, D, dq, num, idx, qk_scale, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+        *idx_strides, H, H // Hkv, Nq, Nk, d,
+        Br=t.Br, Bc=t.Bc, **common, **({} if interpreted else t.launch()))
+    return dq, dk, dv
+
+
+def _lists(block_mask, Br, Bc, transpose, device):
+    import torch
+
+    from . import sparse
+
+    if block_mask is None:
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        return zero, zero, (0, 0, 0, 0, 0)
+    num, idx = sparse.tile_lists(block_mask, Br, Bc, transpose, device)
+    return num, idx, sparse.strides(num, idx)

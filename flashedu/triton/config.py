@@ -1,0 +1,68 @@
+"""Tile sizes and launch settings of the Triton kernels, per head dim and dtype.
+
+One table, so that tuning is an edit here (``scripts/gpu_triton_tune.py`` measures candidates on
+a GPU and prints the winners). Names follow the paper: a program of the forward owns one Q tile
+of ``Br`` rows and streams K/V tiles of ``Bc`` rows past it.
+
+Under the Triton interpreter (CPU) every tile is small: the tests then cross many tile
+boundaries on small problems, and the interpreter's cost grows with the tile area.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_HEAD_DIM = 256
+MIN_TILE = 16  # tl.dot needs every dimension >= 16
+
+
+@dataclass(frozen=True)
+class Tiles:
+    Br: int  # rows of Q per tile (BLOCK_M)
+    Bc: int  # rows of K/V per tile (BLOCK_N)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def launch(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    forward: Tiles
+    dkdv: Tiles  # backward, one program per K/V tile: Bc is its own tile, Br the Q tiles it visits
+    dq: Tiles  # backward, one program per Q tile, like the forward
+    preprocess_rows: int = 64  # rows of the D = rowsum(dO * O) kernel
+
+
+INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
+
+# H100 (sm_90), 16-bit inputs, chosen by scripts/gpu_triton_tune.py; keyed by padded head dim.
+GPU_16BIT = {
+    16: KernelConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 32, 4, 3)),
+    32: KernelConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 32, 4, 3)),
+    64: KernelConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 32, 4, 3)),
+    128: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 4, 3), Tiles(128, 32, 4, 3)),
+    256: KernelConfig(Tiles(128, 32, 8, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+}
+
+# fp32 tiles take twice the shared memory: halve them.
+GPU_FP32 = {
+    16: KernelConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    32: KernelConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    64: KernelConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    128: KernelConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    256: KernelConfig(Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(32, 16, 4, 1)),
+}
+
+
+def padded_head_dim(d: int) -> int:
+    """The power of two >= d (and >= 16) that the kernels hold in registers; loads mask the rest."""
+    return max(MIN_TILE, 1 << (d - 1).bit_length())
+
+
+def kernel_config(d: int, is_fp32: bool, interpreted: bool) -> KernelConfig:
+    if interpreted:
+        return INTERPRETER
+    table = GPU_FP32 if is_fp32 else GPU_16BIT
+    return table[padded_head_dim(d)]

@@ -1,0 +1,174 @@
+"""FlashAttention-2 forward in Triton: one program per (Q tile i, batch*head).
+
+The program is the inner body of ``flashedu.tiled._forward_q_outer`` for one i: Q_i stays in
+registers while the K_j, V_j tiles stream past, the online softmax keeps m_i and l_i, and O_i is
+written once at the end with the logsumexp L_i for the backward.
+
+Two changes from the NumPy loop, both for speed:
+- exp2 instead of exp: the scores are multiplied by scale * log2(e) once, so that
+  exp(scale * s - m) becomes exp2(s' - m') (the GPU's ex2 instruction, no extra multiply).
+  m_i and L_i are kept in that base-2 scale; L_i is converted back for users.
+- masks only where needed: tiles wholly inside the visible region run without any mask; only
+  the causal diagonal tiles and the ragged edge tile (Nk not a multiple of Bc) pay for one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+
+
+@triton.jit
+def load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """A 2-D load, masked only along the axes that may run past the tensor (zeros there)."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=row_ok & col_ok, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok, other=0.0)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=col_ok, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n, rows, dims,
+                  Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
+                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j."""
+    cols = start_n + tl.arange(0, Bc)
+    row_ok = cols[:, None] < Nk
+    dim_ok = dims[None, :] < d
+    K_j = load_tile(K_head + cols[:, None] * stride_kn + dims[None, :], row_ok, dim_ok,
+                    MASK, not EVEN_D)
+    V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], row_ok, dim_ok,
+                    MASK, not EVEN_D)
+    if UPCAST:  # the interpreter's 16-bit dot is unreliable: compute in fp32 there
+        K_j = K_j.to(tl.float32)
+        V_j = V_j.to(tl.float32)
+    S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC) * qk_scale  # base-2 scores
+    if MASK:
+        visible = cols[None, :] < Nk
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        S_ij = tl.where(visible, S_ij, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(S_ij, 1))
+    if MASK:  # a row that has seen no key yet keeps m = -inf: subtract 0, not -inf (no NaN)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    P_ij = tl.math.exp2(S_ij - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(P_ij, 1)
+    O_i = O_i * alpha[:, None] + tl.dot(P_ij.to(V_j.dtype), V_j, input_precision=DOT_PREC)
+    return O_i, l_i, m_new
+
+
+@triton.jit
+def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
+                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                   stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
+                   H, GROUP, Nq, Nk, d,
+                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
+                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    i = tl.program_id(0)  # which Q tile
+    bh = tl.program_id(1)  # which (batch, query head)
+    b = bh // H
+    h = bh % H
+    h_kv = h // GROUP  # grouped-query attention: heads h_kv*GROUP .. share one K/V head
+    rows = i * Br + tl.arange(0, Br)
+    dims = tl.arange(0, HEAD_DIM)  # padded to a power of two; dims >= d are masked off
+    row_ok = rows[:, None] < Nq
+    dim_ok = dims[None, :] < d
+    Q_i = load_tile(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + dims[None, :],
+                    row_ok, dim_ok, True, not EVEN_D)
+    if UPCAST:
+        Q_i = Q_i.to(tl.float32)
+    K_head = K + b * stride_kb + h_kv * stride_kh
+    V_head = V + b * stride_vb + h_kv * stride_vh
+
+    m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([Br], dtype=tl.float32)
+    O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
+    if SPARSE:  # visit only the K/V tiles listed for this Q tile; every one is masked
+        num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
+        idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
+        for t in range(0, num):
+            j = tl.load(idx_row + t)
+            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                          stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
+                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+    else:
+        # K/V tiles [0, full_end) are wholly visible: no mask. [full_end, end) are masked:
+        # the causal diagonal and the ragged last tile. Tiles past `end` are skipped.
+        if IS_CAUSAL:
+            end = tl.minimum(Nk, (i + 1) * Br)  # query rows < (i+1)*Br see keys < that
+            full_end = tl.minimum(i * Br + 1, Nk) // Bc * Bc  # last key <= first query row
+        else:
+            end = Nk
+            full_end = Nk // Bc * Bc
+        for start_n in range(0, full_end, Bc):
+            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                          stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
+                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST)
+        for start_n in range(full_end, end, Bc):
+            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                          stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
+                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+
+    # A row that saw no key (l_i = 0) gets O = 0 and L = +inf, so that the backward's
+    # P = exp2(S - L) is 0 there: zero gradients, never NaN.
+    seen = l_i > 0
+    O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
+    L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dims[None, :],
+             O_i.to(O.dtype.element_ty), mask=row_ok & dim_ok)
+    tl.store(L + bh * Nq + rows, L_i, mask=rows < Nq)
+
+
+def dot_precision(dtype) -> str:
+    """fp32 inputs: exact fp32 products (tf32 would miss the tolerance); 16-bit: the default."""
+    import torch
+
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
+    """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
+    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key."""
+    import torch
+
+    from . import sparse
+
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    Br, Bc = tiles.Br, tiles.Bc
+    o = torch.empty_like(q)
+    lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    if block_mask is not None:
+        num, idx = sparse.tile_lists(block_mask, Br, Bc, transpose=False, device=q.device)
+        idx_strides = sparse.strides(num, idx)
+    else:
+        num = idx = torch.zeros(1, dtype=torch.int32, device=q.device)
+        idx_strides = (0, 0, 0, 0, 0)
+    from .config import padded_head_dim
+
+    grid = (math.ceil(Nq / Br), B * H)
+    forward_kernel[grid](
+        q, k, v, o, lse2, num, idx, scale * LOG2E,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *idx_strides,
+        H, H // Hkv, Nq, Nk, d,
+        Br=Br, Bc=Bc, HEAD_DIM=padded_head_dim(d), IS_CAUSAL=is_causal,
+        SPARSE=block_mask is not None, EVEN_D=padded_head_dim(d) == d,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=interpreted and q.dtype != torch.float32,
+        **({} if interpreted else tiles.launch()))
+    return o, lse2

@@ -1,0 +1,361 @@
+"""``flashedu bench``: flashedu's Triton kernels against the attention implementations people use.
+
+Peers: naive torch (``flashedu.reference.naive_attention_torch``), SDPA's flash (FlashAttention-2),
+cuDNN and memory-efficient backends (each selected explicitly with ``sdpa_kernel``: on an H100
+plain SDPA picks cuDNN), and FlexAttention (``torch.compile``'d, given the same block mask through
+``BlockMask.to_flex``). Block-sparse cases run flashedu and FlexAttention only; the others
+cannot skip tiles.
+
+Sizes follow FlashAttention's own benchmarks: B * N = 16384 tokens and H = 2048 / d heads, so
+every case moves the same number of tokens and the model width H * d is 2048.
+TFLOPs = 4 * B * H * N^2 * d / t, x0.5 when causal, x2.5 for the backward (which is timed
+alone, as the backward of one retained forward), x density for block-sparse.
+Time is the median of ``triton.testing.do_bench``; peak memory is what the call allocates on top
+of its inputs (torch's allocator statistics).
+
+    flashedu bench                         # bf16, N=8192, d=64/128, causal and not, fwd/bwd,
+                                           #   block-sparse densities 0.1/0.25/0.5
+    flashedu bench --n 2048 4096 --d 64 --modes fwd --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+PROVIDERS = ("flashedu", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+SPARSE_PROVIDERS = ("flashedu", "flex")
+TOKENS = 16384  # B * N
+WIDTH = 2048  # H * d
+MASK_BLOCK = 128  # block size of the block-sparse masks (FlexAttention's default)
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int
+    d: int
+    causal: bool
+    mode: str  # "fwd" or "bwd"
+    density: float | None  # None: dense; else block-sparse with this fraction of tiles
+    dtype: str
+
+    @property
+    def B(self) -> int:
+        return max(1, TOKENS // self.n)
+
+    @property
+    def H(self) -> int:
+        return max(1, WIDTH // self.d)
+
+    def flops(self) -> float:
+        f = 4.0 * self.B * self.H * self.n * self.n * self.d
+        f *= 0.5 if self.causal else 1.0
+        f *= 2.5 if self.mode == "bwd" else 1.0
+        return f * (self.density if self.density is not None else 1.0)
+
+    def label(self) -> str:
+        kind = "causal" if self.causal else "dense"
+        if self.density is not None:
+            kind = f"sparse {self.density:g}"
+        return f"N={self.n} d={self.d} {kind} {self.mode}"
+
+
+def build_cases(args) -> list[Case]:
+    cases = []
+    for n in args.n:
+        for d in args.d:
+            for mode in args.modes:
+                for causal in args.causal:
+                    cases.append(Case(n, d, causal, mode, None, args.dtype))
+                for s in args.density:
+                    cases.append(Case(n, d, False, mode, s, args.dtype))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------
+# Masks and the function each provider runs
+# ----------------------------------------------------------------------------------------
+
+
+def random_block_mask(n: int, density: float, seed: int = 0):
+    """A BlockMask with the same number of tiles in every Q row (balanced work per program)."""
+    import numpy as np
+
+    from .masks import BlockMask
+
+    T = math.ceil(n / MASK_BLOCK)
+    per_row = max(1, round(density * T))
+    rng = np.random.default_rng(seed)
+    blocks = np.zeros((T, T), dtype=bool)
+    for r in range(T):
+        blocks[r, rng.choice(T, per_row, replace=False)] = True
+    return BlockMask.from_dense(blocks, (MASK_BLOCK, MASK_BLOCK), (n, n))
+
+
+_FLEX = None
+
+
+def _flex():
+    global _FLEX
+    if _FLEX is None:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def make_forward(provider: str, case: Case, q, k, v):
+    """A zero-argument function computing the case's attention with ``provider``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashedu
+    from flashedu.masks import BlockMask
+    from flashedu.reference import naive_attention_torch
+
+    mask = random_block_mask(case.n, case.density) if case.density is not None else None
+    if provider == "flashedu":
+        return lambda: flashedu.attention(q, k, v, is_causal=case.causal, block_mask=mask,
+                                          backend="triton")
+    if provider == "naive":
+        return lambda: naive_attention_torch(q, k, v, is_causal=case.causal)
+    if provider.startswith("sdpa-"):
+        backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION,
+                   "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[provider]
+
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+        return run
+    if provider == "flex":
+        if mask is None and case.causal:
+            mask = BlockMask.causal((case.n, case.n), (MASK_BLOCK, MASK_BLOCK))
+        flex_mask = None if mask is None else mask.to_flex(device=q.device)
+        flex = _flex()
+        return lambda: flex(q, k, v, block_mask=flex_mask)
+    raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
+
+
+# ----------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------
+
+
+def measure(provider: str, case: Case) -> dict:
+    """{"ms", "tflops", "peak_mb"} for one provider on one case, or {"error": why}."""
+    import torch
+    from triton.testing import do_bench
+
+    dtype = getattr(torch, case.dtype)
+    torch.manual_seed(0)
+    shape = (case.B, case.H, case.n, case.d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=case.mode == "bwd")
+               for _ in range(3))
+    try:
+        fn = make_forward(provider, case, q, k, v)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        if case.mode == "bwd":
+            dout = torch.randn_like(out)
+            out.backward(dout, retain_graph=True)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            ms = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=25, rep=100,
+                          grad_to_none=[q, k, v], return_mode="median")
+        else:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            del out
+            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except torch.OutOfMemoryError:
+        return {"error": "out of memory"}
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot run this case is reported
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+    finally:
+        torch.cuda.empty_cache()
+    return {"ms": ms, "tflops": case.flops() / (ms * 1e-3) / 1e12, "peak_mb": peak / 2**20}
+
+
+def run_all(cases, providers, progress=True) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    jobs = [(c, p) for c in cases for p in providers
+            if c.density is None or p in SPARSE_PROVIDERS]
+    rows = []
+    bar = tqdm(jobs, desc="bench", disable=not progress)
+    for case, provider in bar:
+        bar.set_postfix_str(f"{provider} {case.label()}")
+        rows.append({**asdict(case), "label": case.label(), "provider": provider,
+                     **measure(provider, case)})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+# Report: table, plot, JSON
+# ----------------------------------------------------------------------------------------
+
+
+def _by_case(rows):
+    cases = {}
+    for r in rows:
+        cases.setdefault(r["label"], {})[r["provider"]] = r
+    return cases
+
+
+def dense_twin(label: str) -> str:
+    """The dense, non-causal case a block-sparse label is compared with."""
+    head, _, mode = label.rpartition(" ")
+    return head.split(" sparse")[0] + " dense " + mode
+
+
+def table(rows, providers) -> str:
+    """One line per case: flashedu's ms, TFLOPs, peak memory, then each peer's TFLOPs and
+    flashedu's speed ratio to it (peer time / flashedu time; > 1 means flashedu is faster)."""
+    cases = _by_case(rows)
+    peers = [p for p in providers if p != "flashedu"]
+    head = f"{'case':<30}{'ms':>8}{'TFLOPs':>8}{'MB':>8}" + "".join(f"{p:>22}" for p in peers)
+    lines = [head, "-" * len(head)]
+    for label, by in cases.items():
+        me = by.get("flashedu", {})
+        if "ms" in me:
+            line = f"{label:<30}{me['ms']:>8.3f}{me['tflops']:>8.1f}{me['peak_mb']:>8.0f}"
+        else:
+            line = f"{label:<30}{'failed: ' + me.get('error', '?'):>24}"
+        for p in peers:
+            r = by.get(p)
+            if r is None:
+                cell = ""
+            elif "ms" not in r:
+                cell = r["error"][:20]
+            else:
+                ratio = f"{r['ms'] / me['ms']:.2f}x" if "ms" in me else "-"
+                cell = f"{r['tflops']:.0f} TF {ratio}"
+            line += f"{cell:>22}"
+        if " sparse " in label and "ms" in me:
+            dense = cases.get(dense_twin(label), {}).get("flashedu", {})
+            if "ms" in dense:
+                line += f"   time/dense {me['ms'] / dense['ms']:.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense = [r for r in rows if r["density"] is None and "tflops" in r]
+    labels = list(dict.fromkeys(r["label"] for r in dense))
+    providers = list(dict.fromkeys(r["provider"] for r in dense))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(labels)), 4.5))
+    width = 0.8 / max(1, len(providers))
+    for n, p in enumerate(providers):
+        ys = [next((r["tflops"] for r in dense if r["label"] == lab and r["provider"] == p), 0)
+              for lab in labels]
+        ax.bar([x + n * width for x in range(len(labels))], ys, width, label=p)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOPs")
+    ax.set_title("attention throughput (higher is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(argv) -> dict:
+    import torch
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "command": "flashedu bench " + " ".join(argv),
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="flashedu bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=[8192], help="sequence lengths")
+    p.add_argument("--d", type=int, nargs="+", default=[64, 128], help="head dims")
+    p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+",
+                   default=[False, True], help="causal values to run (true/false)")
+    p.add_argument("--density", type=float, nargs="*", default=[0.1, 0.25, 0.5],
+                   help="block-sparse densities (non-causal, 128x128 blocks)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a bar chart (png) here")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if "flashedu" not in args.providers:
+        args.providers.insert(0, "flashedu")
+    return args
+
+
+def cpu_check() -> None:
+    """Without a GPU: say so, and check the kernels once through the interpreter."""
+    import torch
+
+    import flashedu
+    from flashedu.reference import reference_attention
+
+    print("flashedu bench: timing needs a CUDA GPU; none is visible here, so nothing is timed.\n"
+          "Running a small correctness pass of the triton backend in Triton's interpreter:")
+    torch.manual_seed(0)
+    for causal in (False, True):
+        q, k, v = (torch.randn(1, 2, 48, 64) for _ in range(3))
+        out = flashedu.attention(q, k, v, is_causal=causal, backend="triton")
+        err = (out.double() - reference_attention(q, k, v, is_causal=causal)).abs().max().item()
+        print(f"  N=48 d=64 fp32 causal={causal}: max error vs float64 {err:.2e} "
+              f"({'ok' if err < 1e-4 else 'FAILED'})")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    from . import runtime
+
+    if not runtime.configure()["gpu"]:
+        cpu_check()
+        return 0
+    cases = build_cases(args)
+    rows = run_all(cases, args.providers, progress=not args.no_progress)
+    env = environment(argv)
+    print(f"\n{env['device']}  torch {env['torch']}  triton {env['triton']}  commit {env['commit']}")
+    print("cells: peer TFLOPs and flashedu's speed-up over it (peer ms / flashedu ms)\n")
+    print(table(rows, args.providers))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**env, "rows": rows}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

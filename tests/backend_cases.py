@@ -24,7 +24,7 @@ CAPS = {
     "naive": Caps((torch.float64, torch.float32), backward=True, max_n=10**9),
     "numpy": Caps((torch.float64, torch.float32), backward=True, max_n=10**9),
     "triton": Caps((torch.float32, torch.float16), backward=True, max_n=80, min_d=16),
-    "numba": Caps((torch.float32,), backward=False, max_n=48, block_mask=False),
+    "numba": Caps((torch.float32,), backward=False, max_n=48),
 }
 
 

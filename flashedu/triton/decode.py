@@ -1,0 +1,212 @@
+"""Split-KV decoding ("flash-decoding"): a few queries against a long K/V cache.
+
+The plain forward (``forward.py``) gives each program one Q tile of Br rows. When a model
+decodes one token at a time there is one query row per head: B * H programs in all (16 for one
+sequence with 16 heads), each walking the whole cache alone, while an H100 has 132 SMs. Most of
+the GPU idles, and the time is that of one program reading Nk keys.
+
+Split-KV gives the keys to several programs instead:
+
+1. ``split_kernel``: program (s, g) runs the forward's inner loop (the same ``_forward_step``)
+   over chunk s of the keys only and writes a *partial* result: O_s normalized by its own l, and
+   its logsumexp L_s (base 2), exactly the (O, L) pair of ``flashedu.merge``.
+2. ``combine_kernel``: one program per query row merges the num_splits partials with the merge
+   rule, L = log Σ_s e^{L_s}, O = Σ_s e^{L_s - L} O_s (in base 2 here).
+
+Grouped-query attention is packed: the query heads that share one K/V head go into the rows of
+one program (row r is head r // Nq, query r % Nq), so each K/V tile is read once per group
+instead of once per query head, and tl.dot's minimum of 16 rows is filled by real work.
+
+Causal here is *bottom-right* aligned, the decoding convention (flash_attn_with_kvcache,
+torch.nn.attention.bias.causal_lower_right): the Nq queries are the last Nq positions of the
+sequence, so query n sees keys j <= n + Nk - Nq. SDPA's ``is_causal`` (and flashedu.attention's)
+is top-left aligned, which for one query would mean "see key 0 only": useless for decoding. The
+two agree when Nq == Nk. A query that sees no key (Nq > Nk) gives zeros.
+
+Forward only (inference); for training use flashedu.attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .config import padded_head_dim
+from .forward import LOG2E, _forward_step, dot_precision, load_tile
+
+MAX_ROWS = 64  # query rows (heads x queries) one program holds in registers
+MAX_SPLITS = 128
+
+
+@triton.jit
+def split_kernel(Q, K, V, O_part, L_part, qk_scale,
+                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, H, GROUP, HEADS, Nq, Nk, d, chunk, num_splits,
+                 BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    s = tl.program_id(0)  # which chunk of keys
+    g = tl.program_id(1)  # which (batch, group of HEADS query heads sharing one K/V head)
+    heads_per_b = H // HEADS
+    b = g // heads_per_b
+    h0 = (g % heads_per_b) * HEADS  # first query head of this program
+    h_kv = h0 // GROUP
+
+    r = tl.arange(0, BLOCK_M)
+    h = h0 + r // Nq  # packed rows: query head of each row ...
+    n = r % Nq  # ... and its query index
+    row_ok = r < HEADS * Nq
+    pos = n + Nk - Nq  # bottom-right causal: query n sits at position Nk - Nq + n
+    dims = tl.arange(0, HEAD_DIM)
+    dim_ok = dims[None, :] < d
+    Q_i = load_tile(Q + b * stride_qb + h[:, None] * stride_qh + n[:, None] * stride_qn
+                    + dims[None, :], row_ok[:, None], dim_ok, True, not EVEN_D)
+    if UPCAST:
+        Q_i = Q_i.to(tl.float32)
+    K_head = K + b * stride_kb + h_kv * stride_kh
+    V_head = V + b * stride_vb + h_kv * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    O_i = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, Nk)
+    # Tiles before full_end need no mask: inside the cache and (causal) visible to every row,
+    # since the first query sits at position Nk - Nq. The rest pay for one.
+    if IS_CAUSAL:
+        full_end = tl.maximum(tl.minimum(hi, Nk - Nq + 1) - lo, 0) // Bc * Bc + lo
+    else:
+        full_end = (hi - lo) // Bc * Bc + lo
+    for start_n in range(lo, full_end, Bc):
+        O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
+                                      start_n, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
+                                      EVEN_D, DOT_PREC, UPCAST)
+    for start_n in range(full_end, hi, Bc):
+        O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
+                                      start_n, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
+                                      EVEN_D, DOT_PREC, UPCAST)
+
+    # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
+    # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).
+    seen = l_i > 0
+    O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
+    L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = (b * H + h) * num_splits + s  # O_part: (B, H, S, Nq, HEAD_DIM), L_part: (B, H, S, Nq)
+    tl.store(O_part + (row * Nq + n)[:, None] * HEAD_DIM + dims[None, :], O_i,
+             mask=row_ok[:, None])
+    tl.store(L_part + row * Nq + n, L_i, mask=row_ok)
+
+
+@triton.jit
+def combine_kernel(O_part, L_part, O, L, stride_ob, stride_oh, stride_on, H, Nq, d, num_splits,
+                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The merge rule over the num_splits partials of one query row (flashedu.merge, base 2)."""
+    bh = tl.program_id(0)
+    n = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    splits = tl.arange(0, BLOCK_S)
+    L_s = tl.load(L_part + (bh * num_splits + splits) * Nq + n, mask=splits < num_splits,
+                  other=float("-inf"))
+    m = tl.max(L_s, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: all weights are 0
+    w = tl.math.exp2(L_s - m)
+    total = tl.sum(w, 0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in range(0, num_splits):  # one d-vector per split: registers stay small for any S
+        L_one = tl.load(L_part + (bh * num_splits + s) * Nq + n)
+        O_one = tl.load(O_part + ((bh * num_splits + s) * Nq + n) * HEAD_DIM + dims)
+        acc += tl.math.exp2(L_one - m) * O_one
+    seen = total > 0
+    acc = acc / tl.where(seen, total, 1.0)
+    tl.store(O + b * stride_ob + h * stride_oh + n * stride_on + dims, acc.to(O.dtype.element_ty),
+             mask=dims < d)
+    tl.store(L + bh * Nq + n, tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)),
+                                       float("-inf")))
+
+
+def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
+                       return_lse=False):
+    """Attention for a few queries against a long K/V cache, with the keys split across programs.
+
+    q: (B, H, Nq, d) with Nq small (1 to 16 is the design point, at most 64); k, v:
+    (B, Hkv, Nk, d) with H a multiple of Hkv (grouped-query attention is always allowed).
+    ``num_splits``: how many chunks of keys (None: enough programs to fill the GPU).
+    ``is_causal``: bottom-right aligned (query n sees keys j <= n + Nk - Nq; see the module
+    docstring). Returns out (B, H, Nq, d), and with ``return_lse`` also L (B, H, Nq), the
+    natural-log logsumexp (-inf for a row that sees no key). Forward only.
+    """
+    from ..api import _check_scale, _check_tensors
+    from . import _check
+
+    _check_tensors(q, k, v, enable_gqa=True)
+    _check(q, k, v)  # dtype, head dim, device for compiled vs interpreted triton
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError("split_kv_attention is forward-only (decoding): call it under "
+                           "torch.no_grad(), or use flashedu.attention to train")
+    scale = _check_scale(scale, q.shape[-1])
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if Nq > MAX_ROWS:
+        raise ValueError(f"q: split_kv_attention is for a few queries (Nq <= {MAX_ROWS}), got "
+                         f"Nq={Nq}; use flashedu.attention for long query blocks")
+    interpreted = runtime.triton_interpreted()
+    heads = heads_per_program(H // Hkv, Nq)
+    Bc = key_tile(d, q.dtype, interpreted)
+    S = choose_num_splits(B * H // heads, Nk, Bc, q.device, interpreted, num_splits)
+    chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
+    S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+
+    HEAD_DIM = padded_head_dim(d)
+    O_part = torch.empty((B, H, S, Nq, HEAD_DIM), dtype=torch.float32, device=q.device)
+    L_part = torch.empty((B, H, S, Nq), dtype=torch.float32, device=q.device)
+    split_kernel[(S, B * H // heads)](
+        q, k, v, O_part, L_part, scale * LOG2E, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], H, H // Hkv, heads, Nq, Nk, d, chunk, S,
+        BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc, HEAD_DIM=HEAD_DIM,
+        IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
+        UPCAST=interpreted and q.dtype != torch.float32,
+        **({} if interpreted else {"num_warps": 4, "num_stages": 3}))
+
+    out = torch.empty_like(q)
+    lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    combine_kernel[(B * H, Nq)](O_part, L_part, out, lse2, *out.stride()[:3], H, Nq, d, S,
+                                BLOCK_S=triton.next_power_of_2(S), HEAD_DIM=HEAD_DIM)
+    if return_lse:
+        return out, lse2 * math.log(2.0)  # -inf stays -inf
+    return out
+
+
+def heads_per_program(group: int, Nq: int) -> int:
+    """The most query heads of one GQA group that fit in MAX_ROWS rows (a divisor of group)."""
+    return max(h for h in range(1, group + 1) if group % h == 0 and h * Nq <= MAX_ROWS)
+
+
+def key_tile(d: int, dtype, interpreted: bool) -> int:
+    """Bc, the K/V rows per step. Small under the interpreter, so tests cross many tiles."""
+    if interpreted:
+        return 16
+    if dtype == torch.float32 or padded_head_dim(d) >= 256:
+        return 32
+    return 64
+
+
+def choose_num_splits(programs: int, Nk: int, Bc: int, device, interpreted: bool,
+                      num_splits=None) -> int:
+    """How many chunks of keys: enough programs for about two waves on every SM, but each
+    chunk at least 4 K/V tiles long (shorter ones spend more on the merge than they save)."""
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+        return min(num_splits, math.ceil(Nk / Bc))
+    sms = 4 if interpreted else torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = math.ceil(2 * sms / programs)
+    return max(1, min(wanted, math.ceil(Nk / (4 * Bc)), MAX_SPLITS))

@@ -1,0 +1,115 @@
+"""Split-KV decoding (flashedu.triton.decode), on the CPU through Triton's interpreter."""
+
+import numpy as np
+import pytest
+import torch
+
+import flashedu
+from flashedu.reference import naive_attention
+from flashedu.triton.decode import choose_num_splits, heads_per_program, split_kv_attention
+
+FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def bottom_right(Nq, Nk):
+    """Decoding's causal mask: query n is position Nk - Nq + n and sees keys j <= that."""
+    return np.tri(Nq, Nk, k=Nk - Nq, dtype=bool)
+
+
+def reference(q, k, v, mask, dtype=torch.float64):
+    """(O, L) per head by the NumPy naive attention, in ``dtype`` (float64: the ground truth)."""
+    B, H, Nq, d = q.shape
+    G = H // k.shape[1]
+    np_dtype = {torch.float64: np.float64, torch.float32: np.float32}[dtype]
+    O = np.zeros((B, H, Nq, d), np_dtype)
+    L = np.zeros((B, H, Nq), np_dtype)
+    for b in range(B):
+        for h in range(H):
+            Q, K, V = (t.to(dtype).numpy() for t in (q[b, h], k[b, h // G], v[b, h // G]))
+            O[b, h], L[b, h] = naive_attention(Q, K, V, mask=mask)
+    return torch.from_numpy(O), torch.from_numpy(L)
+
+
+CASES = [  # B, H, Hkv, Nq, Nk, d, dtype, causal, num_splits
+    (1, 4, 4, 1, 200, 64, torch.float32, False, None),
+    (1, 8, 2, 1, 333, 32, torch.float32, True, 5),  # GQA: 4 query heads packed in one program
+    (2, 4, 1, 3, 97, 40, torch.float32, True, None),  # MQA, padded head dim, ragged last tile
+    (1, 2, 2, 16, 130, 16, torch.float32, True, 3),  # 16 queries: causal cuts inside a split
+    (1, 6, 3, 7, 64, 24, torch.float32, False, 1000),  # more splits asked than K/V tiles
+    (1, 4, 2, 2, 150, 64, torch.float16, True, 4),
+    (1, 2, 1, 1, 120, 64, torch.bfloat16, False, 3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_matches_reference(case):
+    B, H, Hkv, Nq, Nk, d, dtype, causal, num_splits = case
+    q = torch.randn(B, H, Nq, d).to(dtype)
+    k, v = (torch.randn(B, Hkv, Nk, d).to(dtype) for _ in range(2))
+    out, lse = split_kv_attention(q, k, v, num_splits=num_splits, is_causal=causal,
+                                  return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    mask = bottom_right(Nq, Nk) if causal else np.ones((Nq, Nk), bool)
+    O_ref, L_ref = reference(q, k, v, mask)
+    # the tolerance rule of the whole suite: at most 2x the error of plain attention in this
+    # dtype (here: the naive attention computed from the same rounded inputs in float32)
+    O_plain, _ = reference(q, k, v, mask, torch.float32)
+    O_plain = O_plain.to(dtype).double()
+    tol = 2 * (O_plain - O_ref).abs().max().item() + FLOOR[dtype]
+    assert (out.double() - O_ref).abs().max().item() <= tol
+    torch.testing.assert_close(lse.double(), L_ref, rtol=1e-5, atol=1e-4)
+
+
+def test_every_split_count_gives_the_same_answer():
+    q, k, v = torch.randn(1, 2, 2, 32), torch.randn(1, 2, 90, 32), torch.randn(1, 2, 90, 32)
+    outs = [split_kv_attention(q, k, v, num_splits=s, is_causal=True) for s in (1, 2, 3, 6)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_causal_is_bottom_right_and_equals_top_left_when_square():
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    out = split_kv_attention(q, k, v, is_causal=True, num_splits=3)
+    # an independent reference: torch's own lower-right causal bias
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                            attn_mask=causal_lower_right(4, 50))
+    torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
+    # Nq == Nk: the two alignments coincide, so it matches flashedu.attention's is_causal
+    q = torch.randn(1, 2, 40, 16)
+    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    torch.testing.assert_close(split_kv_attention(q, k, v, is_causal=True),
+                               flashedu.attention(q, k, v, is_causal=True, backend="naive"),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_queries_that_see_no_key_give_zeros():
+    q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    out, lse = split_kv_attention(q, k, v, is_causal=True, return_lse=True)
+    assert torch.all(out[:, :, :2] == 0) and torch.all(torch.isneginf(lse[:, :, :2]))
+    O_ref, _ = reference(q, k, v, bottom_right(5, 3))
+    torch.testing.assert_close(out.double(), O_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_split_heuristics():
+    assert heads_per_program(8, 1) == 8 and heads_per_program(8, 16) == 4
+    assert heads_per_program(7, 16) == 1  # 7 heads x 16 rows do not fit: one head a program
+    # one sequence, 32 query heads in 4 groups of 8: 4 programs; 132 SMs want ~66 splits
+    assert choose_num_splits(4, 131072, 64, None, True, None) == 2  # interpreter: 4 "SMs"
+    assert choose_num_splits(4, 100, 16, None, True, 50) == 7  # never more splits than tiles
+    assert choose_num_splits(64, 4096, 64, None, True, None) == 1  # already many programs
+
+
+def test_bad_input_is_refused():
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="num_splits"):
+        split_kv_attention(q, k, k, num_splits=0)
+    with pytest.raises(ValueError, match="Nq"):
+        split_kv_attention(torch.randn(1, 2, 65, 16), k, k)
+    with pytest.raises(TypeError, match="float64"):
+        split_kv_attention(q.double(), k.double(), k.double())
+    with pytest.raises(ValueError, match="multiple"):
+        split_kv_attention(torch.randn(1, 3, 1, 16), k, k)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        split_kv_attention(q.requires_grad_(), k, k)

@@ -1,0 +1,451 @@
+"""The NumPy exercises: safe and online softmax, tiled forward and backward, block-sparse forward.
+
+Signatures are the contract of DESIGN.md (the package's own functions in flashedu.reference and
+flashedu.tiled pass every case). Cases run from the simplest to the hardest, so that the first
+failure a learner sees is the most basic one. Every reference is computed in float64 by the
+naive formulas of :mod:`flashedu.reference`; the same formulas in the case's dtype set the
+tolerance (see :mod:`.compare`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import reference
+from .engine import Case, Exercise
+
+F32, F64 = np.float32, np.float64
+LN2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Hints: what each kind of case is about, in plain words.
+# ----------------------------------------------------------------------------------------
+
+H_ONE_TILE = ("One tile only, so this is plain attention: S = scale * Q K^T with scale = "
+              "1/sqrt(d) by default, a softmax over each row of S, then O = P V. L_i is the "
+              "natural-log logsumexp of row i of S.")
+H_TILES = ("Several K_j, V_j tiles per row. When tile j raises the running max from m_i to "
+           "m_new, rescale what was accumulated (l_i and O_i) by exp(m_i - m_new) before adding "
+           "the new tile. Divide O_i by l_i once, after the last tile.")
+H_EDGE = ("Nq and Nk are not multiples of Br and Bc, so the last tiles are smaller. Loop over "
+          "ceil(N / B) tiles (not N // B) and cut the last tile at N.")
+H_N1 = "N = 1 with tiles larger than N: a single query and key. O must equal V, L the one score."
+H_NQNK = ("Nq != Nk: Q has Nq rows, K and V have Nk. Use Nq for the Q tiles and the outputs' "
+          "rows, Nk for the K/V tiles.")
+H_CAUSAL = ("causal=True: query i sees key j only when j <= i, with i and j global positions "
+            "(tile start + offset in the tile), top-left aligned. Check the comparison (<=, not "
+            "<) and skip only the tiles that lie wholly above the diagonal.")
+H_SCALE = ("An explicit scale replaces 1/sqrt(d): S_ij = scale * Q_i K_j^T. Use it when given, "
+           "and apply it exactly once.")
+H_WIDE = ("Logits differ by hundreds here: exp overflows to inf above ~88 (float32) or ~709 "
+          "(float64) and underflows to 0 far below. Subtract the running max m_i before exp, "
+          "and compute L_i = m_i + log(l_i), not log(sum(exp(S))).")
+H_F32 = "float32 inputs: return float32 arrays (allocate with the inputs' dtype)."
+H_BLOCKS = ("Unusual tile sizes (1, unequal, or larger than N): do not assume Br == Bc or that "
+            "a tile size divides N.")
+H_MEMORY = ("A big problem (large Nq and Nk, small d): the answer must be right AND your "
+            "function must never hold an Nq x Nk array, which is what FlashAttention avoids.")
+
+
+# ----------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------
+
+
+def _normal(seed, *shape):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def _qkv(Nq, Nk, d, seed):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((n, d)) for n in (Nq, Nk, Nk))
+
+
+def _wide_qkv(Nq, Nk, d, seed):
+    """Scores that spread over hundreds: rows near +900 (exp overflows in float64 too) and rows
+    near -900 (exp underflows to 0), with keys hundreds apart within a row."""
+    rng = np.random.default_rng(seed)
+    Q, K, V = _qkv(Nq, Nk, d, seed)
+    Q[:, 0] = rng.choice([-250.0, 250.0], Nq)
+    K[:, 0] = 10.0 + rng.uniform(-3.0, 3.0, Nk)
+    return Q, K, V
+
+
+def _cast(arrays, dtype):
+    return tuple(np.asarray(a, dtype=dtype) for a in arrays)
+
+
+def _mib(n):
+    return f"{n / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------------------
+# Softmax
+# ----------------------------------------------------------------------------------------
+
+
+def _softmax_inputs():
+    """(label, hint, x) from simple to hard."""
+    wide = np.array([[1000.0, 999.0, 0.0, 998.0, -5.0, 1001.0, 3.0],
+                     [0.0, 1.0, 2.0, 500.0, 501.0, 3.0, -200.0],
+                     [-1000.0, -1001.0, -1002.0, -1000.5, -1003.0, -1004.0, -1000.2]])
+    masked = np.array([[0.5, -np.inf, 1.5, -np.inf, 0.0], [-np.inf] * 5, [2.0, 1.0, -np.inf, 0.0, 3.0]])
+    return [
+        ("random, 5 x 7, float64", "The textbook case: exp(x - max) / sum(exp(x - max)) over "
+         "the last axis of each row.", _normal(1, 5, 7)),
+        ("random, 4 x 9, float32", H_F32, _normal(2, 4, 9).astype(F32)),
+        ("logits in the hundreds (overflow, underflow), float64", H_WIDE, wide),
+        ("logits in the hundreds, float32", H_WIDE, wide.astype(F32)),
+        ("1-D input of 6", "Softmax is over the LAST axis, whatever the number of axes: use "
+         "axis=-1 and keepdims=True.", _normal(3, 6)),
+        ("3-D input 2 x 3 x 5", "Softmax is over the LAST axis, whatever the number of axes: "
+         "use axis=-1 and keepdims=True.", _normal(4, 2, 3, 5)),
+        ("rows of length 1", "A row of a single logit has softmax 1.", _normal(5, 3, 1)),
+        ("-inf entries and a row of all -inf", "A -inf logit (a masked key) gets probability 0. "
+         "A row of only -inf (a query that sees no key) must give zeros, not NaN: its max is "
+         "-inf, so use 0 in its place before exp.", masked),
+    ]
+
+
+def _softmax_cases():
+    cases = []
+    for label, hint, x in _softmax_inputs():
+        expected = reference.safe_softmax(np.asarray(x, dtype=F64))
+        cases.append(Case(label, hint, (x,), ("softmax",), (expected,),
+                          naive=(reference.safe_softmax(x),), inputs=("x",), dtype=x.dtype))
+    return cases
+
+
+class _Streamed(np.ndarray):
+    """An input that notices a max or a sum over a whole row at once (a row longer than the
+    block). Arrays computed from it (x - m, exp(x - m), ...) are watched too. Subclassed per
+    case: ``block`` and ``whole_rows`` live on the class, shared by all views."""
+
+    block = 0
+    whole_rows: list = []
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        cls = type(self)
+        if method == "reduce" and isinstance(inputs[0], np.ndarray):
+            arr, axis = inputs[0], kwargs.get("axis", 0)
+            if _covers_last_axis(arr.ndim, axis) and arr.shape[-1] > cls.block:
+                cls.whole_rows.append(f"{ufunc.__name__} over {arr.shape[-1]} columns")
+        plain = [i.view(np.ndarray) if isinstance(i, _Streamed) else i for i in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _Streamed) else o
+                                  for o in kwargs["out"])
+        result = getattr(ufunc, method)(*plain, **kwargs)
+        if method == "__call__" and isinstance(result, np.ndarray):
+            return result.view(cls)
+        return result
+
+
+def _covers_last_axis(ndim, axis) -> bool:
+    if axis is None:
+        return True
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    return any(a % max(ndim, 1) == ndim - 1 for a in axes)
+
+
+def _streaming_probe(spy):
+    def probe(call, outputs):
+        if spy.whole_rows:
+            return (f"the result is right, but your code took a {spy.whole_rows[0]} at once, "
+                    f"while block_size is {spy.block}. Online softmax sees each row block by "
+                    "block: keep a running max m and sum l, update them with each block "
+                    "(rescaling l by exp(m_old - m_new)), and normalize at the end.")
+        return None
+    return probe
+
+
+def _online_softmax_cases():
+    specs = [  # (index into _softmax_inputs, block sizes)
+        (0, (3,)), (1, (4,)), (2, (2, 3)), (3, (3,)), (4, (4,)), (5, (2,)), (6, (1, 4)),
+        (7, (2,)),
+    ]
+    inputs = _softmax_inputs()
+    cases = []
+    for idx, blocks in specs:
+        label, hint, x = inputs[idx]
+        for block in blocks:
+            spy = type("Streamed", (_Streamed,), {"block": block, "whole_rows": []})
+            hint_b = (hint + " Several blocks per row: when a block raises the max from m to "
+                      "m_new, rescale the running sum: l = l * exp(m - m_new) + sum(exp(x_j - m_new)).")
+            cases.append(Case(f"{label}, block_size={block}", hint_b, (x.view(spy), block),
+                              ("softmax",), (reference.safe_softmax(np.asarray(x, dtype=F64)),),
+                              naive=(reference.safe_softmax(x),), inputs=("x",),
+                              dtype=x.dtype, probe=_streaming_probe(spy)))
+    whole = _normal(6, 3, 10)
+    cases.append(Case("block_size=16 larger than the row of 10", H_BLOCKS, (whole, 16),
+                      ("softmax",), (reference.safe_softmax(whole),), inputs=("x",)))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------
+
+# (label, hint, (Nq, Nk, d), (Br, Bc), causal, scale, kind, dtype)
+FORWARD_SPECS = [
+    ("one tile, Nq=Nk=8, d=4", H_ONE_TILE, (8, 8, 4), (8, 8), False, None, "normal", F64),
+    ("several tiles, Nq=Nk=32, Br=8, Bc=8", H_TILES, (32, 32, 8), (8, 8), False, None, "normal", F64),
+    ("edge tiles, Nq=37, Nk=53, Br=16, Bc=8", H_EDGE, (37, 53, 8), (16, 8), False, None, "normal", F64),
+    ("N=1, Br=Bc=4", H_N1, (1, 1, 3), (4, 4), False, None, "normal", F64),
+    ("Nq=10 < Nk=45, Br=4, Bc=16", H_NQNK, (10, 45, 8), (4, 16), False, None, "normal", F64),
+    ("Nq=45 > Nk=10, Br=16, Bc=4", H_NQNK, (45, 10, 8), (16, 4), False, None, "normal", F64),
+    ("tile sizes 1 x 3 and 64 x 64", H_BLOCKS, (5, 7, 4), (1, 3), False, None, "normal", F64),
+    ("tiles larger than N: Br=Bc=64, Nq=Nk=10", H_BLOCKS, (10, 10, 4), (64, 64), False, None, "normal", F64),
+    ("explicit scale=0.3", H_SCALE, (19, 23, 8), (8, 8), False, 0.3, "normal", F64),
+    ("causal, Nq=Nk=37, Br=8, Bc=16", H_CAUSAL, (37, 37, 8), (8, 16), True, None, "normal", F64),
+    ("causal, Nq=Nk=32, Br=Bc=8", H_CAUSAL, (32, 32, 8), (8, 8), True, None, "normal", F64),
+    ("causal, Nq=20 < Nk=33", H_CAUSAL, (20, 33, 8), (8, 8), True, None, "normal", F64),
+    ("causal, Nq=33 > Nk=20", H_CAUSAL, (33, 20, 8), (8, 8), True, None, "normal", F64),
+    ("causal, N=1", H_CAUSAL, (1, 1, 4), (4, 4), True, None, "normal", F64),
+    ("causal, explicit scale=2.0", H_SCALE, (21, 21, 4), (8, 4), True, 2.0, "normal", F64),
+    ("logits in the hundreds, float64", H_WIDE, (24, 40, 8), (8, 8), False, None, "wide", F64),
+    ("logits in the hundreds, causal", H_WIDE, (24, 40, 8), (8, 16), True, None, "wide", F64),
+    ("edge tiles, float32", H_F32, (37, 53, 8), (16, 8), False, None, "normal", F32),
+    ("causal, float32", H_F32, (37, 37, 8), (8, 16), True, None, "normal", F32),
+    ("logits in the hundreds, float32", H_WIDE, (24, 40, 8), (8, 8), False, None, "wide", F32),
+]
+
+MEMORY_SHAPE, MEMORY_TILES = (2048, 2048, 4), (64, 64)
+
+
+def _inputs(shape, kind, dtype, seed):
+    """(the inputs in float64, the same in ``dtype``): the reference sees exactly the values
+    the learner's function sees, rounding included."""
+    Nq, Nk, d = shape
+    qkv = _wide_qkv(Nq, Nk, d, seed) if kind == "wide" else _qkv(Nq, Nk, d, seed)
+    cast = _cast(qkv, dtype)
+    return _cast(cast, F64), cast
+
+
+def _memory_budget(arrays, tile_elems, itemsize):
+    """Generous for a tiled kernel (copies of every input and output, tens of tiles), far below
+    an Nq x Nk array (even a bool one) at the memory cases' sizes."""
+    return 3 * sum(a.nbytes for a in arrays) + 32 * tile_elems * itemsize + 64 * 1024
+
+
+def _memory_note(Nq, Nk, itemsize):
+    return (f"(An Nq x Nk array of scores here is {_mib(Nq * Nk * itemsize)}, a bool mask "
+            f"{_mib(Nq * Nk)}.)")
+
+
+def _forward_cases():
+    cases = []
+    for seed, (label, hint, shape, (Br, Bc), causal, scale, kind, dtype) in enumerate(FORWARD_SPECS):
+        (Q, K, V), (q, k, v) = _inputs(shape, kind, dtype, seed)
+        O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
+        naive = reference.naive_attention(q, k, v, causal=causal, scale=scale)
+        cases.append(Case(f"{label}, {np.dtype(dtype).name}" if "float" not in label else label,
+                          hint, (q, k, v, Br, Bc, causal, scale), ("O", "L"), (O, L), naive,
+                          inputs=("Q", "K", "V"), dtype=dtype))
+    for causal in (False, True):
+        cases.append(_forward_memory_case(causal))
+    return cases
+
+
+def _forward_memory_case(causal):
+    (Nq, Nk, d), (Br, Bc) = MEMORY_SHAPE, MEMORY_TILES
+    Q, K, V = _qkv(Nq, Nk, d, 100 + causal)
+    O, L = reference.naive_attention(Q, K, V, causal=causal)
+    budget = _memory_budget((Q, K, V, O, L), Br * Bc, 8)
+    return Case(f"memory: Nq=Nk={Nq}, d={d}, Br=Bc={Br}{', causal' if causal else ''}", H_MEMORY,
+                (Q, K, V, Br, Bc, causal, None), ("O", "L"), (O, L), inputs=("Q", "K", "V"),
+                memory_budget=budget, memory_note=_memory_note(Nq, Nk, 8), needs_pass=True)
+
+
+def _last_tile_only(case, rows) -> bool:
+    """True when every wrong row lies in the last, partial Q tile."""
+    Nq, Br = case.args[0].shape[0], case.args[3]
+    first = (math.ceil(Nq / Br) - 1) * Br
+    return Nq % Br != 0 and len(rows) > 0 and rows.min() >= first
+
+
+def _diagnose_forward(case, wrong, outputs):
+    notes = []
+    if "L" in wrong and "O" not in wrong:
+        notes.append("O is right but L is not: L_i = m_i + log(l_i), the natural-log "
+                     "logsumexp of the scaled scores (with the max m_i added back).")
+    if "L" in wrong:
+        L, ref = outputs["L"].astype(F64), case.expected[1]
+        finite = np.isfinite(ref) & np.isfinite(L)
+        if finite.any() and np.allclose(L[finite] * LN2, ref[finite], rtol=1e-4, atol=1e-6):
+            notes.append("Your L looks like a base-2 logarithm: if you used exp2, convert back "
+                         "(multiply by ln 2).")
+    if "O" in wrong and "L" not in wrong:
+        notes.append("L is right, so m_i and l_i are right: look at O_i, its rescale by "
+                     "exp(m_i - m_new) at each tile and the division by l_i at the end.")
+    for name, rows in wrong.items():
+        if _last_tile_only(case, rows):
+            notes.append(f"Only rows of the last, partial Q tile are wrong in {name}: check the "
+                         "loop bounds and where the last tile is cut.")
+            break
+    return " ".join(notes) or None
+
+
+# ----------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------
+
+BACKWARD_SPECS = [spec for spec in FORWARD_SPECS if "tiles larger" not in spec[0]]
+
+
+def _backward_case(label, hint, Q, K, V, q, k, v, Br, Bc, causal, scale, dtype, seed, **extra):
+    O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
+    dO = _normal(seed + 1000, *O.shape)
+    dQ, dK, dV = reference.naive_attention_backward(Q, K, V, dO, causal=causal, scale=scale)
+    o, l, do = _cast((O, L, dO), dtype)
+    naive = _backward_in_dtype(q, k, v, o, do, l, causal, scale) \
+        if np.dtype(dtype) != np.float64 else ()
+    return Case(label, hint, (q, k, v, o, do, l, Br, Bc, causal, scale), ("dQ", "dK", "dV"),
+                (dQ, dK, dV), naive, inputs=("Q", "K", "V", "O", "dO", "L"), dtype=dtype, **extra)
+
+
+def _backward_in_dtype(Q, K, V, O, dO, L, causal, scale):
+    """The backward's formulas without tiles, computed in the inputs' dtype from the given L.
+
+    Its error sets the tolerance: with logits in the hundreds, exp(S_ij - L_i) in float32 is off
+    by |S| * eps however it is tiled, because S and L are rounded separately."""
+    scale = 1.0 / math.sqrt(Q.shape[1]) if scale is None else scale
+    S = Q.dtype.type(scale) * (Q @ K.T)
+    if causal:
+        S = np.where(reference.causal_mask(*S.shape), S, -np.inf)
+    P = np.exp(S - L[:, None])
+    dS = P * (dO @ V.T - (dO * O).sum(axis=1, keepdims=True))
+    return scale * dS @ K, scale * dS.T @ Q, P.T @ dO
+
+
+def _backward_cases():
+    cases = []
+    for seed, (label, hint, shape, (Br, Bc), causal, scale, kind, dtype) in enumerate(BACKWARD_SPECS):
+        (Q, K, V), (q, k, v) = _inputs(shape, kind, dtype, seed)
+        hint = hint if hint not in (H_ONE_TILE, H_TILES) else H_BACKWARD
+        cases.append(_backward_case(label, hint, Q, K, V, q, k, v, Br, Bc, causal, scale,
+                                    dtype, seed))
+    (Nq, Nk, d), (Br, Bc) = MEMORY_SHAPE, MEMORY_TILES
+    for causal in (False, True):
+        Q, K, V = _qkv(Nq, Nk, d, 200 + causal)
+        budget = _memory_budget((Q, K, V) * 2 + (Q, Q), Br * Bc, 8)  # Q,K,V,O,dO,dQ,dK,dV
+        cases.append(_backward_case(
+            f"memory: Nq=Nk={Nq}, d={d}, Br=Bc={Br}{', causal' if causal else ''}", H_MEMORY,
+            Q, K, V, Q, K, V, Br, Bc, causal, None, F64, 300 + causal, memory_budget=budget,
+            memory_note=_memory_note(Nq, Nk, 8), needs_pass=True))
+    return cases
+
+
+H_BACKWARD = ("The backward recomputes P_ij = exp(S_ij - L_i) tile by tile (masked like the "
+              "forward), with D_i = rowsum(dO_i * O_i): dV_j += P_ij^T dO_i; dP_ij = dO_i V_j^T; "
+              "dS_ij = P_ij * (dP_ij - D_i); dQ_i += scale * dS_ij K_j; dK_j += scale * dS_ij^T Q_i.")
+
+
+def _diagnose_backward(case, wrong, outputs):
+    names = set(wrong)
+    if "dV" in names:
+        return ("dV is wrong, so P_ij is: recompute it as exp(S_ij - L_i) with S_ij = scale * "
+                "Q_i K_j^T and the same mask as the forward; then dV_j += P_ij^T dO_i over all "
+                "Q tiles i.")
+    if names == {"dQ", "dK"}:
+        return ("dV is right (so P_ij is), but dQ and dK are not: check dS_ij = P_ij * (dP_ij "
+                "- D_i), with dP_ij = dO_i V_j^T and D_i = rowsum(dO_i * O_i), and the factor "
+                "scale in both gradients.")
+    if names == {"dQ"}:
+        return ("Only dQ is wrong: dQ_i += scale * dS_ij K_j, summed over every K/V tile j "
+                "(accumulate, do not overwrite).")
+    if names == {"dK"}:
+        return ("Only dK is wrong: dK_j += scale * dS_ij^T Q_i, summed over every Q tile i "
+                "(accumulate, do not overwrite).")
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# Block-sparse forward
+# ----------------------------------------------------------------------------------------
+
+H_SPARSE = ("block_mask[i, j] False means: skip tile (i, j) entirely, never read K_j, V_j for "
+            "it. This case fills K_j and V_j of key tiles that every query tile skips with NaN: "
+            "NaN in your O means a skipped tile was computed. A Q tile with no kept tile sees no "
+            "key: O_i = 0 and L_i = -inf (no 0/0).")
+
+
+def _element_mask(blocks, Nq, Nk, Br, Bc):
+    return np.repeat(np.repeat(blocks, Br, axis=0), Bc, axis=1)[:Nq, :Nk]
+
+
+def _sparse_case(label, hint, shape, Br, Bc, blocks, scale, dtype, seed, **extra):
+    Nq, Nk, d = shape
+    (Q, K, V), (q, k, v) = _inputs(shape, "normal", dtype, seed)
+    blocks = np.asarray(blocks, dtype=bool)
+    mask = _element_mask(blocks, Nq, Nk, Br, Bc)
+    O, L = reference.naive_attention(Q, K, V, scale=scale, mask=mask)
+    naive = reference.naive_attention(q, k, v, scale=scale, mask=mask)
+    k, v = k.copy(), v.copy()
+    for j in np.flatnonzero(~blocks.any(axis=0)):  # key tiles nobody may read: poisoned
+        k[j * Bc:(j + 1) * Bc] = np.nan
+        v[j * Bc:(j + 1) * Bc] = np.nan
+    return Case(label, hint, (q, k, v, blocks, Br, Bc, scale), ("O", "L"), (O, L), naive,
+                inputs=("Q", "K", "V", "block_mask"), dtype=dtype, **extra)
+
+
+def _sparse_blocks(Tr, Tc, seed, empty_row, empty_col):
+    blocks = np.random.default_rng(seed).random((Tr, Tc)) < 0.6
+    blocks[np.arange(Tr), np.arange(Tr) % Tc] = True
+    blocks[:, empty_col] = False
+    blocks[empty_row, :] = False
+    return blocks
+
+
+def _block_sparse_cases():
+    T = True
+    cases = [
+        _sparse_case("all tiles kept (dense), Nq=Nk=24, Br=Bc=8", H_ONE_TILE, (24, 24, 4), 8, 8,
+                     np.ones((3, 3)), None, F64, 1),
+        _sparse_case("a skipped key tile, Nq=Nk=32, Br=Bc=8", H_SPARSE, (32, 32, 4), 8, 8,
+                     [[T, 0, T, T], [0, 0, T, T], [T, 0, 0, T], [T, 0, T, 0]], None, F64, 2),
+        _sparse_case("a query tile with no kept tile (O=0, L=-inf)", H_SPARSE, (32, 32, 4), 8, 8,
+                     [[T, T, 0, T], [0, 0, 0, 0], [T, 0, T, T], [0, T, 0, T]], None, F64, 3),
+        _sparse_case("edge tiles, Nq=37, Nk=45, Br=8, Bc=16", H_SPARSE + " " + H_EDGE,
+                     (37, 45, 8), 8, 16, _sparse_blocks(5, 3, 4, 2, 1), None, F64, 4),
+        _sparse_case("Nq=13 < Nk=50, explicit scale=0.5", H_SPARSE + " " + H_SCALE,
+                     (13, 50, 8), 4, 8, _sparse_blocks(4, 7, 5, 3, 4), 0.5, F64, 5),
+        _sparse_case("N=1, tile kept", H_N1, (1, 1, 4), 4, 4, [[T]], None, F64, 6),
+        _sparse_case("N=1, tile skipped (O=0, L=-inf)", H_SPARSE, (1, 1, 4), 4, 4, [[False]],
+                     None, F64, 7),
+        _sparse_case("every tile skipped", H_SPARSE, (10, 12, 4), 4, 4, np.zeros((3, 3)), None,
+                     F64, 8),
+        _sparse_case("edge tiles, float32", H_SPARSE + " " + H_F32, (37, 45, 8), 8, 16,
+                     _sparse_blocks(5, 3, 9, 0, 2), None, F32, 9),
+    ]
+    (Nq, Nk, d), (Br, Bc) = MEMORY_SHAPE, MEMORY_TILES
+    Tr = math.ceil(Nq / Br)
+    band = np.abs(np.subtract.outer(np.arange(Tr), np.arange(Tr))) <= 2  # a sliding window
+    budget = _memory_budget(_qkv(Nq, Nk, d, 0) * 2, Br * Bc, 8)
+    cases.append(_sparse_case(f"memory: Nq=Nk={Nq}, d={d}, Br=Bc={Br}, banded mask", H_MEMORY,
+                              (Nq, Nk, d), Br, Bc, band, None, F64, 10, memory_budget=budget,
+                              memory_note=_memory_note(Nq, Nk, 8), needs_pass=True))
+    return cases
+
+
+def _diagnose_sparse(case, wrong, outputs):
+    O = outputs["O"]
+    if np.isnan(O).any():
+        return ("NaN in O: this case put NaN in K_j, V_j of key tiles that block_mask skips for "
+                "every query tile, so your code computed a tile it must skip (test "
+                "block_mask[i, j] before touching K_j, V_j).")
+    return _diagnose_forward(case, wrong, outputs)
+
+
+EXERCISES = [
+    Exercise("safe_softmax", 1, "safe_softmax", _softmax_cases),
+    Exercise("online_softmax", 2, "online_softmax", _online_softmax_cases),
+    Exercise("flash_forward", 4, "flash_forward", _forward_cases, diagnose=_diagnose_forward,
+             timeout=30.0),
+    Exercise("flash_backward", 4, "flash_backward", _backward_cases, diagnose=_diagnose_backward,
+             timeout=30.0),
+    Exercise("block_sparse_forward", 3, "block_sparse_forward", _block_sparse_cases,
+             diagnose=_diagnose_sparse, timeout=30.0),
+]

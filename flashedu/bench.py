@@ -139,6 +139,8 @@ def make_forward(provider: str, case: Case, q, k, v):
     if provider == "flex":
         if mask is None and case.causal:
             mask = BlockMask.causal((case.n, case.n), (MASK_BLOCK, MASK_BLOCK))
+        elif mask is None:  # all tiles: the same compiled kernel as the block-sparse cases
+            mask = random_block_mask(case.n, 1.0)
         flex_mask = None if mask is None else mask.to_flex(device=q.device)
         flex = _flex()
         return lambda: flex(q, k, v, block_mask=flex_mask)
@@ -187,7 +189,7 @@ def measure(provider: str, case: Case) -> dict:
     return {"ms": ms, "tflops": case.flops() / (ms * 1e-3) / 1e12, "peak_mb": peak / 2**20}
 
 
-def run_all(cases, providers, progress=True) -> list[dict]:
+def run_all(cases, providers, progress=True, on_row=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     jobs = [(c, p) for c in cases for p in providers
@@ -198,6 +200,8 @@ def run_all(cases, providers, progress=True) -> list[dict]:
         bar.set_postfix_str(f"{provider} {case.label()}")
         rows.append({**asdict(case), "label": case.label(), "provider": provider,
                      **measure(provider, case)})
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -344,14 +348,17 @@ def main(argv=None) -> int:
         cpu_check()
         return 0
     cases = build_cases(args)
-    rows = run_all(cases, args.providers, progress=not args.no_progress)
     env = environment(argv)
+
+    def save(rows):  # after every measurement, so that an interrupted run keeps its numbers
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**env, "rows": rows}, f, indent=1)
+
+    rows = run_all(cases, args.providers, progress=not args.no_progress, on_row=save)
     print(f"\n{env['device']}  torch {env['torch']}  triton {env['triton']}  commit {env['commit']}")
     print("cells: peer TFLOPs and flashedu's speed-up over it (peer ms / flashedu ms)\n")
     print(table(rows, args.providers))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**env, "rows": rows}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     return 0

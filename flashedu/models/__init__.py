@@ -1,0 +1,18 @@
+"""A GPT trained with flashedu's attention: the course's end-to-end chapter (notebook 11).
+
+    from flashedu.models import GPT, GPTConfig, Trainer, TrainSettings, tiny_config
+    trainer = Trainer(tiny_config(), TrainSettings(batch_size=16, seq_len=64, max_steps=300))
+    trainer.fit()
+
+config.py  GPTConfig: the seed repository's GPT3Config fields and defaults, checked
+gpt.py     GPT: pre-LayerNorm decoder, weight tying, attention through flashedu.attention
+data.py    the shipped public-domain text (flashedu/data/kjv.txt) and a byte tokenizer
+train.py   Trainer: AdamW, warmup + cosine, accumulation, bf16, exact checkpoints; CLI
+"""
+
+from .config import ATTENTION_BACKENDS, GPTConfig
+from .gpt import GPT
+from .train import Trainer, TrainSettings, lr_factor, plot_history, tiny_config
+
+__all__ = ["GPTConfig", "GPT", "Trainer", "TrainSettings", "tiny_config", "lr_factor",
+           "plot_history", "ATTENTION_BACKENDS"]

@@ -1,0 +1,128 @@
+"""A GPT (decoder-only transformer, GPT-2 layout) whose attention is ``flashedu.attention``.
+
+    x = tok_emb[ids] + pos_emb[:T]
+    for each block:  x = x + Attn(LN(x));  x = x + MLP(LN(x))      (pre-LayerNorm)
+    logits = LN(x) @ tok_emb^T                                     (weight tying)
+
+Only the attention call differs between backends, so comparing them compares attention alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..api import attention
+from .config import GPTConfig
+
+ACTIVATION = {
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "relu": nn.ReLU,
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.backend = config.backend
+        self.attn_dropout = config.attention_dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.proj.is_residual_out = True  # GPT-2 scales its init (see GPT._init_weights)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        # (B, T, 3C) -> three (B, H, T, d) views; the last dim stays contiguous for the kernels
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = self.attend(q, k, v)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        p = self.attn_dropout if self.training else 0.0
+        if self.backend == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return attention(q, k, v, is_causal=True, dropout_p=p, backend=self.backend)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.d_ff)
+        self.act = ACTIVATION[config.activation]()
+        self.proj = nn.Linear(config.d_ff, config.d_model)
+        self.proj.is_residual_out = True
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a flashedu.models.GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            if getattr(module, "is_residual_out", False):
+                # each block adds two residual branches: keep the sum's variance from growing
+                std = std / math.sqrt(2 * self.config.n_layers)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: (B, T) int64 token ids -> logits (B, T, vocab_size)."""
+        self._check_ids(ids)
+        T = ids.shape[1]
+        pos = torch.arange(T, device=ids.device)
+        x = self.dropout(self.tok_emb(ids) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok_emb.weight.T  # weight tying: the embedding reads out
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (computed in float32 even under autocast)."""
+        logits = self(ids)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _check_ids(self, ids):
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be an int64 tensor (B, T) of token ids, got "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)} "
+                             f"{tuple(getattr(ids, 'shape', ()))}")
+        if ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"ids has {ids.shape[1]} tokens per sequence, more than "
+                             f"max_seq_len={self.config.max_seq_len}")

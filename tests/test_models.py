@@ -1,0 +1,209 @@
+"""flashedu.models: the GPT config, the model on every attention backend, the training loop."""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+import flashedu
+from flashedu.models import GPT, GPTConfig, Trainer, TrainSettings, lr_factor, plot_history, tiny_config
+from flashedu.models import data as text
+from flashedu.models.train import main
+
+# The seed's GPT3Config, field by field (device is 'cuda' if available else 'cpu').
+SEED_DEFAULTS = dict(
+    vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072, dropout=0.1,
+    max_seq_len=512, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=1000,
+    lr_decay="cosine", block_size=128, use_flash_attention=True, activation="gelu",
+    initializer_range=0.02, gradient_accumulation_steps=16, mixed_precision=True,
+    compile_model=True, epochs=5)
+
+
+def micro_config(**overrides):
+    """Smaller than tiny_config: fast enough for the Triton interpreter."""
+    fields = dict(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=48, dropout=0.0)
+    return tiny_config(**{**fields, **overrides})
+
+
+# --- config ------------------------------------------------------------------------------
+
+
+def test_config_defaults_are_the_seeds():
+    cfg = GPTConfig()
+    assert {k: getattr(cfg, k) for k in SEED_DEFAULTS} == SEED_DEFAULTS
+    assert cfg.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert cfg.attention_backend == "auto" and cfg.head_dim == 64
+
+
+@pytest.mark.parametrize("field, value, error, words", [
+    ("d_model", 100, ValueError, "multiple of n_heads"),
+    ("n_layers", 0, ValueError, "n_layers must be >= 1"),
+    ("vocab_size", 2.5, TypeError, "vocab_size must be an int"),
+    ("dropout", 1.0, ValueError, "dropout must be a float in [0, 1)"),
+    ("lr", -1e-3, ValueError, "lr must be a positive"),
+    ("betas", (0.9,), ValueError, "betas must be two floats"),
+    ("lr_decay", "step", ValueError, "lr_decay must be one of"),
+    ("activation", "swish", ValueError, "activation must be one of"),
+    ("attention_backend", "flash", ValueError, "attention_backend must be one of"),
+    ("device", "tpu", ValueError, "device must be"),
+    ("mixed_precision", 1, TypeError, "mixed_precision must be a bool"),
+    ("warmup_steps", -1, ValueError, "warmup_steps must be an int >= 0"),
+])
+def test_config_rejects_bad_values(field, value, error, words):
+    with pytest.raises(error, match=words.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
+        GPTConfig(**{field: value})
+
+
+def test_config_attention_choices():
+    assert GPTConfig(use_flash_attention=False, device="cpu").backend == "naive"
+    assert GPTConfig(device="cpu").backend == "numpy"  # auto follows the device
+    assert GPTConfig(device="cuda").backend == "triton"
+    with pytest.raises(ValueError, match="use_flash_attention=False selects naive"):
+        GPTConfig(use_flash_attention=False, attention_backend="triton")
+    # dropout on attention weights only where the backend has it: else 0, or an error if asked
+    assert GPTConfig(attention_backend="naive").attention_dropout == 0.1
+    assert GPTConfig(attention_backend="sdpa").attention_dropout == 0.1
+    assert GPTConfig(attention_backend="numpy").attention_dropout == 0.0
+    with pytest.raises(ValueError, match="has no dropout"):
+        GPTConfig(attention_backend="triton", attn_dropout=0.1)
+
+
+# --- model -------------------------------------------------------------------------------
+
+
+def test_forward_shape_tying_and_param_count():
+    model = GPT(micro_config())
+    ids = torch.randint(0, 256, (3, 17))
+    assert model(ids).shape == (3, 17, 256)
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("head" in n for n in names)  # the readout is tok_emb itself
+    d, f, L, V, T = 32, 64, 2, 256, 48
+    per_block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    assert model.num_params() == V * d + T * d + L * per_block + 2 * d
+
+
+def test_forward_rejects_bad_ids():
+    model = GPT(micro_config())
+    with pytest.raises(ValueError, match="int64 tensor"):
+        model(torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="max_seq_len=48"):
+        model(torch.zeros(1, 49, dtype=torch.int64))
+    with pytest.raises(TypeError, match="GPTConfig"):
+        GPT({"d_model": 32})
+
+
+def test_attention_is_causal():
+    torch.manual_seed(0)
+    model = GPT(micro_config()).eval()
+    ids = torch.randint(0, 256, (1, 20))
+    changed = ids.clone()
+    changed[0, 12:] = (changed[0, 12:] + 1) % 256
+    a, b = model(ids), model(changed)
+    assert torch.equal(a[0, :12], b[0, :12])  # positions before 12 cannot see the change
+    assert not torch.allclose(a[0, 12:], b[0, 12:])
+
+
+def _logits_and_grads(backend, ids):
+    torch.manual_seed(0)
+    model = GPT(micro_config(attention_backend=backend))
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "triton", "sdpa"])
+def test_backends_give_naive_logits_and_gradients(backend):
+    if backend in flashedu.BACKENDS and flashedu.available_backends()[backend] is not None:
+        pytest.skip(f"{backend} unavailable: {flashedu.available_backends()[backend]}")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (2, 40))  # 40: several Triton / NumPy tiles, the last partial
+    ref_logits, ref_grads = _logits_and_grads("naive", ids)
+    logits, grads = _logits_and_grads(backend, ids)
+    torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+# --- data --------------------------------------------------------------------------------
+
+
+def test_corpus_and_byte_tokenizer():
+    corpus = text.load_corpus()
+    assert 400_000 < len(corpus) < 1_000_000 and int(corpus.max()) < 128  # plain ASCII
+    assert text.decode(corpus[:41]) == "GENESIS\n\n\nGenesis 1\n\nIn the beginning God"
+    assert text.decode(text.encode("naïve — ok")) == "naïve — ok"
+    x, y = text.get_batch(corpus, 4, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+# --- training ----------------------------------------------------------------------------
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = [lr_factor(s, 10, 110, "cosine", 0.1) for s in range(120)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # linear warmup
+    assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.55)  # cosine midpoint
+    assert f[110] == pytest.approx(0.1) and f[119] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert lr_factor(60, 10, 110, "linear", 0.1) == pytest.approx(0.55)
+
+
+def test_tiny_gpt_learns_the_text():
+    """A few hundred steps on CPU: the loss falls from ln(256) towards the text's entropy."""
+    trainer = Trainer(tiny_config(), TrainSettings(batch_size=8, seq_len=64, max_steps=250,
+                                                   eval_every=250, progress=False))
+    history = trainer.fit()
+    first = history[0]["loss"]
+    last = sum(r["loss"] for r in history[-20:]) / 20
+    assert first == pytest.approx(math.log(256), abs=0.15)  # a fresh model guesses uniformly
+    assert last < 2.8 and history[-1]["val_loss"] < 3.0, (first, last, history[-1])
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    """Checkpoint at step 4 of 8, resume in a fresh trainer: the same losses, bit for bit."""
+    config = micro_config(dropout=0.1, gradient_accumulation_steps=2, warmup_steps=3)
+    ckpt = tmp_path / "ckpt.pt"
+    settings = dict(batch_size=2, seq_len=32, max_steps=8, progress=False)
+    straight = Trainer(config, TrainSettings(checkpoint_path=str(ckpt), checkpoint_every=4, **settings))
+    straight.fit(until=4)
+    shutil.copy(ckpt, tmp_path / "step4.pt")  # the run saves again at step 8, over ckpt
+    straight.fit()
+    losses = [r["loss"] for r in straight.history]
+    torch.manual_seed(123)  # whatever the process did in between must not matter
+    resumed = Trainer.resume(tmp_path / "step4.pt")
+    assert resumed.step == 4
+    resumed.fit()
+    assert [r["loss"] for r in resumed.history] == losses
+    for p, q in zip(resumed.model.parameters(), straight.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    """2 micro-batches of 4 = 1 batch of 8 drawn from the same generator (same windows)."""
+    params = []
+    for accum, batch in ((2, 4), (1, 8)):
+        trainer = Trainer(micro_config(gradient_accumulation_steps=accum),
+                          TrainSettings(batch_size=batch, seq_len=32, max_steps=1, progress=False))
+        trainer.train_step()
+        params.append(list(trainer.model.parameters()))
+    for p, q in zip(*params):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_cli_trains_saves_plots_and_resumes(tmp_path, capsys):
+    ckpt, png = tmp_path / "ck.pt", tmp_path / "loss.png"
+    args = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--d-model", "16",
+            "--n-heads", "2", "--eval-every", "3", "--no-progress"]
+    assert main(args + ["--checkpoint", str(ckpt), "--plot", str(png)]) == 0
+    assert ckpt.exists() and png.stat().st_size > 10_000
+    assert main(["--resume", str(ckpt), "--steps", "5", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "step 3: loss" in out and "step 5: loss" in out
+
+
+def test_plot_history_draws_train_and_validation():
+    history = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "val_loss": 4.5}]
+    fig = plot_history(history)
+    lines = fig.axes[0].get_lines()
+    assert [list(line.get_ydata()) for line in lines] == [[5.0, 4.0], [4.5]]

@@ -194,6 +194,7 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
         # Registers: this thread's piece of S_ij and of O_i, and the operands of one step.
         s = cuda.local.array((TM, TN), float32)
         o = cuda.local.array((TM, DN), float32)
+        pv = cuda.local.array((TM, DN), float32)  # this tile's P_ij V_j
         q = cuda.local.array(TM, float32)
         k = cuda.local.array(TN, float32)
         v = cuda.local.array(DN, float32)
@@ -265,9 +266,11 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
                 cuda.syncthreads()  # (3) P_ij and alpha ready before O_i uses them
 
             # O_i = alpha * O_i + P_ij V_j: TM + DN shared loads feed TM * DN multiply-adds.
+            # P_ij V_j is summed on its own first: a sum of Bc terms added once per tile rounds
+            # far less than adding all Nk terms one by one into O_i (error ~ Bc + Tc, not Nk).
             for a in range(TM):
                 for e in range(DN):
-                    o[a, e] *= alpha[ty * TM + a]
+                    pv[a, e] = ZERO
             for c in range(Bc):
                 for a in range(TM):
                     q[a] = S_ij[ty * TM + a, c]  # reuse q's registers for P_ij's column
@@ -275,7 +278,10 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
                     v[e] = V_j[c, tx + e * TX]
                 for a in range(TM):
                     for e in range(DN):
-                        o[a, e] += q[a] * v[e]
+                        pv[a, e] += q[a] * v[e]
+            for a in range(TM):
+                for e in range(DN):
+                    o[a, e] = alpha[ty * TM + a] * o[a, e] + pv[a, e]
             if barriers:
                 cuda.syncthreads()  # (4) everyone is done with K_j, V_j, S_ij: next tile may load
 
@@ -307,6 +313,7 @@ def forward(q, k, v, *, is_causal=False, scale=None, block_mask=None, tiles=None
     """Run the kernel. q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d). Returns (out, L): out like q
     (computed in float32, cast back), L (B, H, Nq) float32 natural-log logsumexp.
 
+    ``is_causal`` is or-ed with the block mask's own causal flag, as flashedu.attention does.
     ``tiles`` overrides :func:`choose_tiles`; ``barriers=False`` runs the broken kernel;
     ``poison=True`` fills O and L with NaN before the launch, so that any element the kernel
     fails to write shows up in a check."""
@@ -316,6 +323,7 @@ def forward(q, k, v, *, is_causal=False, scale=None, block_mask=None, tiles=None
         raise ValueError(f"q, k, v: head dim d={d} is larger than the numba kernel's maximum "
                          f"{MAX_HEAD_DIM} (its output piece is held in registers)")
     tiles = choose_tiles(d) if tiles is None else tiles
+    is_causal = bool(is_causal or (block_mask is not None and block_mask.is_causal))
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     # the simulator works on NumPy views of CPU tensors; compiled, the kernel needs CUDA tensors

@@ -246,8 +246,10 @@ def sanitize(log_dir=None):
     runs = [("memcheck", True), ("racecheck", True), ("racecheck", False)]
     results = []
     for name, barriers in runs:
-        cmd = [tool, "--tool", name, "--target-processes", "all", sys.executable, __file__,
-               "sanitize-target"] + ([] if barriers else ["--no-barriers"])
+        # numba's driver bindings probe for entry points the driver lacks (cuGetProcAddress
+        # answers "invalid argument"): host API noise, not kernel errors, so not reported.
+        cmd = [tool, "--tool", name, "--target-processes", "all", "--report-api-errors", "no",
+               sys.executable, __file__, "sanitize-target"] + ([] if barriers else ["--no-barriers"])
         t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True)
         text = p.stdout + p.stderr
@@ -262,7 +264,8 @@ def sanitize(log_dir=None):
              "hazards": int(hazards.group(1)) if hazards else None,
              "target_finished": "sanitize target done" in text, "seconds": round(time.time() - t0, 1)}
         if barriers:
-            r["clean"] = r["returncode"] == 0 and r["errors"] == 0 and r["target_finished"]
+            found = r["hazards"] if name == "racecheck" else r["errors"]
+            r["clean"] = r["returncode"] == 0 and found == 0 and r["target_finished"]
         else:  # the deliberately broken kernel must be caught
             r["race_detected"] = bool(r["errors"]) or bool(r["hazards"])
         results.append(r)
@@ -277,7 +280,7 @@ def environment():
     import numba
     props = torch.cuda.get_device_properties(0)
     tiles = nk.choose_tiles(64)
-    kernel = nk.build_kernel(tiles, 64)
+    kernel = nk.build_kernel(tiles, 64, True)  # the cached kernel that forward() launches
     info = {"device": props.name, "sms": props.multi_processor_count,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "numba": numba.__version__, "python": platform.python_version(),

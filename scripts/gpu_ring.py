@@ -1,0 +1,319 @@
+"""Ring attention on 2 GPUs (NCCL) against one GPU: sequence-length scaling and time.
+
+For each total sequence length N, with B = 1, H heads, head dim d, bf16:
+- one GPU: flashedu.attention(backend="triton") over all N positions (forward, forward+backward);
+- the ring: each of the P GPUs holds N/P positions, flashedu.distributed.ring_attention;
+- the transfer of one K/V shard to the next GPU alone, which the ring hides behind a step's
+  compute when compute per step >= transfer per step.
+Efficiency = t(one GPU) / (P * t(ring)): 1.0 is perfect scaling. Also the peak memory per GPU.
+The ring's output is checked against the one-GPU output (gathered) at the first N.
+
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+
+    PYTHONPATH=$PWD python3 scripts/gpu_ring.py --json docs/bench/ring.json     # 2 GPUs
+    PYTHONPATH=$PWD python3 scripts/gpu_ring.py --cpu                           # gloo, tiny
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (before NCCL is loaded)
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a failed rank aborts, no hang
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Timer:
+    """Median milliseconds of fn() on this rank: CUDA events on a GPU, a wall clock on a CPU."""
+
+    def __init__(self, cuda: bool, warmup: int, reps: int, barrier: bool):
+        self.cuda, self.warmup, self.reps, self.barrier = cuda, warmup, reps, barrier
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        samples = []
+        for _ in range(self.reps):
+            if self.barrier:
+                dist.barrier()  # every rank starts the ring together
+            if self.cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+        return sorted(samples)[len(samples) // 2]
+
+
+def inputs(N, args, device, dtype, rows=slice(None), grad=False):
+    g = torch.Generator(device=device).manual_seed(N)
+    shape = (1, args.heads, N, args.d)
+    full = [torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4)]
+    q, k, v, dout = (t[:, :, rows].contiguous() for t in full)
+    del full
+    return [t.requires_grad_(grad) for t in (q, k, v)] + [dout]
+
+
+def fwd_bwd(fn, q, k, v, dout):
+    out = fn(q, k, v)
+    torch.autograd.grad(out, (q, k, v), dout)
+
+
+def single_gpu(N, causal, args, device, dtype, timer):
+    """One device, the whole sequence: the plain kernel (flashedu.attention)."""
+    import flashedu
+
+    backend = "triton" if device != "cpu" else "naive"
+    fn = lambda q, k, v: flashedu.attention(q, k, v, is_causal=causal, backend=backend)  # noqa: E731
+    q, k, v, dout = inputs(N, args, device, dtype, grad=True)
+    reset_peak(device)
+    with torch.no_grad():
+        fwd = timer(lambda: fn(q, k, v))
+    both = timer(lambda: fwd_bwd(fn, q, k, v, dout))
+    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak_gb(device)}
+
+
+RING_KEYS = ("fwd_ms", "fwd_bwd_ms", "kv_transfer_ms", "peak_GB")
+
+
+def ring(N, causal, args, device, dtype, timer, rank, world):
+    """This rank's shard; returns its timings (the caller takes the slowest rank)."""
+    from flashedu.distributed import Ring, ring_attention, wait_all
+
+    n = N // world
+    q, k, v, dout = inputs(N, args, device, dtype, slice(rank * n, (rank + 1) * n), grad=True)
+    fn = lambda q, k, v: ring_attention(q, k, v, is_causal=causal)  # noqa: E731
+    reset_peak(device)
+    with torch.no_grad():
+        fwd = timer(lambda: fn(q, k, v))
+    both = timer(lambda: fwd_bwd(fn, q, k, v, dout))
+    r = Ring()
+    xfer = timer(lambda: wait_all(r.start_exchange((k.detach(), v.detach()))[0]))
+    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "kv_transfer_ms": xfer, "peak_GB": peak_gb(device)}
+
+
+def check_ring(N, causal, args, device, dtype, rank, world):
+    """Max |ring - one device| over the whole output (gathered on every rank)."""
+    import flashedu
+    from flashedu.distributed import ring_attention
+
+    n = N // world
+    q, k, v, _ = inputs(N, args, device, dtype)
+    backend = "triton" if device != "cpu" else "naive"
+    with torch.no_grad():
+        mine = slice(rank * n, (rank + 1) * n)
+        out = ring_attention(q[:, :, mine].contiguous(), k[:, :, mine].contiguous(),
+                             v[:, :, mine].contiguous(), is_causal=causal)
+        parts = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(parts, out.contiguous())
+        ref = flashedu.attention(q, k, v, is_causal=causal, backend=backend)
+        return (torch.cat(parts, dim=2).float() - ref.float()).abs().max().item()
+
+
+def reset_peak(device):
+    if device != "cpu":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb(device):
+    return torch.cuda.max_memory_allocated() / 1e9 if device != "cpu" else None
+
+
+def slowest(value, device):
+    """The largest value over the ranks: a ring step is as slow as its slowest member."""
+    t = torch.tensor([value if value is not None else -1.0], dtype=torch.float64,
+                     device=device if device != "cpu" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def agree(ok: bool, device) -> bool:
+    """True only if every rank succeeded (so no rank enters a ring the others skip)."""
+    t = torch.tensor([1.0 if ok else 0.0], device=device if device != "cpu" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def worker(rank, world, port, args, results):
+    import datetime as dt
+
+    cpu = args.cpu
+    device = "cpu" if cpu else f"cuda:{rank}"
+    if not cpu:
+        torch.cuda.set_device(rank)
+    import flashedu  # noqa: F401  (before triton)
+
+    dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=dt.timedelta(seconds=300))
+    dtype = DTYPES[args.dtype]
+    rows, checks = [], []
+    if rank == 0:
+        print(HEADER, flush=True)
+    try:
+        if args.check:
+            for causal in args.causal:
+                err = check_ring(args.n[0], causal, args, device, dtype, rank, world)
+                if rank == 0:
+                    checks.append({"N": args.n[0], "causal": causal, "max_abs_err": err})
+                    print(f"check N={args.n[0]} causal={causal}: max |ring - one GPU| = {err:.3g}",
+                          flush=True)
+        for N in args.n:
+            for causal in args.causal:
+                row = {"N": N, "causal": causal, "world": world, "H": args.heads, "d": args.d,
+                       "dtype": args.dtype}
+                one_timer = Timer(not cpu, args.warmup, args.reps, barrier=False)
+                ring_timer = Timer(not cpu, args.warmup, args.reps, barrier=True)
+                # one GPU: rank 0 alone runs the whole sequence while the others wait
+                single, ok = {}, True
+                if rank == 0:
+                    single, ok = run_guarded(single_gpu, N, causal, args, device, dtype, one_timer)
+                dist.barrier()
+                sharded, ok = {"error": "a shard does not fit"}, False
+                if agree(fits(N // world, args, device), device):  # all enter the ring, or none
+                    sharded, ok = run_guarded(ring, N, causal, args, device, dtype, ring_timer,
+                                              rank, world)
+                if not agree(ok, device):
+                    sharded.setdefault("error", "another rank failed")
+                # the same collectives on every rank, whatever happened: a fixed list of keys
+                ring_row = {k: slowest(sharded.get(k), device) for k in RING_KEYS}
+                ring_row = {k: v for k, v in ring_row.items() if v >= 0}
+                if rank == 0:
+                    row["one_gpu"] = single
+                    row["ring"] = ring_row | ({"error": sharded["error"]}
+                                              if "error" in sharded else {})
+                    if ok and "fwd_ms" in single and "fwd_ms" in ring_row:
+                        for m in ("fwd_ms", "fwd_bwd_ms"):
+                            row[f"speedup_{m[:-3]}"] = single[m] / ring_row[m]
+                            row[f"efficiency_{m[:-3]}"] = single[m] / (world * ring_row[m])
+                    rows.append(row)
+                    print_row(row)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        results.put({"check": checks, "cases": rows})
+
+
+def run_guarded(fn, *a):
+    """fn(*a), with out-of-memory turned into a recorded error (the rank stays usable)."""
+    try:
+        return fn(*a), True
+    except torch.cuda.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        return {"error": f"out of memory: {str(e).splitlines()[0]}"}, False
+
+
+def fits(n, args, device) -> bool:
+    """A cautious guess that a shard's tensors and the ring's buffers fit: about 16 shard-sized
+    tensors (q, k, v, grads, accumulators, two K/V in flight)."""
+    if device == "cpu":
+        return True
+    need = 16 * n * args.heads * args.d * 4
+    return need < torch.cuda.mem_get_info()[0]
+
+
+def print_row(row):
+    one, r = row["one_gpu"], row["ring"]
+
+    def f(d, k):
+        return f"{d[k]:>9.2f}" if isinstance(d.get(k), (int, float)) and d[k] >= 0 else f"{'-':>9}"
+
+    print(f"{row['N']:>8} {str(row['causal']):>6} {f(one, 'fwd_ms')} {f(r, 'fwd_ms')} "
+          f"{f(row, 'speedup_fwd')} {f(one, 'fwd_bwd_ms')} {f(r, 'fwd_bwd_ms')} "
+          f"{f(row, 'speedup_fwd_bwd')} {f(r, 'kv_transfer_ms')} {f(one, 'peak_GB')} "
+          f"{f(r, 'peak_GB')} {one.get('error', '')} {r.get('error', '')}", flush=True)
+
+
+HEADER = (f"{'N':>8} {'causal':>6} {'1gpu fwd':>9} {'ring fwd':>9} {'speedup':>9} "
+          f"{'1gpu f+b':>9} {'ring f+b':>9} {'speedup':>9} {'kv xfer':>9} {'1gpu GB':>9} "
+          f"{'ring GB':>9}   (ms; GB = peak per GPU)")
+
+
+def environment(args, world):
+    env = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "python": platform.python_version(), "torch": torch.__version__, "world": world,
+           "backend": "gloo" if args.cpu else "nccl", "command": " ".join(sys.argv),
+           "NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"],
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"]}
+    env["device"] = "cpu" if args.cpu else torch.cuda.get_device_name(0)
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                       text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        env["commit"] = "unknown"
+    return env
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536, 131072],
+                    help="total sequence lengths (divisible by the world size)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--causal", type=lambda s: s == "true", nargs="+", default=[False, True],
+                    help="true / false, one or both")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-check", dest="check", action="store_false")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--cpu", action="store_true", help="gloo on the CPU with tiny sizes: checks "
+                    "this script (torch math for the local step)")
+    args = ap.parse_args(argv)
+    if args.cpu:
+        args.n = [n for n in args.n if n <= 512] or [128, 256]
+        args.heads, args.d, args.dtype = 2, 16, "fp32"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("gpu_ring.py needs CUDA GPUs (or --cpu for a gloo check of the script)")
+        if torch.cuda.device_count() < args.world:
+            sys.exit(f"gpu_ring.py needs {args.world} GPUs, this machine has "
+                     f"{torch.cuda.device_count()}")
+    bad = [n for n in args.n if n % args.world]
+    if bad:
+        sys.exit(f"--n values must be multiples of the world size {args.world}: {bad}")
+    out = {"environment": environment(args, args.world)}
+    print(json.dumps(out["environment"]), flush=True)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.spawn(worker, args=(args.world, free_port(), args, results), nprocs=args.world, join=True)
+    out.update(results.get())
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    errors = [c for c in out["cases"] if "error" in c.get("ring", {}) or "error" in c.get("one_gpu", {})]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

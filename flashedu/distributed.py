@@ -180,6 +180,78 @@ def ring_backward(ring: Ring, q, k, v, out, L, dout, is_causal, scale, local):
 
 
 # ----------------------------------------------------------------------------------------
+# The same ring in one process: P ranks as P threads (for the notebook and quick tests).
+# ----------------------------------------------------------------------------------------
+
+
+class ThreadRing:
+    """A stand-in for :class:`Ring` whose ranks are threads and whose wires are queues.
+
+    ring_forward and ring_backward run on it unchanged: only the transport differs from
+    torch.distributed's (a send puts a copy in the next rank's mailbox, wait() takes it out).
+    """
+
+    def __init__(self, rank: int, size: int, mailboxes):
+        self.rank, self.size, self.mailboxes = rank, size, mailboxes
+
+    source = Ring.source
+
+    def start_exchange(self, tensors, tag: int = 0):
+        self.mailboxes[(self.rank + 1) % self.size][tag].put([t.clone() for t in tensors])
+        received = [torch.empty_like(t) for t in tensors]
+        return ([_MailboxReceive(self.mailboxes[self.rank][tag], received)], None), received
+
+
+class _MailboxReceive:
+    def __init__(self, box, received):
+        self.box, self.received = box, received
+
+    def wait(self):
+        for buf, t in zip(self.received, self.box.get(timeout=60)):
+            buf.copy_(t)
+
+
+def simulate_ring(q, k, v, world, is_causal=False, scale=None, dout=None, local="torch"):
+    """Ring attention over the full (B, H, N, d) q, k, v with ``world`` thread-ranks.
+
+    Shards the sequence, runs ring_forward (and ring_backward when ``dout`` is given) on every
+    rank, and concatenates the shards: returns out, or (out, dq, dk, dv).
+    """
+    import queue
+    import threading
+
+    N = q.shape[2]
+    if N % world:
+        raise ValueError(f"q: the sequence length N={N} must be a multiple of world={world}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    n = N // world
+    mailboxes = [{tag: queue.Queue() for tag in (0, 1, 2, 3)} for _ in range(world)]
+    results, errors = [None] * world, []
+
+    def rank_main(r):
+        try:
+            ring = ThreadRing(r, world, mailboxes)
+            q_r, k_r, v_r = (t[:, :, r * n:(r + 1) * n].contiguous() for t in (q, k, v))
+            out, L = ring_forward(ring, q_r, k_r, v_r, is_causal, scale, local)
+            grads = () if dout is None else ring_backward(
+                ring, q_r, k_r, v_r, out, L, dout[:, :, r * n:(r + 1) * n].contiguous(),
+                is_causal, scale, local)
+            results[r] = (out, *grads)
+        except Exception as e:  # noqa: BLE001  (re-raised below, in the caller's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    joined = [torch.cat(parts, dim=2) for parts in zip(*results)]
+    return joined[0] if dout is None else tuple(joined)
+
+
+# ----------------------------------------------------------------------------------------
 # The local step: one shard of queries against one shard of keys. Swap in a faster kernel here.
 # ----------------------------------------------------------------------------------------
 

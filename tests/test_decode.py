@@ -95,10 +95,11 @@ def test_queries_that_see_no_key_give_zeros():
 def test_split_heuristics():
     assert heads_per_program(8, 1) == 8 and heads_per_program(8, 16) == 4
     assert heads_per_program(7, 16) == 1  # 7 heads x 16 rows do not fit: one head a program
-    # one sequence, 32 query heads in 4 groups of 8: 4 programs; 132 SMs want ~66 splits
-    assert choose_num_splits(4, 131072, 64, None, True, None) == 2  # interpreter: 4 "SMs"
-    assert choose_num_splits(4, 100, 16, None, True, 50) == 7  # never more splits than tiles
-    assert choose_num_splits(64, 4096, 64, None, True, None) == 1  # already many programs
+    # one sequence, 32 query heads in 4 groups of 8: 4 programs; 132 SMs want 66 splits
+    assert choose_num_splits(4, 131072, 64, 132) == 66
+    assert choose_num_splits(4, 1024, 64, 132) == 4  # but chunks of at least 4 tiles
+    assert choose_num_splits(4, 100, 16, 132, 50) == 7  # never more splits than tiles
+    assert choose_num_splits(512, 4096, 64, 132) == 1  # already many programs
 
 
 def test_bad_input_is_refused():

@@ -160,7 +160,7 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     interpreted = runtime.triton_interpreted()
     heads = heads_per_program(H // Hkv, Nq)
     Bc = key_tile(d, q.dtype, interpreted)
-    S = choose_num_splits(B * H // heads, Nk, Bc, q.device, interpreted, num_splits)
+    S = choose_num_splits(B * H // heads, Nk, Bc, sm_count(q.device, interpreted), num_splits)
     chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
     S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -199,14 +199,17 @@ def key_tile(d: int, dtype, interpreted: bool) -> int:
     return 64
 
 
-def choose_num_splits(programs: int, Nk: int, Bc: int, device, interpreted: bool,
-                      num_splits=None) -> int:
+def sm_count(device, interpreted: bool) -> int:
+    """Streaming multiprocessors to fill (the interpreter pretends 4, so tests see splits)."""
+    return 4 if interpreted else torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(programs: int, Nk: int, Bc: int, sms: int, num_splits=None) -> int:
     """How many chunks of keys: enough programs for about two waves on every SM, but each
     chunk at least 4 K/V tiles long (shorter ones spend more on the merge than they save)."""
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
         return min(num_splits, math.ceil(Nk / Bc))
-    sms = 4 if interpreted else torch.cuda.get_device_properties(device).multi_processor_count
     wanted = math.ceil(2 * sms / programs)
     return max(1, min(wanted, math.ceil(Nk / (4 * Bc)), MAX_SPLITS))

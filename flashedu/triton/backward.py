@@ -22,7 +22,7 @@ import math
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, dot_precision, load_tile
+from .forward import LOG2E, dot_precision, load_tile, needs_mask
 
 
 @triton.jit
@@ -85,7 +85,8 @@ def dkdv_kernel(Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_IDX, qk_scale, scale,
                 stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                 H, Hkv, GROUP, Nq, Nk, d,
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                   EVEN_D: tl.constexpr,
                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     j = tl.program_id(0)  # which K/V tile
     bh_kv = tl.program_id(1)
@@ -126,7 +127,8 @@ def dkdv_kernel(Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_IDX, qk_scale, scale,
                 i = tl.load(idx_row + t)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+                                        qk_scale, Br, IS_CAUSAL, SPARSE_MASK, EVEN_D, DOT_PREC,
+                                        UPCAST)
         else:
             for start_m in range(lo, diag_end, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
@@ -184,7 +186,8 @@ def dq_kernel(Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
               stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
               H, GROUP, Nq, Nk, d,
               Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                   EVEN_D: tl.constexpr,
               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -213,8 +216,8 @@ def dq_kernel(Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
         for t in range(0, num):
             j = tl.load(idx_row + t)
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
-                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
-                            DOT_PREC, UPCAST)
+                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, SPARSE_MASK,
+                            EVEN_D, DOT_PREC, UPCAST)
     else:  # the forward's split: unmasked tiles, then the diagonal and ragged ones
         if IS_CAUSAL:
             end = tl.minimum(Nk, (i + 1) * Br)
@@ -260,7 +263,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         q, k, v, do, lse2, D, dk, dv, num, idx, qk_scale, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3], *idx_strides, H, Hkv, H // Hkv, Nq, Nk, d,
-        Br=t.Br, Bc=t.Bc, **common, **({} if interpreted else t.launch()))
+        Br=t.Br, Bc=t.Bc, SPARSE_MASK=needs_mask(is_causal, Nq, Nk, t.Br, t.Bc), **common, **({} if interpreted else t.launch()))
 
     t = config.dq
     num, idx, idx_strides = _lists(block_mask, t.Br, t.Bc, False, q.device)
@@ -268,7 +271,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         q, k, v, do, lse2, D, dq, num, idx, qk_scale, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         *idx_strides, H, H // Hkv, Nq, Nk, d,
-        Br=t.Br, Bc=t.Bc, **common, **({} if interpreted else t.launch()))
+        Br=t.Br, Bc=t.Bc, SPARSE_MASK=needs_mask(is_causal, Nq, Nk, t.Br, t.Bc), **common, **({} if interpreted else t.launch()))
     return dq, dk, dv
 
 

@@ -158,11 +158,8 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
         raise ValueError(f"q: split_kv_attention is for a few queries (Nq <= {MAX_ROWS}), got "
                          f"Nq={Nq}; use flashedu.attention for long query blocks")
     interpreted = runtime.triton_interpreted()
-    heads = heads_per_program(H // Hkv, Nq)
-    Bc = key_tile(d, q.dtype, interpreted)
-    S = choose_num_splits(B * H // heads, Nk, Bc, sm_count(q.device, interpreted), num_splits)
-    chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
-    S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them
+    heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, q.dtype,
+                                     sm_count(q.device, interpreted), interpreted, num_splits)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
 
     HEAD_DIM = padded_head_dim(d)
@@ -183,6 +180,16 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     if return_lse:
         return out, lse2 * math.log(2.0)  # -inf stays -inf
     return out
+
+
+def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):
+    """(heads per program, Bc, number of splits S, keys per split): the launch of a problem."""
+    heads = heads_per_program(H // Hkv, Nq)
+    Bc = key_tile(d, dtype, interpreted)
+    S = choose_num_splits(B * H // heads, Nk, Bc, sms, num_splits)
+    chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
+    S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them
+    return heads, Bc, S, chunk
 
 
 def heads_per_program(group: int, Nq: int) -> int:

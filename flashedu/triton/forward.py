@@ -78,7 +78,8 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                    H, GROUP, Nq, Nk, d,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                   EVEN_D: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
@@ -99,14 +100,14 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    if SPARSE:  # visit only the K/V tiles listed for this Q tile; every one is masked
+    if SPARSE:  # visit only the K/V tiles listed for this Q tile (masked if causal or ragged)
         num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
         idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
         for t in range(0, num):
             j = tl.load(idx_row + t)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+                                          IS_CAUSAL, SPARSE_MASK, EVEN_D, DOT_PREC, UPCAST)
     else:
         # K/V tiles [0, full_end) are wholly visible: no mask. [full_end, end) are masked:
         # the causal diagonal and the ragged last tile. Tiles past `end` are skipped.
@@ -133,6 +134,11 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
     tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dims[None, :],
              O_i.to(O.dtype.element_ty), mask=row_ok & dim_ok)
     tl.store(L + bh * Nq + rows, L_i, mask=rows < Nq)
+
+
+def needs_mask(is_causal, Nq, Nk, Br, Bc) -> bool:
+    """Whether listed (block-sparse) tiles need element masks: causal, or a ragged edge tile."""
+    return bool(is_causal or Nq % Br or Nk % Bc)
 
 
 def dot_precision(dtype) -> str:
@@ -168,7 +174,8 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *idx_strides,
         H, H // Hkv, Nq, Nk, d,
         Br=Br, Bc=Bc, HEAD_DIM=padded_head_dim(d), IS_CAUSAL=is_causal,
-        SPARSE=block_mask is not None, EVEN_D=padded_head_dim(d) == d,
+        SPARSE=block_mask is not None, SPARSE_MASK=needs_mask(is_causal, Nq, Nk, Br, Bc),
+        EVEN_D=padded_head_dim(d) == d,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreted and q.dtype != torch.float32,
         **({} if interpreted else tiles.launch()))
     return o, lse2

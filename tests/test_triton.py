@@ -1,0 +1,119 @@
+"""Triton-specific checks (the shared suite tests/test_attention.py covers the common contract).
+
+Runs through Triton's interpreter on a CPU: small shapes, a few seconds each.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import flashedu
+from flashedu.reference import naive_attention_torch, reference_attention
+
+pytestmark = pytest.mark.skipif(flashedu.available_backends()["triton"] is not None,
+                                reason="triton backend unavailable")
+
+FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def _qkv(B, H, Hkv, Nq, Nk, d, dtype=torch.float32):
+    dev = flashedu.runtime.kernel_device()
+    q = torch.randn(B, H, Nq, d, dtype=dtype, device=dev, requires_grad=True)
+    k = torch.randn(B, Hkv, Nk, d, dtype=dtype, device=dev, requires_grad=True)
+    v = torch.randn(B, Hkv, Nk, d, dtype=dtype, device=dev, requires_grad=True)
+    return q, k, v
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _check(q, k, v, **kw):
+    """Forward and gradients within flash-attention's tolerance of the float64 reference."""
+    kw.setdefault("enable_gqa", True)
+    out = flashedu.attention(q, k, v, backend="triton", **kw)
+    dout = torch.randn_like(out)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    ref = reference_attention(q, k, v, **kw)
+    ref = (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
+    plain = naive_attention_torch(q, k, v, **kw)
+    plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
+    for n, (g, r, p) in enumerate(zip(got, ref, plain)):
+        factor = 2 if n == 0 else 3
+        assert torch.isfinite(g).all()
+        assert _err(g, r) <= factor * _err(p, r) + factor * FLOOR[q.dtype], ("out dq dk dv".split()[n])
+    return got
+
+
+@pytest.mark.parametrize("d", [40, 80, 96])
+def test_padded_head_dims(d):
+    """Head dims that are not powers of two are padded in registers (masked loads)."""
+    _check(*_qkv(1, 2, 2, 37, 29, d), is_causal=True)
+
+
+def test_fp16_and_gqa():
+    _check(*_qkv(2, 4, 2, 40, 50, 32, torch.float16), is_causal=True)
+    _check(*_qkv(1, 4, 1, 33, 20, 16, torch.float16))  # MQA
+
+
+@pytest.mark.parametrize("block", [(16, 16), (32, 64), (48, 32), (128, 128)])
+def test_block_mask_sizes(block):
+    """The kernel's tile divides the mask's block: 16x16 up to FlexAttention's 128x128."""
+    rng = np.random.default_rng(sum(block))
+    Nq, Nk = 70, 64
+    Tr, Tc = -(-Nq // block[0]), -(-Nk // block[1])
+    blocks = rng.random((1, 2, Tr, Tc)) < 0.6
+    blocks[0, 0, 0, 0] = True
+    bm = flashedu.BlockMask.from_dense(blocks, block, (Nq, Nk))
+    _check(*_qkv(1, 2, 2, Nq, Nk, 32), block_mask=bm)
+
+
+def test_block_mask_even_sizes_and_causal():
+    """Even sizes take the unmasked sparse path; a causal mask takes the masked one."""
+    blocks = np.array([[1, 0], [1, 1]], bool)
+    _check(*_qkv(1, 2, 2, 64, 64, 32), block_mask=flashedu.BlockMask.from_dense(blocks, 32))
+    _check(*_qkv(1, 2, 2, 64, 64, 32), block_mask=flashedu.BlockMask.causal((64, 64), 32))
+
+
+def test_fully_masked_rows_are_zero():
+    """A Q tile with no K/V tile gives zeros in O and zero gradients, never NaN."""
+    blocks = np.array([[0, 0], [1, 0], [0, 1]], bool)
+    bm = flashedu.BlockMask.from_dense(blocks, (16, 32), (48, 64))
+    q, k, v = _qkv(1, 2, 2, 48, 64, 16)
+    out, dq, dk, dv = _check(q, k, v, block_mask=bm)
+    assert out[:, :, :16].abs().max() == 0 and dq[:, :, :16].abs().max() == 0
+    assert dk[:, :, 32:].abs().max() > 0  # the tile that is visited gets gradients
+
+
+def test_lse_matches_numpy_loop():
+    from flashedu import tiled
+    from flashedu.triton import forward_with_lse
+
+    q, k, v = (t.detach() for t in _qkv(1, 1, 1, 45, 33, 24))
+    O, L = forward_with_lse(q, k, v, is_causal=True)
+    O_np, L_np = tiled.flash_forward(q[0, 0].numpy(), k[0, 0].numpy(), v[0, 0].numpy(), 16, 16,
+                                     causal=True)
+    assert np.allclose(O[0, 0].numpy(), O_np, atol=1e-5)
+    assert np.allclose(L[0, 0].numpy(), L_np, atol=1e-5)
+
+
+def test_backward_is_deterministic():
+    q, k, v = _qkv(1, 4, 2, 40, 40, 32)
+    dout = torch.randn(1, 4, 40, 32)
+    runs = [torch.autograd.grad(flashedu.attention(q, k, v, backend="triton", enable_gqa=True),
+                                (q, k, v), dout) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_errors():
+    q, k, v = (t.detach() for t in _qkv(1, 1, 1, 8, 8, 16))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        flashedu.attention(q, k, v, dropout_p=0.1, backend="triton")
+    big = torch.randn(1, 1, 8, 320)
+    with pytest.raises(ValueError, match="head dim"):
+        flashedu.attention(big, big, big, backend="triton")
+    with pytest.raises(TypeError, match="triton backend takes"):
+        flashedu.attention(q.double(), k.double(), v.double(), backend="triton")
+    bm = flashedu.BlockMask.from_dense(np.ones((1, 1), bool), (8, 8), (8, 8))
+    with pytest.raises(ValueError, match="block_mask.block_size"):
+        flashedu.attention(q, k, v, block_mask=bm, backend="triton")

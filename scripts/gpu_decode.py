@@ -64,13 +64,11 @@ def one_case(Nk, args, device, dtype):
         row["plain_ms"] = time_ms(plain, args.dry_run, args.reps)
         row["split_ms"] = time_ms(split, args.dry_run, args.reps)
     from flashedu import runtime
-    from flashedu.triton.decode import choose_num_splits, heads_per_program, key_tile, sm_count
+    from flashedu.triton.decode import sm_count, split_plan
 
     interp = runtime.triton_interpreted()
-    heads = heads_per_program(H // Hkv, Nq)
-    Bc = key_tile(d, dtype, interp)
-    row["num_splits"] = choose_num_splits(H // heads, Nk, Bc, sm_count(q.device, interp),
-                                          args.num_splits)
+    row["num_splits"] = split_plan(1, H, Hkv, Nq, Nk, d, dtype, sm_count(q.device, interp),
+                                   interp, args.num_splits)[2]
     kv_bytes = 2 * k.numel() * k.element_size()
     row["speedup"] = row["plain_ms"] / row["split_ms"]
     row["plain_GBps"] = kv_bytes / row["plain_ms"] / 1e6

@@ -6,7 +6,8 @@ import torch
 
 import flashedu
 from flashedu.reference import naive_attention
-from flashedu.triton.decode import choose_num_splits, heads_per_program, split_kv_attention
+from flashedu.triton.decode import (choose_num_splits, heads_per_program, split_kv_attention,
+                                    split_plan)
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -95,11 +96,15 @@ def test_queries_that_see_no_key_give_zeros():
 def test_split_heuristics():
     assert heads_per_program(8, 1) == 8 and heads_per_program(8, 16) == 4
     assert heads_per_program(7, 16) == 1  # 7 heads x 16 rows do not fit: one head a program
-    # one sequence, 32 query heads in 4 groups of 8: 4 programs; 132 SMs want 66 splits
+    # 4 programs on 132 SMs: 66 splits make two waves
     assert choose_num_splits(4, 131072, 64, 132) == 66
     assert choose_num_splits(4, 1024, 64, 132) == 4  # but chunks of at least 4 tiles
     assert choose_num_splits(4, 100, 16, 132, 50) == 7  # never more splits than tiles
     assert choose_num_splits(512, 4096, 64, 132) == 1  # already many programs
+    # 32 query heads on 8 K/V heads: 4 packed per program, 8 programs, 33 splits wanted;
+    # each split is rounded up to whole K/V tiles of 64: 63 tiles = 4032 keys, 33 splits
+    assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132) == (4, 64, 33, 4032)
+    assert split_plan(1, 4, 4, 1, 100, 64, torch.float32, 132, num_splits=3) == (1, 32, 2, 64)
 
 
 def test_bad_input_is_refused():

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import torch
 
-from . import runtime  # noqa: I001 - runtime.configure() has run: numba may be imported now
+# Importing this module ran flashedu/__init__ first, so runtime.configure() has already decided
+# simulator or GPU. `cuda` must be a module global: the simulator swaps it in a kernel's globals.
+from numba import cuda, float32
 
-from numba import cuda, float32  # noqa: E402  (a module global: the simulator swaps `cuda`)
+from . import runtime
 from .backends import backends_with_backward
 
 # Static shared memory one block may declare with cuda.shared.array: 48 KiB on every CUDA GPU
@@ -127,11 +129,11 @@ def _cdiv(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
     """Compile-ready kernel for one tiling and head dim. ``barriers=False`` leaves out every
     ``cuda.syncthreads()`` of the tile loop: a deliberately broken kernel, to show the race."""
-    Br, Bc, TY, TX, TM, TN = tiles.Br, tiles.Bc, tiles.TY, tiles.TX, tiles.TM, tiles.TN
+    Br, Bc, TX, TM, TN = tiles.Br, tiles.Bc, tiles.TX, tiles.TM, tiles.TN
     NT = tiles.threads
     D = d
     DN = _cdiv(d, TX)  # output columns per thread

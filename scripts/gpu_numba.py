@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -166,6 +167,18 @@ def measure(fn, inputs_bytes, reps):
     return ms, peak + inputs_bytes
 
 
+def numba_attention(q, k, v, causal):
+    return nk.forward(q, k, v, is_causal=causal)
+
+
+def naive_attention(q, k, v, causal):
+    S = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        N = q.shape[2]
+        S = S.masked_fill(torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(S, -1) @ v
+
+
 def bench(d=64):
     rows = []
     for N in BENCH_N:
@@ -174,20 +187,9 @@ def bench(d=64):
             inputs = 3 * q.numel() * 4
             flops = 4 * BH * N * N * d * (0.5 if causal else 1.0)
             reps = 3 if N >= 32768 else 10
-
-            def numba_fn():
-                return nk.forward(q, k, v, is_causal=causal)
-
-            def naive_fn():
-                S = (q @ k.transpose(-1, -2)) / math.sqrt(d)
-                if causal:
-                    S = S.masked_fill(torch.ones(N, N, dtype=torch.bool, device="cuda").triu(1),
-                                      -math.inf)
-                return torch.softmax(S, -1) @ v
-
-            t_nb, m_nb = measure(numba_fn, inputs, reps)
+            t_nb, m_nb = measure(functools.partial(numba_attention, q, k, v, causal), inputs, reps)
             # naive needs BH * N^2 * 4 bytes for S alone (256 GiB at N = 65536): it may OOM
-            t_nv, m_nv = measure(naive_fn, inputs, reps)
+            t_nv, m_nv = measure(functools.partial(naive_attention, q, k, v, causal), inputs, reps)
             row = {"N": N, "d": d, "BH": BH, "causal": causal, "dtype": "float32",
                    "numba_ms": t_nb, "numba_tflops": flops / t_nb / 1e9 if t_nb else None,
                    "numba_peak_bytes": m_nb,
@@ -251,7 +253,7 @@ def sanitize(log_dir=None):
         cmd = [tool, "--tool", name, "--target-processes", "all", "--report-api-errors", "no",
                sys.executable, __file__, "sanitize-target"] + ([] if barriers else ["--no-barriers"])
         t0 = time.time()
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
         text = p.stdout + p.stderr
         label = f"{name}{'' if barriers else '_no_barriers'}"
         if log_dir:
@@ -282,7 +284,7 @@ def environment():
     tiles = nk.choose_tiles(64)
     kernel = nk.build_kernel(tiles, 64, True)  # the cached kernel that forward() launches
     info = {"device": props.name, "sms": props.multi_processor_count,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__, "numba": numba.__version__, "python": platform.python_version(),
             "commit": os.environ.get("GIT_COMMIT", "unknown"), "command": " ".join(sys.argv),
             "tiles_d64": {"Br": tiles.Br, "Bc": tiles.Bc, "TY": tiles.TY, "TX": tiles.TX,
@@ -291,9 +293,9 @@ def environment():
     q = torch.randn(1, 1, 64, 64, device="cuda")
     nk.forward(q, q, q)  # compile, then read the compiler's resource report
     try:
-        info["registers_per_thread"] = list(kernel.get_regs_per_thread().values())[0]
-        info["local_bytes_per_thread"] = list(kernel.get_local_mem_per_thread().values())[0]
-        info["shared_bytes_per_block"] = list(kernel.get_shared_mem_per_block().values())[0]
+        info["registers_per_thread"] = next(iter(kernel.get_regs_per_thread().values()))
+        info["local_bytes_per_thread"] = next(iter(kernel.get_local_mem_per_thread().values()))
+        info["shared_bytes_per_block"] = next(iter(kernel.get_shared_mem_per_block().values()))
     except Exception as exc:  # noqa: BLE001 - the report is informative only
         info["resource_report_error"] = repr(exc)
     return info

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import flashedu
-from flashedu import io, numba_kernels as nk
+from flashedu import io
+from flashedu import numba_kernels as nk
 from flashedu.backends import backends_with_backward
 
 

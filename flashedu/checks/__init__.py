@@ -35,7 +35,12 @@ def check(name: str, fn) -> CheckResult:
     """Grade ``fn`` as exercise ``name``; see the module docstring."""
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
-    result = run_exercise(EXERCISES[name], fn)
+    try:
+        result = run_exercise(EXERCISES[name], fn)
+    except Exception as exc:  # noqa: BLE001 - a bug of the grader must not end the learner's cell
+        ex = EXERCISES[name]
+        return CheckResult(name, False, f"the checker itself failed (a bug in flashedu.checks, "
+                           f"please report it): {type(exc).__name__}: {exc}", 0.0, ex.points)
     _LAST[name] = (fn, result)
     return result
 

@@ -41,6 +41,7 @@ class Case:
     probe: Callable | None = None  # probe(call, outputs) -> problem text or None
     needs_pass: bool = False  # run only if every earlier case passed (the costly probes)
     floor_scale: float = 1.0  # widen the dtype's error floor (e.g. TF32 dots on a GPU)
+    block_q: int | None = None  # Br, when the case has Q tiles (for the diagnosis)
 
 
 @dataclass
@@ -53,12 +54,15 @@ class Exercise:
     diagnose: Callable | None = None  # (case, wrong: {name: rows}, outputs) -> extra hint
     timeout: float = 20.0
     requires: Callable | None = None  # () -> reason this machine cannot run it, or None
+    unfilled: Callable | None = None  # (fn) -> True when it is still the skeleton (kernels)
 
 
 def run_exercise(ex: Exercise, fn) -> CheckResult:
     problem = _not_checkable(ex, fn)
     if problem:
         return _result(ex, False, FAILED, problem, [])
+    if ex.unfilled is not None and ex.unfilled(fn):
+        return _result(ex, False, NOT_IMPLEMENTED, "", [])
     unavailable = ex.requires() if ex.requires else None
     if unavailable:
         return _result(ex, False, FAILED, f"cannot run this check here: {unavailable}", [])

@@ -78,6 +78,26 @@ def _cast(arrays, dtype):
     return tuple(np.asarray(a, dtype=dtype) for a in arrays)
 
 
+_MEMO: dict = {}
+
+
+def _memo(key, compute):
+    """compute() once per process: the references of a case never change, and the long
+    sequences of the memory cases cost seconds to compute naively. Read-only: the learner is
+    only ever given fresh inputs, never these arrays."""
+    if key not in _MEMO:
+        _MEMO[key] = tuple(_readonly(x) for x in compute())
+    return _MEMO[key]
+
+
+def _readonly(x):
+    if isinstance(x, tuple):
+        return tuple(_readonly(a) for a in x)
+    x = np.asarray(x)
+    x.setflags(write=False)
+    return x
+
+
 def _mib(n):
     return f"{n / 2**20:.1f} MiB"
 
@@ -239,11 +259,12 @@ def _forward_cases():
     cases = []
     for seed, (label, hint, shape, (Br, Bc), causal, scale, kind, dtype) in enumerate(FORWARD_SPECS):
         (Q, K, V), (q, k, v) = _inputs(shape, kind, dtype, seed)
-        O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
-        naive = reference.naive_attention(q, k, v, causal=causal, scale=scale)
+        (O, L), naive = _memo(("forward", label), lambda: (
+            reference.naive_attention(Q, K, V, causal=causal, scale=scale),
+            reference.naive_attention(q, k, v, causal=causal, scale=scale)))
         cases.append(Case(f"{label}, {np.dtype(dtype).name}" if "float" not in label else label,
                           hint, (q, k, v, Br, Bc, causal, scale), ("O", "L"), (O, L), naive,
-                          inputs=("Q", "K", "V"), dtype=dtype))
+                          inputs=("Q", "K", "V"), dtype=dtype, block_q=Br))
     for causal in (False, True):
         cases.append(_forward_memory_case(causal))
     return cases
@@ -252,7 +273,7 @@ def _forward_cases():
 def _forward_memory_case(causal):
     (Nq, Nk, d), (Br, Bc) = MEMORY_SHAPE, MEMORY_TILES
     Q, K, V = _qkv(Nq, Nk, d, 100 + causal)
-    O, L = reference.naive_attention(Q, K, V, causal=causal)
+    O, L = _memo(("forward memory", causal), lambda: reference.naive_attention(Q, K, V, causal=causal))
     budget = _memory_budget((Q, K, V, O, L), Br * Bc, 8)
     return Case(f"memory: Nq=Nk={Nq}, d={d}, Br=Bc={Br}{', causal' if causal else ''}", H_MEMORY,
                 (Q, K, V, Br, Bc, causal, None), ("O", "L"), (O, L), inputs=("Q", "K", "V"),
@@ -261,7 +282,9 @@ def _forward_memory_case(causal):
 
 def _last_tile_only(case, rows) -> bool:
     """True when every wrong row lies in the last, partial Q tile."""
-    Nq, Br = case.args[0].shape[0], case.args[3]
+    Nq, Br = case.args[0].shape[0], case.block_q
+    if Br is None:
+        return False
     first = (math.ceil(Nq / Br) - 1) * Br
     return Nq % Br != 0 and len(rows) > 0 and rows.min() >= first
 
@@ -296,12 +319,17 @@ BACKWARD_SPECS = [spec for spec in FORWARD_SPECS if "tiles larger" not in spec[0
 
 
 def _backward_case(label, hint, Q, K, V, q, k, v, Br, Bc, causal, scale, dtype, seed, **extra):
-    O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
-    dO = _normal(seed + 1000, *O.shape)
-    dQ, dK, dV = reference.naive_attention_backward(Q, K, V, dO, causal=causal, scale=scale)
-    o, l, do = _cast((O, L, dO), dtype)
-    naive = _backward_in_dtype(q, k, v, o, do, l, causal, scale) \
-        if np.dtype(dtype) != np.float64 else ()
+    def compute():
+        O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
+        dO = _normal(seed + 1000, *O.shape)
+        o, l, do = _cast((O, L, dO), dtype)
+        naive = _backward_in_dtype(q, k, v, o, do, l, causal, scale) \
+            if np.dtype(dtype) != np.float64 else ()
+        return (o, l, do), reference.naive_attention_backward(Q, K, V, dO, causal=causal,
+                                                              scale=scale), naive
+
+    given, (dQ, dK, dV), naive = _memo(("backward", label), compute)
+    o, l, do = (a.copy() for a in given)  # the learner's own, writable copies
     return Case(label, hint, (q, k, v, o, do, l, Br, Bc, causal, scale), ("dQ", "dK", "dV"),
                 (dQ, dK, dV), naive, inputs=("Q", "K", "V", "O", "dO", "L"), dtype=dtype, **extra)
 
@@ -381,14 +409,15 @@ def _sparse_case(label, hint, shape, Br, Bc, blocks, scale, dtype, seed, **extra
     (Q, K, V), (q, k, v) = _inputs(shape, "normal", dtype, seed)
     blocks = np.asarray(blocks, dtype=bool)
     mask = _element_mask(blocks, Nq, Nk, Br, Bc)
-    O, L = reference.naive_attention(Q, K, V, scale=scale, mask=mask)
-    naive = reference.naive_attention(q, k, v, scale=scale, mask=mask)
+    (O, L), naive = _memo(("block sparse", label), lambda: (
+        reference.naive_attention(Q, K, V, scale=scale, mask=mask),
+        reference.naive_attention(q, k, v, scale=scale, mask=mask)))
     k, v = k.copy(), v.copy()
     for j in np.flatnonzero(~blocks.any(axis=0)):  # key tiles nobody may read: poisoned
         k[j * Bc:(j + 1) * Bc] = np.nan
         v[j * Bc:(j + 1) * Bc] = np.nan
     return Case(label, hint, (q, k, v, blocks, Br, Bc, scale), ("O", "L"), (O, L), naive,
-                inputs=("Q", "K", "V", "block_mask"), dtype=dtype, **extra)
+                inputs=("Q", "K", "V", "block_mask"), dtype=dtype, block_q=Br, **extra)
 
 
 def _sparse_blocks(Tr, Tc, seed, empty_row, empty_col):

@@ -1,0 +1,140 @@
+"""exercises/ is generated from solutions/ and up to date; the notebooks are valid nbgrader
+notebooks; `flashedu check` gives the solutions full marks, the unfilled exercises "not
+implemented yet", and grades what a learner defined even when the notebook is broken."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from flashedu.checks import EXERCISES, build
+from flashedu.checks.grade import exercises_in
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+EXERCISE_NBS = sorted((ROOT / "exercises").glob("*.ipynb"))
+NBGRADER_KEYS = {"grade", "grade_id", "locked", "schema_version", "solution", "task"}
+
+
+def test_exercises_are_up_to_date():
+    problems = build.stale(ROOT / "solutions", ROOT / "exercises")
+    assert not problems, "run `flashedu exercises build`:\n" + "\n".join(problems)
+    assert build.main(["build", "--check", "--solutions", str(ROOT / "solutions"),
+                       "--exercises", str(ROOT / "exercises")]) == 0
+
+
+def test_strip_keeps_the_skeleton_and_indentation():
+    source = ("def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    for i in x:\n        y += i\n"
+              "    ### END SOLUTION\n    return y")
+    assert build.strip_source(source) == ("def f(x):\n    y = 1\n    # YOUR CODE HERE\n"
+                                          "    raise NotImplementedError()\n    return y")
+    for broken in ("### BEGIN SOLUTION\nx", "x\n### END SOLUTION",
+                   "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION"):
+        with pytest.raises(ValueError):
+            build.strip_source(broken)
+
+
+def test_build_check_reports_a_stale_exercise(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "exercises").mkdir()
+    nb = nbformat.read(SOLUTIONS[0], as_version=4)
+    nbformat.write(nb, tmp_path / "solutions" / "a.ipynb")
+    args = ["build", "--solutions", str(tmp_path / "solutions"), "--exercises", str(tmp_path / "exercises")]
+    assert build.main(args + ["--check"]) == 1  # missing
+    assert build.main(args) == 0 and build.main(args + ["--check"]) == 0
+    nb.cells[0].source += " (edited)"
+    nbformat.write(nb, tmp_path / "solutions" / "a.ipynb")
+    assert build.stale(tmp_path / "solutions", tmp_path / "exercises") == [
+        f"{tmp_path / 'exercises' / 'a.ipynb'}: out of date"]
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=[p.name for p in SOLUTIONS])
+def test_solution_notebooks_carry_valid_nbgrader_metadata(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    ids = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells]
+    assert len(ids) == len(set(ids)), "grade_id must be unique within a notebook"
+    for cell in nb.cells:
+        meta = cell.metadata["nbgrader"]
+        assert NBGRADER_KEYS <= set(meta) and meta["schema_version"] == 3, cell.source[:60]
+        assert not (meta["solution"] and meta["locked"]), "a solution cell must stay editable"
+        if meta["solution"]:
+            assert cell.cell_type == "code" and build.BEGIN in cell.source
+        if meta["grade"]:
+            name = meta["grade_id"].removeprefix("check_")
+            assert meta["locked"] and meta["points"] == EXERCISES[name].points
+            assert f'check("{name}"' in cell.source and "assert result.passed" in cell.source
+
+
+def test_every_exercise_is_graded_exactly_once():
+    graded = [name for path in SOLUTIONS for name in exercises_in(nbformat.read(path, as_version=4))]
+    assert sorted(graded) == sorted(EXERCISES)
+
+
+def test_pytest_nbval_does_not_collect_the_notebooks():
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--nbval-lax",
+                          "-p", "no:cacheprovider", "exercises", "solutions"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 5, run.stdout + run.stderr  # 5: no tests collected
+
+
+def _learner_notebook(tmp_path) -> Path:
+    """A submission gone wrong in the usual ways: a cell that raises before the exercise, a
+    forward that forgets to rescale O_i, and a check cell edited to check something else."""
+    nb = nbformat.read(ROOT / "solutions" / "02_flash_forward.ipynb", as_version=4)
+    cells = {c.metadata["nbgrader"]["grade_id"]: c for c in nb.cells}
+    cells["setup"].source += "\nundefined_name  # a broken cell: grading must go on"
+    cells["flash_forward"].source = cells["flash_forward"].source.replace(
+        "O_i = alpha[:, None] * O_i +", "O_i = O_i +")
+    cells["check_flash_forward"].source = (
+        'import flashedu.tiled\nresult = check("flash_forward", flashedu.tiled.flash_forward)')
+    path = tmp_path / "learner.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """`flashedu check --json` over the solutions, the exercises and one broken submission."""
+    learner = _learner_notebook(tmp_path_factory.mktemp("submission"))
+    notebooks = [str(p) for p in SOLUTIONS + EXERCISE_NBS] + [str(learner)]
+    run = subprocess.run([sys.executable, "-m", "flashedu.cli", "check", "--json", "--jobs", "3",
+                          "--timeout", "300", *notebooks],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return _group(json.loads(run.stdout))
+
+
+def _group(rows):
+    """Rows by where the notebook came from: "solutions", "exercises" or "learner"."""
+    out = {}
+    for r in rows:
+        key = "learner" if r["notebook"].endswith("learner.ipynb") else Path(r["notebook"]).parent.name
+        out.setdefault(key, []).append(r)
+    return out
+
+
+def test_solutions_get_full_marks(graded):
+    rows = graded["solutions"]
+    assert sorted(r["exercise"] for r in rows) == sorted(EXERCISES)
+    for r in rows:
+        assert r["passed"] and r["points"] == r["max_points"] == EXERCISES[r["exercise"]].points, r
+
+
+def test_unfilled_exercises_report_not_implemented_yet(graded):
+    rows = graded["exercises"]
+    assert sorted(r["exercise"] for r in rows) == sorted(EXERCISES)
+    for r in rows:
+        assert r["status"] == "not implemented yet" and r["points"] == 0, r
+        assert "Traceback" not in r["message"]
+
+
+def test_a_broken_submission_is_graded_on_what_the_learner_wrote(graded):
+    (row,) = graded["learner"]
+    assert row["exercise"] == "flash_forward" and not row["passed"] and row["points"] == 0
+    assert "several tiles" in row["message"] and "rescale" in row["message"]

@@ -149,7 +149,7 @@ def ring_backward(ring: Ring, q, k, v, out, L, dout, is_causal, scale, local):
     acc = accumulate_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     K_j, V_j = k.contiguous(), v.contiguous()
-    grad_requests = None
+    grad_requests = grads = None  # the dK, dV exchange in flight (none before step 0)
     for t in range(ring.size):
         last = t == ring.size - 1
         if not last:

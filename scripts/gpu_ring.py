@@ -22,18 +22,18 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (before NCCL is l
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a failed rank aborts, no hang
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import datetime
+import json
+import platform
+import socket
+import subprocess
+import sys
+import time
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -91,7 +91,7 @@ def single_gpu(N, causal, args, device, dtype, timer):
     import flashedu
 
     backend = "triton" if device != "cpu" else "naive"
-    fn = lambda q, k, v: flashedu.attention(q, k, v, is_causal=causal, backend=backend)  # noqa: E731
+    fn = lambda q, k, v: flashedu.attention(q, k, v, is_causal=causal, backend=backend)
     q, k, v, dout = inputs(N, args, device, dtype, grad=True)
     reset_peak(device)
     with torch.no_grad():
@@ -109,7 +109,7 @@ def ring(N, causal, args, device, dtype, timer, rank, world):
 
     n = N // world
     q, k, v, dout = inputs(N, args, device, dtype, slice(rank * n, (rank + 1) * n), grad=True)
-    fn = lambda q, k, v: ring_attention(q, k, v, is_causal=causal)  # noqa: E731
+    fn = lambda q, k, v: ring_attention(q, k, v, is_causal=causal)
     reset_peak(device)
     with torch.no_grad():
         fwd = timer(lambda: fn(q, k, v))
@@ -245,7 +245,7 @@ def print_row(row):
     def f(d, k):
         return f"{d[k]:>9.2f}" if isinstance(d.get(k), (int, float)) and d[k] >= 0 else f"{'-':>9}"
 
-    print(f"{row['N']:>8} {str(row['causal']):>6} {f(one, 'fwd_ms')} {f(r, 'fwd_ms')} "
+    print(f"{row['N']:>8} {row['causal']!s:>6} {f(one, 'fwd_ms')} {f(r, 'fwd_ms')} "
           f"{f(row, 'speedup_fwd')} {f(one, 'fwd_bwd_ms')} {f(r, 'fwd_bwd_ms')} "
           f"{f(row, 'speedup_fwd_bwd')} {f(r, 'kv_transfer_ms')} {f(one, 'peak_GB')} "
           f"{f(r, 'peak_GB')} {one.get('error', '')} {r.get('error', '')}", flush=True)
@@ -264,7 +264,7 @@ def environment(args, world):
            "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"]}
     env["device"] = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, check=False,
                                        text=True, cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
         env["commit"] = "unknown"

@@ -6,8 +6,12 @@ import torch
 
 import flashedu
 from flashedu.reference import naive_attention
-from flashedu.triton.decode import (choose_num_splits, heads_per_program, split_kv_attention,
-                                    split_plan)
+from flashedu.triton.decode import (
+    choose_num_splits,
+    heads_per_program,
+    split_kv_attention,
+    split_plan,
+)
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 

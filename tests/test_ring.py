@@ -30,7 +30,7 @@ def free_port() -> int:
 
 
 def full_problem(case, world, seed):
-    B, H, Hkv, n, d, dtype, causal, _ = case
+    B, H, Hkv, n, d = case[:5]
     g = torch.Generator().manual_seed(seed)  # the same on every rank
     N = n * world
     q = torch.randn(B, H, N, d, generator=g, dtype=torch.float64)
@@ -64,13 +64,14 @@ def worker(rank, world, port):
             out = ring_attention(*shard, is_causal=causal, local=local)
             grads = torch.autograd.grad(out, shard, dout[:, :, mine].to(dtype))
 
-            tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else \
-                dict(rtol=1e-4, atol=1e-5)
+            tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else \
+                {"rtol": 1e-4, "atol": 1e-5}
+            where = f"rank {rank} {case}"
             torch.testing.assert_close(out.double(), out_ref[:, :, mine].detach(), **tol,
-                                       msg=lambda m: f"rank {rank} {case} out: {m}")
+                                       msg=lambda m, where=where: f"{where} out: {m}")
             for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
                 torch.testing.assert_close(got.double(), want[:, :, mine], **tol,
-                                           msg=lambda m: f"rank {rank} {case} {name}: {m}")
+                                           msg=lambda m, w=f"{where} {name}": f"{w}: {m}")
     finally:
         dist.destroy_process_group()
 

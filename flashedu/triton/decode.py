@@ -118,7 +118,7 @@ def combine_kernel(O_part, L_part, O, L, stride_ob, stride_oh, stride_on, H, Nq,
     total = tl.sum(w, 0)
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for s in range(0, num_splits):  # one d-vector per split: registers stay small for any S
+    for s in range(num_splits):  # one d-vector per split: registers stay small for any S
         L_one = tl.load(L_part + (bh * num_splits + s) * Nq + n)
         O_one = tl.load(O_part + ((bh * num_splits + s) * Nq + n) * HEAD_DIM + dims)
         acc += tl.math.exp2(L_one - m) * O_one

@@ -1,4 +1,4 @@
-"""Split-KV decoding (flashedu.triton.decode), on the CPU through Triton's interpreter."""
+"""Split-KV decoding (flashedu.triton.decode): on the CPU through Triton's interpreter, or on a GPU."""
 
 import numpy as np
 import pytest
@@ -13,7 +13,12 @@ from flashedu.triton.decode import (
     split_plan,
 )
 
+DEVICE = flashedu.runtime.kernel_device()  # the CPU under the interpreter, else the GPU
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def randn(*shape):
+    return torch.randn(*shape, device=DEVICE)
 
 
 def bottom_right(Nq, Nk):
@@ -30,7 +35,7 @@ def reference(q, k, v, mask, dtype=torch.float64):
     L = np.zeros((B, H, Nq), np_dtype)
     for b in range(B):
         for h in range(H):
-            Q, K, V = (t.to(dtype).numpy() for t in (q[b, h], k[b, h // G], v[b, h // G]))
+            Q, K, V = (t.cpu().to(dtype).numpy() for t in (q[b, h], k[b, h // G], v[b, h // G]))
             O[b, h], L[b, h] = naive_attention(Q, K, V, mask=mask)
     return torch.from_numpy(O), torch.from_numpy(L)
 
@@ -49,8 +54,8 @@ CASES = [  # B, H, Hkv, Nq, Nk, d, dtype, causal, num_splits
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_matches_reference(case):
     B, H, Hkv, Nq, Nk, d, dtype, causal, num_splits = case
-    q = torch.randn(B, H, Nq, d).to(dtype)
-    k, v = (torch.randn(B, Hkv, Nk, d).to(dtype) for _ in range(2))
+    q = randn(B, H, Nq, d).to(dtype)
+    k, v = (randn(B, Hkv, Nk, d).to(dtype) for _ in range(2))
     out, lse = split_kv_attention(q, k, v, num_splits=num_splits, is_causal=causal,
                                   return_lse=True)
     assert out.dtype == dtype and out.shape == q.shape
@@ -61,12 +66,12 @@ def test_matches_reference(case):
     O_plain, _ = reference(q, k, v, mask, torch.float32)
     O_plain = O_plain.to(dtype).double()
     tol = 2 * (O_plain - O_ref).abs().max().item() + FLOOR[dtype]
-    assert (out.double() - O_ref).abs().max().item() <= tol
-    torch.testing.assert_close(lse.double(), L_ref, rtol=1e-5, atol=1e-4)
+    assert (out.cpu().double() - O_ref).abs().max().item() <= tol
+    torch.testing.assert_close(lse.cpu().double(), L_ref, rtol=1e-5, atol=1e-4)
 
 
 def test_every_split_count_gives_the_same_answer():
-    q, k, v = torch.randn(1, 2, 2, 32), torch.randn(1, 2, 90, 32), torch.randn(1, 2, 90, 32)
+    q, k, v = randn(1, 2, 2, 32), randn(1, 2, 90, 32), randn(1, 2, 90, 32)
     outs = [split_kv_attention(q, k, v, num_splits=s, is_causal=True) for s in (1, 2, 3, 6)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-6)
@@ -75,26 +80,26 @@ def test_every_split_count_gives_the_same_answer():
 def test_causal_is_bottom_right_and_equals_top_left_when_square():
     from torch.nn.attention.bias import causal_lower_right
 
-    q, k, v = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    q, k, v = randn(1, 2, 4, 16), randn(1, 2, 50, 16), randn(1, 2, 50, 16)
     out = split_kv_attention(q, k, v, is_causal=True, num_splits=3)
     # an independent reference: torch's own lower-right causal bias
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                             attn_mask=causal_lower_right(4, 50))
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
     # Nq == Nk: the two alignments coincide, so it matches flashedu.attention's is_causal
-    q = torch.randn(1, 2, 40, 16)
-    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    q = randn(1, 2, 40, 16)
+    k, v = randn(1, 2, 40, 16), randn(1, 2, 40, 16)
     torch.testing.assert_close(split_kv_attention(q, k, v, is_causal=True),
                                flashedu.attention(q, k, v, is_causal=True, backend="naive"),
                                rtol=1e-5, atol=1e-5)
 
 
 def test_queries_that_see_no_key_give_zeros():
-    q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    q, k, v = randn(1, 2, 5, 16), randn(1, 2, 3, 16), randn(1, 2, 3, 16)
     out, lse = split_kv_attention(q, k, v, is_causal=True, return_lse=True)
     assert torch.all(out[:, :, :2] == 0) and torch.all(torch.isneginf(lse[:, :, :2]))
     O_ref, _ = reference(q, k, v, bottom_right(5, 3))
-    torch.testing.assert_close(out.double(), O_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.cpu().double(), O_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_split_heuristics():
@@ -112,14 +117,14 @@ def test_split_heuristics():
 
 
 def test_bad_input_is_refused():
-    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16)
+    q, k = randn(1, 2, 1, 16), randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="num_splits"):
         split_kv_attention(q, k, k, num_splits=0)
     with pytest.raises(ValueError, match="Nq"):
-        split_kv_attention(torch.randn(1, 2, 65, 16), k, k)
+        split_kv_attention(randn(1, 2, 65, 16), k, k)
     with pytest.raises(TypeError, match="float64"):
         split_kv_attention(q.double(), k.double(), k.double())
     with pytest.raises(ValueError, match="multiple"):
-        split_kv_attention(torch.randn(1, 3, 1, 16), k, k)
+        split_kv_attention(randn(1, 3, 1, 16), k, k)
     with pytest.raises(RuntimeError, match="forward-only"):
         split_kv_attention(q.requires_grad_(), k, k)

@@ -208,6 +208,30 @@ def test_wrong_implementation_is_rejected(name, mistake, replace, words, tmp_pat
     assert_rejected(check(name, load(name, replace, tmp_path)), *words)
 
 
+def _rows_only_forward(Q, K, V, block_q, block_k, causal=False, scale=None):
+    """Tiles Q but takes whole rows of scores (Br x Nk) with a plain softmax: right values,
+    but not FlashAttention (no online softmax over K/V tiles)."""
+    (Nq, d), Nk = Q.shape, K.shape[0]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    O, L = np.zeros_like(Q), np.zeros(Nq, Q.dtype)
+    for r0 in range(0, Nq, block_q):
+        r1 = min(r0 + block_q, Nq)
+        S = scale * (Q[r0:r1] @ K.T)
+        if causal:
+            S = np.where(np.arange(Nk)[None] <= np.arange(r0, r1)[:, None], S, -np.inf)
+        m = S.max(axis=1)
+        P = np.exp(S - m[:, None])
+        l = P.sum(axis=1)
+        O[r0:r1], L[r0:r1] = P @ V / l[:, None], m + np.log(l)
+    return O, L
+
+
+def test_tiling_only_q_is_rejected():
+    result = check("flash_forward", _rows_only_forward)
+    assert_rejected(result, "memory", "whole rows")
+    assert all(c.status == "passed" for c in result.cases if not c.label.startswith("memory"))
+
+
 # ------------------------------------------------------------------------------------------
 # Correct implementations
 # ------------------------------------------------------------------------------------------

@@ -220,8 +220,9 @@ def _probe(case: Case, call: Call, outputs) -> str | None:
             and call.peak_bytes > case.memory_budget:
         return (f"the answer is right, but your function allocated {_mib(call.peak_bytes)} at "
                 f"once, where a tiled kernel needs at most about {_mib(case.memory_budget)} "
-                f"here. {case.memory_note} FlashAttention never builds an Nq x Nk array "
-                "(scores, probabilities or a mask): work on one Br x Bc tile S_ij at a time.")
+                f"here. {case.memory_note} FlashAttention never holds an Nq x Nk array (scores, "
+                "probabilities or a mask), nor whole rows of scores: work on one Br x Bc tile "
+                "S_ij at a time.")
     if case.probe is not None:
         return case.probe(call, outputs)
     return None

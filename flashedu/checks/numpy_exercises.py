@@ -232,7 +232,14 @@ FORWARD_SPECS = [
     ("logits in the hundreds, float32", H_WIDE, (24, 40, 8), (8, 8), False, None, "wide", F32),
 ]
 
-MEMORY_SHAPE, MEMORY_TILES = (2048, 2048, 4), (64, 64)
+# The memory cases: (label, (Nq, Nk, d), (Br, Bc), causal). The first two catch an Nq x Nk array
+# (scores, probabilities, a causal mask); the third, one Q tile against 256 K/V tiles, catches a
+# kernel that tiles only Q and takes whole rows of scores (Br x Nk, 8 MiB there) at once.
+MEMORY_SPECS = [
+    ("memory: Nq=Nk=2048, d=4, Br=Bc=64", (2048, 2048, 4), (64, 64), False),
+    ("memory: Nq=Nk=2048, d=4, Br=Bc=64, causal", (2048, 2048, 4), (64, 64), True),
+    ("memory: Nq=64, Nk=16384, d=2, Br=Bc=64", (64, 16384, 2), (64, 64), False),
+]
 
 
 def _inputs(shape, kind, dtype, seed):
@@ -244,15 +251,16 @@ def _inputs(shape, kind, dtype, seed):
     return _cast(cast, F64), cast
 
 
-def _memory_budget(arrays, tile_elems, itemsize):
-    """Generous for a tiled kernel (copies of every input and output, tens of tiles), far below
-    an Nq x Nk array (even a bool one) at the memory cases' sizes."""
-    return 3 * sum(a.nbytes for a in arrays) + 32 * tile_elems * itemsize + 64 * 1024
+def _memory_budget(arrays, Br, Bc, itemsize=8):
+    """Generous for a tiled kernel (three copies of every input and output, sixteen tiles
+    alive at once), yet below an Nq x Nk array (even a bool one) and a Br x Nk row block at
+    the memory cases' sizes."""
+    return 3 * sum(a.nbytes for a in arrays) + 16 * Br * Bc * itemsize + 64 * 1024
 
 
-def _memory_note(Nq, Nk, itemsize):
-    return (f"(An Nq x Nk array of scores here is {_mib(Nq * Nk * itemsize)}, a bool mask "
-            f"{_mib(Nq * Nk)}.)")
+def _memory_note(Nq, Nk, Br, itemsize=8):
+    return (f"(Here an Nq x Nk array of scores is {_mib(Nq * Nk * itemsize)}, a bool Nq x Nk "
+            f"mask {_mib(Nq * Nk)}, and a Br x Nk block of whole rows {_mib(Br * Nk * itemsize)}.)")
 
 
 def _forward_cases():
@@ -265,19 +273,18 @@ def _forward_cases():
         cases.append(Case(f"{label}, {np.dtype(dtype).name}" if "float" not in label else label,
                           hint, (q, k, v, Br, Bc, causal, scale), ("O", "L"), (O, L), naive,
                           inputs=("Q", "K", "V"), dtype=dtype, block_q=Br))
-    for causal in (False, True):
-        cases.append(_forward_memory_case(causal))
+    for seed, (label, shape, (Br, Bc), causal) in enumerate(MEMORY_SPECS, start=100):
+        cases.append(_forward_memory_case(label, shape, Br, Bc, causal, seed))
     return cases
 
 
-def _forward_memory_case(causal):
-    (Nq, Nk, d), (Br, Bc) = MEMORY_SHAPE, MEMORY_TILES
-    Q, K, V = _qkv(Nq, Nk, d, 100 + causal)
-    O, L = _memo(("forward memory", causal), lambda: reference.naive_attention(Q, K, V, causal=causal))
-    budget = _memory_budget((Q, K, V, O, L), Br * Bc, 8)
-    return Case(f"memory: Nq=Nk={Nq}, d={d}, Br=Bc={Br}{', causal' if causal else ''}", H_MEMORY,
-                (Q, K, V, Br, Bc, causal, None), ("O", "L"), (O, L), inputs=("Q", "K", "V"),
-                memory_budget=budget, memory_note=_memory_note(Nq, Nk, 8), needs_pass=True)
+def _forward_memory_case(label, shape, Br, Bc, causal, seed):
+    Nq, Nk, d = shape
+    Q, K, V = _qkv(Nq, Nk, d, seed)
+    O, L = _memo(("forward", label), lambda: reference.naive_attention(Q, K, V, causal=causal))
+    return Case(label, H_MEMORY, (Q, K, V, Br, Bc, causal, None), ("O", "L"), (O, L),
+                inputs=("Q", "K", "V"), memory_budget=_memory_budget((Q, K, V, O, L), Br, Bc),
+                memory_note=_memory_note(Nq, Nk, Br), needs_pass=True)
 
 
 def _last_tile_only(case, rows) -> bool:
@@ -355,14 +362,12 @@ def _backward_cases():
         hint = hint if hint not in (H_ONE_TILE, H_TILES) else H_BACKWARD
         cases.append(_backward_case(label, hint, Q, K, V, q, k, v, Br, Bc, causal, scale,
                                     dtype, seed))
-    (Nq, Nk, d), (Br, Bc) = MEMORY_SHAPE, MEMORY_TILES
-    for causal in (False, True):
-        Q, K, V = _qkv(Nq, Nk, d, 200 + causal)
-        budget = _memory_budget((Q, K, V) * 2 + (Q, Q), Br * Bc, 8)  # Q,K,V,O,dO,dQ,dK,dV
-        cases.append(_backward_case(
-            f"memory: Nq=Nk={Nq}, d={d}, Br=Bc={Br}{', causal' if causal else ''}", H_MEMORY,
-            Q, K, V, Q, K, V, Br, Bc, causal, None, F64, 300 + causal, memory_budget=budget,
-            memory_note=_memory_note(Nq, Nk, 8), needs_pass=True))
+    for seed, (label, (Nq, Nk, d), (Br, Bc), causal) in enumerate(MEMORY_SPECS, start=200):
+        Q, K, V = _qkv(Nq, Nk, d, seed)
+        budget = _memory_budget((Q, K, V) * 2 + (Q, Q), Br, Bc)  # Q, K, V, O, dO, dQ, dK, dV
+        cases.append(_backward_case(label, H_MEMORY, Q, K, V, Q, K, V, Br, Bc, causal, None,
+                                    F64, seed, memory_budget=budget,
+                                    memory_note=_memory_note(Nq, Nk, Br), needs_pass=True))
     return cases
 
 
@@ -449,13 +454,16 @@ def _block_sparse_cases():
         _sparse_case("edge tiles, float32", H_SPARSE + " " + H_F32, (37, 45, 8), 8, 16,
                      _sparse_blocks(5, 3, 9, 0, 2), None, F32, 9),
     ]
-    (Nq, Nk, d), (Br, Bc) = MEMORY_SHAPE, MEMORY_TILES
-    Tr = math.ceil(Nq / Br)
-    band = np.abs(np.subtract.outer(np.arange(Tr), np.arange(Tr))) <= 2  # a sliding window
-    budget = _memory_budget(_qkv(Nq, Nk, d, 0) * 2, Br * Bc, 8)
-    cases.append(_sparse_case(f"memory: Nq=Nk={Nq}, d={d}, Br=Bc={Br}, banded mask", H_MEMORY,
-                              (Nq, Nk, d), Br, Bc, band, None, F64, 10, memory_budget=budget,
-                              memory_note=_memory_note(Nq, Nk, 8), needs_pass=True))
+    for seed, (label, (Nq, Nk, d), (Br, Bc), causal) in enumerate(MEMORY_SPECS, start=300):
+        if causal:
+            continue  # block-sparse has no causal flag: the other two cases
+        Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
+        band = np.abs(np.subtract.outer(np.arange(Tr), np.arange(Tc))) <= 2  # a sliding window
+        band[:, -1] = True  # and one global key tile, so that the long-K case has two per row
+        budget = _memory_budget(_qkv(Nq, Nk, d, 0) * 2, Br, Bc)
+        cases.append(_sparse_case(label + ", banded mask", H_MEMORY, (Nq, Nk, d), Br, Bc, band,
+                                  None, F64, seed, memory_budget=budget,
+                                  memory_note=_memory_note(Nq, Nk, Br), needs_pass=True))
     return cases
 
 

@@ -20,6 +20,15 @@ SEED_DEFAULTS = dict(
     compile_model=True, epochs=5)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices gain nothing from threads, and lose a lot when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def micro_config(**overrides):
     """Smaller than tiny_config: fast enough for the Triton interpreter."""
     fields = dict(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=48, dropout=0.0)

@@ -180,14 +180,21 @@ class BlockMask:
             return (torch.as_tensor(num, dtype=torch.int32, device=device),
                     torch.as_tensor(idx, dtype=torch.int32, device=device))
 
-        def causal_mod(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
+        # The mask_mod repeats the tile pattern element-wise: compiled FlexAttention skips by
+        # the block lists alone, but its eager (math) path applies only the mask_mod.
+        tiles = torch.as_tensor(self.blocks.copy(), device=device)
+        per_b, per_h = int(tiles.shape[0] > 1), int(tiles.shape[1] > 1)
+        is_causal = self.is_causal
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            visible = tiles[b * per_b, h * per_h, q_idx // Br, kv_idx // Bc]
+            return visible & (q_idx >= kv_idx) if is_causal else visible
 
         kv_num, kv_idx = as_torch(partial)
         full_num, full_idx = as_torch(full)
         return FlexBlockMask.from_kv_blocks(
-            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(Br, Bc),
-            mask_mod=causal_mod if self.is_causal else None, seq_lengths=(Nq, Nk))
+            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(Br, Bc), mask_mod=mask_mod,
+            seq_lengths=(Nq, Nk))
 
     @classmethod
     def from_flex(cls, flex_mask, is_causal=False) -> BlockMask:

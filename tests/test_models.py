@@ -114,11 +114,14 @@ def test_attention_is_causal():
 
 
 def _logits_and_grads(backend, ids):
+    # Triton runs on the kernel device: the GPU, or the CPU under its interpreter.
+    device = flashedu.runtime.kernel_device() if backend == "triton" else torch.device("cpu")
     torch.manual_seed(0)
-    model = GPT(micro_config(attention_backend=backend))
-    logits = model(ids)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    model = GPT(micro_config(attention_backend=backend, device=device.type)).to(device)
+    logits = model(ids.to(device))
+    targets = ids.roll(-1, 1).to(device)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    return logits.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("backend", ["numpy", "triton", "sdpa"])

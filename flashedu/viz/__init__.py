@@ -1,0 +1,36 @@
+"""Widgets that make FlashAttention's tiles and SRAM visible (ipywidgets + matplotlib).
+
+    from flashedu.viz import TileLoopStepper, SRAMOccupancy, BlockMaskEditor
+    TileLoopStepper()      # step through the (i, j) loop of a traced flash_forward run
+    SRAMOccupancy()        # what one thread block holds in shared memory, against a real GPU
+    BlockMaskEditor()      # click tiles of a block-sparse mask; model, check and time it
+
+Each widget displays itself (or its ``.widget``) and keeps its state in plain attributes, so
+tests drive it without a browser. The numbers come from :mod:`flashedu.trace` and
+:mod:`flashedu.io`, the same code the IO tests check.
+
+The widget classes are imported lazily: the pure modules here (``timeline``, ``presets``,
+``sparse_bench``) work where ipywidgets is not installed, e.g. on a bare GPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_WIDGETS = {
+    "TileLoopStepper": "stepper",
+    "SRAMOccupancy": "sram",
+    "BlockMaskEditor": "mask_editor",
+}
+
+__all__ = list(_WIDGETS)
+
+
+def __getattr__(name):
+    if name in _WIDGETS:
+        return getattr(importlib.import_module(f".{_WIDGETS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,284 @@
+"""TileLoopStepper: step, play or scrub through the (i, j) loop of a real traced run.
+
+Every change of a control re-runs :func:`flashedu.tiled.flash_forward` with a fresh
+:class:`flashedu.trace.Trace` on random Q, K, V; the picture and the counters are read from that
+trace (through :mod:`flashedu.viz.timeline`), so at the last position the byte counters equal
+:func:`flashedu.io.flash_forward_hbm_bytes`, the formula the IO tests check against the trace.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+import ipywidgets as W
+import numpy as np
+
+from .. import io
+from ..masks import BlockMask
+from ..tiled import flash_forward
+from ..trace import Trace
+from . import presets, timeline
+from .render import kib
+from .charts import run_chart
+from .tile_grid import LEGEND, svg
+
+ORDERS = {"FA1: K/V outer (paper's Algorithm 1)": "kv_outer", "FA2: Q outer": "q_outer"}
+MASKS = ["none", "sliding window", "strided", "random", "BigBird"]
+TILE_SIZES = [4, 8, 16, 32, 64]
+MAX_STEPS = 400  # beyond this the grid is unreadable and each frame slow
+
+
+class TileLoopStepper:
+    """Controls for the tiling, loop order, causal and a block mask; step / play / scrub.
+
+    State for tests and notebooks: ``position`` (0 .. ``done``; ``done`` is after the last
+    step), ``trace``, ``timeline``, ``bytes_read`` / ``bytes_written`` (so far),
+    ``predicted`` (flashedu.io's totals), ``current`` (the Step, None at done), ``sram_live``,
+    ``row_stats`` (m_i, l_i of the chosen row), ``block_mask`` (the (Tr, Tc) grid or None).
+    """
+
+    def __init__(self, Nq=64, Nk=64, d=16, Br=16, Bc=16, order="kv_outer", causal=False,
+                 block_mask=None, row=0, seed=0):
+        self.seed = seed
+        self._custom_mask = None
+        self._holding = False
+        c = self.controls = {
+            "Nq": W.BoundedIntText(Nq, min=1, max=512, description="Nq", layout=_narrow),
+            "Nk": W.BoundedIntText(Nk, min=1, max=512, description="Nk", layout=_narrow),
+            "d": W.Dropdown(options=[4, 8, 16, 32, 64], value=d, description="d", layout=_narrow),
+            "Br": W.Dropdown(options=TILE_SIZES, value=Br, description="Br", layout=_narrow),
+            "Bc": W.Dropdown(options=TILE_SIZES, value=Bc, description="Bc", layout=_narrow),
+            "order": W.ToggleButtons(options=list(ORDERS.items()), value=order,
+                                     style={"button_width": "230px"}),
+            "causal": W.Checkbox(causal, description="causal", indent=False, layout=_narrow),
+            "mask": W.Dropdown(options=MASKS, value="none", description="block mask"),
+            "row": W.BoundedIntText(row, min=0, max=Nq - 1, description="row", layout=_narrow),
+        }
+        self.slider = W.IntSlider(0, min=0, max=1, description="position", continuous_update=True,
+                                  layout=W.Layout(width="420px"))
+        self.play = W.Play(0, min=0, max=1, interval=700, description="play")
+        W.link((self.play, "value"), (self.slider, "value"))
+        self.step_button = W.Button(description="step ▶", tooltip="next (i, j) step")
+        self.back_button = W.Button(description="◀ back", tooltip="previous (i, j) step")
+        self.step_button.on_click(lambda _: self.step())
+        self.back_button.on_click(lambda _: self.back())
+        self.tiles = W.HTML()
+        self.chart = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px"))
+        self.status = W.HTML()
+        self.counters = W.HTML()
+        self.hbm_panel = W.HTML(layout=W.Layout(width="50%"))
+        self.sram_panel = W.HTML(layout=W.Layout(width="50%"))
+        self.widget = W.VBox([
+            W.HTML("<b>FlashAttention tile loop</b>: which tiles sit in SRAM, what moves over HBM"),
+            W.HBox([c["Nq"], c["Nk"], c["d"], c["Br"], c["Bc"], c["causal"]]),
+            W.HBox([c["order"], c["mask"]]),
+            W.HBox([self.back_button, self.step_button, self.play, self.slider, c["row"]]),
+            self.status, self.counters, self.tiles, W.HTML(LEGEND),
+            W.HBox([self.hbm_panel, self.sram_panel]), self.chart,
+        ])
+        self.widget.add_class("flashedu-stepper")
+        for name, w in c.items():
+            w.observe(self._on_config if name != "row" else self._on_row, names="value")
+        self.slider.observe(lambda ch: self._show(), names="value")
+        if block_mask is not None:
+            self.use_mask(block_mask)
+        else:
+            self._run()
+
+    # ----- public actions ------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        return self.slider.value
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self.slider.value = max(0, min(int(value), self.done))
+
+    @property
+    def done(self) -> int:
+        return self.timeline.done
+
+    def step(self) -> None:
+        self.position = self.position + 1
+
+    def back(self) -> None:
+        self.position = self.position - 1
+
+    def configure(self, **values) -> None:
+        """Set several controls (keys of ``controls``) and re-run once."""
+        self._holding = True
+        try:
+            for name, value in values.items():
+                self.controls[name].value = value
+        finally:
+            self._holding = False
+        self._run()
+
+    def use_mask(self, block_mask) -> None:
+        """Run with a custom block mask: a flashedu.BlockMask (its tiling and causal flag are
+        taken over) or a (Tr, Tc) bool array for the current tiling."""
+        if isinstance(block_mask, BlockMask):
+            (Nq, Nk), (Br, Bc) = block_mask.seq_lens, block_mask.block_size
+            for name, size in (("Br", Br), ("Bc", Bc)):
+                if size not in self.controls[name].options:
+                    self.controls[name].options = sorted({*self.controls[name].options, size})
+            blocks = block_mask.blocks[0, 0]
+            self._custom_mask = np.asarray(blocks, bool)
+            self._ensure_custom_option()
+            self.configure(Nq=Nq, Nk=Nk, Br=Br, Bc=Bc, causal=block_mask.is_causal, mask="custom")
+        else:
+            self._custom_mask = np.asarray(block_mask, bool)
+            self._ensure_custom_option()
+            self.configure(mask="custom")
+
+    # ----- state read by tests and panels ----------------------------------------------------
+    @property
+    def bytes_read(self) -> int:
+        return self.timeline.totals(self.position)[0]
+
+    @property
+    def bytes_written(self) -> int:
+        return self.timeline.totals(self.position)[1]
+
+    @property
+    def current(self):
+        steps = self.trace.steps
+        return steps[self.position] if self.position < len(steps) else None
+
+    @property
+    def sram_live(self) -> dict:
+        return dict(self.current.sram) if self.current is not None else {}
+
+    def traffic(self, name: str) -> tuple[int, int]:
+        """(bytes read, bytes written) of HBM tensor ``name`` so far, e.g. "O"."""
+        by = self.timeline.traffic_by_tensor(self.position)
+        return by.get(("load", name), 0), by.get(("store", name), 0)
+
+    # ----- internals --------------------------------------------------------------------------
+    def _ensure_custom_option(self):
+        if "custom" not in self.controls["mask"].options:
+            self.controls["mask"].options = MASKS + ["custom"]
+
+    def _config(self) -> dict:
+        return {name: w.value for name, w in self.controls.items()}
+
+    def _mask_grid(self, cfg, Tr, Tc):
+        name = cfg["mask"]
+        if name == "none":
+            return None
+        if name == "custom":
+            if self._custom_mask is None or self._custom_mask.shape != (Tr, Tc):
+                raise ValueError(f"the custom block mask has shape "
+                                 f"{None if self._custom_mask is None else self._custom_mask.shape},"
+                                 f" this tiling needs (Tr, Tc) = {(Tr, Tc)}")
+            return self._custom_mask
+        mask = presets.make(name, (cfg["Nq"], cfg["Nk"]), (cfg["Br"], cfg["Bc"]), window=1,
+                            stride=3, density=0.35, seed=self.seed)
+        return mask.blocks[0, 0]
+
+    def _on_config(self, change):
+        if not self._holding:
+            self._run()
+
+    def _on_row(self, change):
+        self._row_stats()
+        self._show()
+        self.chart.value = run_chart(self.timeline, self.row_stats)
+
+    def _run(self):
+        """Trace a fresh run of flash_forward with the controls' configuration."""
+        cfg = self._config()
+        Nq, Nk, d, Br, Bc = (cfg[k] for k in ("Nq", "Nk", "d", "Br", "Bc"))
+        Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
+        try:
+            if Tr * Tc > MAX_STEPS:
+                raise ValueError(f"{Tr} x {Tc} = {Tr * Tc} tile pairs: too many to step through "
+                                 f"(at most {MAX_STEPS}); use larger tiles or shorter sequences")
+            blocks = self._mask_grid(cfg, Tr, Tc)
+        except ValueError as exc:
+            self.status.value = f"<span style='color:#c00'>{html.escape(str(exc))}</span>"
+            return
+        rng = np.random.default_rng(self.seed)
+        self.Q, self.K, self.V = (rng.standard_normal((n, d)).astype(np.float32)
+                                  for n in (Nq, Nk, Nk))
+        self.scale = 1.0 / math.sqrt(d)
+        self.block_mask = blocks
+        self.trace = Trace()
+        self.O, self.L = flash_forward(self.Q, self.K, self.V, Br, Bc, cfg["causal"], self.scale,
+                                       order=cfg["order"], block_mask=blocks, trace=self.trace)
+        self.timeline = timeline.build(self.trace)
+        self.predicted = io.flash_forward_hbm_bytes(Nq, Nk, d, Br, Bc, order=cfg["order"],
+                                                    causal=cfg["causal"], block_mask=blocks,
+                                                    itemsize=self.Q.itemsize)
+        self.controls["row"].max = Nq - 1
+        self._row_stats()
+        self.play.value = 0
+        self.play.max = self.slider.max = self.done
+        self.position = 0
+        self._show()
+        self.chart.value = run_chart(self.timeline, self.row_stats)
+
+    def _row_stats(self):
+        row = min(self.controls["row"].value, self.Q.shape[0] - 1)
+        self.row_stats = timeline.row_stats(self.trace, self.Q, self.K, row, self.scale,
+                                            self.controls["causal"].value)
+
+    def _show(self):
+        p, tl = self.position, self.timeline
+        s = self.current
+        if s is None:
+            where = f"done: all {tl.done} steps and the final writes"
+        else:
+            what = "computed" if s.computed else "skipped (masked out: nothing loaded)"
+            where = f"step {p + 1} of {tl.done}: tile pair (i={s.i}, j={s.j}) {what}"
+        self.status.value = f"<span class='fe-status'>{where}</span>"
+        self.counters.value = self._counters_html()
+        self.hbm_panel.value = self._hbm_html()
+        self.sram_panel.value = self._sram_html()
+        self.tiles.value = svg(tl, p)
+
+    def _counters_html(self) -> str:
+        read, written = self.bytes_read, self.bytes_written
+        pred = self.predicted
+        check = ""
+        if self.position == self.done:
+            same = (read, written) == (pred["read"], pred["written"])
+            check = (f" &nbsp; {'=' if same else '≠'} flashedu.io.flash_forward_hbm_bytes "
+                     f"({pred['read']:,} / {pred['written']:,}) {'✓' if same else '✗'}")
+        o_read, o_written = self.traffic("O")
+        rs, k = self.row_stats, self.position
+        m, l = rs.m[k], rs.l[k]
+        return (f"HBM read <b class='fe-read'>{read:,} B</b>, written "
+                f"<b class='fe-written'>{written:,} B</b> "
+                f"(of {pred['read']:,} / {pred['written']:,} for the whole run){check}<br>"
+                f"O traffic so far: read {o_read:,} B, written {o_written:,} B &nbsp;|&nbsp; "
+                f"row {rs.row}: m_i = <span class='fe-m'>{m:.4f}</span>, "
+                f"l_i = <span class='fe-l'>{l:.4f}</span> after {rs.tiles_seen[k]} K/V tiles")
+
+    def _hbm_html(self) -> str:
+        moves = self.timeline.transfers_at(self.position)
+        lines = [f"{e.op} {e.name}[{e.tile}] {kib(e.nbytes)}" for e in moves] or ["(none)"]
+        by = self.timeline.traffic_by_tensor(self.position)
+        names = sorted({n for _, n in by}, key="QKVOlmL".find)
+        rows = "".join(f"<tr><td>{n}</td><td>{by.get(('load', n), 0):,}</td>"
+                       f"<td>{by.get(('store', n), 0):,}</td></tr>" for n in names)
+        return ("<b>HBM</b> transfers at this position: " + ", ".join(lines) +
+                "<table><tr><th>tensor</th><th>read B</th><th>written B</th></tr>"
+                f"{rows}</table>")
+
+    def _sram_html(self) -> str:
+        live = self.sram_live
+        rows = "".join(f"<tr><td>{n}</td><td>{'' if t is None else t}</td><td>{b:,}</td></tr>"
+                       for n, (t, b) in live.items())
+        total = sum(b for _, b in live.values())
+        return (f"<b>SRAM</b> live set: {total:,} B (peak of the run "
+                f"{self.trace.peak_sram_bytes():,} B)"
+                "<table><tr><th>buffer</th><th>tile</th><th>bytes</th></tr>"
+                f"{rows}</table>")
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+_narrow = W.Layout(width="150px")

@@ -1,0 +1,111 @@
+"""The stepper's picture: Q, K, V, O, l/m/L and the score grid S as tiles, at one position.
+
+Drawn as inline SVG rather than matplotlib: a step redraws in microseconds instead of a second,
+and a browser test can read the tiles (``rect`` elements carry a class: sram, done, skipped,
+todo, acc). Layout: Q is a column of Tr tiles left of S; K^T and V^T are rows of Tc tiles
+above S; O (and l, m, L) are columns right of S. A tile of an HBM tensor is orange while the
+trace lists it in SRAM; each is annotated with how often it has been read (r) and written (w)
+so far, which is where the two loop orders differ.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .render import COLORS
+from .timeline import Timeline
+
+FILL = {"sram": COLORS["sram"], "done": COLORS["done"], "skipped": COLORS["skipped"],
+        "todo": COLORS["todo"], "acc": COLORS["accumulator"]}
+
+LEGEND = (
+    "<div style='font-size:12px'>"
+    + " ".join(f"<span style='display:inline-block;width:12px;height:12px;background:{FILL[k]};"
+               f"border:1px solid #444;vertical-align:middle'></span> {text} &nbsp;"
+               for k, text in (("sram", "in SRAM now"), ("done", "computed"),
+                               ("skipped", "skipped (masked out)"),
+                               ("acc", "O_i accumulating on chip (FA2)")))
+    + " &nbsp; r/w: times read / written in HBM so far</div>")
+
+
+def _io_counts(tl: Timeline, position: int) -> Counter:
+    """(op, tensor, tile) -> number of transfers so far."""
+    return Counter((e.op, e.name, e.tile) for e, p in zip(tl.trace.events, tl.owner) if p <= position)
+
+
+class _Svg:
+    def __init__(self, unit: float):
+        self.u, self.parts = unit, []
+
+    def tile(self, x, y, w, h, kind, label="", current=False, name=""):
+        u = self.u
+        stroke = "stroke='#000' stroke-width='3'" if current else "stroke='#555' stroke-width='1'"
+        dash = " stroke-dasharray='4 2'" if kind == "acc" else ""
+        self.parts.append(
+            f"<rect class='tile {kind}' data-name='{name}' x='{x * u:.1f}' y='{y * u:.1f}' "
+            f"width='{w * u:.1f}' height='{h * u:.1f}' fill='{FILL[kind]}' {stroke}{dash}/>")
+        if kind == "skipped":  # a cross, so skipped reads without colour too
+            self.parts.append(
+                f"<path d='M{x * u:.1f},{y * u:.1f} l{w * u:.1f},{h * u:.1f} m0,{-h * u:.1f} "
+                f"l{-w * u:.1f},{h * u:.1f}' stroke='#999' stroke-width='1'/>")
+        if label:
+            self.text(x + w / 2, y + h / 2, label, size=min(11, self.u * 0.32))
+
+    def text(self, x, y, s, size=12, bold=False, anchor="middle"):
+        weight = " font-weight='bold'" if bold else ""
+        self.parts.append(f"<text x='{x * self.u:.1f}' y='{y * self.u:.1f}' font-size='{size:.0f}'"
+                          f" text-anchor='{anchor}' dominant-baseline='middle'{weight}>{s}</text>")
+
+    def done(self, width, height) -> str:
+        w, h = width * self.u, height * self.u
+        return (f"<svg class='fe-tiles' xmlns='http://www.w3.org/2000/svg' width='{w:.0f}' "
+                f"height='{h:.0f}' viewBox='0 0 {w:.0f} {h:.0f}' font-family='sans-serif'>"
+                + "".join(self.parts) + "</svg>")
+
+
+def _rw(counts: Counter, name: str, tile: int) -> str:
+    r, w = counts[("load", name, tile)], counts[("store", name, tile)]
+    return " ".join(p for p in (f"r{r}" if r else "", f"w{w}" if w else "") if p)
+
+
+def svg(tl: Timeline, position: int) -> str:
+    """The tile picture of ``tl`` at ``position`` as an SVG string."""
+    info = tl.trace.info
+    Tr, Tc, order = info["Tr"], info["Tc"], info["order"]
+    steps = tl.trace.steps
+    current = steps[position] if position < len(steps) else None
+    live = current.sram if current is not None else {}
+    counts = _io_counts(tl, position)
+    right_cols = ["O", "l", "m", "L"] if order == "kv_outer" else ["O", "L"]
+    width = 1.6 + Tc + 0.4 + 1.25 * len(right_cols) + 0.2
+    height = 2.9 + Tr + 0.8
+    g = _Svg(unit=max(18.0, min(44.0, 620 / width, 460 / height)))
+    x_S, y_S = 1.6, 2.9  # top-left corner of the score grid
+
+    def kind_of(name, tile):
+        return "sram" if name in live and live[name][0] == tile else "todo"
+
+    for name, x in [("Q", 0.2)] + [(n, x_S + Tc + 0.4 + 1.25 * k) for k, n in enumerate(right_cols)]:
+        g.text(x + 0.55, y_S - 0.3, name, bold=True)
+        for i in range(Tr):
+            kind = kind_of(name, i)
+            if name == "O" and order == "q_outer" and current is not None and current.i == i:
+                kind = "acc"  # FA2 keeps O_i on chip until the row of tiles is done
+            g.tile(x, y_S + i, 1.1, 1, kind, _rw(counts, name, i), name=f"{name}{i}")
+    for name, y in (("V", 0.2), ("K", 1.45)):
+        g.text(x_S - 0.2, y + 0.5, name + "ᵀ", bold=True, anchor="end")
+        for j in range(Tc):
+            g.tile(x_S + j, y, 1, 1, kind_of(name, j), _rw(counts, name, j), name=f"{name}{j}")
+    state = {}
+    for s in (steps[:position + 1] if current is not None else steps):
+        state[(s.i, s.j)] = "done" if s.computed else "skipped"
+    for i in range(Tr):
+        for j in range(Tc):
+            kind = state.get((i, j), "todo")
+            now = current is not None and (current.i, current.j) == (i, j)
+            if now and current.computed:
+                kind = "sram"
+            g.tile(x_S + j, y_S + i, 1, 1, kind, "S_ij" if now and current.computed else "",
+                   current=now, name=f"S{i},{j}")
+    g.text(x_S + Tc / 2, y_S + Tr + 0.45, "S = scale · Q Kᵀ, tile by tile (never in HBM)", size=12)
+    return g.done(width, height)

@@ -268,7 +268,7 @@ def _triton_case(label, hint, shape, tiles, causal, scale, kind, seed):
                                                                    scale=scale)
     return Case(label, hint, (q, k, v, causal, scale) + tiles, ("O", "L"), (O, L), naive,
                 inputs=("Q", "K", "V"), dtype=F32, probe=_bounds_probe,
-                floor_scale=10.0 if on_gpu else 1.0)
+                floor_scale=100.0 if on_gpu else 1.0)  # TF32 dots: ~1e-3 relative
 
 
 def _naive_tf32(q, k, v, causal, scale):

@@ -64,4 +64,4 @@ def print_namespace_results(namespace: dict, names) -> None:
     print(RESULTS_MARKER + json.dumps(grade_namespace(namespace, names)))
 
 
-__all__ = ["check", "CheckResult", "CaseResult", "EXERCISES", "NOT_IMPLEMENTED"]
+__all__ = ["EXERCISES", "NOT_IMPLEMENTED", "CaseResult", "CheckResult", "check"]

@@ -15,8 +15,8 @@ order, and the first problem found is the one reported:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 

@@ -10,6 +10,7 @@ tolerance (see :mod:`.compare`).
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 
@@ -81,12 +82,12 @@ def _cast(arrays, dtype):
 _MEMO: dict = {}
 
 
-def _memo(key, compute):
+def _memo(key, compute, *args):
     """compute() once per process: the references of a case never change, and the long
     sequences of the memory cases cost seconds to compute naively. Read-only: the learner is
     only ever given fresh inputs, never these arrays."""
     if key not in _MEMO:
-        _MEMO[key] = tuple(_readonly(x) for x in compute())
+        _MEMO[key] = tuple(_readonly(x) for x in compute(*args))
     return _MEMO[key]
 
 
@@ -114,19 +115,19 @@ def _softmax_inputs():
                      [-1000.0, -1001.0, -1002.0, -1000.5, -1003.0, -1004.0, -1000.2]])
     masked = np.array([[0.5, -np.inf, 1.5, -np.inf, 0.0], [-np.inf] * 5, [2.0, 1.0, -np.inf, 0.0, 3.0]])
     return [
-        ("random, 5 x 7, float64", "The textbook case: exp(x - max) / sum(exp(x - max)) over "
-         "the last axis of each row.", _normal(1, 5, 7)),
+        ("random, 5 x 7, float64", ("The textbook case: exp(x - max) / sum(exp(x - max)) over "
+         "the last axis of each row."), _normal(1, 5, 7)),
         ("random, 4 x 9, float32", H_F32, _normal(2, 4, 9).astype(F32)),
         ("logits in the hundreds (overflow, underflow), float64", H_WIDE, wide),
         ("logits in the hundreds, float32", H_WIDE, wide.astype(F32)),
-        ("1-D input of 6", "Softmax is over the LAST axis, whatever the number of axes: use "
-         "axis=-1 and keepdims=True.", _normal(3, 6)),
-        ("3-D input 2 x 3 x 5", "Softmax is over the LAST axis, whatever the number of axes: "
-         "use axis=-1 and keepdims=True.", _normal(4, 2, 3, 5)),
+        ("1-D input of 6", ("Softmax is over the LAST axis, whatever the number of axes: use "
+         "axis=-1 and keepdims=True."), _normal(3, 6)),
+        ("3-D input 2 x 3 x 5", ("Softmax is over the LAST axis, whatever the number of axes: "
+         "use axis=-1 and keepdims=True."), _normal(4, 2, 3, 5)),
         ("rows of length 1", "A row of a single logit has softmax 1.", _normal(5, 3, 1)),
-        ("-inf entries and a row of all -inf", "A -inf logit (a masked key) gets probability 0. "
-         "A row of only -inf (a query that sees no key) must give zeros, not NaN: its max is "
-         "-inf, so use 0 in its place before exp.", masked),
+        ("-inf entries and a row of all -inf", ("A -inf logit (a masked key) gets probability "
+         "0. A row of only -inf (a query that sees no key) must give zeros, not NaN: its max "
+         "is -inf, so use 0 in its place before exp."), masked),
     ]
 
 
@@ -144,8 +145,8 @@ class _Streamed(np.ndarray):
     block). Arrays computed from it (x - m, exp(x - m), ...) are watched too. Subclassed per
     case: ``block`` and ``whole_rows`` live on the class, shared by all views."""
 
-    block = 0
-    whole_rows: list = []
+    block: ClassVar[int] = 0
+    whole_rows: ClassVar[list] = []
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         cls = type(self)
@@ -267,15 +268,19 @@ def _forward_cases():
     cases = []
     for seed, (label, hint, shape, (Br, Bc), causal, scale, kind, dtype) in enumerate(FORWARD_SPECS):
         (Q, K, V), (q, k, v) = _inputs(shape, kind, dtype, seed)
-        (O, L), naive = _memo(("forward", label), lambda: (
-            reference.naive_attention(Q, K, V, causal=causal, scale=scale),
-            reference.naive_attention(q, k, v, causal=causal, scale=scale)))
+        (O, L), naive = _memo(("forward", label), _forward_refs, Q, K, V, q, k, v, causal, scale)
         cases.append(Case(f"{label}, {np.dtype(dtype).name}" if "float" not in label else label,
                           hint, (q, k, v, Br, Bc, causal, scale), ("O", "L"), (O, L), naive,
                           inputs=("Q", "K", "V"), dtype=dtype, block_q=Br))
     for seed, (label, shape, (Br, Bc), causal) in enumerate(MEMORY_SPECS, start=100):
         cases.append(_forward_memory_case(label, shape, Br, Bc, causal, seed))
     return cases
+
+
+def _forward_refs(Q, K, V, q, k, v, causal, scale):
+    """The float64 reference, and the same formula in the learner's dtype (the tolerance)."""
+    return (reference.naive_attention(Q, K, V, causal=causal, scale=scale),
+            reference.naive_attention(q, k, v, causal=causal, scale=scale))
 
 
 def _forward_memory_case(label, shape, Br, Bc, causal, seed):
@@ -410,7 +415,7 @@ def _element_mask(blocks, Nq, Nk, Br, Bc):
 
 
 def _sparse_case(label, hint, shape, Br, Bc, blocks, scale, dtype, seed, **extra):
-    Nq, Nk, d = shape
+    Nq, Nk, _ = shape
     (Q, K, V), (q, k, v) = _inputs(shape, "normal", dtype, seed)
     blocks = np.asarray(blocks, dtype=bool)
     mask = _element_mask(blocks, Nq, Nk, Br, Bc)
@@ -454,9 +459,10 @@ def _block_sparse_cases():
         _sparse_case("edge tiles, float32", H_SPARSE + " " + H_F32, (37, 45, 8), 8, 16,
                      _sparse_blocks(5, 3, 9, 0, 2), None, F32, 9),
     ]
-    for seed, (label, (Nq, Nk, d), (Br, Bc), causal) in enumerate(MEMORY_SPECS, start=300):
+    for seed, (label, shape, (Br, Bc), causal) in enumerate(MEMORY_SPECS, start=300):
         if causal:
             continue  # block-sparse has no causal flag: the other two cases
+        Nq, Nk, d = shape
         Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
         band = np.abs(np.subtract.outer(np.arange(Tr), np.arange(Tc))) <= 2  # a sliding window
         band[:, -1] = True  # and one global key tile, so that the long-K case has two per row

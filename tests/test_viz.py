@@ -130,6 +130,7 @@ def test_editor_toggles_change_density():
     assert e.density == pytest.approx(36 / 64) and e.block_mask.is_causal
     e.toggle(0, 7)
     assert e.density == pytest.approx(37 / 64) and e.blocks[0, 7]
+    assert "fe-on" in e.buttons[0][7]._dom_classes  # coloured as kept
     assert "0.578" in e.info.value
     e.buttons[0][7].value = False  # what a click in the browser does
     assert e.density == pytest.approx(36 / 64)

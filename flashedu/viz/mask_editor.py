@@ -20,7 +20,9 @@ from ..masks import BlockMask
 from . import block_sparse, presets
 from .render import kib
 
-ON, OFF = "#f28e2b", "#eeeeee"
+# ToggleButton has no colour style: a kept tile gets the class fe-on, coloured by this sheet.
+TILE_CSS = ("<style>.fe-tile { background-color: #eeeeee; } "
+            ".fe-tile.fe-on { background-color: #f28e2b !important; }</style>")
 CAUSAL_PRESETS = {"causal", "sliding window", "strided"}
 
 
@@ -51,7 +53,8 @@ class BlockMaskEditor:
         self.run_button.on_click(lambda _: self.run())
         self.run_output = W.HTML()
         self.widget = W.VBox([
-            W.HTML("<b>Block-sparse mask</b>: click tiles (rows: Q tiles i, columns: K/V tiles j)"),
+            W.HTML(TILE_CSS + "<b>Block-sparse mask</b>: click tiles (rows: Q tiles i, "
+                   "columns: K/V tiles j; orange: computed, grey: skipped)"),
             W.HBox([c["tiles"], c["preset"], c["causal"]]),
             W.HBox([c["window"], c["stride"]]), W.HBox([c["density"], c["seed"]]),
             W.HBox([self.grid, W.VBox([c["gpu"], self.info],
@@ -144,12 +147,11 @@ class BlockMaskEditor:
             for i, row in enumerate(self.buttons):
                 for j, b in enumerate(row):
                     b.value = bool(blocks[i, j])
-                    b.style.button_color = ON if b.value else OFF
         finally:
             self._holding = False
 
     def _on_toggle(self, change):
-        change.owner.style.button_color = ON if change.new else OFF
+        (change.owner.add_class if change.new else change.owner.remove_class)("fe-on")
         if not self._holding:
             self._update()
 

@@ -23,7 +23,7 @@ from .render import kib
 from .charts import run_chart
 from .tile_grid import LEGEND, svg
 
-ORDERS = {"FA1: K/V outer (paper's Algorithm 1)": "kv_outer", "FA2: Q outer": "q_outer"}
+ORDERS = {"FA1: K/V outer (Algorithm 1)": "kv_outer", "FA2: Q outer": "q_outer"}
 MASKS = ["none", "sliding window", "strided", "random", "BigBird"]
 TILE_SIZES = [4, 8, 16, 32, 64]
 MAX_STEPS = 400  # beyond this the grid is unreadable and each frame slow

@@ -79,28 +79,31 @@ def lab(tmp_path):
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
                JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
-    log = open(tmp_path / "lab.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
-         "--ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", "--allow-root"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("jupyter lab did not start:\n"
-                                       + (tmp_path / "lab.log").read_text()[-3000:]) from None
-                time.sleep(0.5)
-        yield url, token
-    finally:
-        _stop(proc)
-        log.close()
+    with open(tmp_path / "lab.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
+             "--ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+             "--LabApp.expose_app_in_browser=True", "--allow-root"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_until_up(proc, url, token, tmp_path / "lab.log")
+            yield url, token
+        finally:
+            _stop(proc)
+
+
+def _wait_until_up(proc, url, token, log_path, timeout=60):
+    deadline = time.time() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            return
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("jupyter lab did not start:\n"
+                                   + log_path.read_text()[-3000:]) from None
+            time.sleep(0.5)
 
 
 def _stop(proc):

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from flashedu import io  # noqa: E402
-from flashedu.masks import BlockMask  # noqa: E402
-from flashedu.viz import BlockMaskEditor, SRAMOccupancy, TileLoopStepper, presets  # noqa: E402
-from flashedu.viz.block_sparse import predict, scaled  # noqa: E402
+from flashedu import io
+from flashedu.masks import BlockMask
+from flashedu.viz import BlockMaskEditor, SRAMOccupancy, TileLoopStepper, presets
+from flashedu.viz.block_sparse import predict, scaled
 
 
 @pytest.fixture(scope="module")

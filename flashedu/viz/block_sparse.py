@@ -53,6 +53,7 @@ def cpu_check(mask: BlockMask, d: int = 32, backends=("numpy", "triton")) -> lis
     import torch
 
     import flashedu
+
     from ..reference import reference_attention
 
     Nq, Nk = mask.seq_lens
@@ -90,8 +91,8 @@ def gpu_bench(mask: BlockMask, N: int = 8192, d: int = 64, heads: int = 16) -> d
 
     big = scaled(mask, N)
     q, k, v = _qkv(big.seq_lens[0], d, heads, torch.float16, "cuda")
-    sparse = lambda: flashedu.attention(q, k, v, block_mask=big, backend="triton")  # noqa: E731
-    dense = lambda: flashedu.attention(q, k, v, backend="triton")  # noqa: E731
+    sparse = lambda: flashedu.attention(q, k, v, block_mask=big, backend="triton")
+    dense = lambda: flashedu.attention(q, k, v, backend="triton")
     from ..reference import naive_attention_torch
 
     err = float((sparse().float() - naive_attention_torch(

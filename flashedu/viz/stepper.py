@@ -19,8 +19,8 @@ from ..masks import BlockMask
 from ..tiled import flash_forward
 from ..trace import Trace
 from . import presets, timeline
-from .render import kib
 from .charts import run_chart
+from .render import kib
 from .tile_grid import LEGEND, svg
 
 ORDERS = {"FA1: K/V outer (Algorithm 1)": "kv_outer", "FA2: Q outer": "q_outer"}

@@ -168,6 +168,8 @@ def _check_mask_editor(page, expect):
     expect(density).to_have_text("0.583")  # causal preset on 6 x 6 tiles: 21 of 36
     editor.locator(".fe-tile").nth(5).click()  # tile (0, 5): above the diagonal, off
     expect(density).to_have_text("0.611")  # 22 of 36
+    editor.get_by_role("button", name="check on CPU").click()  # numpy + Triton interpreter
+    expect(editor.locator(".fe-run")).to_contain_text("numpy: matches", timeout=90_000)
     editor.scroll_into_view_if_needed()
     editor.screenshot(path=ARTIFACTS / "mask_editor.png")
 

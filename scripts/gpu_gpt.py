@@ -165,7 +165,7 @@ def print_table(results, seq_lens, methods):
 def environment(args) -> dict:
     props = torch.cuda.get_device_properties(0)
     return {"device": f"{props.name}, {props.total_memory / 2**30:.0f} GiB",
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": args.commit, "command": "PYTHONPATH=$PWD python3 " + " ".join(sys.argv),
             "python": platform.python_version(), "torch": torch.__version__,
             "triton": _version("triton"), "tokens_per_step": args.tokens_per_step,

@@ -1,5 +1,6 @@
 """flashedu.models: the GPT config, the model on every attention backend, the training loop."""
 
+import itertools
 import math
 import shutil
 
@@ -7,17 +8,26 @@ import pytest
 import torch
 
 import flashedu
-from flashedu.models import GPT, GPTConfig, Trainer, TrainSettings, lr_factor, plot_history, tiny_config
+from flashedu.models import (
+    GPT,
+    GPTConfig,
+    Trainer,
+    TrainSettings,
+    lr_factor,
+    plot_history,
+    tiny_config,
+)
 from flashedu.models import data as text
 from flashedu.models.train import main
 
 # The seed's GPT3Config, field by field (device is 'cuda' if available else 'cpu').
-SEED_DEFAULTS = dict(
-    vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072, dropout=0.1,
-    max_seq_len=512, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=1000,
-    lr_decay="cosine", block_size=128, use_flash_attention=True, activation="gelu",
-    initializer_range=0.02, gradient_accumulation_steps=16, mixed_precision=True,
-    compile_model=True, epochs=5)
+SEED_DEFAULTS = {
+    "vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "d_ff": 3072,
+    "dropout": 0.1, "max_seq_len": 512, "lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8,
+    "weight_decay": 0.0, "warmup_steps": 1000, "lr_decay": "cosine", "block_size": 128,
+    "use_flash_attention": True, "activation": "gelu", "initializer_range": 0.02,
+    "gradient_accumulation_steps": 16, "mixed_precision": True, "compile_model": True,
+    "epochs": 5}
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +41,8 @@ def _one_thread():
 
 def micro_config(**overrides):
     """Smaller than tiny_config: fast enough for the Triton interpreter."""
-    fields = dict(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=48, dropout=0.0)
+    fields = {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 48,
+              "dropout": 0.0}
     return tiny_config(**{**fields, **overrides})
 
 
@@ -157,7 +168,7 @@ def test_lr_schedule_warmup_then_cosine():
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # linear warmup
     assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.55)  # cosine midpoint
     assert f[110] == pytest.approx(0.1) and f[119] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert all(a >= b for a, b in itertools.pairwise(f[10:]))  # decays after warmup
     assert lr_factor(60, 10, 110, "linear", 0.1) == pytest.approx(0.55)
 
 
@@ -176,7 +187,7 @@ def test_resume_continues_bit_identically(tmp_path):
     """Checkpoint at step 4 of 8, resume in a fresh trainer: the same losses, bit for bit."""
     config = micro_config(dropout=0.1, gradient_accumulation_steps=2, warmup_steps=3)
     ckpt = tmp_path / "ckpt.pt"
-    settings = dict(batch_size=2, seq_len=32, max_steps=8, progress=False)
+    settings = {"batch_size": 2, "seq_len": 32, "max_steps": 8, "progress": False}
     straight = Trainer(config, TrainSettings(checkpoint_path=str(ckpt), checkpoint_every=4, **settings))
     straight.fit(until=4)
     shutil.copy(ckpt, tmp_path / "step4.pt")  # the run saves again at step 8, over ckpt

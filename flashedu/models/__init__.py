@@ -14,5 +14,5 @@ from .config import ATTENTION_BACKENDS, GPTConfig
 from .gpt import GPT
 from .train import Trainer, TrainSettings, lr_factor, plot_history, tiny_config
 
-__all__ = ["GPTConfig", "GPT", "Trainer", "TrainSettings", "tiny_config", "lr_factor",
-           "plot_history", "ATTENTION_BACKENDS"]
+__all__ = ["ATTENTION_BACKENDS", "GPT", "GPTConfig", "TrainSettings", "Trainer", "lr_factor",
+           "plot_history", "tiny_config"]

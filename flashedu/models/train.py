@@ -53,10 +53,10 @@ class TrainSettings:
 
 def tiny_config(**overrides) -> GPTConfig:
     """A model small enough to train on a laptop CPU in seconds (byte vocabulary)."""
-    fields = dict(vocab_size=text.VOCAB_SIZE, d_model=64, n_layers=2, n_heads=4, d_ff=256,
-                  max_seq_len=64, dropout=0.0, lr=3e-3, warmup_steps=20, weight_decay=0.01,
-                  gradient_accumulation_steps=1, mixed_precision=False, compile_model=False,
-                  device="cpu", epochs=1, attention_backend="naive")
+    fields = {"vocab_size": text.VOCAB_SIZE, "d_model": 64, "n_layers": 2, "n_heads": 4,
+              "d_ff": 256, "max_seq_len": 64, "dropout": 0.0, "lr": 3e-3, "warmup_steps": 20,
+              "weight_decay": 0.01, "gradient_accumulation_steps": 1, "mixed_precision": False,
+              "compile_model": False, "device": "cpu", "epochs": 1, "attention_backend": "naive"}
     fields.update(overrides)
     return GPTConfig(**fields)
 
@@ -288,7 +288,7 @@ def parse_args(argv):
 
 
 def build_trainer(args) -> Trainer:
-    common = dict(checkpoint_path=args.checkpoint, progress=not args.no_progress)
+    common = {"checkpoint_path": args.checkpoint, "progress": not args.no_progress}
     if args.resume:
         # A new --steps moves the end of the cosine schedule: the run is then no longer the
         # uninterrupted one, but a longer (or shorter) one.

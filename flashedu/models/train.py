@@ -52,9 +52,13 @@ class TrainSettings:
 
 
 def tiny_config(**overrides) -> GPTConfig:
-    """A model small enough to train on a laptop CPU in seconds (byte vocabulary)."""
+    """A model small enough to train on a laptop CPU in seconds (byte vocabulary).
+
+    lr 2e-3: at 3e-3 the loss of this model jumps from 3.3 to 7.4 for one step at the end of
+    warmup (the same on CPU and GPU, every backend), then recovers.
+    """
     fields = {"vocab_size": text.VOCAB_SIZE, "d_model": 64, "n_layers": 2, "n_heads": 4,
-              "d_ff": 256, "max_seq_len": 64, "dropout": 0.0, "lr": 3e-3, "warmup_steps": 20,
+              "d_ff": 256, "max_seq_len": 64, "dropout": 0.0, "lr": 2e-3, "warmup_steps": 20,
               "weight_decay": 0.01, "gradient_accumulation_steps": 1, "mixed_precision": False,
               "compile_model": False, "device": "cpu", "epochs": 1, "attention_backend": "naive"}
     fields.update(overrides)
@@ -270,7 +274,7 @@ def parse_args(argv):
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--dropout", type=float, default=0.0)

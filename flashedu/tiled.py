@@ -132,7 +132,7 @@ def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
 
 def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr):
     """FlashAttention-2 order: one Q tile stays in SRAM while all K/V tiles stream past."""
-    (Nq, d), Nk = Q.shape, K.shape[0]
+    Nq, Nk = Q.shape[0], K.shape[0]
     O = np.empty_like(Q)
     L = np.empty(Nq, dtype=Q.dtype)
     for i in range(math.ceil(Nq / Br)):
@@ -170,7 +170,7 @@ def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr):
 
 def _forward_kv_outer(Q, K, V, Br, Bc, scale, mask, tr):
     """The paper's Algorithm 1: K_j, V_j loaded once; O_i, l_i, m_i updated in HBM each pass."""
-    (Nq, d), Nk = Q.shape, K.shape[0]
+    Nq, Nk = Q.shape[0], K.shape[0]
     O = np.zeros_like(Q)  # line 2: O, l, m initialized in HBM
     l = np.zeros(Nq, dtype=Q.dtype)
     m = np.full(Nq, -np.inf, dtype=Q.dtype)

@@ -28,7 +28,8 @@ class Event:
     name: str  # the HBM tensor: "Q", "K", "V", "O", "l", "m", "L", "dO", "D", "dQ", "dK", "dV"
     tile: int  # tile index along the tensor's sequence axis (row block)
     nbytes: int
-    step: int  # index into Trace.steps of the step this transfer belongs to (-1: before any)
+    step: int  # len(Trace.steps) when recorded: loads carry the step they feed, stores made
+    # right after step k carry k + 1 (flashedu.viz.timeline assigns each to its owner step)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class Trace:
         return dict(totals)
 
     def totals_until(self, step: int) -> tuple[int, int]:
-        """(bytes read, bytes written) by the end of step index ``step`` (inclusive)."""
+        """(bytes read, bytes written) of the events whose ``Event.step`` <= ``step``."""
         read = sum(e.nbytes for e in self.events if e.op == "load" and e.step <= step)
         written = sum(e.nbytes for e in self.events if e.op == "store" and e.step <= step)
         return read, written

@@ -155,7 +155,7 @@ def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr):
             l_i = alpha * l_i + P_ij.sum(axis=1)
             O_i = alpha[:, None] * O_i + P_ij @ V_j
             m_i = m_new
-            tr.compute(i, j, S_ij=S_ij)
+            tr.compute(i, j, S_ij=S_ij, O_i=O_i, l_i=l_i, m_i=m_i)  # all on chip, never in HBM
         seen = l_i > 0  # False only for a row that sees no key at all
         O_i = O_i / np.where(seen, l_i, 1)[:, None]
         with np.errstate(divide="ignore"):

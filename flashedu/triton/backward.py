@@ -1,13 +1,15 @@
-"""FlashAttention backward in Triton: three kernels, no atomics, deterministic.
+"""FlashAttention backward in Triton: a preprocess and one backward kernel, no atomics, deterministic.
 
 The same recomputation as ``flashedu.tiled.flash_backward``: P_ij is rebuilt from the saved
 logsumexp L_i (P_ij = exp2(S_ij - L_i) in the forward's base-2 scale), never stored.
 
 1. ``preprocess_kernel``: D_i = rowsum(dO_i * O_i), one float per query row.
-2. ``dkdv_kernel``: one program per K/V tile j (and batch, K/V head). dK_j and dV_j live in
-   registers while every Q tile i that sees tile j streams past; with grouped-query attention
-   the program also walks the query heads of its group, so each dK_j, dV_j has one writer.
-3. ``dq_kernel``: one program per Q tile i, streaming K/V tiles exactly like the forward.
+2. ``backward_kernel`` holds two kinds of program (one launch for both, or one launch each):
+   - dK/dV (``_dkdv_program``): one per K/V tile j (and batch, K/V head). dK_j and dV_j live
+     in registers while every Q tile i that sees tile j streams past; with grouped-query
+     attention the program also walks the query heads of its group, so each dK_j, dV_j has
+     one writer.
+   - dQ (``_dq_program``): one per Q tile i, streaming K/V tiles exactly like the forward.
 
 Why dQ is a separate pass: in the K/V-outer loop every program would add into every dQ_i,
 which needs atomic adds (nondeterministic order, so bit-different results run to run). Giving
@@ -43,10 +45,11 @@ def preprocess_kernel(O, dO, D, stride_ob, stride_oh, stride_on, stride_db, stri
 
 
 @triton.jit
-def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn, stride_dn,
-               start_m, cols, dims, Nq, d, qk_scale, Br: tl.constexpr, IS_CAUSAL: tl.constexpr,
-               MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-               UPCAST: tl.constexpr):
+def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, dQ_head, stride_qn,
+               stride_dn, stride_dqn, start_m, cols, dims, Nq, d, qk_scale, scale,
+               Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+               DQ_ATOMIC: tl.constexpr):
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
     products land directly in dK_j and dV_j."""
     rows = start_m + tl.arange(0, Br)
@@ -74,24 +77,26 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     dK_j += tl.dot(dS_ijT.to(Q_i.dtype), Q_i, input_precision=DOT_PREC)
+    if DQ_ATOMIC:  # the design we did not choose (notebook 10): add dS_ij K_j straight into dQ
+        dQ_part = tl.dot(tl.trans(dS_ijT).to(K_j.dtype), K_j, input_precision=DOT_PREC)
+        tl.atomic_add(dQ_head + rows[:, None] * stride_dqn + dims[None, :], dQ_part * scale,
+                      mask=row_ok & dim_ok)
     return dK_j, dV_j
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_IDX, qk_scale, scale,
-                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
-                H, Hkv, GROUP, Nq, Nk, d,
-                Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
-                   EVEN_D: tl.constexpr,
-                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    j = tl.program_id(0)  # which K/V tile
-    bh_kv = tl.program_id(1)
-    b = bh_kv // Hkv
-    h_kv = bh_kv % Hkv
+def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, qk_scale, scale,
+                  stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                  stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                  stride_dqb, stride_dqh, stride_dqn,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                  stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
+                  H, GROUP, Nq, Nk, d,
+                  Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                  DQ_ATOMIC: tl.constexpr):
+    """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
     col_ok = cols[:, None] < Nk
@@ -118,6 +123,7 @@ def dkdv_kernel(Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_IDX, qk_scale, scale,
         h = h_kv * GROUP + g
         Q_head = Q + b * stride_qb + h * stride_qh
         dO_head = dO + b * stride_db + h * stride_dh
+        dQ_head = dQ + b * stride_dqb + h * stride_dqh
         L_head = L + (b * H + h) * Nq
         D_head = D + (b * H + h) * Nq
         if SPARSE:
@@ -126,22 +132,25 @@ def dkdv_kernel(Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_IDX, qk_scale, scale,
             for t in range(0, num):
                 i = tl.load(idx_row + t)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, SPARSE_MASK, EVEN_D, DOT_PREC,
-                                        UPCAST)
+                                        dQ_head, stride_qn, stride_dn, stride_dqn, i * Br, cols,
+                                        dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL,
+                                        SPARSE_MASK, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
         else:
             for start_m in range(lo, diag_end, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+                                        dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
+                                        cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, True,
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
             for start_m in range(diag_end, full_end, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST)
+                                        dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
+                                        cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, False,
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
             for start_m in range(tl.maximum(diag_end, full_end), Nq, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+                                        dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
+                                        cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, True,
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
     out_ok = col_ok & dim_ok
     tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
              (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
@@ -179,20 +188,16 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
 
 
 @triton.jit
-def dq_kernel(Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
-              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
-              stride_dqb, stride_dqh, stride_dqn,
-              stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
-              H, GROUP, Nq, Nk, d,
-              Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
-                   EVEN_D: tl.constexpr,
-              DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    i = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
+                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                stride_dqb, stride_dqh, stride_dqn,
+                stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
+                H, GROUP, Nq, Nk, d,
+                Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
     dims = tl.arange(0, HEAD_DIM)
@@ -205,6 +210,7 @@ def dq_kernel(Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
     if UPCAST:
         Q_i = Q_i.to(tl.float32)
         dO_i = dO_i.to(tl.float32)
+    bh = b * H + h
     L_i = tl.load(L + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
     D_i = tl.load(D + bh * Nq + rows, mask=rows < Nq, other=0.0)
     K_head = K + b * stride_kb + h_kv * stride_kh
@@ -237,41 +243,106 @@ def dq_kernel(Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
 
 
-def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted):
-    """Launch the three kernels; returns (dQ, dK, dV) in the inputs' dtype."""
+@triton.jit
+def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, KV_NUM, KV_IDX, qk_scale, scale,
+                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                    stride_dqb, stride_dqh, stride_dqn,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                    stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
+                    stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh, stride_kvidxr,
+                    H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr,
+                    Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
+                    SPARSE_MASK1: tl.constexpr, SPARSE_MASK2: tl.constexpr,
+                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                    DKDV: tl.constexpr, DQ: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
+    programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
+    One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
+    kind gets its own launch, tiles and warps (``first_pid`` then says where a launch starts)."""
+    pid = first_pid + tl.program_id(0)
+    bh_kv = tl.program_id(1)
+    b = bh_kv // Hkv
+    h_kv = bh_kv % Hkv
+    if DKDV:
+        if pid < Tc:
+            _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, qk_scale,
+                          scale, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
+                          stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh,
+                          stride_dn, stride_dqb, stride_dqh, stride_dqn,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                          stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
+                          H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
+                          SPARSE_MASK1, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+    if DQ:
+        if pid >= Tc:
+            q_pid = pid - Tc
+            h = h_kv * GROUP + q_pid // Tr
+            _dq_program(q_pid % Tr, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
+                        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                        stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                        stride_dqb, stride_dqh, stride_dqn,
+                        stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
+                        stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
+                        SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC, UPCAST)
+
+
+def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
+             dq_atomic=False):
+    """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype.
+
+    ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
+    tiles' warps and stages); otherwise two launches, each with its own. ``dq_atomic`` is the
+    alternative design that notebook 10 measures: no dQ pass, the dK/dV programs add into dQ
+    with atomics (nondeterministic summation order)."""
     import torch
 
     from .config import padded_head_dim
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    GROUP = H // Hkv
     HEAD_DIM = padded_head_dim(d)
-    common = dict(HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, SPARSE=block_mask is not None,
-                  EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
-                  UPCAST=interpreted and q.dtype != torch.float32)
     qk_scale = scale * LOG2E
 
+    if is_causal and config.causal_backward is not None:
+        config = config.causal_backward
     D = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     rows = config.preprocess_rows
     preprocess_kernel[(math.ceil(Nq / rows), B * H)](
         o, do, D, *o.stride()[:3], *do.stride()[:3], H, Nq, d, ROWS=rows, HEAD_DIM=HEAD_DIM)
 
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    t = config.dkdv
-    num, idx, idx_strides = _lists(block_mask, t.Br, t.Bc, True, q.device)
-    dkdv_kernel[(math.ceil(Nk / t.Bc), B * Hkv)](
-        q, k, v, do, lse2, D, dk, dv, num, idx, qk_scale, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3], *idx_strides, H, Hkv, H // Hkv, Nq, Nk, d,
-        Br=t.Br, Bc=t.Bc, SPARSE_MASK=needs_mask(is_causal, Nq, Nk, t.Br, t.Bc), **common, **({} if interpreted else t.launch()))
+    t1, t2 = config.dkdv, config.dq
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else \
+        torch.empty_like(q)
+    q_num, q_idx, q_strides = _lists(block_mask, t1.Br, t1.Bc, True, q.device)
+    kv_num, kv_idx, kv_strides = _lists(block_mask, t2.Br, t2.Bc, False, q.device)
+    Tc, Tr = math.ceil(Nk / t1.Bc), math.ceil(Nq / t2.Br)
+    args = (q, k, v, do, lse2, D, dq, dk, dv, q_num, q_idx, kv_num, kv_idx, qk_scale, scale,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+            *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *q_strides, *kv_strides,
+            H, Hkv, GROUP, Nq, Nk, d)
+    common = dict(Br1=t1.Br, Bc1=t1.Bc, Br2=t2.Br, Bc2=t2.Bc, HEAD_DIM=HEAD_DIM,
+                  IS_CAUSAL=is_causal, SPARSE=block_mask is not None,
+                  SPARSE_MASK1=needs_mask(is_causal, Nq, Nk, t1.Br, t1.Bc),
+                  SPARSE_MASK2=needs_mask(is_causal, Nq, Nk, t2.Br, t2.Bc),
+                  EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
+                  UPCAST=interpreted and q.dtype != torch.float32, DQ_ATOMIC=dq_atomic)
 
-    t = config.dq
-    num, idx, idx_strides = _lists(block_mask, t.Br, t.Bc, False, q.device)
-    dq_kernel[(math.ceil(Nq / t.Br), B * H)](
-        q, k, v, do, lse2, D, dq, num, idx, qk_scale, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        *idx_strides, H, H // Hkv, Nq, Nk, d,
-        Br=t.Br, Bc=t.Bc, SPARSE_MASK=needs_mask(is_causal, Nq, Nk, t.Br, t.Bc), **common, **({} if interpreted else t.launch()))
+    def launch(first_pid, programs, tiles, **parts):
+        backward_kernel[(programs, B * Hkv)](*args, first_pid, Tc, Tr, **common, **parts,
+                                             **({} if interpreted else tiles.launch()))
+
+    if dq_atomic:
+        launch(0, Tc, t1, DKDV=True, DQ=False)
+        return dq.to(q.dtype), dk, dv
+    if config.fused_backward:
+        launch(0, Tc + GROUP * Tr, t1, DKDV=True, DQ=True)
+    else:
+        launch(0, Tc, t1, DKDV=True, DQ=False)
+        launch(Tc, GROUP * Tr, t2, DKDV=False, DQ=True)
     return dq, dk, dv
 
 

@@ -33,27 +33,46 @@ class KernelConfig:
     dkdv: Tiles  # backward, one program per K/V tile: Bc is its own tile, Br the Q tiles it visits
     dq: Tiles  # backward, one program per Q tile, like the forward
     preprocess_rows: int = 64  # rows of the D = rowsum(dO * O) kernel
+    # dK/dV and dQ programs in one launch (FlexAttention's layout; they then share the dK/dV
+    # tiles' warps and stages) or one launch each (each with its own warps and stages).
+    # True is the default because it is what the d=128 entry measured best (issue 8); the
+    # tables below say False where the two launches were measured faster or never compared.
+    fused_backward: bool = True
+    # Where causal attention's backward measured faster with other settings: used instead.
+    causal_backward: "KernelConfig | None" = None
 
 
 INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 
 # H100 (sm_90), 16-bit inputs, keyed by padded head dim: the fastest of scripts/gpu_triton_tune.py
-# at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not.
+# at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not. d=128's backward:
+# scripts/gpu_triton_speed.py (docs/bench/speed.md): one fused launch, 2 stages, 419 TFLOPs
+# against 382-392 for the two launches with 3 stages; at d=64, and causal, it was not faster.
 GPU_16BIT = {
-    16: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3)),
-    32: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3)),
-    64: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3)),
-    128: KernelConfig(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3)),
-    256: KernelConfig(Tiles(128, 32, 8, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),  # untuned
+    16: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
+                     fused_backward=False),
+    32: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
+                     fused_backward=False),
+    64: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
+                     fused_backward=False),
+    128: KernelConfig(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2),
+                      fused_backward=True,
+                      # causal: the fused launch was 4-12% slower (speed.md): the two launches
+                      causal_backward=KernelConfig(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 3),
+                                                   Tiles(128, 64, 8, 3), fused_backward=False)),
+    256: KernelConfig(Tiles(128, 32, 8, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2),
+                      fused_backward=False),  # untuned
 }
 
 # fp32 tiles take twice the shared memory: halve them.
 GPU_FP32 = {
-    16: KernelConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
-    32: KernelConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
-    64: KernelConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
-    128: KernelConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
-    256: KernelConfig(Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(32, 16, 4, 1)),
+    dim: KernelConfig(*tiles, fused_backward=False) for dim, tiles in {
+        16: (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+        32: (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+        64: (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+        128: (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+        256: (Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(32, 16, 4, 1)),
+    }.items()
 }
 
 

@@ -41,7 +41,8 @@ def load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.const
 @triton.jit
 def _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n, rows, dims,
                   Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                  NATURAL_EXP: tl.constexpr):
     """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j."""
     cols = start_n + tl.arange(0, Bc)
     row_ok = cols[:, None] < Nk
@@ -64,8 +65,12 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, star
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    P_ij = tl.math.exp2(S_ij - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
+    if NATURAL_EXP:  # the slower form that notebook 10 measures: exp of natural-log scores
+        P_ij = tl.exp(S_ij - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+    else:
+        P_ij = tl.math.exp2(S_ij - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(P_ij, 1)
     O_i = O_i * alpha[:, None] + tl.dot(P_ij.to(V_j.dtype), V_j, input_precision=DOT_PREC)
     return O_i, l_i, m_new
@@ -80,7 +85,8 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
                    EVEN_D: tl.constexpr,
-                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                   NATURAL_EXP: tl.constexpr = False, MASK_EVERY_TILE: tl.constexpr = False):
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
     b = bh // H
@@ -107,7 +113,8 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
             j = tl.load(idx_row + t)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, SPARSE_MASK, EVEN_D, DOT_PREC, UPCAST)
+                                          IS_CAUSAL, SPARSE_MASK, EVEN_D, DOT_PREC, UPCAST,
+                                          NATURAL_EXP)
     else:
         # K/V tiles [0, full_end) are wholly visible: no mask. [full_end, end) are masked:
         # the causal diagonal and the ragged last tile. Tiles past `end` are skipped.
@@ -117,20 +124,28 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
         else:
             end = Nk
             full_end = Nk // Bc * Bc
+        if MASK_EVERY_TILE:  # the slower form that notebook 10 measures: one masked loop
+            full_end = 0
         for start_n in range(0, full_end, Bc):
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
                                           stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST)
+                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                          NATURAL_EXP)
         for start_n in range(full_end, end, Bc):
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
                                           stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST)
+                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
+                                          NATURAL_EXP)
 
     # A row that saw no key (l_i = 0) gets O = 0 and L = +inf, so that the backward's
     # P = exp2(S - L) is 0 there: zero gradients, never NaN.
     seen = l_i > 0
     O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
-    L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    if NATURAL_EXP:  # m_i is in natural-log units there: hand the backward base-2 L_i
+        L_i = tl.where(seen, (m_i + tl.log(tl.where(seen, l_i, 1.0))) * 1.4426950408889634,
+                       float("inf"))
+    else:
+        L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
     tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dims[None, :],
              O_i.to(O.dtype.element_ty), mask=row_ok & dim_ok)
     tl.store(L + bh * Nq + rows, L_i, mask=rows < Nq)
@@ -148,9 +163,13 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
+def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natural_exp=False,
+            mask_every_tile=False):
     """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
-    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key."""
+    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
+
+    ``natural_exp`` and ``mask_every_tile`` switch off one optimization each (exp2 with the
+    scale folded in; the unmasked loop), so that notebook 10 can measure what each one gives."""
     import torch
 
     from . import sparse
@@ -170,12 +189,13 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
 
     grid = (math.ceil(Nq / Br), B * H)
     forward_kernel[grid](
-        q, k, v, o, lse2, num, idx, scale * LOG2E,
+        q, k, v, o, lse2, num, idx, scale if natural_exp else scale * LOG2E,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *idx_strides,
         H, H // Hkv, Nq, Nk, d,
         Br=Br, Bc=Bc, HEAD_DIM=padded_head_dim(d), IS_CAUSAL=is_causal,
         SPARSE=block_mask is not None, SPARSE_MASK=needs_mask(is_causal, Nq, Nk, Br, Bc),
         EVEN_D=padded_head_dim(d) == d,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreted and q.dtype != torch.float32,
+        NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile,
         **({} if interpreted else tiles.launch()))
     return o, lse2

@@ -16,10 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Buffers that live in SRAM for one (i, j) step and never touch HBM.
-SCRATCH = ("S_ij", "P_ij", "dP_ij", "dS_ij")
-
-
 @dataclass(frozen=True)
 class Event:
     """One HBM transfer: ``op`` is "load" (HBM -> SRAM) or "store" (SRAM -> HBM)."""

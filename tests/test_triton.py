@@ -117,3 +117,19 @@ def test_errors():
     bm = flashedu.BlockMask.from_dense(np.ones((1, 1), bool), (8, 8), (8, 8))
     with pytest.raises(ValueError, match="block_mask.block_size"):
         flashedu.attention(q, k, v, block_mask=bm, backend="triton")
+
+
+
+def test_block_mask_keeps_the_tuned_backward_settings(monkeypatch):
+    """Fitting tiles to a mask's block changes tile sizes only, not the tuned launch layout."""
+    from flashedu.triton import autograd, config
+
+    tuned = config.GPU_16BIT[128]
+    monkeypatch.setattr(autograd, "kernel_config", lambda d, is_fp32, interpreted: tuned)
+    mask = flashedu.BlockMask.causal((256, 256), (64, 64))
+    fitted = autograd.resolve_config(128, torch.bfloat16, mask)
+    assert fitted.fused_backward == tuned.fused_backward
+    assert (fitted.causal_backward is None) == (tuned.causal_backward is None)
+    for c in (fitted, fitted.causal_backward or fitted):
+        for t in (c.forward, c.dkdv, c.dq):
+            assert 64 % t.Br == 0 and 64 % t.Bc == 0, t

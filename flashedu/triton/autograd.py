@@ -23,8 +23,13 @@ def resolve_config(d: int, dtype, block_mask) -> KernelConfig:
         Br, Bc = sparse.fit_tiles(block_mask, t.Br, t.Bc)
         return dataclasses.replace(t, Br=Br, Bc=Bc)
 
-    return KernelConfig(fit(config.forward), fit(config.dkdv), fit(config.dq),
-                        config.preprocess_rows)
+    def fit_all(c):  # replace() keeps every other field (fused_backward, ...) as tuned
+        if c is None:
+            return None
+        return dataclasses.replace(c, forward=fit(c.forward), dkdv=fit(c.dkdv), dq=fit(c.dq),
+                                   causal_backward=fit_all(c.causal_backward))
+
+    return fit_all(config)
 
 
 class FlashAttention(torch.autograd.Function):

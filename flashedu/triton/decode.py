@@ -84,11 +84,11 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
     for start_n in range(lo, full_end, Bc):
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
                                       start_n, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
-                                      EVEN_D, DOT_PREC, UPCAST)
+                                      EVEN_D, DOT_PREC, UPCAST, False)
     for start_n in range(full_end, hi, Bc):
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
                                       start_n, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
-                                      EVEN_D, DOT_PREC, UPCAST)
+                                      EVEN_D, DOT_PREC, UPCAST, False)
 
     # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
     # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).

@@ -113,7 +113,6 @@ def _flex():
 
 def make_forward(provider: str, case: Case, q, k, v):
     """A zero-argument function computing the case's attention with ``provider``."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

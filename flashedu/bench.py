@@ -25,7 +25,6 @@ import datetime
 import json
 import math
 import platform
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
@@ -282,11 +281,9 @@ def environment(argv) -> dict:
     import torch
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    from .runtime import git_commit
+
+    commit = git_commit()
     return {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

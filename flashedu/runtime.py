@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import pathlib
 import platform
+import subprocess
 import sys
 import warnings
 
@@ -74,6 +76,21 @@ def kernel_device():
     import torch
 
     return torch.device("cuda") if configure()["gpu"] and not triton_interpreted() else torch.device("cpu")
+
+
+def git_commit(short: bool = True) -> str:
+    """The commit a benchmark record names: ``$GIT_COMMIT`` when set (a copy of the tree without
+    .git, as on the GPU machine, cannot say), else ``git rev-parse`` of this checkout, else
+    "unknown". Never git's own output of a failed call."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    cmd = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                              cwd=pathlib.Path(__file__).resolve().parent)
+    except OSError:
+        return "unknown"
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else "unknown"
 
 
 def _version(dist: str) -> str:

@@ -11,13 +11,13 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import time
 import tracemalloc
 
 import numpy as np
 
 from flashedu import reference, tiled
+from flashedu.runtime import git_commit
 
 
 def _time(fn, repeats):
@@ -68,8 +68,7 @@ def main(argv=None):
         print(f"{r['name']:<24}{r['seconds']:>10.3f}{r['time_ratio']:>9.2f}"
               f"{r['peak_bytes'] / 2**20:>10.1f}{r['memory_ratio']:>9.3f}{r['max_abs_diff_vs_naive']:>12.1e}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
+        commit = git_commit()
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), commit=commit, date=time.strftime("%Y-%m-%d"),
                            cpu=platform.processor() or platform.machine(), rows=rows), f, indent=2)

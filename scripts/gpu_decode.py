@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -24,6 +23,7 @@ import torch
 
 import flashedu
 from flashedu.reference import reference_attention
+from flashedu.runtime import git_commit
 from flashedu.triton.decode import split_kv_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -87,11 +87,7 @@ def environment(device):
     except Exception as e:  # noqa: BLE001
         env["triton"] = f"unavailable: {e}"
     env["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, check=False,
-                                       text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        env["commit"] = "unknown"
+    env["commit"] = git_commit(short=False)
     return env
 
 

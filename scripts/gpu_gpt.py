@@ -48,7 +48,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--n-layers", type=int, default=12, help="12: GPT-2 small (the seed's default)")
     p.add_argument("--out", default="gpt_bench.json")
-    p.add_argument("--commit", default="unknown")
+    p.add_argument("--commit", default=flashedu.runtime.git_commit(short=False),
+                   help="default: $GIT_COMMIT, else this checkout's commit")
     return p.parse_args(argv)
 
 

@@ -286,7 +286,7 @@ def environment():
     info = {"device": props.name, "sms": props.multi_processor_count,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__, "numba": numba.__version__, "python": platform.python_version(),
-            "commit": os.environ.get("GIT_COMMIT", "unknown"), "command": " ".join(sys.argv),
+            "commit": flashedu.runtime.git_commit(), "command": " ".join(sys.argv),
             "tiles_d64": {"Br": tiles.Br, "Bc": tiles.Bc, "TY": tiles.TY, "TX": tiles.TX,
                           "TM": tiles.TM, "TN": tiles.TN},
             "sram_bytes_d64": nk.sram_bytes(tiles, 64)}

@@ -27,7 +27,6 @@ import datetime
 import json
 import platform
 import socket
-import subprocess
 import sys
 import time
 
@@ -263,11 +262,9 @@ def environment(args, world):
            "NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"],
            "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"]}
     env["device"] = "cpu" if args.cpu else torch.cuda.get_device_name(0)
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, check=False,
-                                       text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        env["commit"] = "unknown"
+    from flashedu.runtime import git_commit
+
+    env["commit"] = git_commit(short=False)
     return env
 
 

@@ -47,6 +47,7 @@ sys.path.insert(0, ROOT)
 
 import flashedu  # noqa: E402,F401  (first: it decides whether Triton is interpreted)
 from flashedu import io  # noqa: E402
+from flashedu.runtime import git_commit  # noqa: E402
 
 PROVIDERS = ("naive", "flashedu", "sdpa-flash")
 NCU_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
@@ -819,14 +820,13 @@ def environment(argv: list[str], dry: bool) -> dict:
     import torch
     import triton
 
+    commit = git_commit(short=False)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT, check=False).stdout.strip() or "unknown"
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, cwd=ROOT,
-                                    check=False).stdout.strip())
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, cwd=ROOT, check=False)
+        dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
     except OSError:
-        commit, dirty = "unknown", None
+        dirty = None
     gpu = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name(0) if gpu else f"cpu ({platform.processor() or platform.machine()})",

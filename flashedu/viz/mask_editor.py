@@ -18,6 +18,7 @@ import numpy as np
 from .. import io, runtime
 from ..masks import BlockMask
 from . import block_sparse, presets
+from .controls import set_quietly
 from .render import kib
 
 # ToggleButton has no colour style: a kept tile gets the class fe-on, coloured by this sheet.
@@ -94,14 +95,8 @@ class BlockMaskEditor:
 
     def apply_preset(self, name: str | None = None, **knobs) -> None:
         """Fill the grid with a preset (the dropdown's, or ``name``); ``knobs`` set sliders."""
-        self._holding = True
-        try:
-            if name is not None:
-                self.controls["preset"].value = name
-            for knob, value in knobs.items():
-                self.controls[knob].value = value
-        finally:
-            self._holding = False
+        chosen = [("preset", name)] if name is not None else []
+        set_quietly(self, ((self.controls[k], v) for k, v in [*chosen, *knobs.items()]))
         name = self.controls["preset"].value
         N = self.tiles * self.block
         values = {k: self.controls[k].value for k in ("window", "stride", "density", "seed")}
@@ -142,13 +137,8 @@ class BlockMaskEditor:
         self.apply_preset()
 
     def _set_blocks(self, blocks):
-        self._holding = True
-        try:
-            for i, row in enumerate(self.buttons):
-                for j, b in enumerate(row):
-                    b.value = bool(blocks[i, j])
-        finally:
-            self._holding = False
+        set_quietly(self, ((b, bool(blocks[i, j])) for i, row in enumerate(self.buttons)
+                           for j, b in enumerate(row)))
 
     def _on_toggle(self, change):
         (change.owner.add_class if change.new else change.owner.remove_class)("fe-on")

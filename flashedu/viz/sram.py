@@ -15,6 +15,7 @@ import ipywidgets as W
 
 from .. import io
 from .charts import block_size_effect, sram_bar
+from .controls import set_quietly
 from .render import kib
 
 TILES = [16, 32, 64, 128, 256, 512]
@@ -61,12 +62,7 @@ class SRAMOccupancy:
 
     def configure(self, **values) -> None:
         """Set several controls (keys of ``controls``) and redraw once."""
-        self._holding = True
-        try:
-            for name, value in values.items():
-                self.controls[name].value = value
-        finally:
-            self._holding = False
+        set_quietly(self, ((self.controls[name], value) for name, value in values.items()))
         self._update()
 
     def _update(self):

@@ -20,6 +20,7 @@ from ..tiled import flash_forward
 from ..trace import Trace
 from . import presets, timeline
 from .charts import run_chart
+from .controls import set_quietly
 from .render import kib
 from .tile_grid import LEGEND, svg
 
@@ -107,12 +108,7 @@ class TileLoopStepper:
 
     def configure(self, **values) -> None:
         """Set several controls (keys of ``controls``) and re-run once."""
-        self._holding = True
-        try:
-            for name, value in values.items():
-                self.controls[name].value = value
-        finally:
-            self._holding = False
+        set_quietly(self, ((self.controls[name], value) for name, value in values.items()))
         self._run()
 
     def use_mask(self, block_mask) -> None:

@@ -117,8 +117,20 @@ def flash_memory_elements(N: int, d: int, heads: int = 1) -> int:
 # ----------------------------------------------------------------------------------------
 
 
-def _rows(index: int, size: int, n: int) -> int:
-    return min((index + 1) * size, n) - index * size
+def _tiling(Nq, Nk, Br, Bc, causal, block_mask):
+    """(visited (Tr, Tc) bool, rows of each Q tile, rows of each K/V tile), as the kernels see
+    them: the mask decides which pairs they visit; the last tile of each axis may be short."""
+    Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
+    mask = TileMask(Nq, Nk, Br, Bc, causal, block_mask)
+    visited = np.array([[not mask.skip(i, j) for j in range(Tc)] for i in range(Tr)], dtype=bool)
+    rows = np.minimum(np.arange(1, Tr + 1) * Br, Nq) - np.arange(Tr) * Br
+    cols = np.minimum(np.arange(1, Tc + 1) * Bc, Nk) - np.arange(Tc) * Bc
+    return visited, rows, cols
+
+
+def _bytes(read: int, written: int, itemsize: int) -> dict[str, int]:
+    return {"read": read * itemsize, "written": written * itemsize,
+            "total": (read + written) * itemsize}
 
 
 def flash_forward_hbm_bytes(Nq, Nk, d, Br, Bc, order="q_outer", causal=False,
@@ -126,11 +138,7 @@ def flash_forward_hbm_bytes(Nq, Nk, d, Br, Bc, order="q_outer", causal=False,
     """Bytes read and written by :func:`flashedu.tiled.flash_forward` with this tiling.
 
     Returns {"read": ..., "written": ..., "total": ...}; equals the run's trace exactly."""
-    Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
-    mask = TileMask(Nq, Nk, Br, Bc, causal, block_mask)
-    visited = np.array([[not mask.skip(i, j) for j in range(Tc)] for i in range(Tr)], dtype=bool)
-    rows = np.array([_rows(i, Br, Nq) for i in range(Tr)])
-    cols = np.array([_rows(j, Bc, Nk) for j in range(Tc)])
+    visited, rows, cols = _tiling(Nq, Nk, Br, Bc, causal, block_mask)
     pairs_rows = int((visited * rows[:, None]).sum())  # sum over visited (i, j) of rows_i
     if order == "q_outer":
         read = Nq * d + 2 * d * int((visited * cols[None, :]).sum())  # Q once; K_j, V_j per visit
@@ -141,26 +149,20 @@ def flash_forward_hbm_bytes(Nq, Nk, d, Br, Bc, order="q_outer", causal=False,
         written = pairs_rows * (d + 2) + Nq
     else:
         raise ValueError(f"order must be 'q_outer' or 'kv_outer', got {order!r}")
-    return {"read": read * itemsize, "written": written * itemsize,
-            "total": (read + written) * itemsize}
+    return _bytes(read, written, itemsize)
 
 
 def flash_backward_hbm_bytes(Nq, Nk, d, Br, Bc, causal=False, block_mask=None,
                              itemsize=4) -> dict[str, int]:
     """Bytes read and written by :func:`flashedu.tiled.flash_backward` with this tiling."""
-    Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
-    mask = TileMask(Nq, Nk, Br, Bc, causal, block_mask)
-    visited = np.array([[not mask.skip(i, j) for j in range(Tc)] for i in range(Tr)], dtype=bool)
-    rows = np.array([_rows(i, Br, Nq) for i in range(Tr)])
-    cols = np.array([_rows(j, Bc, Nk) for j in range(Tc)])
+    visited, rows, cols = _tiling(Nq, Nk, Br, Bc, causal, block_mask)
     pairs_rows = int((visited * rows[:, None]).sum())
     kv_loaded = visited.any(axis=0)
     read = (2 * Nq * d  # preprocess: dO, O
             + 2 * d * int(cols[kv_loaded].sum())  # K_j, V_j
             + pairs_rows * (3 * d + 2))  # Q_i, dO_i, dQ_i, L_i, D_i per visited pair
     written = Nq + pairs_rows * d + 2 * Nk * d  # D; dQ_i per visited pair; dK, dV
-    return {"read": read * itemsize, "written": written * itemsize,
-            "total": (read + written) * itemsize}
+    return _bytes(read, written, itemsize)
 
 
 def counted_hbm_bytes(trace) -> dict[str, int]:

@@ -88,6 +88,12 @@ def causal_mask(Nq: int, Nk: int) -> np.ndarray:
     return np.tri(Nq, Nk, dtype=bool)
 
 
+def _visible(shape, causal, mask):
+    """(Nq, Nk) bool of the pairs standard attention keeps: ``mask`` and, if causal, j <= i."""
+    visible = np.ones(shape, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    return visible & causal_mask(*shape) if causal else visible
+
+
 def naive_attention(Q, K, V, causal=False, scale=None, mask=None):
     """Standard attention, materializing S and P. Returns (O, L).
 
@@ -96,10 +102,7 @@ def naive_attention(Q, K, V, causal=False, scale=None, mask=None):
     Q, K, V = (np.asarray(a) for a in (Q, K, V))
     scale = 1.0 / math.sqrt(Q.shape[-1]) if scale is None else scale
     S = scale * (Q @ K.T)  # (Nq, Nk): the matrix FlashAttention never writes to HBM
-    visible = np.ones(S.shape, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
-    if causal:
-        visible = visible & causal_mask(*S.shape)
-    S = np.where(visible, S, -np.inf)
+    S = np.where(_visible(S.shape, causal, mask), S, -np.inf)
     P = safe_softmax(S)
     return P @ V, logsumexp(S).astype(Q.dtype)
 
@@ -109,10 +112,7 @@ def naive_attention_backward(Q, K, V, dO, causal=False, scale=None, mask=None):
     Q, K, V, dO = (np.asarray(a) for a in (Q, K, V, dO))
     scale = 1.0 / math.sqrt(Q.shape[-1]) if scale is None else scale
     S = scale * (Q @ K.T)
-    visible = np.ones(S.shape, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
-    if causal:
-        visible = visible & causal_mask(*S.shape)
-    P = safe_softmax(np.where(visible, S, -np.inf))
+    P = safe_softmax(np.where(_visible(S.shape, causal, mask), S, -np.inf))
     dV = P.T @ dO
     dP = dO @ V.T
     dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))  # softmax Jacobian, row by row

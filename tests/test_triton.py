@@ -6,6 +6,8 @@ Runs through Triton's interpreter on a CPU: small shapes, a few seconds each.
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashedu
 from flashedu.reference import naive_attention_torch, reference_attention
@@ -133,3 +135,30 @@ def test_block_mask_keeps_the_tuned_backward_settings(monkeypatch):
     for c in (fitted, fitted.causal_backward or fitted):
         for t in (c.forward, c.dkdv, c.dq):
             assert 64 % t.Br == 0 and 64 % t.Bc == 0, t
+
+
+@settings(max_examples=60, deadline=None)
+@given(Nq=st.integers(1, 200), Nk=st.integers(1, 200), causal=st.booleans(),
+       transpose=st.booleans(), seed=st.integers(0, 2**16))
+def test_tile_lists_put_the_unmasked_tiles_first(Nq, Nk, causal, transpose, seed):
+    """Per row, the first num_full listed tiles are exactly those whose whole Br x Bc box is
+    visible (inside both sequences, and below the diagonal when causal): the kernels run them
+    without element masks. The rest are the other tiles the mask lists."""
+    from flashedu.triton import sparse
+
+    block, Br, Bc = 32, 32, 16
+    rng = np.random.default_rng(seed)
+    blocks = rng.random((-(-Nq // block), -(-Nk // block))) < 0.6
+    mask = flashedu.BlockMask(blocks, (block, block), (Nq, Nk))
+    num, full, idx = (t.numpy() for t in sparse.tile_lists(mask, Br, Bc, transpose, "cpu",
+                                                           is_causal=causal))
+    listed = sparse.refine(mask, Br, Bc, causal)[0, 0]
+    rows, cols = np.arange(listed.shape[0] * Br)[:, None], np.arange(listed.shape[1] * Bc)[None]
+    visible = (rows < Nq) & (cols < Nk) & ((cols <= rows) | (not causal))
+    whole = visible.reshape(listed.shape[0], Br, listed.shape[1], Bc).all(axis=(1, 3))
+    if transpose:
+        listed, whole = listed.T, whole.T
+    for r in range(listed.shape[0]):
+        n, f, row = num[0, 0, r], full[0, 0, r], idx[0, 0, r]
+        assert sorted(row[:n]) == list(np.flatnonzero(listed[r]))
+        assert set(row[:f]) == set(np.flatnonzero(listed[r] & whole[r]))

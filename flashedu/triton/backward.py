@@ -24,7 +24,7 @@ import math
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, dot_precision, load_tile, needs_mask
+from .forward import LOG2E, dot_precision, load_tile
 
 
 @triton.jit
@@ -85,7 +85,8 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, dQ_head, s
 
 
 @triton.jit
-def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, qk_scale, scale,
+def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, qk_scale,
+                  scale,
                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
                   stride_dqb, stride_dqh, stride_dqn,
@@ -93,7 +94,7 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, qk_sc
                   stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                   H, GROUP, Nq, Nk, d,
                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                   DQ_ATOMIC: tl.constexpr):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
@@ -126,15 +127,22 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, qk_sc
         dQ_head = dQ + b * stride_dqb + h * stride_dqh
         L_head = L + (b * H + h) * Nq
         D_head = D + (b * H + h) * Nq
-        if SPARSE:
+        if SPARSE:  # the listed Q tiles: num_full without element masks, then the rest
             num = tl.load(Q_NUM + b * stride_numb + h * stride_numh + j)
+            num_full = tl.load(Q_FULL + b * stride_numb + h * stride_numh + j)
             idx_row = Q_IDX + b * stride_idxb + h * stride_idxh + j * stride_idxr
-            for t in range(0, num):
+            for t in range(0, num_full):
                 i = tl.load(idx_row + t)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         dQ_head, stride_qn, stride_dn, stride_dqn, i * Br, cols,
-                                        dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL,
-                                        SPARSE_MASK, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+                                        dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, False,
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+            for t in range(num_full, num):
+                i = tl.load(idx_row + t)
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
+                                        dQ_head, stride_qn, stride_dn, stride_dqn, i * Br, cols,
+                                        dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, True,
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
         else:
             for start_m in range(lo, diag_end, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
@@ -188,14 +196,14 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
 
 
 @triton.jit
-def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
+def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scale, scale,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
                 stride_dqb, stride_dqh, stride_dqn,
                 stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                 H, GROUP, Nq, Nk, d,
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
@@ -216,13 +224,19 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
     K_head = K + b * stride_kb + h_kv * stride_kh
     V_head = V + b * stride_vb + h_kv * stride_vh
     dQ_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    if SPARSE:
+    if SPARSE:  # as the forward: the listed tiles without element masks, then the rest
         num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
+        num_full = tl.load(KV_FULL + b * stride_numb + h * stride_numh + i)
         idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
-        for t in range(0, num):
+        for t in range(0, num_full):
             j = tl.load(idx_row + t)
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
-                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, SPARSE_MASK,
+                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
+                            EVEN_D, DOT_PREC, UPCAST)
+        for t in range(num_full, num):
+            j = tl.load(idx_row + t)
+            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
+                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
                             EVEN_D, DOT_PREC, UPCAST)
     else:  # the forward's split: unmasked tiles, then the diagonal and ragged ones
         if IS_CAUSAL:
@@ -244,7 +258,8 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
 
 
 @triton.jit
-def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, KV_NUM, KV_IDX, qk_scale, scale,
+def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM, KV_FULL, KV_IDX,
+                    qk_scale, scale,
                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
                     stride_dqb, stride_dqh, stride_dqn,
@@ -254,38 +269,40 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, KV_NUM, KV_IDX,
                     H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
-                    SPARSE_MASK1: tl.constexpr, SPARSE_MASK2: tl.constexpr,
                     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                     DKDV: tl.constexpr, DQ: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
     kind gets its own launch, tiles and warps (``first_pid`` then says where a launch starts)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand float64 scalars
+    scale = tl.cast(scale, tl.float32)
     pid = first_pid + tl.program_id(0)
     bh_kv = tl.program_id(1)
     b = bh_kv // Hkv
     h_kv = bh_kv % Hkv
     if DKDV:
         if pid < Tc:
-            _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_IDX, qk_scale,
+            _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX,
+                          qk_scale,
                           scale, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                           stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh,
                           stride_dn, stride_dqb, stride_dqh, stride_dqn,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
-                          H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
-                          SPARSE_MASK1, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+                          H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
             h = h_kv * GROUP + q_pid // Tr
-            _dq_program(q_pid % Tr, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_IDX, qk_scale, scale,
+            _dq_program(q_pid % Tr, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX,
+                        qk_scale, scale,
                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
                         stride_dqb, stride_dqh, stride_dqn,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
-                        SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC, UPCAST)
+                        SPARSE, EVEN_D, DOT_PREC, UPCAST)
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
@@ -298,6 +315,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     with atomics (nondeterministic summation order)."""
     import torch
 
+    from . import sparse
     from .config import padded_head_dim
 
     B, H, Nq, d = q.shape
@@ -317,17 +335,18 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else \
         torch.empty_like(q)
-    q_num, q_idx, q_strides = _lists(block_mask, t1.Br, t1.Bc, True, q.device)
-    kv_num, kv_idx, kv_strides = _lists(block_mask, t2.Br, t2.Bc, False, q.device)
+    q_num, q_full, q_idx, q_strides = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True,
+                                                          q.device, is_causal)
+    kv_num, kv_full, kv_idx, kv_strides = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False,
+                                                              q.device, is_causal)
     Tc, Tr = math.ceil(Nk / t1.Bc), math.ceil(Nq / t2.Br)
-    args = (q, k, v, do, lse2, D, dq, dk, dv, q_num, q_idx, kv_num, kv_idx, qk_scale, scale,
+    args = (q, k, v, do, lse2, D, dq, dk, dv, q_num, q_full, q_idx, kv_num, kv_full, kv_idx,
+            qk_scale, scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *q_strides, *kv_strides,
             H, Hkv, GROUP, Nq, Nk, d)
     common = dict(Br1=t1.Br, Bc1=t1.Bc, Br2=t2.Br, Bc2=t2.Bc, HEAD_DIM=HEAD_DIM,
                   IS_CAUSAL=is_causal, SPARSE=block_mask is not None,
-                  SPARSE_MASK1=needs_mask(is_causal, Nq, Nk, t1.Br, t1.Bc),
-                  SPARSE_MASK2=needs_mask(is_causal, Nq, Nk, t2.Br, t2.Bc),
                   EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
                   UPCAST=interpreted and q.dtype != torch.float32, DQ_ATOMIC=dq_atomic)
 
@@ -345,14 +364,3 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         launch(Tc, GROUP * Tr, t2, DKDV=False, DQ=True)
     return dq, dk, dv
 
-
-def _lists(block_mask, Br, Bc, transpose, device):
-    import torch
-
-    from . import sparse
-
-    if block_mask is None:
-        zero = torch.zeros(1, dtype=torch.int32, device=device)
-        return zero, zero, (0, 0, 0, 0, 0)
-    num, idx = sparse.tile_lists(block_mask, Br, Bc, transpose, device)
-    return num, idx, sparse.strides(num, idx)

@@ -22,6 +22,8 @@ class Tiles:
     Bc: int  # rows of K/V per tile (BLOCK_N)
     num_warps: int = 4
     num_stages: int = 2
+    tma: int = 0  # forward only: K/V through the copy engine (1: host descriptors, 2: in-kernel)
+    warp_specialize: bool = False  # forward only: Triton's warp specialization of the K/V loop
 
     def launch(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}

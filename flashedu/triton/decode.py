@@ -49,6 +49,7 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
                  BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                  UPCAST: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     s = tl.program_id(0)  # which chunk of keys
     g = tl.program_id(1)  # which (batch, group of HEADS query heads sharing one K/V head)
     heads_per_b = H // HEADS

@@ -39,11 +39,43 @@ def load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.const
 
 
 @triton.jit
+def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
+                  IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+                  NATURAL_EXP: tl.constexpr):
+    """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j.
+
+    S_ij stays unscaled: the row max of S_ij times qk_scale (> 0, so the max commutes with it)
+    gives m_new, and exp2(S_ij * qk_scale - m) is one fused multiply-add per score."""
+    S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)
+    if MASK:
+        visible = cols[None, :] < Nk
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        S_ij = tl.where(visible, S_ij, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(S_ij, 1) * qk_scale)
+    if MASK:  # a row that has seen no key yet keeps m = -inf: subtract 0, not -inf (no NaN)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    if NATURAL_EXP:  # the slower form that notebook 10 measures: exp of natural-log scores
+        P_ij = tl.exp(S_ij * qk_scale - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+    else:
+        P_ij = tl.math.exp2(S_ij * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(P_ij, 1)
+    # the rescaled O_i is the product's accumulator: the tensor cores add P_ij V_j into it
+    O_i = tl.dot(P_ij.to(V_j.dtype), V_j, O_i * alpha[:, None], input_precision=DOT_PREC)
+    return O_i, l_i, m_new
+
+
+@triton.jit
 def _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n, rows, dims,
                   Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                   NATURAL_EXP: tl.constexpr):
-    """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j."""
+    """Load K_j, V_j through pointers (masked only where the tile may run past the tensor),
+    then the softmax step."""
     cols = start_n + tl.arange(0, Bc)
     row_ok = cols[:, None] < Nk
     dim_ok = dims[None, :] < d
@@ -54,39 +86,41 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, star
     if UPCAST:  # the interpreter's 16-bit dot is unreliable: compute in fp32 there
         K_j = K_j.to(tl.float32)
         V_j = V_j.to(tl.float32)
-    S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC) * qk_scale  # base-2 scores
-    if MASK:
-        visible = cols[None, :] < Nk
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None])
-        S_ij = tl.where(visible, S_ij, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(S_ij, 1))
-    if MASK:  # a row that has seen no key yet keeps m = -inf: subtract 0, not -inf (no NaN)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    if NATURAL_EXP:  # the slower form that notebook 10 measures: exp of natural-log scores
-        P_ij = tl.exp(S_ij - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-    else:
-        P_ij = tl.math.exp2(S_ij - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
-    l_i = l_i * alpha + tl.sum(P_ij, 1)
-    O_i = O_i * alpha[:, None] + tl.dot(P_ij.to(V_j.dtype), V_j, input_precision=DOT_PREC)
-    return O_i, l_i, m_new
+    return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
+                         MASK, DOT_PREC, NATURAL_EXP)
 
 
 @triton.jit
-def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
+def _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, b, h_kv, start_n, rows, Nk, qk_scale,
+              Bc: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              MASK: tl.constexpr, DOT_PREC: tl.constexpr, NATURAL_EXP: tl.constexpr,
+              TMA: tl.constexpr):
+    """The step with K_j, V_j fetched by the copy engine (TMA): one instruction per tile, and
+    rows past Nk or dims past d arrive as zeros without any mask arithmetic.
+    TMA == 1: host-made descriptors over (B, Hkv, Nk, d); TMA == 2: made in the kernel per head."""
+    if TMA == 1:
+        K_j = K_desc.load([b, h_kv, start_n, 0]).reshape(Bc, HEAD_DIM)
+        V_j = V_desc.load([b, h_kv, start_n, 0]).reshape(Bc, HEAD_DIM)
+    else:
+        K_j = K_desc.load([start_n, 0])
+        V_j = V_desc.load([start_n, 0])
+    cols = start_n + tl.arange(0, Bc)
+    return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
+                         MASK, DOT_PREC, NATURAL_EXP)
+
+
+@triton.jit
+def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale, K_desc, V_desc,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                    H, GROUP, Nq, Nk, d,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
-                   EVEN_D: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   NATURAL_EXP: tl.constexpr = False, MASK_EVERY_TILE: tl.constexpr = False):
+                   NATURAL_EXP: tl.constexpr = False, MASK_EVERY_TILE: tl.constexpr = False,
+                   TMA: tl.constexpr = 0, WARP_SPECIALIZE: tl.constexpr = False):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
     b = bh // H
@@ -106,14 +140,23 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    if SPARSE:  # visit only the K/V tiles listed for this Q tile (masked if causal or ragged)
+    if SPARSE:
+        # The K/V tiles listed for this Q tile: the first num_full need no element mask
+        # (wholly visible and inside the tensor), the rest (causal diagonal, ragged edge) do.
         num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
+        num_full = tl.load(KV_FULL + b * stride_numb + h * stride_numh + i)
         idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
-        for t in range(0, num):
+        for t in range(0, num_full):
             j = tl.load(idx_row + t)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, SPARSE_MASK, EVEN_D, DOT_PREC, UPCAST,
+                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                          NATURAL_EXP)
+        for t in range(num_full, num):
+            j = tl.load(idx_row + t)
+            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                          stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
+                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
                                           NATURAL_EXP)
     else:
         # K/V tiles [0, full_end) are wholly visible: no mask. [full_end, end) are masked:
@@ -126,16 +169,29 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
             full_end = Nk // Bc * Bc
         if MASK_EVERY_TILE:  # the slower form that notebook 10 measures: one masked loop
             full_end = 0
-        for start_n in range(0, full_end, Bc):
-            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
-                                          stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                          NATURAL_EXP)
-        for start_n in range(full_end, end, Bc):
-            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
-                                          stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                          NATURAL_EXP)
+        if TMA == 0:
+            for start_n in tl.range(0, full_end, Bc, warp_specialize=WARP_SPECIALIZE):
+                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                              stride_vn, start_n, rows, dims, Nk, d, qk_scale,
+                                              Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                              NATURAL_EXP)
+            for start_n in range(full_end, end, Bc):
+                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                              stride_vn, start_n, rows, dims, Nk, d, qk_scale,
+                                              Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
+                                              NATURAL_EXP)
+        else:
+            if TMA == 2:
+                K_desc = tl.make_tensor_descriptor(K_head, [Nk, d], [stride_kn, 1], [Bc, HEAD_DIM])
+                V_desc = tl.make_tensor_descriptor(V_head, [Nk, d], [stride_vn, 1], [Bc, HEAD_DIM])
+            for start_n in tl.range(0, full_end, Bc, warp_specialize=WARP_SPECIALIZE):
+                O_i, l_i, m_i = _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, b, h_kv, start_n,
+                                          rows, Nk, qk_scale, Bc, HEAD_DIM, IS_CAUSAL, False,
+                                          DOT_PREC, NATURAL_EXP, TMA)
+            for start_n in range(full_end, end, Bc):
+                O_i, l_i, m_i = _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, b, h_kv, start_n,
+                                          rows, Nk, qk_scale, Bc, HEAD_DIM, IS_CAUSAL, True,
+                                          DOT_PREC, NATURAL_EXP, TMA)
 
     # A row that saw no key (l_i = 0) gets O = 0 and L = +inf, so that the backward's
     # P = exp2(S - L) is 0 there: zero gradients, never NaN.
@@ -149,11 +205,6 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_IDX, qk_scale,
     tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dims[None, :],
              O_i.to(O.dtype.element_ty), mask=row_ok & dim_ok)
     tl.store(L + bh * Nq + rows, L_i, mask=rows < Nq)
-
-
-def needs_mask(is_causal, Nq, Nk, Br, Bc) -> bool:
-    """Whether listed (block-sparse) tiles need element masks: causal, or a ragged edge tile."""
-    return bool(is_causal or Nq % Br or Nk % Bc)
 
 
 def dot_precision(dtype) -> str:
@@ -173,29 +224,56 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natura
     import torch
 
     from . import sparse
+    from .config import padded_head_dim
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    Br, Bc = tiles.Br, tiles.Bc
+    Br, Bc, HEAD_DIM = tiles.Br, tiles.Bc, padded_head_dim(d)
     o = torch.empty_like(q)
     lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-    if block_mask is not None:
-        num, idx = sparse.tile_lists(block_mask, Br, Bc, transpose=False, device=q.device)
-        idx_strides = sparse.strides(num, idx)
-    else:
-        num = idx = torch.zeros(1, dtype=torch.int32, device=q.device)
-        idx_strides = (0, 0, 0, 0, 0)
-    from .config import padded_head_dim
+    num, full, idx, idx_strides = sparse.kernel_lists(block_mask, Br, Bc, False, q.device,
+                                                       is_causal)
+    tma = tiles.tma if not interpreted and block_mask is None and tma_ok(k, v) else 0
+    k_desc, v_desc = descriptors(k, v, tma, Bc, HEAD_DIM)
 
     grid = (math.ceil(Nq / Br), B * H)
     forward_kernel[grid](
-        q, k, v, o, lse2, num, idx, scale if natural_exp else scale * LOG2E,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *idx_strides,
-        H, H // Hkv, Nq, Nk, d,
-        Br=Br, Bc=Bc, HEAD_DIM=padded_head_dim(d), IS_CAUSAL=is_causal,
-        SPARSE=block_mask is not None, SPARSE_MASK=needs_mask(is_causal, Nq, Nk, Br, Bc),
-        EVEN_D=padded_head_dim(d) == d,
+        q, k, v, o, lse2, num, full, idx, scale if natural_exp else scale * LOG2E, k_desc, v_desc,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        *idx_strides, H, H // Hkv, Nq, Nk, d,
+        Br=Br, Bc=Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, SPARSE=block_mask is not None,
+        EVEN_D=HEAD_DIM == d,
         DOT_PREC=dot_precision(q.dtype), UPCAST=interpreted and q.dtype != torch.float32,
-        NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile,
+        NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile, TMA=tma,
+        WARP_SPECIALIZE=tiles.warp_specialize and not interpreted,
         **({} if interpreted else tiles.launch()))
     return o, lse2
+
+
+def tma_ok(*tensors) -> bool:
+    """The copy engine needs 16-byte aligned base addresses and strides (last stride 1)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+               for t in tensors)
+
+
+def descriptors(k, v, tma, Bc, HEAD_DIM):
+    """Host-made TMA descriptors for mode 1; mode 2 makes them in the kernel (it needs a
+    scratch allocator for them); mode 0 uses none."""
+    if tma == 1:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, Bc, HEAD_DIM])
+                     for t in (k, v))
+    if tma == 2:
+        _ensure_allocator()
+    return None, None
+
+
+def _ensure_allocator():
+    import torch
+
+    def alloc(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)

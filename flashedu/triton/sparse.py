@@ -40,32 +40,68 @@ def fit_tiles(block_mask: BlockMask, Br: int, Bc: int) -> tuple[int, int]:
     return tile
 
 
-def refine(block_mask: BlockMask, Br: int, Bc: int) -> np.ndarray:
-    """The (b, h, ceil(Nq/Br), ceil(Nk/Bc)) bool grid of kernel tiles to compute."""
+def refine(block_mask: BlockMask, Br: int, Bc: int, is_causal: bool = False) -> np.ndarray:
+    """The (b, h, ceil(Nq/Br), ceil(Nk/Bc)) bool grid of kernel tiles to compute (causal when
+    the mask or the call says so)."""
     mBr, mBc = block_mask.block_size
     Nq, Nk = block_mask.seq_lens
     fine = block_mask.blocks.repeat(mBr // Br, axis=-2).repeat(mBc // Bc, axis=-1)
     fine = fine[..., :math.ceil(Nq / Br), :math.ceil(Nk / Bc)]
-    if block_mask.is_causal:
+    if is_causal or block_mask.is_causal:
         i = np.arange(fine.shape[-2])[:, None]
         j = np.arange(fine.shape[-1])[None, :]
         fine = fine & (j * Bc <= np.minimum((i + 1) * Br, Nq) - 1)  # tile holds a visible pair
     return fine
 
 
-def tile_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, device):
-    """(num, idx) int32 torch tensors on ``device``: kv lists, or q lists when ``transpose``.
+def unmasked(shape, Br: int, Bc: int, seq_lens, is_causal: bool) -> np.ndarray:
+    """The (Tr, Tc) bool grid of tiles that need no element mask: inside both sequences and,
+    when causal, wholly at or below the diagonal (last key <= first query row)."""
+    Nq, Nk = seq_lens
+    i = np.arange(shape[0])[:, None]
+    j = np.arange(shape[1])[None, :]
+    ok = ((i + 1) * Br <= Nq) & ((j + 1) * Bc <= Nk)
+    if is_causal:
+        ok = ok & ((j + 1) * Bc - 1 <= i * Br)
+    return ok
+
+
+def tile_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, device,
+               is_causal: bool = False):
+    """(num, num_full, idx) int32 torch tensors on ``device``: kv lists, or q lists when
+    ``transpose``; ``is_causal`` is the call's flag (the mask's own counts too). Each row of idx lists its num tiles with the num_full tiles that need no
+    element mask first, so that a kernel runs them in a loop without masks and only the rest
+    (causal diagonal, ragged edge) in a masked loop.
 
     Cached per mask object: a training loop reuses one mask for many calls."""
     import torch
 
     per_mask = _CACHE.setdefault(block_mask, {})
-    key = (Br, Bc, transpose, str(device))
+    is_causal = bool(is_causal or block_mask.is_causal)
+    key = (Br, Bc, transpose, str(device), is_causal)
     if key not in per_mask:
-        fine = BlockMask(refine(block_mask, Br, Bc), (Br, Bc), block_mask.seq_lens)
-        num, idx = fine.q_indices() if transpose else fine.kv_indices()
-        per_mask[key] = (torch.as_tensor(num, device=device), torch.as_tensor(idx, device=device))
+        fine = refine(block_mask, Br, Bc, is_causal)
+        full = fine & unmasked(fine.shape[-2:], Br, Bc, block_mask.seq_lens, is_causal)
+        if transpose:
+            fine, full = np.swapaxes(fine, -1, -2), np.swapaxes(full, -1, -2)
+        # sort key per tile: 0 listed and unmasked, 1 listed and masked, 2 not listed
+        order = np.argsort(np.where(full, 0, np.where(fine, 1, 2)), axis=-1, kind="stable")
+        num = fine.sum(-1).astype(np.int32)
+        idx = np.where(np.arange(fine.shape[-1]) < num[..., None], order, 0).astype(np.int32)
+        per_mask[key] = tuple(torch.as_tensor(a, device=device)
+                              for a in (num, full.sum(-1).astype(np.int32), idx))
     return per_mask[key]
+
+
+def kernel_lists(block_mask, Br: int, Bc: int, transpose: bool, device, is_causal: bool):
+    """(num, num_full, idx, strides) as the kernels take them; placeholders without a mask."""
+    import torch
+
+    if block_mask is None:
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        return zero, zero, zero, (0, 0, 0, 0, 0)
+    num, full, idx = tile_lists(block_mask, Br, Bc, transpose, device, is_causal)
+    return num, full, idx, strides(num, idx)
 
 
 def strides(num, idx):

@@ -162,3 +162,49 @@ def test_tile_lists_put_the_unmasked_tiles_first(Nq, Nk, causal, transpose, seed
         n, f, row = num[0, 0, r], full[0, 0, r], idx[0, 0, r]
         assert sorted(row[:n]) == list(np.flatnonzero(listed[r]))
         assert set(row[:f]) == set(np.flatnonzero(listed[r] & whole[r]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_forward_matches_the_pointer_forward(monkeypatch, causal):
+    """The copy-engine (TMA) loop, run by the interpreter: ragged Nk, a padded head dim (24 of
+    32: the descriptor's zero fill), GQA. It must give what the pointer loop gives."""
+    from flashedu.triton import forward as fw
+    from flashedu.triton.config import Tiles
+
+    monkeypatch.setattr(fw, "tma_ok", lambda *t: True)  # the interpreter has no copy engine
+    q, k, v = (x.detach() for x in _qkv(1, 4, 2, 70, 53, 24))
+    kw = dict(is_causal=causal, scale=0.2, block_mask=None, interpreted=False)
+    plain, _ = fw.forward(q, k, v, tiles=Tiles(32, 16), **kw)
+    fast, _ = fw.forward(q, k, v, tiles=Tiles(32, 16, tma=True, warp_specialize=True), **kw)
+    ref = reference_attention(q, k, v, is_causal=causal, scale=0.2, enable_gqa=True)
+    assert _err(plain, ref) < 1e-5
+    assert _err(fast, plain) < 1e-6
+
+
+def test_fast_forward_falls_back_when_it_does_not_build(monkeypatch):
+    """A Triton without TMA or warp specialization for this GPU: one warning, then the pointer
+    version, and the right answer."""
+    from flashedu.triton import forward as fw
+    from flashedu.triton.config import Tiles
+
+    real = fw.forward_kernel
+
+    class Picky:
+        def __getitem__(self, grid):
+            def launch(*args, TMA, WARP_SPECIALIZE, **kw):
+                if TMA or WARP_SPECIALIZE:
+                    raise RuntimeError("PassManager::run failed")
+                return real[grid](*args, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE, **kw)
+            return launch
+
+    monkeypatch.setattr(fw, "tma_ok", lambda *t: True)
+    monkeypatch.setattr(fw, "forward_kernel", Picky())
+    monkeypatch.setattr(fw, "_NO_FAST", set())
+    q, k, v = (x.detach() for x in _qkv(1, 2, 2, 40, 40, 16))
+    kw = dict(is_causal=False, scale=0.25, block_mask=None, interpreted=False,
+              tiles=Tiles(32, 16, tma=True, warp_specialize=True))
+    with pytest.warns(UserWarning, match="pointer version"):
+        out, _ = fw.forward(q, k, v, **kw)
+    assert _err(out, reference_attention(q, k, v, scale=0.25)) < 1e-5
+    assert len(fw._NO_FAST) == 1
+    fw.forward(q, k, v, **kw)  # remembered: no second failure, no second warning

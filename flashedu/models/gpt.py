@@ -47,15 +47,16 @@ class CausalSelfAttention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         if self.backend == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        return _flashedu_attention(q, k, v, p, self.backend)
+        if self.backend == "triton":  # torch.compile traces into the Triton kernels
+            return attention(q, k, v, is_causal=True, dropout_p=p, backend="triton")
+        return _opaque_attention(q, k, v, p, self.backend)
 
 
-# With compile_model=True, torch.compile would trace into flashedu's kernels: the NumPy ones
-# cannot be traced, and inductor recompiles the Triton ones with a float64 scale, which Triton
-# rejects (seen on the H100: "m_i ... fp32 but is re-assigned to fp64"). So attention stays an
-# opaque call that compile steps around; everything else in the model is compiled.
+# With compile_model=True, torch.compile would trace into flashedu's kernels: the Triton ones
+# it compiles along with the model (checked on the H100: scripts/gpu_triton_fwd.py), but the
+# NumPy and numba ones cannot be traced. Those stay an opaque call that compile steps around.
 @torch.compiler.disable
-def _flashedu_attention(q, k, v, dropout_p, backend):
+def _opaque_attention(q, k, v, dropout_p, backend):
     return attention(q, k, v, is_causal=True, dropout_p=dropout_p, backend=backend)
 
 

@@ -22,8 +22,9 @@ class Tiles:
     Bc: int  # rows of K/V per tile (BLOCK_N)
     num_warps: int = 4
     num_stages: int = 2
-    tma: int = 0  # forward only: K/V through the copy engine (1: host descriptors, 2: in-kernel)
-    warp_specialize: bool = False  # forward only: Triton's warp specialization of the K/V loop
+    # forward only, Hopper and newer (the forward falls back where they do not build):
+    tma: bool = False  # K/V tiles fetched by the copy engine through tensor descriptors
+    warp_specialize: bool = False  # with tma: Triton's warp specialization of the unmasked loop
 
     def launch(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -50,6 +51,9 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 # at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not. d=128's backward:
 # scripts/gpu_triton_speed.py (docs/bench/speed.md): one fused launch, 2 stages, 419 TFLOPs
 # against 382-392 for the two launches with 3 stages; at d=64, and causal, it was not faster.
+# Forwards of d=128 and d=256: scripts/gpu_triton_fwd.py (speed.md, round 2): TMA and warp
+# specialization +4-8% at d=128; 128x64 tiles 1.3-1.6x at d=256. At d=64, TMA was within noise
+# and slower for short causal sequences: left off.
 GPU_16BIT = {
     16: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
                      fused_backward=False),
@@ -57,13 +61,15 @@ GPU_16BIT = {
                      fused_backward=False),
     64: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
                      fused_backward=False),
-    128: KernelConfig(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2),
-                      fused_backward=True,
+    128: KernelConfig(Tiles(128, 128, 8, 3, tma=True, warp_specialize=True),
+                      Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2), fused_backward=True,
                       # causal: the fused launch was 4-12% slower (speed.md): the two launches
-                      causal_backward=KernelConfig(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 3),
-                                                   Tiles(128, 64, 8, 3), fused_backward=False)),
-    256: KernelConfig(Tiles(128, 32, 8, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2),
-                      fused_backward=False),  # untuned
+                      causal_backward=KernelConfig(Tiles(128, 128, 8, 3, tma=True,
+                                                         warp_specialize=True),
+                                                   Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3),
+                                                   fused_backward=False)),
+    256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2),
+                      fused_backward=False),  # backward untuned
 }
 
 # fp32 tiles take twice the shared memory: halve them.

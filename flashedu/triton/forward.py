@@ -15,6 +15,7 @@ Two changes from the NumPy loop, both for speed:
 from __future__ import annotations
 
 import math
+import warnings
 
 import triton
 import triton.language as tl
@@ -91,26 +92,20 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, star
 
 
 @triton.jit
-def _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, b, h_kv, start_n, rows, Nk, qk_scale,
-              Bc: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
-              MASK: tl.constexpr, DOT_PREC: tl.constexpr, NATURAL_EXP: tl.constexpr,
-              TMA: tl.constexpr):
-    """The step with K_j, V_j fetched by the copy engine (TMA): one instruction per tile, and
-    rows past Nk or dims past d arrive as zeros without any mask arithmetic.
-    TMA == 1: host-made descriptors over (B, Hkv, Nk, d); TMA == 2: made in the kernel per head."""
-    if TMA == 1:
-        K_j = K_desc.load([b, h_kv, start_n, 0]).reshape(Bc, HEAD_DIM)
-        V_j = V_desc.load([b, h_kv, start_n, 0]).reshape(Bc, HEAD_DIM)
-    else:
-        K_j = K_desc.load([start_n, 0])
-        V_j = V_desc.load([start_n, 0])
+def _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, start_n, rows, Nk, qk_scale,
+              Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
+              DOT_PREC: tl.constexpr, NATURAL_EXP: tl.constexpr):
+    """The step with K_j, V_j fetched by the copy engine (TMA): one instruction per tile, no
+    address arithmetic, and rows past Nk or dims past d arrive as zeros without a mask."""
+    K_j = K_desc.load([start_n, 0])
+    V_j = V_desc.load([start_n, 0])
     cols = start_n + tl.arange(0, Bc)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
                          MASK, DOT_PREC, NATURAL_EXP)
 
 
 @triton.jit
-def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale, K_desc, V_desc,
+def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
@@ -119,7 +114,7 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale, K_desc, V_d
                    IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                    NATURAL_EXP: tl.constexpr = False, MASK_EVERY_TILE: tl.constexpr = False,
-                   TMA: tl.constexpr = 0, WARP_SPECIALIZE: tl.constexpr = False):
+                   TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
@@ -169,8 +164,19 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale, K_desc, V_d
             full_end = Nk // Bc * Bc
         if MASK_EVERY_TILE:  # the slower form that notebook 10 measures: one masked loop
             full_end = 0
-        if TMA == 0:
+        if TMA:  # descriptors for this head's K and V: Nk x d, fetched Bc x HEAD_DIM at a time
+            K_desc = tl.make_tensor_descriptor(K_head, [Nk, d], [stride_kn, 1], [Bc, HEAD_DIM])
+            V_desc = tl.make_tensor_descriptor(V_head, [Nk, d], [stride_vn, 1], [Bc, HEAD_DIM])
+            # Warp specialization (where Triton has it for this GPU): some warps only issue
+            # the copies, the others only compute, so loads and softmax overlap.
             for start_n in tl.range(0, full_end, Bc, warp_specialize=WARP_SPECIALIZE):
+                O_i, l_i, m_i = _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, start_n, rows, Nk,
+                                          qk_scale, Bc, IS_CAUSAL, False, DOT_PREC, NATURAL_EXP)
+            for start_n in range(full_end, end, Bc):
+                O_i, l_i, m_i = _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, start_n, rows, Nk,
+                                          qk_scale, Bc, IS_CAUSAL, True, DOT_PREC, NATURAL_EXP)
+        else:
+            for start_n in range(0, full_end, Bc):
                 O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
                                               stride_vn, start_n, rows, dims, Nk, d, qk_scale,
                                               Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
@@ -180,18 +186,6 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale, K_desc, V_d
                                               stride_vn, start_n, rows, dims, Nk, d, qk_scale,
                                               Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
                                               NATURAL_EXP)
-        else:
-            if TMA == 2:
-                K_desc = tl.make_tensor_descriptor(K_head, [Nk, d], [stride_kn, 1], [Bc, HEAD_DIM])
-                V_desc = tl.make_tensor_descriptor(V_head, [Nk, d], [stride_vn, 1], [Bc, HEAD_DIM])
-            for start_n in tl.range(0, full_end, Bc, warp_specialize=WARP_SPECIALIZE):
-                O_i, l_i, m_i = _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, b, h_kv, start_n,
-                                          rows, Nk, qk_scale, Bc, HEAD_DIM, IS_CAUSAL, False,
-                                          DOT_PREC, NATURAL_EXP, TMA)
-            for start_n in range(full_end, end, Bc):
-                O_i, l_i, m_i = _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, b, h_kv, start_n,
-                                          rows, Nk, qk_scale, Bc, HEAD_DIM, IS_CAUSAL, True,
-                                          DOT_PREC, NATURAL_EXP, TMA)
 
     # A row that saw no key (l_i = 0) gets O = 0 and L = +inf, so that the backward's
     # P = exp2(S - L) is 0 there: zero gradients, never NaN.
@@ -233,47 +227,63 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natura
     lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     num, full, idx, idx_strides = sparse.kernel_lists(block_mask, Br, Bc, False, q.device,
                                                        is_causal)
-    tma = tiles.tma if not interpreted and block_mask is None and tma_ok(k, v) else 0
-    k_desc, v_desc = descriptors(k, v, tma, Bc, HEAD_DIM)
-
+    args = (q, k, v, o, lse2, num, full, idx, scale if natural_exp else scale * LOG2E,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *idx_strides,
+            H, H // Hkv, Nq, Nk, d)
+    consts = dict(Br=Br, Bc=Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal,
+                  SPARSE=block_mask is not None, EVEN_D=HEAD_DIM == d,
+                  DOT_PREC=dot_precision(q.dtype), UPCAST=interpreted and q.dtype != torch.float32,
+                  NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile,
+                  **({} if interpreted else tiles.launch()))
     grid = (math.ceil(Nq / Br), B * H)
-    forward_kernel[grid](
-        q, k, v, o, lse2, num, full, idx, scale if natural_exp else scale * LOG2E, k_desc, v_desc,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        *idx_strides, H, H // Hkv, Nq, Nk, d,
-        Br=Br, Bc=Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, SPARSE=block_mask is not None,
-        EVEN_D=HEAD_DIM == d,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=interpreted and q.dtype != torch.float32,
-        NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile, TMA=tma,
-        WARP_SPECIALIZE=tiles.warp_specialize and not interpreted,
-        **({} if interpreted else tiles.launch()))
+    fast = {"TMA": tiles.tma, "WARP_SPECIALIZE": tiles.warp_specialize}
+    key = (tuple(sorted(consts.items())), q.dtype)
+    if interpreted or block_mask is not None or key in _NO_FAST or not tma_ok(k, v):
+        fast = {"TMA": False, "WARP_SPECIALIZE": False}
+    if fast["TMA"]:
+        _ensure_allocator()
+    try:
+        forward_kernel[grid](*args, **consts, **fast)
+    except Exception as exc:  # noqa: BLE001 - only the TMA / warp-specialized build may fail
+        if not (fast["TMA"] or fast["WARP_SPECIALIZE"]):
+            raise
+        warnings.warn(f"flashedu: the TMA / warp-specialized forward did not build on this "
+                      f"Triton ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                      f"using the pointer version for these settings", stacklevel=2)
+        _NO_FAST.add(key)
+        forward_kernel[grid](*args, **consts, TMA=False, WARP_SPECIALIZE=False)
     return o, lse2
 
 
+_NO_FAST: set = set()  # launch settings whose TMA / warp-specialized build failed
+
+
 def tma_ok(*tensors) -> bool:
-    """The copy engine needs 16-byte aligned base addresses and strides (last stride 1)."""
+    """The copy engine (Hopper and newer) needs 16-byte aligned base addresses and strides."""
+    import torch
+
+    t0 = tensors[0]
+    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
                for t in tensors)
 
 
-def descriptors(k, v, tma, Bc, HEAD_DIM):
-    """Host-made TMA descriptors for mode 1; mode 2 makes them in the kernel (it needs a
-    scratch allocator for them); mode 0 uses none."""
-    if tma == 1:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, Bc, HEAD_DIM])
-                     for t in (k, v))
-    if tma == 2:
-        _ensure_allocator()
-    return None, None
-
-
 def _ensure_allocator():
-    import torch
+    """Descriptors made inside a kernel live in scratch memory that Triton asks an allocator
+    for: install one backed by torch, unless the user has set their own."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # Triton's internals moved: install ours
+        pass
 
     def alloc(size, alignment, stream):
+        import torch
+
         return torch.empty(size, dtype=torch.int8, device="cuda")
 
     triton.set_allocator(alloc)

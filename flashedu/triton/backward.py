@@ -94,7 +94,7 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
                   stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                   H, GROUP, Nq, Nk, d,
                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                   DQ_ATOMIC: tl.constexpr):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
@@ -131,18 +131,29 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
             num = tl.load(Q_NUM + b * stride_numb + h * stride_numh + j)
             num_full = tl.load(Q_FULL + b * stride_numb + h * stride_numh + j)
             idx_row = Q_IDX + b * stride_idxb + h * stride_idxh + j * stride_idxr
-            for t in range(0, num_full):
-                i = tl.load(idx_row + t)
-                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        dQ_head, stride_qn, stride_dn, stride_dqn, i * Br, cols,
-                                        dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, False,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
-            for t in range(num_full, num):
-                i = tl.load(idx_row + t)
-                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        dQ_head, stride_qn, stride_dn, stride_dqn, i * Br, cols,
-                                        dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, True,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+            if SPARSE_MASK:
+                for t in range(0, num_full):
+                    i = tl.load(idx_row + t)
+                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
+                                            D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
+                                            i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
+                                            IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                            DQ_ATOMIC)
+                for t in range(num_full, num):
+                    i = tl.load(idx_row + t)
+                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
+                                            D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
+                                            i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
+                                            IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
+                                            DQ_ATOMIC)
+            else:  # no listed tile needs a mask: one loop
+                for t in range(0, num):
+                    i = tl.load(idx_row + t)
+                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
+                                            D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
+                                            i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
+                                            IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                            DQ_ATOMIC)
         else:
             for start_m in range(lo, diag_end, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
@@ -203,7 +214,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                 H, GROUP, Nq, Nk, d,
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
@@ -228,16 +239,23 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
         num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
         num_full = tl.load(KV_FULL + b * stride_numb + h * stride_numh + i)
         idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
-        for t in range(0, num_full):
-            j = tl.load(idx_row + t)
-            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
-                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
-                            EVEN_D, DOT_PREC, UPCAST)
-        for t in range(num_full, num):
-            j = tl.load(idx_row + t)
-            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
-                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
-                            EVEN_D, DOT_PREC, UPCAST)
+        if SPARSE_MASK:
+            for t in range(0, num_full):
+                j = tl.load(idx_row + t)
+                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
+                                stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
+                                False, EVEN_D, DOT_PREC, UPCAST)
+            for t in range(num_full, num):
+                j = tl.load(idx_row + t)
+                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
+                                stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
+                                True, EVEN_D, DOT_PREC, UPCAST)
+        else:  # no listed tile needs a mask: one loop
+            for t in range(0, num):
+                j = tl.load(idx_row + t)
+                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
+                                stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
+                                False, EVEN_D, DOT_PREC, UPCAST)
     else:  # the forward's split: unmasked tiles, then the diagonal and ragged ones
         if IS_CAUSAL:
             end = tl.minimum(Nk, (i + 1) * Br)
@@ -269,6 +287,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
+                    SPARSE_MASK1: tl.constexpr, SPARSE_MASK2: tl.constexpr,
                     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                     DKDV: tl.constexpr, DQ: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
@@ -290,7 +309,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           stride_dn, stride_dqb, stride_dqh, stride_dqn,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
-                          H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+                          H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
+                          SPARSE_MASK1, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -302,7 +322,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         stride_dqb, stride_dqh, stride_dqn,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
-                        SPARSE, EVEN_D, DOT_PREC, UPCAST)
+                        SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC, UPCAST)
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
@@ -347,6 +367,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             H, Hkv, GROUP, Nq, Nk, d)
     common = dict(Br1=t1.Br, Bc1=t1.Bc, Br2=t2.Br, Bc2=t2.Bc, HEAD_DIM=HEAD_DIM,
                   IS_CAUSAL=is_causal, SPARSE=block_mask is not None,
+                  SPARSE_MASK1=sparse.needs_mask(is_causal, Nq, Nk, t1.Br, t1.Bc),
+                  SPARSE_MASK2=sparse.needs_mask(is_causal, Nq, Nk, t2.Br, t2.Bc),
                   EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
                   UPCAST=interpreted and q.dtype != torch.float32, DQ_ATOMIC=dq_atomic)
 

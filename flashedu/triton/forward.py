@@ -111,8 +111,8 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                    H, GROUP, Nq, Nk, d,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, EVEN_D: tl.constexpr,
-                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                    NATURAL_EXP: tl.constexpr = False, MASK_EVERY_TILE: tl.constexpr = False,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
@@ -141,18 +141,26 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
         num_full = tl.load(KV_FULL + b * stride_numb + h * stride_numh + i)
         idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
-        for t in range(0, num_full):
-            j = tl.load(idx_row + t)
-            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
-                                          stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                          NATURAL_EXP)
-        for t in range(num_full, num):
-            j = tl.load(idx_row + t)
-            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
-                                          stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                          NATURAL_EXP)
+        if SPARSE_MASK:
+            for t in range(0, num_full):
+                j = tl.load(idx_row + t)
+                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                              stride_vn, j * Bc, rows, dims, Nk, d, qk_scale,
+                                              Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                              NATURAL_EXP)
+            for t in range(num_full, num):
+                j = tl.load(idx_row + t)
+                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                              stride_vn, j * Bc, rows, dims, Nk, d, qk_scale,
+                                              Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
+                                              NATURAL_EXP)
+        else:  # no listed tile needs a mask: one loop (a second, empty one cost speed)
+            for t in range(0, num):
+                j = tl.load(idx_row + t)
+                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                                              stride_vn, j * Bc, rows, dims, Nk, d, qk_scale,
+                                              Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                              NATURAL_EXP)
     else:
         # K/V tiles [0, full_end) are wholly visible: no mask. [full_end, end) are masked:
         # the causal diagonal and the ragged last tile. Tiles past `end` are skipped.
@@ -231,7 +239,8 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natura
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *idx_strides,
             H, H // Hkv, Nq, Nk, d)
     consts = dict(Br=Br, Bc=Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal,
-                  SPARSE=block_mask is not None, EVEN_D=HEAD_DIM == d,
+                  SPARSE=block_mask is not None,
+                  SPARSE_MASK=sparse.needs_mask(is_causal, Nq, Nk, Br, Bc), EVEN_D=HEAD_DIM == d,
                   DOT_PREC=dot_precision(q.dtype), UPCAST=interpreted and q.dtype != torch.float32,
                   NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile,
                   **({} if interpreted else tiles.launch()))

@@ -54,6 +54,12 @@ def refine(block_mask: BlockMask, Br: int, Bc: int, is_causal: bool = False) -> 
     return fine
 
 
+def needs_mask(is_causal, Nq, Nk, Br, Bc) -> bool:
+    """Whether some listed tiles may need element masks: causal, or a ragged edge tile. When
+    none can, the kernels walk the list in one unmasked loop."""
+    return bool(is_causal or Nq % Br or Nk % Bc)
+
+
 def unmasked(shape, Br: int, Bc: int, seq_lens, is_causal: bool) -> np.ndarray:
     """The (Tr, Tc) bool grid of tiles that need no element mask: inside both sequences and,
     when causal, wholly at or below the diagonal (last key <= first query row)."""

@@ -3,7 +3,7 @@ forward before/after over N x d x causal x dtype, the causal backward's configs,
 BlockMask against is_causal, and torch.compile through the kernels. Prints tables, writes JSON.
 
     PYTHONPATH=$PWD GIT_COMMIT=<sha> python3 scripts/gpu_triton_fwd.py --prev .prev/forward_prev.py \
-        --json $OUT/fwd.json
+        --json $OUT/fwd.json [--only sparse_tma ...]
 
 ``--prev`` is the forward.py of the commit before this round (carried beside the tree: the
 device copy has no git), loaded as a module so that both run in one process. Shapes as
@@ -239,6 +239,21 @@ def causal_block_mask(log):
             do, retain_graph=True)), 2.5 * f)
 
 
+def sparse_tma(log):
+    """Block-sparse forward: K/V tiles through pointers vs through TMA descriptors."""
+    for d in (64, 128):
+        q, k, v, _ = inputs(8192, d)
+        shipped = kernel_config(d, False, False).forward
+        for density in (0.1, 0.5):
+            mask = bench.random_block_mask(8192, density)
+            for tma in (False, True, False, True):
+                tiles = dataclasses.replace(shipped, tma=tma, warp_specialize=False)
+                log.rec("sparse fwd", f"d={d} density={density} {name(tiles)}", t(
+                    lambda tiles=tiles: forward(q, k, v, is_causal=False, scale=d ** -0.5,
+                                                block_mask=mask, tiles=tiles,
+                                                interpreted=False)), flops(8192, d) * density)
+
+
 def compile_check(log):
     """torch.compile over flashedu.attention, forward and backward, against eager."""
     q, k, v, do = inputs(2048, 64)
@@ -266,11 +281,13 @@ def main(argv=None):
     p.add_argument("--prev", required=True)
     p.add_argument("--json")
     p.add_argument("--skip", nargs="*", default=[])
+    p.add_argument("--only", nargs="*", help="run these steps only")
     args = p.parse_args(argv)
     runtime.configure()
     log = Log()
     prev_forward = load_prev(args.prev)
-    steps = ["compile", "peers", "variants", "dims", "causal_bwd", "causal_mask", "regress"]
+    steps = args.only or ["compile", "peers", "variants", "dims", "causal_bwd", "causal_mask",
+                          "regress", "sparse_tma"]
     best128 = Tiles(128, 128, 8, 3)
     best = {}
     try:
@@ -292,6 +309,8 @@ def main(argv=None):
                 causal_backward(log)
             elif step == "causal_mask":
                 causal_block_mask(log)
+            elif step == "sparse_tma":
+                sparse_tma(log)
             elif step == "regress":
                 regress_forward(log, prev_forward, {128: best128, **best})
     finally:

@@ -71,35 +71,30 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
 
 
 @triton.jit
-def _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n, rows, dims,
+def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_n, rows, dims,
                   Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                  NATURAL_EXP: tl.constexpr):
-    """Load K_j, V_j through pointers (masked only where the tile may run past the tensor),
-    then the softmax step."""
+                  NATURAL_EXP: tl.constexpr, TMA: tl.constexpr = False):
+    """Load K_j, V_j (rows start_n ..), then the softmax step.
+
+    K_src, V_src: this head's K and V, as pointers, or (TMA) as tensor descriptors: the copy
+    engine then fetches each tile with one instruction, no address arithmetic, and rows past
+    Nk or dims past d arrive as zeros. Pointer loads are masked only where the tile may run
+    past the tensor."""
     cols = start_n + tl.arange(0, Bc)
-    row_ok = cols[:, None] < Nk
-    dim_ok = dims[None, :] < d
-    K_j = load_tile(K_head + cols[:, None] * stride_kn + dims[None, :], row_ok, dim_ok,
-                    MASK, not EVEN_D)
-    V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], row_ok, dim_ok,
-                    MASK, not EVEN_D)
+    if TMA:
+        K_j = K_src.load([start_n, 0])
+        V_j = V_src.load([start_n, 0])
+    else:
+        row_ok = cols[:, None] < Nk
+        dim_ok = dims[None, :] < d
+        K_j = load_tile(K_src + cols[:, None] * stride_kn + dims[None, :], row_ok, dim_ok,
+                        MASK, not EVEN_D)
+        V_j = load_tile(V_src + cols[:, None] * stride_vn + dims[None, :], row_ok, dim_ok,
+                        MASK, not EVEN_D)
     if UPCAST:  # the interpreter's 16-bit dot is unreliable: compute in fp32 there
         K_j = K_j.to(tl.float32)
         V_j = V_j.to(tl.float32)
-    return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
-                         MASK, DOT_PREC, NATURAL_EXP)
-
-
-@triton.jit
-def _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, start_n, rows, Nk, qk_scale,
-              Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-              DOT_PREC: tl.constexpr, NATURAL_EXP: tl.constexpr):
-    """The step with K_j, V_j fetched by the copy engine (TMA): one instruction per tile, no
-    address arithmetic, and rows past Nk or dims past d arrive as zeros without a mask."""
-    K_j = K_desc.load([start_n, 0])
-    V_j = V_desc.load([start_n, 0])
-    cols = start_n + tl.arange(0, Bc)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
                          MASK, DOT_PREC, NATURAL_EXP)
 
@@ -131,6 +126,12 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         Q_i = Q_i.to(tl.float32)
     K_head = K + b * stride_kb + h_kv * stride_kh
     V_head = V + b * stride_vb + h_kv * stride_vh
+    if TMA:  # descriptors of this head's K and V: Nk x d, fetched Bc x HEAD_DIM at a time
+        K_src = tl.make_tensor_descriptor(K_head, [Nk, d], [stride_kn, 1], [Bc, HEAD_DIM])
+        V_src = tl.make_tensor_descriptor(V_head, [Nk, d], [stride_vn, 1], [Bc, HEAD_DIM])
+    else:
+        K_src = K_head
+        V_src = V_head
 
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
@@ -141,26 +142,21 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
         num_full = tl.load(KV_FULL + b * stride_numb + h * stride_numh + i)
         idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
+        if not SPARSE_MASK:  # no listed tile needs a mask: one loop (an empty second one
+            num_full = num   # was measured to cost speed, so it is not compiled at all)
+        for t in range(0, num_full):
+            j = tl.load(idx_row + t)
+            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
+                                          stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
+                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                          NATURAL_EXP, TMA)
         if SPARSE_MASK:
-            for t in range(0, num_full):
-                j = tl.load(idx_row + t)
-                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
-                                              stride_vn, j * Bc, rows, dims, Nk, d, qk_scale,
-                                              Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                              NATURAL_EXP)
             for t in range(num_full, num):
                 j = tl.load(idx_row + t)
-                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
+                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                               stride_vn, j * Bc, rows, dims, Nk, d, qk_scale,
                                               Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                              NATURAL_EXP)
-        else:  # no listed tile needs a mask: one loop (a second, empty one cost speed)
-            for t in range(0, num):
-                j = tl.load(idx_row + t)
-                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
-                                              stride_vn, j * Bc, rows, dims, Nk, d, qk_scale,
-                                              Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                              NATURAL_EXP)
+                                              NATURAL_EXP, TMA)
     else:
         # K/V tiles [0, full_end) are wholly visible: no mask. [full_end, end) are masked:
         # the causal diagonal and the ragged last tile. Tiles past `end` are skipped.
@@ -172,28 +168,18 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
             full_end = Nk // Bc * Bc
         if MASK_EVERY_TILE:  # the slower form that notebook 10 measures: one masked loop
             full_end = 0
-        if TMA:  # descriptors for this head's K and V: Nk x d, fetched Bc x HEAD_DIM at a time
-            K_desc = tl.make_tensor_descriptor(K_head, [Nk, d], [stride_kn, 1], [Bc, HEAD_DIM])
-            V_desc = tl.make_tensor_descriptor(V_head, [Nk, d], [stride_vn, 1], [Bc, HEAD_DIM])
-            # Warp specialization (where Triton has it for this GPU): some warps only issue
-            # the copies, the others only compute, so loads and softmax overlap.
-            for start_n in tl.range(0, full_end, Bc, warp_specialize=WARP_SPECIALIZE):
-                O_i, l_i, m_i = _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, start_n, rows, Nk,
-                                          qk_scale, Bc, IS_CAUSAL, False, DOT_PREC, NATURAL_EXP)
-            for start_n in range(full_end, end, Bc):
-                O_i, l_i, m_i = _tma_step(O_i, l_i, m_i, Q_i, K_desc, V_desc, start_n, rows, Nk,
-                                          qk_scale, Bc, IS_CAUSAL, True, DOT_PREC, NATURAL_EXP)
-        else:
-            for start_n in range(0, full_end, Bc):
-                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
-                                              stride_vn, start_n, rows, dims, Nk, d, qk_scale,
-                                              Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                              NATURAL_EXP)
-            for start_n in range(full_end, end, Bc):
-                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn,
-                                              stride_vn, start_n, rows, dims, Nk, d, qk_scale,
-                                              Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                              NATURAL_EXP)
+        # Warp specialization (where Triton has it for this GPU): some warps only issue the
+        # copies, the others only compute, so that loads and the softmax overlap.
+        for start_n in tl.range(0, full_end, Bc, warp_specialize=WARP_SPECIALIZE):
+            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
+                                          stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
+                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
+                                          NATURAL_EXP, TMA)
+        for start_n in range(full_end, end, Bc):
+            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
+                                          stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
+                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
+                                          NATURAL_EXP, TMA)
 
     # A row that saw no key (l_i = 0) gets O = 0 and L = +inf, so that the backward's
     # P = exp2(S - L) is 0 there: zero gradients, never NaN.
@@ -245,9 +231,10 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natura
                   NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile,
                   **({} if interpreted else tiles.launch()))
     grid = (math.ceil(Nq / Br), B * H)
-    fast = {"TMA": tiles.tma, "WARP_SPECIALIZE": tiles.warp_specialize}
+    # warp specialization applies to the dense loop only (measured there)
+    fast = {"TMA": tiles.tma, "WARP_SPECIALIZE": tiles.warp_specialize and block_mask is None}
     key = (tuple(sorted(consts.items())), q.dtype)
-    if interpreted or block_mask is not None or key in _NO_FAST or not tma_ok(k, v):
+    if interpreted or key in _NO_FAST or not tma_ok(k, v):
         fast = {"TMA": False, "WARP_SPECIALIZE": False}
     if fast["TMA"]:
         _ensure_allocator()

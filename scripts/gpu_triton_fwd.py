@@ -254,6 +254,24 @@ def sparse_tma(log):
                                                 interpreted=False)), flops(8192, d) * density)
 
 
+def sparse_variants(log):
+    """Block-sparse forward, d=128: tiles and stages other than the dense loop's (pointer loads;
+    each twice, since the differences sought are a few per cent)."""
+    d = 128
+    q, k, v, _ = inputs(8192, d)
+    cands = [Tiles(128, 128, 8, 3), Tiles(128, 128, 8, 2), Tiles(128, 64, 8, 3),
+             Tiles(128, 64, 8, 4), Tiles(64, 128, 4, 3), Tiles(64, 128, 8, 3),
+             Tiles(64, 64, 4, 3)]
+    for density in (0.1, 0.5):
+        mask = bench.random_block_mask(8192, density)
+        for rep in (1, 2):
+            for tiles in cands:
+                log.rec("sparse tiles", f"density={density} {name(tiles)} run{rep}", t(
+                    lambda tiles=tiles: forward(q, k, v, is_causal=False, scale=d ** -0.5,
+                                                block_mask=mask, tiles=tiles,
+                                                interpreted=False)), flops(8192, d) * density)
+
+
 def compile_check(log):
     """torch.compile over flashedu.attention, forward and backward, against eager."""
     q, k, v, do = inputs(2048, 64)
@@ -287,7 +305,7 @@ def main(argv=None):
     log = Log()
     prev_forward = load_prev(args.prev)
     steps = args.only or ["compile", "peers", "variants", "dims", "causal_bwd", "causal_mask",
-                          "regress", "sparse_tma"]
+                          "regress", "sparse_tma", "sparse_variants"]
     best128 = Tiles(128, 128, 8, 3)
     best = {}
     try:
@@ -309,6 +327,8 @@ def main(argv=None):
                 causal_backward(log)
             elif step == "causal_mask":
                 causal_block_mask(log)
+            elif step == "sparse_variants":
+                sparse_variants(log)
             elif step == "sparse_tma":
                 sparse_tma(log)
             elif step == "regress":

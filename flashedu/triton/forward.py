@@ -231,8 +231,9 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natura
                   NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile,
                   **({} if interpreted else tiles.launch()))
     grid = (math.ceil(Nq / Br), B * H)
-    # warp specialization applies to the dense loop only (measured there)
-    fast = {"TMA": tiles.tma, "WARP_SPECIALIZE": tiles.warp_specialize and block_mask is None}
+    # Dense loops only: on the block-sparse loops TMA measured 3-9% slower (speed.md, round 2)
+    dense = block_mask is None
+    fast = {"TMA": tiles.tma and dense, "WARP_SPECIALIZE": tiles.warp_specialize and dense}
     key = (tuple(sorted(consts.items())), q.dtype)
     if interpreted or key in _NO_FAST or not tma_ok(k, v):
         fast = {"TMA": False, "WARP_SPECIALIZE": False}

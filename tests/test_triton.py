@@ -168,10 +168,11 @@ def test_tile_lists_put_the_unmasked_tiles_first(Nq, Nk, causal, transpose, seed
 def test_tma_forward_matches_the_pointer_forward(monkeypatch, causal):
     """The copy-engine (TMA) loads, run by the interpreter: ragged Nk, a padded head dim (24 of
     32: the descriptor's zero fill), GQA. They must give what the pointer loads give."""
+    from flashedu.triton import fast
     from flashedu.triton import forward as fw
     from flashedu.triton.config import Tiles
 
-    monkeypatch.setattr(fw, "tma_ok", lambda *t: True)  # the interpreter has no copy engine
+    monkeypatch.setattr(fast, "tma_ok", lambda *t: True)  # the interpreter has no copy engine
     q, k, v = (x.detach() for x in _qkv(1, 4, 2, 70, 53, 24))
     kw = dict(is_causal=causal, scale=0.2, block_mask=None, interpreted=False)
     plain, _ = fw.forward(q, k, v, tiles=Tiles(32, 16), **kw)
@@ -184,6 +185,7 @@ def test_tma_forward_matches_the_pointer_forward(monkeypatch, causal):
 def test_fast_forward_falls_back_when_it_does_not_build(monkeypatch):
     """A Triton without TMA or warp specialization for this GPU: one warning, then the pointer
     version, and the right answer."""
+    from flashedu.triton import fast
     from flashedu.triton import forward as fw
     from flashedu.triton.config import Tiles
 
@@ -197,14 +199,46 @@ def test_fast_forward_falls_back_when_it_does_not_build(monkeypatch):
                 return real[grid](*args, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE, **kw)
             return launch
 
-    monkeypatch.setattr(fw, "tma_ok", lambda *t: True)
+    monkeypatch.setattr(fast, "tma_ok", lambda *t: True)
     monkeypatch.setattr(fw, "forward_kernel", Picky())
-    monkeypatch.setattr(fw, "_NO_FAST", set())
+    monkeypatch.setattr(fast, "_NO_FAST", set())
     q, k, v = (x.detach() for x in _qkv(1, 2, 2, 40, 40, 16))
     kw = dict(is_causal=False, scale=0.25, block_mask=None, interpreted=False,
               tiles=Tiles(32, 16, tma=True, warp_specialize=True))
     with pytest.warns(UserWarning, match="pointer version"):
         out, _ = fw.forward(q, k, v, **kw)
     assert _err(out, reference_attention(q, k, v, scale=0.25)) < 1e-5
-    assert len(fw._NO_FAST) == 1
+    assert len(fast._NO_FAST) == 1
     fw.forward(q, k, v, **kw)  # remembered: no second failure, no second warning
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_tma_backward_matches_the_pointer_backward(monkeypatch, causal, sparse):
+    """The backward's descriptor loads (Q_i, dO_i in dK/dV; K_j, V_j in dQ), in the
+    interpreter: ragged sizes, padded head dim, GQA, dense and block-sparse, both launch
+    layouts. Bit-for-bit what the pointer loads give."""
+    import dataclasses
+
+    from flashedu.triton import fast
+    from flashedu.triton.backward import backward
+    from flashedu.triton.config import INTERPRETER
+    from flashedu.triton.forward import forward
+
+    monkeypatch.setattr(fast, "tma_ok", lambda *t: True)
+    q, k, v = (x.detach() for x in _qkv(1, 4, 2, 70, 53, 24))
+    do = torch.randn_like(q)
+    mask = None
+    if sparse:
+        blocks = np.random.default_rng(2).random((3, 2)) < 0.7
+        mask = flashedu.BlockMask(blocks, (32, 32), (70, 53))
+    kw = dict(is_causal=causal, scale=0.2, block_mask=mask, interpreted=False)
+    o, L = forward(q, k, v, tiles=INTERPRETER.forward, **kw)
+    on = lambda t: dataclasses.replace(t, tma=True)  # noqa: E731
+    for fused in (False, True):
+        plain = dataclasses.replace(INTERPRETER, fused_backward=fused)
+        tma = dataclasses.replace(plain, dkdv=on(plain.dkdv), dq=on(plain.dq))
+        want = backward(q, k, v, o, L, do, config=plain, **kw)
+        got = backward(q, k, v, o, L, do, config=tma, **kw)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)

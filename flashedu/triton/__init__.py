@@ -46,7 +46,7 @@ def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     config = resolve_config(q.shape[-1], q.dtype, block_mask)
     o, lse2 = forward(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=is_causal,
-                      scale=scale, block_mask=block_mask, tiles=config.forward,
+                      scale=scale, block_mask=block_mask, tiles=config.forward_tiles(block_mask),
                       interpreted=runtime.triton_interpreted())
     return o, torch.where(torch.isinf(lse2), -torch.inf, lse2 * math.log(2.0))
 

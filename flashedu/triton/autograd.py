@@ -27,7 +27,8 @@ def resolve_config(d: int, dtype, block_mask) -> KernelConfig:
         if c is None:
             return None
         return dataclasses.replace(c, forward=fit(c.forward), dkdv=fit(c.dkdv), dq=fit(c.dq),
-                                   causal_backward=fit_all(c.causal_backward))
+                                   causal_backward=fit_all(c.causal_backward),
+                                   sparse_forward=c.sparse_forward and fit(c.sparse_forward))
 
     return fit_all(config)
 
@@ -37,7 +38,7 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, is_causal, scale, block_mask, config):
         interpreted = runtime.triton_interpreted()
         o, lse2 = forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask,
-                          tiles=config.forward, interpreted=interpreted)
+                          tiles=config.forward_tiles(block_mask), interpreted=interpreted)
         ctx.save_for_backward(q, k, v, o, lse2)
         ctx.params = (is_causal, scale, block_mask, config, interpreted)
         return o

@@ -10,7 +10,7 @@ boundaries on small problems, and the interpreter's cost grows with the tile are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_HEAD_DIM = 256
 MIN_TILE = 16  # tl.dot needs every dimension >= 16
@@ -43,6 +43,15 @@ class KernelConfig:
     fused_backward: bool = True
     # Where causal attention's backward measured faster with other settings: used instead.
     causal_backward: "KernelConfig | None" = None
+    # Tiles of the block-sparse forward. None: the forward's, without TMA and warp
+    # specialization (on the block-sparse loops TMA alone measured 3-9% slower, speed.md).
+    sparse_forward: Tiles | None = None
+
+    def forward_tiles(self, block_mask) -> Tiles:
+        """The forward's tiles for a call with (or without) a block mask."""
+        if block_mask is None:
+            return self.forward
+        return self.sparse_forward or replace(self.forward, tma=False, warp_specialize=False)
 
 
 INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)

@@ -19,7 +19,6 @@ Three changes from the NumPy loop, all for speed (notebook 10 measures each):
 from __future__ import annotations
 
 import math
-import warnings
 
 import triton
 import triton.language as tl
@@ -148,7 +147,7 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
         if not SPARSE_MASK:  # no listed tile needs a mask: one loop (an empty second one
             num_full = num   # was measured to cost speed, so it is not compiled at all)
-        for t in range(0, num_full):
+        for t in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
             j = tl.load(idx_row + t)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
@@ -215,7 +214,7 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natura
     scale folded in; the unmasked loop), so that notebook 10 can measure what each one gives."""
     import torch
 
-    from . import sparse
+    from . import fast, sparse
     from .config import padded_head_dim
 
     B, H, Nq, d = q.shape
@@ -235,56 +234,5 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natura
                   NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile,
                   **({} if interpreted else tiles.launch()))
     grid = (math.ceil(Nq / Br), B * H)
-    # Dense loops only: on the block-sparse loops TMA measured 3-9% slower (speed.md, round 2)
-    dense = block_mask is None
-    fast = {"TMA": tiles.tma and dense, "WARP_SPECIALIZE": tiles.warp_specialize and dense}
-    key = (tuple(sorted(consts.items())), q.dtype)
-    if interpreted or key in _NO_FAST or not tma_ok(k, v):
-        fast = {"TMA": False, "WARP_SPECIALIZE": False}
-    if fast["TMA"]:
-        _ensure_allocator()
-    try:
-        forward_kernel[grid](*args, **consts, **fast)
-    except Exception as exc:  # noqa: BLE001 - only the TMA / warp-specialized build may fail
-        if not (fast["TMA"] or fast["WARP_SPECIALIZE"]):
-            raise
-        warnings.warn(f"flashedu: the TMA / warp-specialized forward did not build on this "
-                      f"Triton ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                      f"using the pointer version for these settings", stacklevel=2)
-        _NO_FAST.add(key)
-        forward_kernel[grid](*args, **consts, TMA=False, WARP_SPECIALIZE=False)
+    fast.launch(forward_kernel, grid, args, consts, fast.switches(tiles, interpreted, k, v))
     return o, lse2
-
-
-_NO_FAST: set = set()  # launch settings whose TMA / warp-specialized build failed
-
-
-def tma_ok(*tensors) -> bool:
-    """The copy engine (Hopper and newer) needs 16-byte aligned base addresses and strides."""
-    import torch
-
-    t0 = tensors[0]
-    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
-        return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-               for t in tensors)
-
-
-def _ensure_allocator():
-    """Descriptors made inside a kernel live in scratch memory that Triton asks an allocator
-    for: install one backed by torch, unless the user has set their own."""
-    try:
-        from triton.runtime import _allocation
-
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
-    except (ImportError, AttributeError):  # Triton's internals moved: install ours
-        pass
-
-    def alloc(size, alignment, stream):
-        import torch
-
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-
-    triton.set_allocator(alloc)

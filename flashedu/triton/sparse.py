@@ -75,11 +75,12 @@ def unmasked(shape, Br: int, Bc: int, seq_lens, is_causal: bool) -> np.ndarray:
 def tile_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, device,
                is_causal: bool = False):
     """(num, num_full, idx) int32 torch tensors on ``device``: kv lists, or q lists when
-    ``transpose``; ``is_causal`` is the call's flag (the mask's own counts too). Each row of idx lists its num tiles with the num_full tiles that need no
-    element mask first, so that a kernel runs them in a loop without masks and only the rest
-    (causal diagonal, ragged edge) in a masked loop.
+    ``transpose``; ``is_causal`` is the call's flag (the mask's own counts too).
 
-    Cached per mask object: a training loop reuses one mask for many calls."""
+    Each row of idx lists its num tiles with the num_full tiles that need no element mask
+    first, so that a kernel runs them in a loop without masks and only the rest (causal
+    diagonal, ragged edge) in a masked loop. Cached per mask object: a training loop reuses
+    one mask for many calls."""
     import torch
 
     per_mask = _CACHE.setdefault(block_mask, {})

@@ -274,50 +274,6 @@ def sparse_variants(log):
                                                 interpreted=False)), flops(8192, d) * density)
 
 
-def backward_tma(log):
-    """Backward with TMA loads (Q_i, dO_i in dK/dV; K_j, V_j in dQ) vs pointer loads, shipped
-    tiles, dense and block-sparse; plus a ragged GQA case for agreement."""
-    on = lambda t: dataclasses.replace(t, tma=True)  # noqa: E731
-    for d in (128, 64):
-        q, k, v, do = inputs(8192, d)
-        s = d ** -0.5
-        for causal, density in ((False, None), (True, None), (False, 0.1), (False, 0.5)):
-            mask = None if density is None else bench.random_block_mask(8192, density)
-            shipped = kernel_config(d, False, False)
-            if causal and shipped.causal_backward is not None:
-                shipped = shipped.causal_backward
-            shipped = dataclasses.replace(shipped, causal_backward=None)
-            tma = dataclasses.replace(shipped, dkdv=on(shipped.dkdv), dq=on(shipped.dq))
-            o, L = forward(q, k, v, is_causal=causal, scale=s, block_mask=mask,
-                           tiles=shipped.forward_tiles(mask), interpreted=False)
-            fn = lambda cfg: (lambda: backward(  # noqa: E731
-                q, k, v, o, L, do, is_causal=causal, scale=s, block_mask=mask, config=cfg,
-                interpreted=False))
-            err = max(rel_err(a, b) for a, b in zip(fn(tma)(), fn(shipped)()))
-            fl = 2.5 * flops(8192, d, causal) * (density or 1.0)
-            tag = f"d={d} {'causal' if causal else 'dense'}" + (f" sparse {density}" if density
-                                                                else "")
-            for rep in (1, 2):
-                log.rec("bwd tma", f"{tag} pointer run{rep}", t(fn(shipped)), fl)
-                log.rec("bwd tma", f"{tag} tma run{rep}", t(fn(tma)), fl,
-                        rel_diff=f"{err:.1e}")
-    q = torch.randn(2, 8, 1000, 96, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 2, 1531, 96, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    do = torch.randn_like(q)
-    cfg = kernel_config(96, False, False)
-    for causal in (False, True):
-        o, L = forward(q, k, v, is_causal=causal, scale=0.1, block_mask=None, tiles=cfg.forward,
-                       interpreted=False)
-        plain = dataclasses.replace(cfg, causal_backward=None)
-        tma = dataclasses.replace(plain, dkdv=on(plain.dkdv), dq=on(plain.dq))
-        got, ref = (backward(q, k, v, o, L, do, is_causal=causal, scale=0.1, block_mask=None,
-                             config=c, interpreted=False) for c in (tma, plain))
-        log.out.setdefault("bwd_tma_ragged_gqa_bitwise_equal", []).append(
-            all(torch.equal(a, b) for a, b in zip(got, ref)))
-    print("ragged GQA d=96, TMA vs pointer bitwise equal:",
-          log.out["bwd_tma_ragged_gqa_bitwise_equal"])
-
-
 def sparse_ws(log):
     """Block-sparse forward, d=128: pointer loads (shipped) vs TMA + warp specialization."""
     d = 128
@@ -370,8 +326,7 @@ def main(argv=None):
     log = Log()
     prev_forward = load_prev(args.prev)
     steps = args.only or ["compile", "peers", "variants", "dims", "causal_bwd", "causal_mask",
-                          "regress", "sparse_tma", "sparse_variants", "backward_tma",
-                          "sparse_ws"]
+                          "regress", "sparse_tma", "sparse_variants", "sparse_ws"]
     best128 = Tiles(128, 128, 8, 3)
     best = {}
     try:
@@ -393,8 +348,6 @@ def main(argv=None):
                 causal_backward(log)
             elif step == "causal_mask":
                 causal_block_mask(log)
-            elif step == "backward_tma":
-                backward_tma(log)
             elif step == "sparse_ws":
                 sparse_ws(log)
             elif step == "sparse_variants":

@@ -210,35 +210,3 @@ def test_fast_forward_falls_back_when_it_does_not_build(monkeypatch):
     assert _err(out, reference_attention(q, k, v, scale=0.25)) < 1e-5
     assert len(fast._NO_FAST) == 1
     fw.forward(q, k, v, **kw)  # remembered: no second failure, no second warning
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("sparse", [False, True])
-def test_tma_backward_matches_the_pointer_backward(monkeypatch, causal, sparse):
-    """The backward's descriptor loads (Q_i, dO_i in dK/dV; K_j, V_j in dQ), in the
-    interpreter: ragged sizes, padded head dim, GQA, dense and block-sparse, both launch
-    layouts. Bit-for-bit what the pointer loads give."""
-    import dataclasses
-
-    from flashedu.triton import fast
-    from flashedu.triton.backward import backward
-    from flashedu.triton.config import INTERPRETER
-    from flashedu.triton.forward import forward
-
-    monkeypatch.setattr(fast, "tma_ok", lambda *t: True)
-    q, k, v = (x.detach() for x in _qkv(1, 4, 2, 70, 53, 24))
-    do = torch.randn_like(q)
-    mask = None
-    if sparse:
-        blocks = np.random.default_rng(2).random((3, 2)) < 0.7
-        mask = flashedu.BlockMask(blocks, (32, 32), (70, 53))
-    kw = dict(is_causal=causal, scale=0.2, block_mask=mask, interpreted=False)
-    o, L = forward(q, k, v, tiles=INTERPRETER.forward, **kw)
-    on = lambda t: dataclasses.replace(t, tma=True)  # noqa: E731
-    for fused in (False, True):
-        plain = dataclasses.replace(INTERPRETER, fused_backward=fused)
-        tma = dataclasses.replace(plain, dkdv=on(plain.dkdv), dq=on(plain.dq))
-        want = backward(q, k, v, o, L, do, config=plain, **kw)
-        got = backward(q, k, v, o, L, do, config=tma, **kw)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)

@@ -45,25 +45,20 @@ def preprocess_kernel(O, dO, D, stride_ob, stride_oh, stride_on, stride_db, stri
 
 
 @triton.jit
-def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_src, dO_src, L_head, D_head, dQ_head, stride_qn,
+def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, dQ_head, stride_qn,
                stride_dn, stride_dqn, start_m, cols, dims, Nq, d, qk_scale, scale,
                Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-               DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr = False):
+               DQ_ATOMIC: tl.constexpr):
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
-    products land directly in dK_j and dV_j. Q_src, dO_src: pointers to this head's Q and dO,
-    or (TMA) their tensor descriptors, as in the forward."""
+    products land directly in dK_j and dV_j."""
     rows = start_m + tl.arange(0, Br)
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
-    if TMA:
-        Q_i = Q_src.load([start_m, 0])
-        dO_i = dO_src.load([start_m, 0])
-    else:
-        Q_i = load_tile(Q_src + rows[:, None] * stride_qn + dims[None, :], row_ok, dim_ok,
-                        MASK, not EVEN_D)
-        dO_i = load_tile(dO_src + rows[:, None] * stride_dn + dims[None, :], row_ok, dim_ok,
-                         MASK, not EVEN_D)
+    Q_i = load_tile(Q_head + rows[:, None] * stride_qn + dims[None, :], row_ok, dim_ok,
+                    MASK, not EVEN_D)
+    dO_i = load_tile(dO_head + rows[:, None] * stride_dn + dims[None, :], row_ok, dim_ok,
+                     MASK, not EVEN_D)
     if MASK:  # rows past Nq: L = +inf makes their P zero
         L_i = tl.load(L_head + rows, mask=rows < Nq, other=float("inf"))
         D_i = tl.load(D_head + rows, mask=rows < Nq, other=0.0)
@@ -101,7 +96,7 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                  DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr):
+                  DQ_ATOMIC: tl.constexpr):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
@@ -132,12 +127,6 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
         dQ_head = dQ + b * stride_dqb + h * stride_dqh
         L_head = L + (b * H + h) * Nq
         D_head = D + (b * H + h) * Nq
-        if TMA:
-            Q_src = tl.make_tensor_descriptor(Q_head, [Nq, d], [stride_qn, 1], [Br, HEAD_DIM])
-            dO_src = tl.make_tensor_descriptor(dO_head, [Nq, d], [stride_dn, 1], [Br, HEAD_DIM])
-        else:
-            Q_src = Q_head
-            dO_src = dO_head
         if SPARSE:  # the listed Q tiles: num_full without element masks, then the rest
             num = tl.load(Q_NUM + b * stride_numb + h * stride_numh + j)
             num_full = tl.load(Q_FULL + b * stride_numb + h * stride_numh + j)
@@ -145,42 +134,42 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
             if SPARSE_MASK:
                 for t in range(0, num_full):
                     i = tl.load(idx_row + t)
-                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_src, dO_src, L_head,
+                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
                                             D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
                                             i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
                                             IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                            DQ_ATOMIC, TMA)
+                                            DQ_ATOMIC)
                 for t in range(num_full, num):
                     i = tl.load(idx_row + t)
-                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_src, dO_src, L_head,
+                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
                                             D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
                                             i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
                                             IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                            DQ_ATOMIC, TMA)
+                                            DQ_ATOMIC)
             else:  # no listed tile needs a mask: one loop
                 for t in range(0, num):
                     i = tl.load(idx_row + t)
-                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_src, dO_src, L_head,
+                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
                                             D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
                                             i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
                                             IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                            DQ_ATOMIC, TMA)
+                                            DQ_ATOMIC)
         else:
             for start_m in range(lo, diag_end, Br):
-                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_src, dO_src, L_head, D_head,
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
                                         cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, True,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC, TMA)
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
             for start_m in range(diag_end, full_end, Br):
-                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_src, dO_src, L_head, D_head,
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
                                         cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, False,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC, TMA)
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
             for start_m in range(tl.maximum(diag_end, full_end), Nq, Br):
-                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_src, dO_src, L_head, D_head,
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
                                         cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, True,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC, TMA)
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
     out_ok = col_ok & dim_ok
     tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
              (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
@@ -189,22 +178,18 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
 
 
 @triton.jit
-def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_src, V_src, stride_kn, stride_vn, start_n, rows,
+def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, start_n, rows,
              dims, Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr,
              MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-             UPCAST: tl.constexpr, TMA: tl.constexpr = False):
-    """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (loads as the forward)."""
+             UPCAST: tl.constexpr):
+    """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j."""
     cols = start_n + tl.arange(0, Bc)
-    if TMA:
-        K_j = K_src.load([start_n, 0])
-        V_j = V_src.load([start_n, 0])
-    else:
-        col_ok = cols[:, None] < Nk
-        dim_ok = dims[None, :] < d
-        K_j = load_tile(K_src + cols[:, None] * stride_kn + dims[None, :], col_ok, dim_ok,
-                        MASK, not EVEN_D)
-        V_j = load_tile(V_src + cols[:, None] * stride_vn + dims[None, :], col_ok, dim_ok,
-                        MASK, not EVEN_D)
+    col_ok = cols[:, None] < Nk
+    dim_ok = dims[None, :] < d
+    K_j = load_tile(K_head + cols[:, None] * stride_kn + dims[None, :], col_ok, dim_ok,
+                    MASK, not EVEN_D)
+    V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], col_ok, dim_ok,
+                    MASK, not EVEN_D)
     if UPCAST:
         K_j = K_j.to(tl.float32)
         V_j = V_j.to(tl.float32)
@@ -230,8 +215,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 H, GROUP, Nq, Nk, d,
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
-                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                TMA: tl.constexpr):
+                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
@@ -250,12 +234,6 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
     D_i = tl.load(D + bh * Nq + rows, mask=rows < Nq, other=0.0)
     K_head = K + b * stride_kb + h_kv * stride_kh
     V_head = V + b * stride_vb + h_kv * stride_vh
-    if TMA:
-        K_src = tl.make_tensor_descriptor(K_head, [Nk, d], [stride_kn, 1], [Bc, HEAD_DIM])
-        V_src = tl.make_tensor_descriptor(V_head, [Nk, d], [stride_vn, 1], [Bc, HEAD_DIM])
-    else:
-        K_src = K_head
-        V_src = V_head
     dQ_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
     if SPARSE:  # as the forward: the listed tiles without element masks, then the rest
         num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
@@ -264,20 +242,20 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
         if SPARSE_MASK:
             for t in range(0, num_full):
                 j = tl.load(idx_row + t)
-                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_src, V_src, stride_kn,
+                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
                                 stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
-                                False, EVEN_D, DOT_PREC, UPCAST, TMA)
+                                False, EVEN_D, DOT_PREC, UPCAST)
             for t in range(num_full, num):
                 j = tl.load(idx_row + t)
-                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_src, V_src, stride_kn,
+                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
                                 stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
-                                True, EVEN_D, DOT_PREC, UPCAST, TMA)
+                                True, EVEN_D, DOT_PREC, UPCAST)
         else:  # no listed tile needs a mask: one loop
             for t in range(0, num):
                 j = tl.load(idx_row + t)
-                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_src, V_src, stride_kn,
+                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
                                 stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
-                                False, EVEN_D, DOT_PREC, UPCAST, TMA)
+                                False, EVEN_D, DOT_PREC, UPCAST)
     else:  # the forward's split: unmasked tiles, then the diagonal and ragged ones
         if IS_CAUSAL:
             end = tl.minimum(Nk, (i + 1) * Br)
@@ -286,13 +264,13 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
             end = Nk
             full_end = Nk // Bc * Bc
         for start_n in range(0, full_end, Bc):
-            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_src, V_src, stride_kn, stride_vn,
+            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
-                            DOT_PREC, UPCAST, TMA)
+                            DOT_PREC, UPCAST)
         for start_n in range(full_end, end, Bc):
-            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_src, V_src, stride_kn, stride_vn,
+            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
-                            DOT_PREC, UPCAST, TMA)
+                            DOT_PREC, UPCAST)
     tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
 
@@ -311,14 +289,11 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                     SPARSE_MASK1: tl.constexpr, SPARSE_MASK2: tl.constexpr,
                     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    DKDV: tl.constexpr, DQ: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
+                    DKDV: tl.constexpr, DQ: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
-    kind gets its own launch, tiles and warps (``first_pid`` then says where a launch starts).
-    TMA: the streamed tiles (Q_i, dO_i in dK/dV; K_j, V_j in dQ) come through tensor
-    descriptors. WARP_SPECIALIZE is accepted for the common launcher and not used here."""
+    kind gets its own launch, tiles and warps (``first_pid`` then says where a launch starts)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand float64 scalars
     scale = tl.cast(scale, tl.float32)
     pid = first_pid + tl.program_id(0)
@@ -335,7 +310,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                           H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
-                          SPARSE_MASK1, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC, TMA)
+                          SPARSE_MASK1, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -347,7 +322,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         stride_dqb, stride_dqh, stride_dqn,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
-                        SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC, UPCAST, TMA)
+                        SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC, UPCAST)
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
@@ -360,7 +335,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     with atomics (nondeterministic summation order)."""
     import torch
 
-    from . import fast, sparse
+    from . import sparse
     from .config import padded_head_dim
 
     B, H, Nq, d = q.shape
@@ -398,10 +373,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                   UPCAST=interpreted and q.dtype != torch.float32, DQ_ATOMIC=dq_atomic)
 
     def launch(first_pid, programs, tiles, **parts):
-        consts = dict(common, **parts, **({} if interpreted else tiles.launch()))
-        switches = fast.switches(tiles, interpreted or dq_atomic, q, k, v, do)
-        fast.launch(backward_kernel, (programs, B * Hkv), (*args, first_pid, Tc, Tr), consts,
-                    switches)
+        backward_kernel[(programs, B * Hkv)](*args, first_pid, Tc, Tr, **common, **parts,
+                                             **({} if interpreted else tiles.launch()))
 
     if dq_atomic:
         launch(0, Tc, t1, DKDV=True, DQ=False)

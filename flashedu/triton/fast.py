@@ -1,4 +1,4 @@
-"""Hopper's fast paths for the kernels, and the fallback when a Triton cannot build them.
+"""Hopper's fast paths for the forward kernel, and the fallback when a Triton cannot build them.
 
 - TMA: tiles fetched by the copy engine through tensor descriptors that the kernels make
   (``tl.make_tensor_descriptor``). Needs compute capability >= 9, 16-byte aligned base and

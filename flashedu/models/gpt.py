@@ -52,9 +52,10 @@ class CausalSelfAttention(nn.Module):
         return _opaque_attention(q, k, v, p, self.backend)
 
 
-# With compile_model=True, torch.compile would trace into flashedu's kernels: the Triton ones
-# it compiles along with the model (checked on the H100: scripts/gpu_triton_fwd.py), but the
-# NumPy and numba ones cannot be traced. Those stay an opaque call that compile steps around.
+# With compile_model=True, torch.compile traces into flashedu's kernels. The Triton ones it
+# compiles along with the model (on the H100 a compiled 40-step run gave SDPA's loss to the last
+# digit: docs/bench/speed.md, round 2); the NumPy and numba ones cannot be traced, so they stay
+# an opaque call that compile steps around.
 @torch.compiler.disable
 def _opaque_attention(q, k, v, dropout_p, backend):
     return attention(q, k, v, is_causal=True, dropout_p=dropout_p, backend=backend)

@@ -131,28 +131,21 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
             num = tl.load(Q_NUM + b * stride_numb + h * stride_numh + j)
             num_full = tl.load(Q_FULL + b * stride_numb + h * stride_numh + j)
             idx_row = Q_IDX + b * stride_idxb + h * stride_idxh + j * stride_idxr
+            if not SPARSE_MASK:  # no listed tile needs a mask: the masked loop is not built
+                num_full = num
+            for t in range(0, num_full):
+                i = tl.load(idx_row + t)
+                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
+                                        dQ_head, stride_qn, stride_dn, stride_dqn, i * Br, cols,
+                                        dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, False,
+                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
             if SPARSE_MASK:
-                for t in range(0, num_full):
-                    i = tl.load(idx_row + t)
-                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
-                                            D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
-                                            i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
-                                            IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                            DQ_ATOMIC)
                 for t in range(num_full, num):
                     i = tl.load(idx_row + t)
                     dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
                                             D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
                                             i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
                                             IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                            DQ_ATOMIC)
-            else:  # no listed tile needs a mask: one loop
-                for t in range(0, num):
-                    i = tl.load(idx_row + t)
-                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
-                                            D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
-                                            i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
-                                            IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
                                             DQ_ATOMIC)
         else:
             for start_m in range(lo, diag_end, Br):
@@ -239,23 +232,19 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
         num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
         num_full = tl.load(KV_FULL + b * stride_numb + h * stride_numh + i)
         idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
+        if not SPARSE_MASK:  # no listed tile needs a mask: the masked loop is not built
+            num_full = num
+        for t in range(0, num_full):
+            j = tl.load(idx_row + t)
+            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
+                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
+                            DOT_PREC, UPCAST)
         if SPARSE_MASK:
-            for t in range(0, num_full):
-                j = tl.load(idx_row + t)
-                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
-                                stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
-                                False, EVEN_D, DOT_PREC, UPCAST)
             for t in range(num_full, num):
                 j = tl.load(idx_row + t)
                 dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
                                 stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
                                 True, EVEN_D, DOT_PREC, UPCAST)
-        else:  # no listed tile needs a mask: one loop
-            for t in range(0, num):
-                j = tl.load(idx_row + t)
-                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
-                                stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
-                                False, EVEN_D, DOT_PREC, UPCAST)
     else:  # the forward's split: unmasked tiles, then the diagonal and ragged ones
         if IS_CAUSAL:
             end = tl.minimum(Nk, (i + 1) * Br)

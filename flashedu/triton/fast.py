@@ -41,17 +41,17 @@ def switches(tiles, interpreted: bool, *tensors) -> dict:
 
 def launch(kernel, grid, args, consts: dict, fast: dict):
     """kernel[grid](*args, **consts, **fast), or the pointer version where fast does not build."""
+    if fast == OFF:  # the common case pays for no bookkeeping
+        return kernel[grid](*args, **consts, **fast)
     key = (getattr(kernel, "__name__", str(kernel)), tuple(sorted(consts.items())),
            tuple(str(a.dtype) for a in args if hasattr(a, "dtype")))
     if key in _NO_FAST:
-        fast = OFF
+        return kernel[grid](*args, **consts, **OFF)
     if fast["TMA"]:
         ensure_allocator()
     try:
         return kernel[grid](*args, **consts, **fast)
     except Exception as exc:  # noqa: BLE001 - only the TMA / warp-specialized build may fail
-        if fast == OFF:
-            raise
         warnings.warn(f"flashedu: the TMA / warp-specialized kernel did not build on this "
                       f"Triton ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                       f"using the pointer version for these settings", stacklevel=3)

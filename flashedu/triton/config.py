@@ -63,6 +63,7 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 # Forwards of d=128 and d=256: scripts/gpu_triton_fwd.py (speed.md, round 2): TMA and warp
 # specialization +4-8% at d=128; 128x64 tiles 1.3-1.6x at d=256. At d=64, TMA was within noise
 # and slower for short causal sequences: left off.
+_FORWARD_128 = Tiles(128, 128, 8, 3, tma=True, warp_specialize=True)
 GPU_16BIT = {
     16: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
                      fused_backward=False),
@@ -70,13 +71,11 @@ GPU_16BIT = {
                      fused_backward=False),
     64: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
                      fused_backward=False),
-    128: KernelConfig(Tiles(128, 128, 8, 3, tma=True, warp_specialize=True),
-                      Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2), fused_backward=True,
+    128: KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2),
+                      fused_backward=True,
                       # causal: the fused launch was 4-12% slower (speed.md): the two launches
-                      causal_backward=KernelConfig(Tiles(128, 128, 8, 3, tma=True,
-                                                         warp_specialize=True),
-                                                   Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3),
-                                                   fused_backward=False)),
+                      causal_backward=KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3),
+                                                   Tiles(128, 64, 8, 3), fused_backward=False)),
     256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2),
                       fused_backward=False),  # backward untuned
 }

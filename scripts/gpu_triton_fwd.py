@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import sys
 
 import torch
-from triton.testing import do_bench
+from gpu_triton_speed import flops, inputs, name, rel_err, t  # helpers shared in scripts/
 
 import flashedu
 from flashedu import bench, runtime
@@ -28,33 +29,7 @@ from flashedu.triton.config import Tiles, kernel_config
 from flashedu.triton.forward import forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def t(fn):
-    try:
-        return do_bench(fn, warmup=20, rep=80, return_mode="median")
-    except Exception as exc:  # noqa: BLE001 - e.g. a variant this Triton cannot compile
-        print("   failed:", type(exc).__name__, str(exc).splitlines()[0][:160], flush=True)
-        return float("inf")
-
-
-def name(x: Tiles):
-    extra = ("/tma" if x.tma else "") + ("/ws" if x.warp_specialize else "")
-    return f"{x.Br}x{x.Bc}/w{x.num_warps}/s{x.num_stages}{extra}"
-
-
-def inputs(n, d, dtype=torch.bfloat16, seed=0):
-    B, H = 16384 // n, 2048 // d
-    g = torch.Generator(device="cuda").manual_seed(seed + n + d)
-    return [torch.randn(B, H, n, d, device="cuda", dtype=dtype, generator=g) for _ in range(4)]
-
-
-def flops(n, d, causal=False):
-    return 4 * (16384 // n) * (2048 // d) * n * n * d * (0.5 if causal else 1)
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+t = functools.partial(t, rep=80)  # the tables here compare variants a few per cent apart
 
 
 def load_prev(path):
@@ -174,7 +149,7 @@ def regress_forward(log, prev_forward, tiles_for):
     for dname, dtype in DTYPES.items():
         for d in (64, 128, 256):
             for n in (1024, 4096, 16384):
-                q, k, v, _ = inputs(n, d, dtype)
+                q, k, v, _ = inputs(n, d, dtype=dtype)
                 s = d ** -0.5
                 old = kernel_config(d, False, False).forward
                 new = tiles_for.get(d, old)

@@ -35,22 +35,23 @@ FWD = [Tiles(128, 128, 8, 3), Tiles(128, 128, 8, 2), Tiles(128, 64, 8, 3), Tiles
        Tiles(64, 64, 4, 3)]
 
 
-def t(fn):
+def t(fn, rep=60):
     try:
-        return do_bench(fn, warmup=20, rep=60, return_mode="median")
+        return do_bench(fn, warmup=20, rep=rep, return_mode="median")
     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
         print("   skipped:", type(exc).__name__, str(exc).splitlines()[0][:120], flush=True)
         return float("inf")
 
 
 def name(x: Tiles):
-    return f"{x.Br}x{x.Bc}/w{x.num_warps}/s{x.num_stages}"
+    extra = ("/tma" if x.tma else "") + ("/ws" if x.warp_specialize else "")
+    return f"{x.Br}x{x.Bc}/w{x.num_warps}/s{x.num_stages}{extra}"
 
 
-def inputs(n, d, hkv=None, requires_grad=False):
+def inputs(n, d, hkv=None, requires_grad=False, dtype=torch.bfloat16):
     B, H = 16384 // n, 2048 // d
     g = torch.Generator(device="cuda").manual_seed(n + d)
-    mk = lambda h: torch.randn(B, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    mk = lambda h: torch.randn(B, h, n, d, device="cuda", dtype=dtype, generator=g)  # noqa: E731
     q, k, v, do = mk(H), mk(hkv or H), mk(hkv or H), mk(H)
     return [x.requires_grad_(requires_grad) for x in (q, k, v)] + [do]
 

@@ -2,7 +2,7 @@
 
     python scripts/bench_numpy.py [--n 4096] [--d 64] [--block 128] [--json docs/bench/numpy_cpu.json]
 
-The foundation issue's goal: the tiled forward within 3x of naive NumPy's time, and under 1/20
+The goal: the tiled forward within 3x of naive NumPy's time, and under 1/20
 of its peak memory. Peak memory is what tracemalloc sees (NumPy reports its buffers to it);
 time is the median of several runs without tracemalloc.
 """

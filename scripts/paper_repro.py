@@ -15,8 +15,10 @@ What it measures (each provider in its own try, so one failure is reported, not 
           and Bc (Br fixed), beside the model.
   memory  Fig. 3 (right): peak memory over the inputs against N (1K..64K), B=1, H=16, d=64,
           fp16, forward and forward + backward, until a provider runs out of memory.
-  seed    the seed article's claims (33x / 129x less HBM traffic at 4K / 16K, 9x less memory
-          at 4K, a 1.0 GB score matrix at 4K with 32 heads fp16), each given a verdict.
+  claims  popular claims, as a summary of the paper ("Flash Attention Mechanics: How Tiled
+          Attention Fits in SRAM") states them: 33x / 129x less HBM traffic at 4K / 16K, 9x less
+          memory at 4K, a 1.0 GB score matrix at 4K with 32 heads fp16; each given a verdict.
+          (`seed` is accepted as the old name of this part, as in recorded commands.)
 
 ncu runs this script again as a child (``--ncu-child``) once per measured case: the child warms
 up (compiles), then brackets one call with torch.cuda.profiler.start()/stop(), and ncu
@@ -93,9 +95,9 @@ class Plan:
     sweep_fixed: tuple
     memory_ns: tuple
     memory: Shape  # N is replaced by each of memory_ns
-    seed_ns: tuple
-    seed_ncu: Shape  # N replaced; H small: the claimed ratios are per head
-    seed_mem: Shape  # the claim's own setting: 32 heads, d=128, fp16, N=4096
+    claims_ns: tuple
+    claims_ncu: Shape  # N replaced; H small: the claimed ratios are per head
+    claims_mem: Shape  # the claim's own setting: 32 heads, d=128, fp16, N=4096
 
 
 def plan_for(quick: bool, dry: bool) -> Plan:
@@ -111,8 +113,8 @@ def plan_for(quick: bool, dry: bool) -> Plan:
         sweep_bc=(32, 64, 128) if quick else (16, 32, 64, 128, 256),
         sweep_fixed=(128, 64),
         memory_ns=mem_ns, memory=Shape(1, 16, 0, 64),
-        seed_ns=(4096,) if quick else (4096, 16384),
-        seed_ncu=Shape(1, 4, 0, 128), seed_mem=Shape(1, 32, 4096, 128))
+        claims_ns=(4096,) if quick else (4096, 16384),
+        claims_ncu=Shape(1, 4, 0, 128), claims_mem=Shape(1, 32, 4096, 128))
 
 
 def with_n(shape: Shape, N: int) -> Shape:
@@ -186,13 +188,36 @@ def flashedu_bytes(shape: Shape, backward: bool = True) -> int:
     return total
 
 
+def flashedu_l2_bytes(shape: Shape, backward: bool = True) -> int:
+    """flashedu's Triton kernels when L2 serves every re-read: each kernel reads each tensor it
+    needs from DRAM once and writes each output once.
+
+    The two-level model above (HBM and SRAM) charges a K/V tile to HBM each time a Q-tile
+    program loads it. A GPU has a third level, L2 (50 MB on the H100), shared by all SMs: the
+    programs of one head run at about the same time and re-read the same K_j, V_j (256 KB per
+    head at N=1024, d=64, fp16), so after the first load they hit in L2. The prediction is then
+    the compulsory traffic of each kernel:
+      forward     read Q, K, V; write O (and L, fp32)
+      preprocess  read O, dO; write D (fp32)
+      dK/dV       read Q, K, V, dO, L, D; write dK, dV
+      dQ          read Q, K, V, dO, L, D; write dQ
+    It holds while the heads in flight keep their working sets in L2 together."""
+    nd = shape.N * shape.d * shape.itemsize  # one (N, d) tensor of one head, in bytes
+    row = shape.N * 4                        # one fp32 value per row (L or D)
+    total = 4 * nd + row                     # forward
+    if backward:
+        total += (2 * nd + row) + (6 * nd + 2 * row) + (5 * nd + 2 * row)
+    return total * shape.heads
+
+
 def sram_elements(gpu: str, itemsize: int) -> int:
     """M of the paper: one SM's usable shared memory, in elements of the input dtype."""
     return io.GPUS[gpu].smem_per_sm_kib * 1024 // itemsize
 
 
 def paper_algorithm_bytes(shape: Shape, gpu: str) -> dict:
-    """The paper's Algorithm 1/2 (K/V outer) as the NumPy kernels implement it, with
+    """The paper's Algorithm 1 (forward) and Algorithm 4 (backward), K/V tiles outer, as the
+    NumPy kernels implement them, with
     Br, Bc = io.paper_block_sizes(M, d) for M = the GPU's shared memory per SM."""
     M = sram_elements(gpu, shape.itemsize)
     Br, Bc = io.paper_block_sizes(M, shape.d)
@@ -608,27 +633,27 @@ def run_memory(plan: Plan, args) -> dict:
                        "allocated before it (q, k, v, and dO for fwd+bwd)"}
 
 
-def run_seed(plan: Plan, args) -> dict:
+def run_claims(plan: Plan, args) -> dict:
     traffic = []
-    for N in plan.seed_ns:
-        shape = with_n(plan.seed_ncu, N)
+    for N in plan.claims_ns:
+        shape = with_n(plan.claims_ncu, N)
         for p in PROVIDERS:
             spec = {"task": "attn", "provider": p, "shape": asdict(shape), "backward": False}
             r = ncu_measure(spec, args)
             traffic.append({"provider": p, "N": N, "shape": asdict(shape),
                             "predicted_bytes": predicted_bytes(p, shape, backward=False), **r})
-            log(f"seed traffic {p} N={N}: {short(r)}")
-    memory = {p: measure_memory(p, plan.seed_mem, False, args.cpu_dry_run) for p in PROVIDERS}
+            log(f"claims traffic {p} N={N}: {short(r)}")
+    memory = {p: measure_memory(p, plan.claims_mem, False, args.cpu_dry_run) for p in PROVIDERS}
     for p, r in memory.items():
-        log(f"seed memory {p}: {short(r)}")
-    seed = {"ns": list(plan.seed_ns), "traffic": traffic, "traffic_shape": asdict(plan.seed_ncu),
-            "memory": memory, "memory_shape": asdict(plan.seed_mem)}
-    seed["claims"] = seed_verdicts(seed)
-    return seed
+        log(f"claims memory {p}: {short(r)}")
+    out = {"ns": list(plan.claims_ns), "traffic": traffic, "traffic_shape": asdict(plan.claims_ncu),
+           "memory": memory, "memory_shape": asdict(plan.claims_mem)}
+    out["claims"] = claims_verdicts(out)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
-# The seed's claims and their verdicts
+# Popular claims and their verdicts
 # ----------------------------------------------------------------------------------------
 
 
@@ -649,52 +674,54 @@ def verdict(claimed: float, measured: float | None, model: float, tol: float = 0
     return "does not hold"
 
 
-def seed_model(N: int, d: int = 128, heads: int = 32, itemsize: int = 2) -> dict:
-    """The seed's numbers follow from the paper's model with d=128 (32 heads, fp16):
-    traffic ratio = Algorithm 0's 4N^2 + 4Nd over the minimum 4Nd = N/d + 1;
-    memory ratio = (4Nd + N^2) / (4Nd + N); score matrix = heads N^2 itemsize."""
+def claims_model(N: int, d: int = 128, heads: int = 32, itemsize: int = 2) -> dict:
+    """The popular claims' numbers follow from the paper's model with d=128 (32 heads, fp16,
+    batch 1): traffic ratio = Algorithm 0's 4N^2 + 4Nd over the minimum 4Nd = N/d + 1;
+    memory ratio = (4Nd + N^2) / (4Nd + N); score matrix = heads N^2 itemsize bytes;
+    standard IO = Algorithm 0's HBM accesses (flashedu.io) over all heads, in bytes."""
     return {"traffic_ratio": io.standard_attention_hbm_elements(N, d) / io.flash_min_hbm_elements(N, d),
             "memory_ratio": io.standard_attention_memory_elements(N, d) / io.flash_memory_elements(N, d),
+            "score_matrix_bytes": heads * N * N * itemsize,
             "score_matrix_gib": heads * N * N * itemsize / 2**30,
-            "standard_io_gib": 4 * heads * N * N * itemsize / 2**30}
+            "standard_io_bytes": heads * io.standard_attention_hbm_elements(N, d) * itemsize}
 
 
 def ratio(a, b):
     return a / b if a and b else None
 
 
-def seed_verdicts(seed: dict) -> list[dict]:
+def claims_verdicts(run: dict) -> list[dict]:
     def ncu_bytes(p, N):
-        r = next((t for t in seed["traffic"] if t["provider"] == p and t["N"] == N), {})
+        r = next((t for t in run["traffic"] if t["provider"] == p and t["N"] == N), {})
         return r.get("hbm_bytes")
 
     claims = []
     # The claimed N and the N measured for it: the same on a GPU; smaller in the CPU dry run.
-    for (N, claimed), Nm in zip(((4096, 33.0), (16384, 129.0)), seed["ns"]):
+    for (N, claimed), Nm in zip(((4096, 33.0), (16384, 129.0)), run["ns"]):
         claims.append({
             "claim": f"{claimed:g}x less HBM traffic at N={N}", "claimed": claimed,
             "measured_at_N": Nm, "measured": ratio(ncu_bytes("naive", Nm),
                                                    ncu_bytes("flashedu", Nm)),
             "measured_vs_sdpa": ratio(ncu_bytes("naive", Nm), ncu_bytes("sdpa-flash", Nm)),
-            "model": seed_model(N)["traffic_ratio"],
+            "model": claims_model(N)["traffic_ratio"],
             "assumptions": "forward only; standard = the paper's Algorithm 0 (4N^2 + 4Nd), "
                            "flash = the minimum 4Nd (Q, K, V read once, O written once); "
                            "d=128: the ratio is N/d + 1",
             "measured_how": "ncu DRAM bytes, naive torch / flashedu Triton, forward, "
-                            f"B,H,d = {seed['traffic_shape']['B']},{seed['traffic_shape']['H']},"
-                            f"{seed['traffic_shape']['d']} (a per-head ratio)"})
-    mem = seed["memory"]
+                            f"B,H,d = {run['traffic_shape']['B']},{run['traffic_shape']['H']},"
+                            f"{run['traffic_shape']['d']} (a per-head ratio)"})
+    mem = run["memory"]
 
     def total(p):
         r = mem.get(p, {})
         return r["peak_extra_bytes"] + r["inputs_bytes"] if "peak_extra_bytes" in r else None
 
-    ms = seed["memory_shape"]
+    ms = run["memory_shape"]
     claims.append({
         "claim": "9x less total attention memory at N=4096", "claimed": 9.0,
         "measured": ratio(total("naive"), total("flashedu")),
         "measured_vs_sdpa": ratio(total("naive"), total("sdpa-flash")),
-        "model": seed_model(4096)["memory_ratio"],
+        "model": claims_model(4096)["memory_ratio"],
         "assumptions": "standard holds Q, K, V, O and one N x N matrix (4Nd + N^2), flash "
                        "holds Q, K, V, O and L (4Nd + N); d=128",
         "measured_how": f"forward, B,H,N,d = {ms['B']},{ms['H']},{ms['N']},{ms['d']} fp16: "
@@ -705,7 +732,7 @@ def seed_verdicts(seed: dict) -> list[dict]:
         "claim": "standard attention stores a 1.0 GB fp16 matrix at N=4096 (32 heads)",
         "claimed": 1.0, "at_least": True,
         "measured": naive_extra / 2**30 if naive_extra is not None else None,
-        "model": seed_model(4096)["score_matrix_gib"],
+        "model": claims_model(4096)["score_matrix_gib"],
         "naive_peak_in_score_matrices": ratio(naive_extra, s_bytes),
         "assumptions": "1 GB read as 1 GiB (32 x 4096^2 x 2 bytes); batch 1, 32 heads, fp16",
         "measured_how": f"peak extra memory (GiB) of naive torch's forward at B,H,N,d = "
@@ -769,7 +796,7 @@ def report(data: dict) -> str:
                          fmt(r["predicted_bytes"], 1e9), fmt(r.get("ms"), 1, 3)])
         out.append(table(["", "GFLOPs", "HBM GB (ncu)", "HBM GB (model)", "ms"], rows))
         for g, m in f["model"]["paper_algorithm"].items():
-            out.append(f"model, paper's Algorithm 1/2 with M = {g} SRAM/SM = {m['M_elements']} "
+            out.append(f"model, paper's Algorithms 1 and 4 with M = {g} SRAM/SM = {m['M_elements']} "
                        f"fp16 elements: Br={m['Br']} Bc={m['Bc']}: {m['fwdbwd_bytes'] / 1e9:.2f} GB")
         out.append(f"model floor (read inputs once, write outputs once): "
                    f"{f['model']['minimum_bytes'] / 1e9:.2f} GB")
@@ -804,12 +831,12 @@ def report(data: dict) -> str:
                                 "err" if "error" in by[N] else fmt(by[N]["peak_extra_bytes"], 2**20, 0))
                                if N in by else "" for N in Ns])
         out.append(table(["N"] + [str(N) for N in Ns], rows))
-    seed = data.get("seed")
-    if seed:
-        out.append("\nThe seed's claims")
+    claims = data.get("popular_claims")
+    if claims:
+        out.append("\nPopular claims (\"Flash Attention Mechanics: How Tiled Attention Fits in SRAM\")")
         out.append(table(["claim", "claimed", "model", "measured", "verdict"],
                          [[c["claim"], c["claimed"], fmt(c["model"]), fmt(c["measured"]),
-                           c["verdict"]] for c in seed["claims"]]))
+                           c["verdict"]] for c in claims["claims"]]))
     if data.get("dry_run"):
         out.append("\nCPU DRY RUN: ncu bytes and peak memory are fake (model values); only the "
                    "pipeline is exercised.")
@@ -847,8 +874,8 @@ def parse_args(argv):
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="tiny sizes on CPU, fake ncu CSV and memory: tests the pipeline")
     # The sweep goes last: an odd tile size is the likeliest to break the CUDA context.
-    p.add_argument("--parts", nargs="+", default=["fig2", "seed", "memory", "sweep"],
-                   choices=["fig2", "seed", "memory", "sweep"])
+    p.add_argument("--parts", nargs="+", default=["fig2", "claims", "memory", "sweep"],
+                   choices=["fig2", "claims", "memory", "sweep", "seed"])
     p.add_argument("--ncu-timeout", type=int, default=300, help="seconds per ncu child")
     p.add_argument("--ncu-child", help=argparse.SUPPRESS)
     p.add_argument("--fake-ncu", action="store_true", help=argparse.SUPPRESS)
@@ -872,12 +899,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     data = {**environment(argv, args.cpu_dry_run), "dry_run": args.cpu_dry_run,
             "quick": args.quick, "plan": asdict(plan)}
-    parts = {"fig2": run_fig2, "sweep": run_sweep, "memory": run_memory, "seed": run_seed}
+    parts = {"fig2": ("fig2", run_fig2), "sweep": ("sweep", run_sweep),
+             "memory": ("memory", run_memory), "claims": ("popular_claims", run_claims),
+             "seed": ("popular_claims", run_claims)}  # "seed": the part's old name
     for name in args.parts:
+        key, run = parts[name]
         try:
-            data[name] = parts[name](plan, args)
+            data[key] = run(plan, args)
         except Exception as exc:  # noqa: BLE001 - a broken part must not lose the others
-            data[name] = None
+            data[key] = None
             data.setdefault("errors", []).append(f"{name}: {error_text(exc)}")
             log(f"{name} FAILED: {error_text(exc)}")
     data["wall_s"] = round(time.perf_counter() - t0, 1)

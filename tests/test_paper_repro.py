@@ -75,13 +75,26 @@ def test_matmul_counts(pr):
     assert pr.matmul_gflops("naive", s, backward=False) == pytest.approx(2 * unit)
 
 
-def test_seed_numbers_follow_from_d128(pr):
-    assert pr.seed_model(4096)["traffic_ratio"] == pytest.approx(33.0)
-    assert pr.seed_model(16384)["traffic_ratio"] == pytest.approx(129.0)
-    assert pr.seed_model(4096)["memory_ratio"] == pytest.approx(9.0, rel=0.01)
-    assert pr.seed_model(4096)["score_matrix_gib"] == pytest.approx(1.0)
+def test_popular_claims_follow_from_d128(pr):
+    assert pr.claims_model(4096)["traffic_ratio"] == pytest.approx(33.0)
+    assert pr.claims_model(16384)["traffic_ratio"] == pytest.approx(129.0)
+    assert pr.claims_model(4096)["memory_ratio"] == pytest.approx(9.0, rel=0.01)
+    assert pr.claims_model(4096)["score_matrix_gib"] == pytest.approx(1.0)
+    # Algorithm 0's IO over 32 heads: 4N^2 + 4Nd elements per head, 2 bytes each.
+    N, d = 4096, 128
+    assert pr.claims_model(N)["standard_io_bytes"] == 32 * 2 * (4 * N * N + 4 * N * d)
     # With d=64 (the paper's GPT-2 setting) the same claims would read 65x and 257x.
-    assert pr.seed_model(4096, d=64)["traffic_ratio"] == pytest.approx(65.0)
+    assert pr.claims_model(4096, d=64)["traffic_ratio"] == pytest.approx(65.0)
+
+
+def test_l2_model_sits_between_floor_and_two_level_model(pr):
+    s = pr.Shape(64, 16, 1024, 64)
+    # Forward: Q, K, V, O once (fp16) and L (fp32): the floor plus L.
+    assert pr.flashedu_l2_bytes(s, backward=False) == pr.minimum_bytes(s, backward=False) + 4 * 1024 * 1024
+    assert pr.minimum_bytes(s) < pr.flashedu_l2_bytes(s) < pr.flashedu_bytes(s)
+    # Each backward kernel re-reads what the previous one wrote or read: 17 (N, d) tensors in all.
+    N, d = 1024, 64
+    assert pr.flashedu_l2_bytes(pr.Shape(1, 1, N, d)) == 17 * N * d * 2 + 6 * N * 4
 
 
 def test_verdicts(pr):
@@ -123,6 +136,6 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     mem = data["memory"]["rows"]
     assert {r["provider"] for r in mem} == {"naive", "flashedu", "sdpa-flash"}
     assert all("peak_extra_bytes" in r for r in mem)
-    claims = data["seed"]["claims"]
+    claims = data["popular_claims"]["claims"]
     assert len(claims) == 4 and all(c["verdict"] for c in claims)
-    assert "The seed's claims" in proc.stdout and "Fig. 2 left" in proc.stdout
+    assert "Popular claims" in proc.stdout and "Fig. 2 left" in proc.stdout

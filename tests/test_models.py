@@ -1,8 +1,11 @@
-"""flashedu.models: the GPT config, the model on every attention backend, the training loop."""
+"""flashedu.models: the GPT config, the model on every attention backend (and on a function of
+your own, such as your Triton exercise kernels), the training loop."""
 
 import itertools
 import math
 import shutil
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +23,11 @@ from flashedu.models import (
 from flashedu.models import data as text
 from flashedu.models.train import main
 
-# The seed's GPT3Config, field by field (device is 'cuda' if available else 'cpu').
-SEED_DEFAULTS = {
+ROOT = Path(__file__).resolve().parents[1]
+
+# The GPT3Config of the PyTorch implementation PeTeRr0/FlashAttention-pytorch (its README),
+# field by field (device is 'cuda' if available else 'cpu').
+GPT3CONFIG_DEFAULTS = {
     "vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "d_ff": 3072,
     "dropout": 0.1, "max_seq_len": 512, "lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8,
     "weight_decay": 0.0, "warmup_steps": 1000, "lr_decay": "cosine", "block_size": 128,
@@ -49,9 +55,9 @@ def micro_config(**overrides):
 # --- config ------------------------------------------------------------------------------
 
 
-def test_config_defaults_are_the_seeds():
+def test_config_defaults_are_gpt3configs():
     cfg = GPTConfig()
-    assert {k: getattr(cfg, k) for k in SEED_DEFAULTS} == SEED_DEFAULTS
+    assert {k: getattr(cfg, k) for k in GPT3CONFIG_DEFAULTS} == GPT3CONFIG_DEFAULTS
     assert cfg.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert cfg.attention_backend == "auto" and cfg.head_dim == 64
 
@@ -230,3 +236,185 @@ def test_plot_history_draws_train_and_validation():
     fig = plot_history(history)
     lines = fig.axes[0].get_lines()
     assert [list(line.get_ydata()) for line in lines] == [[5.0, 4.0], [4.5]]
+
+
+# --- attention_backend as a function (your own kernel) -----------------------------------
+
+
+def sdpa_attention(q, k, v, *, is_causal):
+    """An attention function of the form GPTConfig(attention_backend=...) takes."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("value", [3, None, ["naive"], b"sdpa"])
+def test_attention_backend_of_the_wrong_type_is_a_type_error(value):
+    with pytest.raises(TypeError, match="attention_backend must be a backend name .* or a function"):
+        micro_config(attention_backend=value)
+
+
+def test_attention_function_with_a_wrong_form_fails_at_the_first_forward():
+    ids = torch.randint(0, 256, (1, 8))
+    no_is_causal = GPT(micro_config(attention_backend=lambda q, k, v: q))
+    with pytest.raises(TypeError, match=r"attention_backend=.*<lambda> failed .* fn\(q, k, v, \*, is_causal\)"):
+        no_is_causal(ids)
+    wrong_shape = GPT(micro_config(attention_backend=lambda q, k, v, *, is_causal: q[:, :, :1]))
+    with pytest.raises(ValueError, match=r"attention_backend=.*returned \(1, 2, 1, 16\); it must"):
+        wrong_shape(ids)
+
+
+def test_a_function_as_attention_backend_trains():
+    config = micro_config(attention_backend=sdpa_attention, warmup_steps=5)
+    assert config.backend is sdpa_attention and config.backend_name == "test_models.sdpa_attention"
+    trainer = Trainer(config, TrainSettings(batch_size=4, seq_len=32, max_steps=40, progress=False))
+    history = trainer.fit()
+    first, last = history[0]["loss"], sum(r["loss"] for r in history[-5:]) / 5
+    assert first == pytest.approx(math.log(256), abs=0.15) and last < first - 1.5, (first, last)
+
+
+def test_a_function_as_attention_backend_gives_the_backends_numbers():
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (2, 24))
+    outs = []
+    for backend in ("naive", sdpa_attention):
+        torch.manual_seed(0)
+        outs.append(GPT(micro_config(attention_backend=backend))(ids))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+
+
+def test_resume_with_an_attention_function(tmp_path):
+    """A function is saved by name; resume asks for it and then continues bit-identically."""
+    config = micro_config(attention_backend=sdpa_attention, warmup_steps=2)
+    settings = {"batch_size": 2, "seq_len": 16, "max_steps": 4, "progress": False}
+    straight = Trainer(config, TrainSettings(**settings))
+    straight.fit(until=2)
+    straight.save(tmp_path / "step2.pt")
+    assert straight.state_dict()["config"]["attention_backend"] == "callable:test_models.sdpa_attention"
+    straight.fit()
+    with pytest.raises(ValueError, match="test_models.sdpa_attention .* pass it again"):
+        Trainer.resume(tmp_path / "step2.pt")
+    with pytest.raises(ValueError, match="pass the function itself"):
+        GPTConfig(**torch.load(tmp_path / "step2.pt", weights_only=True)["config"])
+    resumed = Trainer.resume(tmp_path / "step2.pt", attention_backend=sdpa_attention)
+    resumed.fit()
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
+
+
+def test_attention_dropout_that_cannot_run_is_announced():
+    with pytest.warns(UserWarning, match="'numpy' has no dropout: dropout=0.1 applies to the "
+                                         "embeddings and the residual branches, not to the attention"):
+        GPT(micro_config(attention_backend="numpy", dropout=0.1))
+    with pytest.warns(UserWarning, match="sdpa_attention' has no dropout.*dropout_p keyword"):
+        GPT(micro_config(attention_backend=sdpa_attention, dropout=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GPT(micro_config(attention_backend="numpy", dropout=0.1, attn_dropout=0.0))  # said
+        GPT(micro_config(attention_backend="naive", dropout=0.1))  # naive has dropout
+        with_dropout = GPT(micro_config(dropout=0.1, attention_backend=(
+            lambda q, k, v, *, is_causal, dropout_p=0.0: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=is_causal, dropout_p=dropout_p))))
+    assert with_dropout.blocks[0].attn.attn_dropout == 0.1
+    with pytest.raises(ValueError, match="has no dropout"):
+        micro_config(attention_backend=sdpa_attention, attn_dropout=0.1)
+
+
+# --- your Triton exercise kernels as the attention ---------------------------------------
+
+
+def _triton_or_skip():
+    reason = flashedu.available_backends()["triton"]
+    if reason is not None:
+        pytest.skip(f"triton unavailable: {reason}")
+
+
+def _write_exercise(folder, notebook, finished):
+    """A course folder with solutions/<notebook> and an exercises/ copy, finished or not."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "solutions" / f"{notebook}.ipynb", as_version=4)
+    (folder / "solutions").mkdir(exist_ok=True)
+    (folder / "exercises").mkdir(exist_ok=True)
+    nbformat.write(nb, folder / "solutions" / f"{notebook}.ipynb")
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("solution") and not finished:
+            head = cell.source.split("### BEGIN SOLUTION")[0]
+            cell.source = head + "    # YOUR CODE HERE\n    raise NotImplementedError()"
+    nbformat.write(nb, folder / "exercises" / f"{notebook}.ipynb")
+
+
+def test_loader_falls_back_to_the_solution_and_says_so(tmp_path, capsys):
+    from flashedu.models.learner import load_exercise_kernels
+
+    _triton_or_skip()
+    _write_exercise(tmp_path, "06_triton_kernel", finished=False)
+    kernels = load_exercise_kernels(["06_triton_kernel"], root=tmp_path)
+    out = capsys.readouterr().out
+    assert "triton_forward_kernel: USING THE SOLUTION from solutions/06_triton_kernel.ipynb" in out
+    assert "still raises NotImplementedError" in out
+    assert kernels.from_solutions == ["triton_forward_kernel"]
+    assert "NotImplementedError" not in Path(kernels["triton_forward_kernel"].fn.__code__.co_filename).read_text()
+
+    (tmp_path / "mine").mkdir()
+    _write_exercise(tmp_path / "mine", "06_triton_kernel", finished=True)
+    kernels = load_exercise_kernels(["06_triton_kernel"], root=tmp_path / "mine")
+    assert "triton_forward_kernel: your kernel flash_forward_kernel, from exercises/" in capsys.readouterr().out
+    assert kernels.from_solutions == []
+
+
+def test_loader_resolves_the_course_folder_from_notebooks(monkeypatch):
+    from flashedu.models.learner import course_root
+
+    monkeypatch.chdir(ROOT / "notebooks")
+    assert course_root() == ROOT
+
+
+def _exercise_attention():
+    from flashedu.models.learner import ExerciseAttention, load_exercise_kernels
+
+    _triton_or_skip()
+    return ExerciseAttention(load_exercise_kernels(root=ROOT, quiet=True), Br=16, Bc=16)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_exercise_kernels_give_the_numpy_backends_output_and_gradients(causal):
+    """Two heads of two sequences, T=37 (three tiles of 16, the last partial), d=16."""
+    attn = _exercise_attention()
+    q, k, v = (torch.randn(2, 2, 37, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 2, 37, 16, dtype=torch.float64)
+    out = attn(q.float(), k.float(), v.float(), is_causal=causal)
+    ref = flashedu.attention(q, k, v, is_causal=causal, backend="numpy")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    mine = torch.autograd.grad(out, (q, k, v), grad.float())
+    theirs = torch.autograd.grad(ref, (q, k, v), grad)
+    for name, a, b in zip("qkv", mine, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"d{name}")
+
+
+def test_exercise_kernels_use_the_backward_launcher_when_exercise_07_is_there():
+    attn = _exercise_attention()
+    if not attn.has_backward_kernels:
+        pytest.skip("no exercise 07 (Triton backward kernels) in solutions/ yet: the backward "
+                    "runs flashedu's NumPy Algorithm 4")
+    assert "dK/dV and dQ kernels" in attn.describe()
+
+
+def test_exercise_kernels_keep_bf16_and_reject_bad_head_dims():
+    attn = _exercise_attention()
+    q = torch.randn(1, 1, 20, 16, dtype=torch.bfloat16)
+    out = attn(q, q, q, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(), is_causal=True)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() < 2e-2
+    with pytest.raises(ValueError, match="head dim d=24: the exercise kernels need a power of two"):
+        attn(*(torch.randn(1, 1, 8, 24) for _ in range(3)), is_causal=True)
+
+
+def test_a_gpt_trains_on_the_exercise_kernels_as_on_the_package():
+    """Same seed, same batches: the loss curves of the two attentions nearly coincide."""
+    attn = _exercise_attention()
+    losses = {}
+    for name, backend in (("exercise", attn), ("package", "numpy")):
+        config = micro_config(n_layers=1, attention_backend=backend, warmup_steps=3)
+        trainer = Trainer(config, TrainSettings(batch_size=2, seq_len=32, max_steps=6, progress=False))
+        losses[name] = [r["loss"] for r in trainer.fit()]
+    assert losses["exercise"][-1] < losses["exercise"][0] - 0.2
+    assert max(abs(a - b) for a, b in zip(*losses.values())) < 1e-4, losses

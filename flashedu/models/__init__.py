@@ -4,10 +4,13 @@
     trainer = Trainer(tiny_config(), TrainSettings(batch_size=16, seq_len=64, max_steps=300))
     trainer.fit()
 
-config.py  GPTConfig: the seed repository's GPT3Config fields and defaults, checked
-gpt.py     GPT: pre-LayerNorm decoder, weight tying, attention through flashedu.attention
-data.py    the shipped public-domain text (flashedu/data/kjv.txt) and a byte tokenizer
-train.py   Trainer: AdamW, warmup + cosine, accumulation, bf16, exact checkpoints; CLI
+config.py   GPTConfig: the fields and defaults of the GPT3Config in the README of the PyTorch
+            implementation PeTeRr0/FlashAttention-pytorch, checked
+gpt.py      GPT: pre-LayerNorm decoder, weight tying, attention through flashedu.attention
+            or any function fn(q, k, v, *, is_causal)
+learner.py  your Triton exercise kernels (notebooks 06, 07) as such a function, with autograd
+data.py     the shipped public-domain text (flashedu/data/kjv.txt) and a byte tokenizer
+train.py    Trainer: AdamW, warmup + cosine, accumulation, bf16, exact checkpoints; CLI
 """
 
 from .config import ATTENTION_BACKENDS, GPTConfig

@@ -1,18 +1,25 @@
-"""``GPTConfig``: the seed repository's GPT3Config as a checked dataclass.
+"""``GPTConfig``: the GPT-3-style configuration of the PyTorch implementation
+PeTeRr0/FlashAttention-pytorch (its README's ``GPT3Config``) as a checked dataclass.
 
-Every field and default is the seed's (GPT-2 small sizes: d_model 768, 12 layers, 12 heads),
-plus ``attention_backend``, which picks the attention kernel, and ``attn_dropout``. A bad value
-raises ValueError or TypeError naming the field, when the config is built rather than deep
-inside a training run.
+Every field and default is that ``GPT3Config``'s (GPT-2 small sizes: d_model 768, 12 layers,
+12 heads), plus ``attention_backend``, which picks the attention (a backend name, or your own
+function), and ``attn_dropout``. A bad value raises ValueError or TypeError naming the field,
+when the config is built rather than deep inside a training run.
+
+A function as ``attention_backend`` cannot be saved by value: ``to_dict`` (the checkpoint)
+stores its qualified name, and ``from_dict`` asks for the function again.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 # flashedu.attention's backends, plus torch's own fused SDPA for comparison.
 ATTENTION_BACKENDS = ("auto", "naive", "numpy", "numba", "triton", "sdpa")
+CALLABLE_MARK = "callable:"  # to_dict's stand-in for a function: "callable:module.qualname"
 LR_DECAYS = ("cosine", "linear", "constant")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
@@ -43,7 +50,7 @@ class GPTConfig:
     lr_decay: str = "cosine"  # after warmup: "cosine", "linear" (both to 10% of lr) or "constant"
 
     # FlashAttention / blocking
-    block_size: int = 128  # the seed's tile size for block-sparse attention (unused by dense GPT)
+    block_size: int = 128  # GPT3Config's tile size for block-sparse attention (unused by dense GPT)
     use_flash_attention: bool = True  # False: the naive (materialized N x N) attention
 
     # Model details
@@ -58,9 +65,12 @@ class GPTConfig:
     epochs: int = 5
 
     # flashedu additions
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    # One of ATTENTION_BACKENDS, or a function fn(q, k, v, *, is_causal) -> out with SDPA's
+    # shapes (q, k, v, out: (B, H, T, d)); it gets dropout_p too if it has that keyword.
+    attention_backend: str | Callable = "auto"
     # Dropout on the attention probabilities. None: `dropout` when the backend implements it
-    # (naive, sdpa), else 0.0. A number > 0 with a backend that has no dropout is an error.
+    # (naive, sdpa, a function with a dropout_p keyword), else 0.0 and GPT warns when it is
+    # built. A number > 0 with a backend that has no dropout is an error.
     attn_dropout: float | None = None
 
     def __post_init__(self):
@@ -84,7 +94,7 @@ class GPTConfig:
             raise ValueError(f"betas must be two floats in [0, 1), got {self.betas!r}")
         _choice(self, "lr_decay", LR_DECAYS)
         _choice(self, "activation", ACTIVATIONS)
-        _choice(self, "attention_backend", ATTENTION_BACKENDS)
+        _check_backend(self.attention_backend)
         for name in ("use_flash_attention", "mixed_precision", "compile_model"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -93,24 +103,27 @@ class GPTConfig:
         self._check_attention()
 
     def _check_attention(self):
-        if not self.use_flash_attention and self.attention_backend not in ("auto", "naive"):
+        if not self.use_flash_attention and (callable(self.attention_backend)
+                                             or self.attention_backend not in ("auto", "naive")):
             raise ValueError(
                 f"use_flash_attention=False selects naive attention, but attention_backend is "
-                f"{self.attention_backend!r}: leave attention_backend='auto' or set "
+                f"{self.backend_name!r}: leave attention_backend='auto' or set "
                 "use_flash_attention=True")
         if self.attn_dropout and not self.backend_has_dropout:
             raise ValueError(
-                f"attn_dropout={self.attn_dropout}, but the {self.backend!r} attention backend "
-                "has no dropout: use attention_backend='naive' or 'sdpa', or attn_dropout=0.0")
+                f"attn_dropout={self.attn_dropout}, but the {self.backend_name!r} attention "
+                "backend has no dropout: use attention_backend='naive' or 'sdpa' (or a function "
+                "with a dropout_p keyword), or attn_dropout=0.0")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     @property
-    def backend(self) -> str:
-        """The attention that runs: 'sdpa' or a flashedu backend, with 'auto' resolved by
-        ``device`` (triton on 'cuda', numpy on 'cpu', as flashedu.attention's own 'auto')."""
+    def backend(self) -> str | Callable:
+        """The attention that runs: 'sdpa', a flashedu backend, with 'auto' resolved by
+        ``device`` (triton on 'cuda', numpy on 'cpu', as flashedu.attention's own 'auto'), or
+        the function given as ``attention_backend``."""
         if not self.use_flash_attention:
             return "naive"
         if self.attention_backend == "auto":
@@ -118,7 +131,15 @@ class GPTConfig:
         return self.attention_backend
 
     @property
+    def backend_name(self) -> str:
+        """``backend`` as text: the backend's name, or the function's qualified name."""
+        backend = self.backend
+        return qualified_name(backend) if callable(backend) else backend
+
+    @property
     def backend_has_dropout(self) -> bool:
+        if callable(self.backend):
+            return takes_dropout(self.backend)
         if self.backend == "sdpa":
             return True
         from ..backends import BACKENDS
@@ -133,7 +154,62 @@ class GPTConfig:
         return float(self.dropout) if self.backend_has_dropout else 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as plain data (for a checkpoint). A function as attention_backend is
+        stored as "callable:<module>.<qualname>": only its name can be saved."""
+        fields = asdict(self)
+        if callable(self.attention_backend):
+            fields["attention_backend"] = CALLABLE_MARK + qualified_name(self.attention_backend)
+        return fields
+
+    @classmethod
+    def from_dict(cls, fields: dict, attention_backend: str | Callable | None = None) -> GPTConfig:
+        """The config ``to_dict`` saved. ``attention_backend``, when given, replaces the saved
+        one; it is required when the saved one was a function (stored by name only)."""
+        fields = dict(fields)
+        saved = fields.get("attention_backend")
+        if attention_backend is not None:
+            fields["attention_backend"] = attention_backend
+        elif isinstance(saved, str) and saved.startswith(CALLABLE_MARK):
+            raise ValueError(
+                f"this config was saved with the attention function {saved[len(CALLABLE_MARK):]}"
+                " as attention_backend, and a function cannot be saved by value: pass it again, "
+                "e.g. Trainer.resume(path, attention_backend=fn) or "
+                "GPTConfig.from_dict(fields, attention_backend=fn)")
+        return cls(**fields)
+
+
+def qualified_name(fn) -> str:
+    """module.qualname of a function (or of a callable object's class)."""
+    target = fn if hasattr(fn, "__qualname__") else type(fn)
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__qualname__", repr(fn))
+    return f"{module}.{name}" if module else name
+
+
+def takes_dropout(fn) -> bool:
+    """True if ``fn`` accepts a dropout_p keyword (SDPA's name for it)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some builtins have no signature
+        return False
+    return "dropout_p" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _check_backend(value):
+    if callable(value):
+        return
+    if isinstance(value, str) and value.startswith(CALLABLE_MARK):
+        raise ValueError(
+            f"attention_backend {value!r} is the name a saved config keeps for an attention "
+            "function: pass the function itself (GPTConfig.from_dict(fields, "
+            "attention_backend=fn), or Trainer.resume(path, attention_backend=fn))")
+    if not isinstance(value, str):
+        raise TypeError(
+            f"attention_backend must be a backend name (one of {list(ATTENTION_BACKENDS)}) or a "
+            f"function fn(q, k, v, *, is_causal) -> out, got {type(value).__name__} {value!r}")
+    if value not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)} or a "
+                         f"function fn(q, k, v, *, is_causal), got {value!r}")
 
 
 def _positive_int(cfg, name):

@@ -5,18 +5,21 @@
     logits = LN(x) @ tok_emb^T                                     (weight tying)
 
 Only the attention call differs between backends, so comparing them compares attention alone.
+``GPTConfig.attention_backend`` may also be your own function ``fn(q, k, v, *, is_causal)``
+(see flashedu.models.learner for one built from your Triton exercise kernels).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..api import attention
-from .config import GPTConfig
+from .config import GPTConfig, qualified_name
 
 ACTIVATION = {
     "gelu": nn.GELU,
@@ -47,18 +50,51 @@ class CausalSelfAttention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         if self.backend == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        if callable(self.backend):
+            return call_attention_fn(self.backend, q, k, v, p)
         if self.backend == "triton":  # torch.compile traces into the Triton kernels
             return attention(q, k, v, is_causal=True, dropout_p=p, backend="triton")
         return _opaque_attention(q, k, v, p, self.backend)
 
 
+def call_attention_fn(fn, q, k, v, dropout_p):
+    """Call a user's attention function; a wrong signature or a wrong output is an error that
+    names attention_backend and the form it must have."""
+    kwargs = {"is_causal": True}
+    if dropout_p:  # GPTConfig allows dropout only for a function with a dropout_p keyword
+        kwargs["dropout_p"] = dropout_p
+    try:
+        out = fn(q, k, v, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"attention_backend={qualified_name(fn)} failed on q, k, v of shape "
+                        f"{tuple(q.shape)} (B, H, T, d): it must be callable as "
+                        f"fn(q, k, v, *, is_causal) -> out of the same shape ({exc})") from exc
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"attention_backend={qualified_name(fn)} returned {got}; it must "
+                         f"return a tensor of q's shape {tuple(q.shape)} (B, H, T, d)")
+    return out
+
+
 # With compile_model=True, torch.compile traces into flashedu's kernels. The Triton ones it
 # compiles along with the model (on the H100 a compiled 40-step run gave SDPA's loss to the last
-# digit: docs/bench/speed.md, round 2); the NumPy and numba ones cannot be traced, so they stay
-# an opaque call that compile steps around.
+# digit: docs/bench/speed.md); the NumPy and numba ones cannot be traced, so they stay an opaque
+# call that compile steps around.
 @torch.compiler.disable
 def _opaque_attention(q, k, v, dropout_p, backend):
     return attention(q, k, v, is_causal=True, dropout_p=dropout_p, backend=backend)
+
+
+def _warn_if_attention_dropout_is_off(config: GPTConfig):
+    """dropout > 0 but the backend cannot drop attention probabilities: say so, once a model."""
+    if config.attn_dropout is None and config.dropout > 0 and not config.backend_has_dropout:
+        how = ("give the function a dropout_p keyword" if callable(config.backend)
+               else "use attention_backend='naive' or 'sdpa'")
+        warnings.warn(
+            f"the attention backend {config.backend_name!r} has no dropout: dropout={config.dropout}"
+            " applies to the embeddings and the residual branches, not to the attention "
+            f"probabilities. Set attn_dropout=0.0 to say that is intended, or {how}.",
+            UserWarning, stacklevel=3)
 
 
 class MLP(nn.Module):
@@ -93,6 +129,7 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a flashedu.models.GPTConfig, got {type(config).__name__}")
         self.config = config
+        _warn_if_attention_dropout_is_off(config)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
         self.dropout = nn.Dropout(config.dropout)

@@ -8,7 +8,8 @@ autocast, optional torch.compile, exact checkpoints, a tqdm bar, a loss plot.
 Exact resume: a checkpoint holds the model, the optimizer, the step (the schedule is a function
 of it), the trainer's batch generator and torch's RNG states (dropout). A resumed run therefore
 draws the same batches and dropout masks as the uninterrupted run and, on the same machine, its
-losses are bit-identical (tests/test_models.py checks it).
+losses are bit-identical (tests/test_models.py checks it). A model trained with your own
+attention function saves that function's name only: pass the function again to ``resume``.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Trainer:
                              f"max_seq_len={config.max_seq_len}")
         corpus = text.load_corpus() if data is None else data
         self.train_data, self.val_data = text.split(corpus)
-        torch.manual_seed(self.settings.seed)  # the initial weights depend on the seed alone
+        torch.manual_seed(self.settings.seed)  # the initial weights depend on settings.seed alone
         self.device = torch.device(config.device)
         self.model = GPT(config).to(self.device)
         self.run_model = torch.compile(self.model) if config.compile_model else self.model
@@ -214,11 +215,15 @@ class Trainer:
         os.replace(tmp, path)  # atomic: a crash mid-save never leaves a torn checkpoint
 
     @classmethod
-    def resume(cls, path, data=None, **settings_overrides) -> Trainer:
-        """A trainer in exactly the state ``save`` left, ready to ``fit`` on."""
+    def resume(cls, path, data=None, attention_backend=None, **settings_overrides) -> Trainer:
+        """A trainer in exactly the state ``save`` left, ready to ``fit`` on.
+
+        ``attention_backend``: required when the run used an attention function (a checkpoint
+        holds only its name); a backend name or function here replaces the saved one."""
         state = torch.load(path, map_location="cpu", weights_only=True)
         settings = TrainSettings(**{**state["settings"], **settings_overrides})
-        trainer = cls(GPTConfig(**state["config"]), settings, data=data)
+        config = GPTConfig.from_dict(state["config"], attention_backend=attention_backend)
+        trainer = cls(config, settings, data=data)
         trainer.model.load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.scheduler.load_state_dict(state["scheduler"])
@@ -314,7 +319,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     trainer = build_trainer(args)
     print(f"GPT {trainer.model.num_params() / 1e6:.2f} M parameters, attention backend "
-          f"{trainer.config.backend!r}, {trainer.tokens_per_step} tokens per step")
+          f"{trainer.config.backend_name!r}, {trainer.tokens_per_step} tokens per step")
     history = trainer.fit()
     last = history[-1]
     print(f"step {last['step']}: loss {last['loss']:.3f}"

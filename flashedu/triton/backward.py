@@ -14,7 +14,8 @@ logsumexp L_i (P_ij = exp2(S_ij - L_i) in the forward's base-2 scale), never sto
 Why dQ is a separate pass: in the K/V-outer loop every program would add into every dQ_i,
 which needs atomic adds (nondeterministic order, so bit-different results run to run). Giving
 dQ its own Q-outer pass recomputes S_ij and dP_ij once more (2 of the 5 matmuls), and in
-exchange every output tile has exactly one program writing it.
+exchange every output tile has exactly one program writing it. The atomic design is kept in
+``ablations.py``, where notebook 10 times it against this one.
 """
 
 from __future__ import annotations
@@ -45,11 +46,10 @@ def preprocess_kernel(O, dO, D, stride_ob, stride_oh, stride_on, stride_db, stri
 
 
 @triton.jit
-def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, dQ_head, stride_qn,
-               stride_dn, stride_dqn, start_m, cols, dims, Nq, d, qk_scale, scale,
+def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn, stride_dn,
+               start_m, cols, dims, Nq, d, qk_scale,
                Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-               DQ_ATOMIC: tl.constexpr):
+               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
     products land directly in dK_j and dV_j."""
     rows = start_m + tl.arange(0, Br)
@@ -65,9 +65,6 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, dQ_head, s
     else:
         L_i = tl.load(L_head + rows)
         D_i = tl.load(D_head + rows)
-    if UPCAST:
-        Q_i = Q_i.to(tl.float32)
-        dO_i = dO_i.to(tl.float32)
     S_ijT = tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC) * qk_scale
     P_ijT = tl.math.exp2(S_ijT - L_i[None, :])
     if MASK:
@@ -77,26 +74,20 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, dQ_head, s
     dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     dK_j += tl.dot(dS_ijT.to(Q_i.dtype), Q_i, input_precision=DOT_PREC)
-    if DQ_ATOMIC:  # the design we did not choose (notebook 10): add dS_ij K_j straight into dQ
-        dQ_part = tl.dot(tl.trans(dS_ijT).to(K_j.dtype), K_j, input_precision=DOT_PREC)
-        tl.atomic_add(dQ_head + rows[:, None] * stride_dqn + dims[None, :], dQ_part * scale,
-                      mask=row_ok & dim_ok)
     return dK_j, dV_j
 
 
 @triton.jit
-def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, qk_scale,
+def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, qk_scale,
                   scale,
                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
-                  stride_dqb, stride_dqh, stride_dqn,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                   H, GROUP, Nq, Nk, d,
                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
-                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                  DQ_ATOMIC: tl.constexpr):
+                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
@@ -106,9 +97,6 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
                     + dims[None, :], col_ok, dim_ok, True, not EVEN_D)
     V_j = load_tile(V + b * stride_vb + h_kv * stride_vh + cols[:, None] * stride_vn
                     + dims[None, :], col_ok, dim_ok, True, not EVEN_D)
-    if UPCAST:
-        K_j = K_j.to(tl.float32)
-        V_j = V_j.to(tl.float32)
     dK_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
     dV_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
     # Q tiles [lo, diag_end) cross the causal diagonal (masked), [diag_end, full_end) are
@@ -124,7 +112,6 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
         h = h_kv * GROUP + g
         Q_head = Q + b * stride_qb + h * stride_qh
         dO_head = dO + b * stride_db + h * stride_dh
-        dQ_head = dQ + b * stride_dqb + h * stride_dqh
         L_head = L + (b * H + h) * Nq
         D_head = D + (b * H + h) * Nq
         if SPARSE:  # the listed Q tiles: num_full without element masks, then the rest
@@ -136,33 +123,28 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
             for t in range(0, num_full):
                 i = tl.load(idx_row + t)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        dQ_head, stride_qn, stride_dn, stride_dqn, i * Br, cols,
-                                        dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, False,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+                                        stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
+                                        qk_scale, Br, IS_CAUSAL, False, EVEN_D, DOT_PREC)
             if SPARSE_MASK:
                 for t in range(num_full, num):
                     i = tl.load(idx_row + t)
                     dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
-                                            D_head, dQ_head, stride_qn, stride_dn, stride_dqn,
-                                            i * Br, cols, dims, Nq, d, qk_scale, scale, Br,
-                                            IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                            DQ_ATOMIC)
+                                            D_head, stride_qn, stride_dn, i * Br, cols, dims,
+                                            Nq, d, qk_scale, Br, IS_CAUSAL, True, EVEN_D,
+                                            DOT_PREC)
         else:
             for start_m in range(lo, diag_end, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
-                                        cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, True,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
+                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC)
             for start_m in range(diag_end, full_end, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
-                                        cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, False,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
+                                        qk_scale, Br, IS_CAUSAL, False, EVEN_D, DOT_PREC)
             for start_m in range(tl.maximum(diag_end, full_end), Nq, Br):
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        dQ_head, stride_qn, stride_dn, stride_dqn, start_m,
-                                        cols, dims, Nq, d, qk_scale, scale, Br, IS_CAUSAL, True,
-                                        EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
+                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC)
     out_ok = col_ok & dim_ok
     tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
              (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
@@ -173,8 +155,7 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_ID
 @triton.jit
 def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, start_n, rows,
              dims, Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr,
-             MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-             UPCAST: tl.constexpr):
+             MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j."""
     cols = start_n + tl.arange(0, Bc)
     col_ok = cols[:, None] < Nk
@@ -183,9 +164,6 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
                     MASK, not EVEN_D)
     V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], col_ok, dim_ok,
                     MASK, not EVEN_D)
-    if UPCAST:
-        K_j = K_j.to(tl.float32)
-        V_j = V_j.to(tl.float32)
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC) * qk_scale
     P_ij = tl.math.exp2(S_ij - L_i[:, None])
     if MASK:
@@ -208,7 +186,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 H, GROUP, Nq, Nk, d,
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
-                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
@@ -219,9 +197,6 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                     row_ok, dim_ok, True, not EVEN_D)
     dO_i = load_tile(dO + b * stride_db + h * stride_dh + rows[:, None] * stride_dn
                      + dims[None, :], row_ok, dim_ok, True, not EVEN_D)
-    if UPCAST:
-        Q_i = Q_i.to(tl.float32)
-        dO_i = dO_i.to(tl.float32)
     bh = b * H + h
     L_i = tl.load(L + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
     D_i = tl.load(D + bh * Nq + rows, mask=rows < Nq, other=0.0)
@@ -238,13 +213,13 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
             j = tl.load(idx_row + t)
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
-                            DOT_PREC, UPCAST)
+                            DOT_PREC)
         if SPARSE_MASK:
             for t in range(num_full, num):
                 j = tl.load(idx_row + t)
                 dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
                                 stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
-                                True, EVEN_D, DOT_PREC, UPCAST)
+                                True, EVEN_D, DOT_PREC)
     else:  # the forward's split: unmasked tiles, then the diagonal and ragged ones
         if IS_CAUSAL:
             end = tl.minimum(Nk, (i + 1) * Br)
@@ -255,11 +230,11 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
         for start_n in range(0, full_end, Bc):
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
-                            DOT_PREC, UPCAST)
+                            DOT_PREC)
         for start_n in range(full_end, end, Bc):
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
-                            DOT_PREC, UPCAST)
+                            DOT_PREC)
     tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
 
@@ -277,8 +252,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                     SPARSE_MASK1: tl.constexpr, SPARSE_MASK2: tl.constexpr,
-                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    DKDV: tl.constexpr, DQ: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                    DKDV: tl.constexpr, DQ: tl.constexpr):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
@@ -291,15 +266,14 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
     h_kv = bh_kv % Hkv
     if DKDV:
         if pid < Tc:
-            _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX,
-                          qk_scale,
-                          scale, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
+            _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX,
+                          qk_scale, scale, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                           stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh,
-                          stride_dn, stride_dqb, stride_dqh, stride_dqn,
+                          stride_dn,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                           H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
-                          SPARSE_MASK1, EVEN_D, DOT_PREC, UPCAST, DQ_ATOMIC)
+                          SPARSE_MASK1, EVEN_D, DOT_PREC)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -311,22 +285,36 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         stride_dqb, stride_dqh, stride_dqn,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
-                        SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC, UPCAST)
+                        SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC)
 
 
-def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
-             dq_atomic=False):
+def preprocess(o, do, rows):
+    """D = rowsum(dO * O), float32 (B, H, Nq)."""
+    import torch
+
+    from .config import padded_head_dim
+
+    B, H, Nq, d = o.shape
+    D = torch.empty((B, H, Nq), dtype=torch.float32, device=o.device)
+    preprocess_kernel[(math.ceil(Nq / rows), B * H)](
+        o, do, D, *o.stride()[:3], *do.stride()[:3], H, Nq, d, ROWS=rows,
+        HEAD_DIM=padded_head_dim(d))
+    return D
+
+
+def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted):
     """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype.
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
-    tiles' warps and stages); otherwise two launches, each with its own. ``dq_atomic`` is the
-    alternative design that notebook 10 measures: no dQ pass, the dK/dV programs add into dQ
-    with atomics (nondeterministic summation order)."""
+    tiles' warps and stages); otherwise two launches, each with its own."""
     import torch
 
     from . import sparse
     from .config import padded_head_dim
+    from .forward import interpreter_fp32
 
+    dtype = q.dtype
+    q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     GROUP = H // Hkv
@@ -335,15 +323,10 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
 
     if is_causal and config.causal_backward is not None:
         config = config.causal_backward
-    D = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-    rows = config.preprocess_rows
-    preprocess_kernel[(math.ceil(Nq / rows), B * H)](
-        o, do, D, *o.stride()[:3], *do.stride()[:3], H, Nq, d, ROWS=rows, HEAD_DIM=HEAD_DIM)
+    D = preprocess(o, do, config.preprocess_rows)
 
     t1, t2 = config.dkdv, config.dq
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else \
-        torch.empty_like(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     q_num, q_full, q_idx, q_strides = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True,
                                                           q.device, is_causal)
     kv_num, kv_full, kv_idx, kv_strides = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False,
@@ -358,20 +341,15 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                   IS_CAUSAL=is_causal, SPARSE=block_mask is not None,
                   SPARSE_MASK1=sparse.needs_mask(is_causal, Nq, Nk, t1.Br, t1.Bc),
                   SPARSE_MASK2=sparse.needs_mask(is_causal, Nq, Nk, t2.Br, t2.Bc),
-                  EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
-                  UPCAST=interpreted and q.dtype != torch.float32, DQ_ATOMIC=dq_atomic)
+                  EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype))
 
     def launch(first_pid, programs, tiles, **parts):
         backward_kernel[(programs, B * Hkv)](*args, first_pid, Tc, Tr, **common, **parts,
                                              **({} if interpreted else tiles.launch()))
 
-    if dq_atomic:
-        launch(0, Tc, t1, DKDV=True, DQ=False)
-        return dq.to(q.dtype), dk, dv
     if config.fused_backward:
         launch(0, Tc + GROUP * Tr, t1, DKDV=True, DQ=True)
     else:
         launch(0, Tc, t1, DKDV=True, DQ=False)
         launch(Tc, GROUP * Tr, t2, DKDV=False, DQ=True)
-    return dq, dk, dv
-
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .. import runtime
 from .config import padded_head_dim
-from .forward import LOG2E, _forward_step, dot_precision, load_tile
+from .forward import LOG2E, _forward_step, dot_precision, interpreter_fp32, load_tile
 
 MAX_ROWS = 64  # query rows (heads x queries) one program holds in registers
 MAX_SPLITS = 128
@@ -47,8 +47,7 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
                  stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, H, GROUP, HEADS, Nq, Nk, d, chunk, num_splits,
                  BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     s = tl.program_id(0)  # which chunk of keys
     g = tl.program_id(1)  # which (batch, group of HEADS query heads sharing one K/V head)
@@ -66,8 +65,6 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
     dim_ok = dims[None, :] < d
     Q_i = load_tile(Q + b * stride_qb + h[:, None] * stride_qh + n[:, None] * stride_qn
                     + dims[None, :], row_ok[:, None], dim_ok, True, not EVEN_D)
-    if UPCAST:
-        Q_i = Q_i.to(tl.float32)
     K_head = K + b * stride_kb + h_kv * stride_kh
     V_head = V + b * stride_vb + h_kv * stride_vh
 
@@ -85,11 +82,11 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
     for start_n in range(lo, full_end, Bc):
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
                                       start_n, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
-                                      EVEN_D, DOT_PREC, UPCAST, False)
+                                      EVEN_D, DOT_PREC)
     for start_n in range(full_end, hi, Bc):
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
                                       start_n, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
-                                      EVEN_D, DOT_PREC, UPCAST, False)
+                                      EVEN_D, DOT_PREC)
 
     # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
     # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).
@@ -162,6 +159,8 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, q.dtype,
                                      sm_count(q.device, interpreted), interpreted, num_splits)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    dtype = q.dtype
+    q, k, v = interpreter_fp32(interpreted, q, k, v)
 
     HEAD_DIM = padded_head_dim(d)
     O_part = torch.empty((B, H, S, Nq, HEAD_DIM), dtype=torch.float32, device=q.device)
@@ -171,13 +170,13 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
         *v.stride()[:3], H, H // Hkv, heads, Nq, Nk, d, chunk, S,
         BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc, HEAD_DIM=HEAD_DIM,
         IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
-        UPCAST=interpreted and q.dtype != torch.float32,
         **({} if interpreted else {"num_warps": 4, "num_stages": 3}))
 
-    out = torch.empty_like(q)
+    out = torch.empty_like(q)  # float32 under the interpreter: cast back below
     lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     combine_kernel[(B * H, Nq)](O_part, L_part, out, lse2, *out.stride()[:3], H, Nq, d, S,
                                 BLOCK_S=triton.next_power_of_2(S), HEAD_DIM=HEAD_DIM)
+    out = out.to(dtype)
     if return_lse:
         return out, lse2 * math.log(2.0)  # -inf stays -inf
     return out

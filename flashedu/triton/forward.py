@@ -4,7 +4,8 @@ The program is the inner body of ``flashedu.tiled._forward_q_outer`` for one i: 
 registers while the K_j, V_j tiles stream past, the online softmax keeps m_i and l_i, and O_i is
 written once at the end with the logsumexp L_i for the backward.
 
-Three changes from the NumPy loop, all for speed (notebook 10 measures each):
+Three changes from the NumPy loop, all for speed (notebook 10 measures each against the
+variants of ``ablations.py``):
 - exp2 instead of exp: the scores are multiplied by scale * log2(e) once, so that
   exp(scale * s - m) becomes exp2(s' - m') (the GPU's ex2 instruction, no extra multiply).
   m_i and L_i are kept in that base-2 scale; L_i is converted back for users.
@@ -44,29 +45,24 @@ def load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.const
 
 @triton.jit
 def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
-                  IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
-                  NATURAL_EXP: tl.constexpr):
+                  IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
     """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j.
 
-    S_ij stays unscaled: the row max of S_ij times qk_scale (> 0, so the max commutes with it)
-    gives m_new, and exp2(S_ij * qk_scale - m) is one fused multiply-add per score."""
-    S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)
-    if MASK:
+    qk_scale = scale * log2(e): m_i and the exponents are in base 2, so exp2 is exact here."""
+    S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)  # unscaled scores, Br x Bc
+    if MASK:  # keys past Nk, and (causal) keys after the query, get -inf: P_ij = 0 there
         visible = cols[None, :] < Nk
         if IS_CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
         S_ij = tl.where(visible, S_ij, float("-inf"))
+    # qk_scale > 0, so scaling commutes with the max: one multiply per row, not per score
     m_new = tl.maximum(m_i, tl.max(S_ij, 1) * qk_scale)
     if MASK:  # a row that has seen no key yet keeps m = -inf: subtract 0, not -inf (no NaN)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    if NATURAL_EXP:  # the slower form that notebook 10 measures: exp of natural-log scores
-        P_ij = tl.exp(S_ij * qk_scale - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-    else:
-        P_ij = tl.math.exp2(S_ij * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
+    P_ij = tl.math.exp2(S_ij * qk_scale - m_use[:, None])  # one fused multiply-add, one ex2
+    alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(P_ij, 1)
     # the rescaled O_i is the product's accumulator: the tensor cores add P_ij V_j into it
     O_i = tl.dot(P_ij.to(V_j.dtype), V_j, O_i * alpha[:, None], input_precision=DOT_PREC)
@@ -76,8 +72,7 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
 @triton.jit
 def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_n, rows, dims,
                   Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                  NATURAL_EXP: tl.constexpr, TMA: tl.constexpr = False):
+                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False):
     """Load K_j, V_j (rows start_n ..), then the softmax step.
 
     K_src, V_src: this head's K and V, as pointers, or (TMA) as tensor descriptors: the copy
@@ -95,11 +90,21 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
                         MASK, not EVEN_D)
         V_j = load_tile(V_src + cols[:, None] * stride_vn + dims[None, :], row_ok, dim_ok,
                         MASK, not EVEN_D)
-    if UPCAST:  # the interpreter's 16-bit dot is unreliable: compute in fp32 there
-        K_j = K_j.to(tl.float32)
-        V_j = V_j.to(tl.float32)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
-                         MASK, DOT_PREC, NATURAL_EXP)
+                         MASK, DOT_PREC)
+
+
+@triton.jit
+def _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
+                  stride_ob, stride_oh, stride_on):
+    """O_i / l_i and L_i = m_i + log2(l_i), stored. A row that saw no key (l_i = 0) gets O = 0
+    and L = +inf, so that the backward's P = exp2(S - L) is 0 there: zero gradients, no NaN."""
+    seen = l_i > 0
+    O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
+    L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dims[None, :],
+             O_i.to(O.dtype.element_ty), mask=row_ok & dim_ok)
+    tl.store(L + bh * Nq + rows, L_i, mask=rows < Nq)
 
 
 @triton.jit
@@ -110,8 +115,7 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    H, GROUP, Nq, Nk, d,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
-                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   NATURAL_EXP: tl.constexpr = False, MASK_EVERY_TILE: tl.constexpr = False,
+                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     i = tl.program_id(0)  # which Q tile
@@ -125,8 +129,6 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
     dim_ok = dims[None, :] < d
     Q_i = load_tile(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + dims[None, :],
                     row_ok, dim_ok, True, not EVEN_D)
-    if UPCAST:
-        Q_i = Q_i.to(tl.float32)
     K_head = K + b * stride_kb + h_kv * stride_kh
     V_head = V + b * stride_vb + h_kv * stride_vh
     if TMA:  # descriptors of this head's K and V: Nk x d, fetched Bc x HEAD_DIM at a time
@@ -151,15 +153,13 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
             j = tl.load(idx_row + t)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                          NATURAL_EXP, TMA)
+                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, TMA)
         if SPARSE_MASK:
             for t in range(num_full, num):
                 j = tl.load(idx_row + t)
                 O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                               stride_vn, j * Bc, rows, dims, Nk, d, qk_scale,
-                                              Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                              NATURAL_EXP, TMA)
+                                              Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA)
     else:
         # K/V tiles [0, full_end) are wholly visible: no mask. [full_end, end) are masked:
         # the causal diagonal and the ragged last tile. Tiles past `end` are skipped.
@@ -169,33 +169,18 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         else:
             end = Nk
             full_end = Nk // Bc * Bc
-        if MASK_EVERY_TILE:  # the slower form that notebook 10 measures: one masked loop
-            full_end = 0
         # Warp specialization (where Triton has it for this GPU): some warps only issue the
         # copies, the others only compute, so that loads and the softmax overlap.
         for start_n in tl.range(0, full_end, Bc, warp_specialize=WARP_SPECIALIZE):
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                           stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, UPCAST,
-                                          NATURAL_EXP, TMA)
+                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, TMA)
         for start_n in range(full_end, end, Bc):
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                           stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, UPCAST,
-                                          NATURAL_EXP, TMA)
-
-    # A row that saw no key (l_i = 0) gets O = 0 and L = +inf, so that the backward's
-    # P = exp2(S - L) is 0 there: zero gradients, never NaN.
-    seen = l_i > 0
-    O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
-    if NATURAL_EXP:  # m_i is in natural-log units there: hand the backward base-2 L_i
-        L_i = tl.where(seen, (m_i + tl.log(tl.where(seen, l_i, 1.0))) * 1.4426950408889634,
-                       float("inf"))
-    else:
-        L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-    tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dims[None, :],
-             O_i.to(O.dtype.element_ty), mask=row_ok & dim_ok)
-    tl.store(L + bh * Nq + rows, L_i, mask=rows < Nq)
+                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA)
+    _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
+                  stride_ob, stride_oh, stride_on)
 
 
 def dot_precision(dtype) -> str:
@@ -205,34 +190,51 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, natural_exp=False,
-            mask_every_tile=False):
-    """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
-    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
-
-    ``natural_exp`` and ``mask_every_tile`` switch off one optimization each (exp2 with the
-    scale folded in; the unmasked loop), so that notebook 10 can measure what each one gives."""
+def interpreter_fp32(interpreted: bool, *tensors):
+    """The tensors a launch should use: under Triton's interpreter, 16-bit inputs as float32
+    (its 16-bit tl.dot gives wrong results), so the caller casts the outputs back; compiled
+    on a GPU, the tensors themselves."""
     import torch
 
-    from . import fast, sparse
+    if not interpreted:
+        return tensors
+    return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+                 for t in tensors)
+
+
+def forward_launch(q, k, v, o, lse2, *, is_causal, qk_scale, block_mask, tiles, interpreted):
+    """(grid, args, consts) of forward_kernel for these tensors: shared with the variants of
+    ``ablations.py``, whose kernels take the same arguments."""
+    from . import sparse
     from .config import padded_head_dim
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     Br, Bc, HEAD_DIM = tiles.Br, tiles.Bc, padded_head_dim(d)
-    o = torch.empty_like(q)
-    lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     num, full, idx, idx_strides = sparse.kernel_lists(block_mask, Br, Bc, False, q.device,
                                                        is_causal)
-    args = (q, k, v, o, lse2, num, full, idx, scale if natural_exp else scale * LOG2E,
+    args = (q, k, v, o, lse2, num, full, idx, qk_scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *idx_strides,
             H, H // Hkv, Nq, Nk, d)
     consts = dict(Br=Br, Bc=Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal,
                   SPARSE=block_mask is not None,
                   SPARSE_MASK=sparse.needs_mask(is_causal, Nq, Nk, Br, Bc), EVEN_D=HEAD_DIM == d,
-                  DOT_PREC=dot_precision(q.dtype), UPCAST=interpreted and q.dtype != torch.float32,
-                  NATURAL_EXP=natural_exp, MASK_EVERY_TILE=mask_every_tile,
-                  **({} if interpreted else tiles.launch()))
-    grid = (math.ceil(Nq / Br), B * H)
+                  DOT_PREC=dot_precision(q.dtype), **({} if interpreted else tiles.launch()))
+    return (math.ceil(Nq / Br), B * H), args, consts
+
+
+def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
+    """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
+    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key."""
+    import torch
+
+    from . import fast
+
+    q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
+    o = torch.empty_like(q32)
+    lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
+                                        qk_scale=scale * LOG2E, block_mask=block_mask,
+                                        tiles=tiles, interpreted=interpreted)
     fast.launch(forward_kernel, grid, args, consts, fast.switches(tiles, interpreted, k, v))
-    return o, lse2
+    return o.to(q.dtype), lse2

@@ -1,4 +1,5 @@
-"""The GPU-kernel exercises: a numba.cuda kernel and a Triton kernel of the FlashAttention forward.
+"""The GPU-kernel exercises: a numba.cuda kernel and a Triton kernel of the FlashAttention forward,
+and the two Triton kernels of its backward (the paper's Algorithm 4: a dK/dV pass, a dQ pass).
 
 The learner writes the kernel itself; the launchers below (shown in the notebooks) allocate the
 outputs and launch it. On a laptop the kernels run in numba's CUDA simulator and in Triton's
@@ -8,6 +9,9 @@ What the checks enforce beyond the values:
 - bounds: inputs are views into buffers padded with NaN, and outputs into buffers padded with a
   sentinel, so a kernel that reads past the last row (a missing load mask) returns NaN and one
   that writes past it is caught; in numba's simulator an unguarded index raises IndexError;
+- strides (Triton backward): one case hands views whose rows are further apart than d, each
+  tensor its own row stride, with NaN and the sentinel in the gaps, so a kernel that addresses
+  row r as ``X + r * D`` instead of ``X + r * stride_x`` fails;
 - shared memory (numba, in the simulator): every read of K and V from global memory is counted.
   A block that stages K_j, V_j in shared memory reads each element once per block; a kernel
   where every thread reads K and V from global memory reads each element once per thread.
@@ -22,8 +26,10 @@ import re
 import numpy as np
 
 from .. import reference, runtime
+from . import compare
 from .engine import Case, Exercise
 from .numpy_exercises import (
+    F64,
     H_CAUSAL,
     H_EDGE,
     H_N1,
@@ -31,7 +37,10 @@ from .numpy_exercises import (
     H_SCALE,
     H_TILES,
     H_WIDE,
+    _backward_in_dtype,
     _inputs,
+    _memo,
+    _normal,
 )
 from .sandbox import call_limited
 
@@ -358,6 +367,337 @@ def _still_skeleton(kernel) -> bool:
     return re.search(r"^\s*raise\s+NotImplementedError\b", source, re.MULTILINE) is not None
 
 
+# ----------------------------------------------------------------------------------------
+# Triton backward: a dK/dV kernel (K/V tiles outside) and a dQ kernel (Q tiles outside)
+# ----------------------------------------------------------------------------------------
+
+
+def launch_triton_backward(dkdv_kernel, dq_kernel, Q, K, V, O, dO, L, causal=False, scale=None,
+                           Br=16, Bc=16):
+    """The backward of one head: Q (Nq, d), K, V (Nk, d), O, dO (Nq, d) float32 torch tensors,
+    L (Nq,) the natural-log logsumexp of the forward. Returns (dQ, dK, dV).
+
+    Delta_i = rowsum(dO_i * O_i) (the paper's D_i) is computed here, in torch; then two
+    launches: ``dkdv_kernel`` (one program per K/V tile, see launch_dkdv) and ``dq_kernel``
+    (one program per Q tile, see launch_dq). No program adds into another's output."""
+    import torch
+
+    d = Q.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    Delta = (dO * O).sum(dim=1)  # one float per query row
+    dQ = torch.empty(Q.shape, dtype=torch.float32, device=Q.device)
+    dK = torch.empty(K.shape, dtype=torch.float32, device=K.device)
+    dV = torch.empty(V.shape, dtype=torch.float32, device=V.device)
+    launch_dkdv(dkdv_kernel, Q, K, V, dO, L, Delta, dK, dV, causal, scale, Br, Bc)
+    launch_dq(dq_kernel, Q, K, V, dO, L, Delta, dQ, causal, scale, Br, Bc)
+    return dQ, dK, dV
+
+
+def launch_dkdv(kernel, Q, K, V, dO, L, Delta, dK, dV, causal, scale, Br, Bc):
+    """One program per K/V tile j of Bc keys: grid (ceil(Nk / Bc),). The kernel writes dK, dV.
+
+    kernel(Q, K, V, dO, L, Delta, dK, dV, scale, Nq, Nk, stride_q, stride_k, stride_v,
+    stride_do, stride_dk, stride_dv, D: tl.constexpr, Br: tl.constexpr, Bc: tl.constexpr,
+    CAUSAL: tl.constexpr); stride_x is the distance between two rows of x, in elements."""
+    import triton
+
+    (Nq, d), Nk = Q.shape, K.shape[0]
+    kernel[(triton.cdiv(Nk, Bc),)](Q, K, V, dO, L, Delta, dK, dV, float(scale), Nq, Nk,
+                                   Q.stride(0), K.stride(0), V.stride(0), dO.stride(0),
+                                   dK.stride(0), dV.stride(0), D=d, Br=Br, Bc=Bc,
+                                   CAUSAL=bool(causal))
+
+
+def launch_dq(kernel, Q, K, V, dO, L, Delta, dQ, causal, scale, Br, Bc):
+    """One program per Q tile i of Br rows: grid (ceil(Nq / Br),). The kernel writes dQ.
+
+    kernel(Q, K, V, dO, L, Delta, dQ, scale, Nq, Nk, stride_q, stride_k, stride_v, stride_do,
+    stride_dq, D: tl.constexpr, Br: tl.constexpr, Bc: tl.constexpr, CAUSAL: tl.constexpr)."""
+    import triton
+
+    (Nq, d), Nk = Q.shape, K.shape[0]
+    kernel[(triton.cdiv(Nq, Br),)](Q, K, V, dO, L, Delta, dQ, float(scale), Nq, Nk,
+                                   Q.stride(0), K.stride(0), V.stride(0), dO.stride(0),
+                                   dQ.stride(0), D=d, Br=Br, Bc=Bc, CAUSAL=bool(causal))
+
+
+def _padded_rows(a, fill, device, width=None):
+    """(buffer, view): a torch view of ``a`` (1-D or 2-D) inside a buffer filled with ``fill``
+    that has PAD more rows and, for 2-D ``a``, rows ``width`` elements apart (default: d)."""
+    import torch
+
+    a = np.ascontiguousarray(a, dtype=F32)
+    shape = (a.shape[0] + PAD,) + ((width or a.shape[1],) if a.ndim == 2 else ())
+    buf = torch.full(shape, fill, dtype=torch.float32)
+    index = (slice(0, a.shape[0]),) + ((slice(0, a.shape[1]),) if a.ndim == 2 else ())
+    buf[index] = torch.from_numpy(a)
+    buf = buf.to(device)
+    return buf, buf[index]
+
+
+# The row strides (in elements) of the strided case, for d = 16: each tensor its own, so a
+# kernel that uses one tensor's stride for another fails too.
+STRIDES = {"Q": 48, "K": 32, "V": 40, "dO": 24, "dQ": 56, "dK": 20, "dV": 36}
+
+
+def _backward_invoke(which):
+    """Launch the learner's dK/dV kernel (which = "dkdv") or dQ kernel (which = "dq") alone,
+    on NaN-padded inputs and sentinel-padded outputs."""
+
+    def invoke(fn, case, timeout, measure):
+        import torch
+
+        q, k, v, o, do, l, causal, scale, Br, Bc, strided = case.args
+        device = runtime.kernel_device()
+        width = (lambda name: STRIDES.get(name)) if strided else (lambda name: None)
+        ins = {name: _padded_rows(a, float("nan"), device, width(name))
+               for name, a in (("Q", q), ("K", k), ("V", v), ("dO", do), ("L", l))}
+        delta = (torch.from_numpy(do) * torch.from_numpy(o)).sum(dim=1).numpy()
+        ins["Delta"] = _padded_rows(delta, float("nan"), device)
+        before = {name: buf.clone() for name, (buf, _) in ins.items()}
+        names = ("dK", "dV") if which == "dkdv" else ("dQ",)
+        like = {"dQ": q, "dK": k, "dV": v}
+        outs = {name: _padded_rows(np.zeros_like(like[name]), SENTINEL, device, width(name))
+                for name in names}
+        s = 1.0 / math.sqrt(q.shape[1]) if scale is None else scale
+        views = {name: view for name, (_, view) in ins.items()}
+
+        def run():
+            args = (fn, views["Q"], views["K"], views["V"], views["dO"], views["L"],
+                    views["Delta"])
+            if which == "dkdv":
+                launch_dkdv(*args, outs["dK"][1], outs["dV"][1], causal, s, Br, Bc)
+            else:
+                launch_dq(*args, outs["dQ"][1], causal, s, Br, Bc)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            got = tuple(view.cpu().numpy().copy() for _, view in outs.values())
+            return got if len(got) > 1 else got[0]
+
+        call = call_limited(run, timeout=timeout, measure_memory=measure)
+        call.buffers = {"in": [(name, buf, before[name]) for name, (buf, _) in ins.items()],
+                        "out": [(name, buf, like[name].shape) for name, (buf, _) in outs.items()]}
+        return call
+
+    return invoke
+
+
+def _backward_bounds_probe(call, outputs):
+    """Inputs (padding included) unchanged; outside each output's (rows, d) view, the
+    sentinel intact (no store past the last row, nor into the gap of a longer row stride)."""
+    buffers = getattr(call, "buffers", None)
+    if buffers is None:
+        return None
+    for name, buf, old in buffers["in"]:
+        if not np.array_equal(_numpy(buf), _numpy(old), equal_nan=True):
+            return f"your kernel wrote into its input {name}. Store only into its outputs."
+    for name, buf, shape in buffers["out"]:
+        outside = np.ones(buf.shape, dtype=bool)
+        outside[: shape[0], : shape[1]] = False
+        if not (_numpy(buf)[outside] == SENTINEL).all():
+            past = not (_numpy(buf)[shape[0]:] == SENTINEL).all()
+            where = ("past its last row: mask the store" if past else
+                     "between its rows: address row r as " + name + " + r * stride_"
+                     + name.lower() + ", not r * D")
+            return f"your kernel wrote outside {name}, {where}."
+    return None
+
+
+H_DKDV = ("One program per K/V tile j: load K_j, V_j once, set dK_j = dV_j = 0, loop over the "
+          "Q tiles i: S_ij = tl.dot(Q_i, tl.trans(K_j)) * scale, P_ij = exp(S_ij - L_i) (zero "
+          "where masked), dV_j += tl.dot(tl.trans(P_ij), dO_i), dP_ij = tl.dot(dO_i, "
+          "tl.trans(V_j)), dS_ij = P_ij * (dP_ij - Delta_i), dK_j += scale * "
+          "tl.dot(tl.trans(dS_ij), Q_i); store dK_j and dV_j.")
+H_DQ = ("One program per Q tile i: load Q_i, dO_i, L_i, Delta_i once, set dQ_i = 0, loop over "
+        "the K/V tiles j: recompute S_ij, P_ij = exp(S_ij - L_i), dP_ij = tl.dot(dO_i, "
+        "tl.trans(V_j)), dS_ij = P_ij * (dP_ij - Delta_i), dQ_i += scale * tl.dot(dS_ij, K_j); "
+        "store dQ_i.")
+H_BWD_MASK = (" Rows past Nq and keys past Nk: load Q_i, dO_i, L_i, Delta_i, K_j, V_j with "
+              "mask=... and other=0.0, give masked pairs P_ij = 0, and store with a mask. (Here "
+              "the memory after each input holds NaN: an unmasked load brings it in.)")
+H_STRIDES = ("Each tensor's rows are further apart than D here (views into wider buffers, "
+             "each with its own row stride): address row r of Q as Q + r * stride_q, of dO as "
+             "dO + r * stride_do, and so on; never r * D, and never one tensor's stride for "
+             "another.")
+H_BWD_CAUSAL = {
+    "dkdv": ("causal: key j is visible to query i when j <= i (the diagonal too), and masked "
+             "pairs get P_ij = 0. The program of K/V tile j may skip only the Q rows before "
+             "its first key j * Bc (they see none of the tile): start its Q loop at "
+             "(j * Bc // Br) * Br, as Br and Bc may differ."),
+    "dq": ("causal: key j is visible to query i when j <= i (the diagonal too), and masked "
+           "pairs get P_ij = 0. The program of Q tile i may skip only the keys past its last "
+           "row (i + 1) * Br - 1: end its K/V loop at min(Nk, (i + 1) * Br), as Br and Bc "
+           "may differ."),
+}
+H_BWD_WIDE = ("Logits differ by hundreds: P_ij = exp(S_ij - L_i) with the saved L_i is already "
+              "normalized and never overflows for a visible pair; keep masked pairs out of the "
+              "exp (tl.where before it), or they can overflow to inf, and inf * 0 is NaN.")
+
+
+def _backward_triton_case(label, hint, shape, tiles, causal, scale, kind, seed, outputs,
+                          strided=False):
+    (Q, K, V), (q, k, v) = _inputs(shape, kind, F32, seed)
+    on_gpu = not runtime.triton_interpreted()
+
+    def compute():
+        O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
+        dO = _normal(seed + 1000, *O.shape)
+        o, l, do = (np.asarray(a, dtype=F32) for a in (O, L, dO))
+        grads = reference.naive_attention_backward(Q, K, V, do.astype(F64), causal=causal,
+                                                   scale=scale)
+        naive = (_naive_backward_tf32 if on_gpu else _backward_in_dtype)(q, k, v, o, do, l,
+                                                                         causal, scale)
+        return (o, l, do), grads, naive
+
+    (o, l, do), grads, naive = _memo(("triton backward", label), compute)
+    pick = {"dQ": 0, "dK": 1, "dV": 2}
+    case = Case(label, hint, (q, k, v, o.copy(), do.copy(), l.copy(), causal, scale) + tiles
+                + (strided,), outputs, tuple(grads[pick[n]] for n in outputs),
+                tuple(naive[pick[n]] for n in outputs), inputs=("Q", "K", "V", "O", "dO", "L"),
+                dtype=F32, probe=_backward_bounds_probe, floor_scale=100.0 if on_gpu else 1.0)
+    case.float64_inputs = (Q, K, V, do.astype(F64), l.astype(F64), o.astype(F64))
+    return case
+
+
+def _naive_backward_tf32(q, k, v, o, do, l, causal, scale):
+    """The backward's formulas on the GPU with TF32 matmuls, the precision tl.dot uses there by
+    default: its error sets the tolerance on a GPU (as _naive_tf32 does for the forward)."""
+    import torch
+
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        Q, K, V, O, dO, L = (torch.from_numpy(a).cuda() for a in (q, k, v, o, do, l))
+        s = 1.0 / math.sqrt(Q.shape[1]) if scale is None else scale
+        S = s * (Q @ K.T)
+        if causal:
+            S = S.masked_fill(~torch.ones_like(S, dtype=torch.bool).tril(), float("-inf"))
+        P = torch.exp(S - L[:, None])
+        dS = P * (dO @ V.T - (dO * O).sum(1, keepdim=True))
+        out = (s * dS @ K, s * dS.T @ Q, P.T @ dO)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    return tuple(a.cpu().numpy() for a in out)
+
+
+def _backward_triton_cases(which):
+    outputs, hint = {"dkdv": (("dK", "dV"), H_DKDV), "dq": (("dQ",), H_DQ)}[which]
+    d, t16, M = 16, (16, 16), H_BWD_MASK
+
+    def t(label, h, shape, tiles, causal, scale, kind, seed, strided=False):
+        return _backward_triton_case(label, h, shape, tiles, causal, scale, kind, seed,
+                                     outputs, strided)
+
+    C = H_BWD_CAUSAL[which]
+    return [
+        t("one tile, Nq=Nk=16", hint, (16, 16, d), t16, False, None, "normal", 1),
+        t("several tiles, Nq=Nk=64", hint, (64, 64, d), t16, False, None, "normal", 2),
+        t("edge tiles, Nq=37, Nk=53", H_EDGE + M, (37, 53, d), t16, False, None, "normal", 3),
+        t("N=1", H_N1 + M, (1, 1, d), t16, False, None, "normal", 4),
+        t("Nq=10 < Nk=45", H_NQNK + M, (10, 45, d), t16, False, None, "normal", 5),
+        t("Nq=45 > Nk=10", H_NQNK + M, (45, 10, d), t16, False, None, "normal", 6),
+        t("Br=32, Bc=16", "Br and Bc differ: Q tiles have Br rows, K/V tiles Bc.", (40, 40, d),
+          (32, 16), False, None, "normal", 7),
+        t("Br=16, Bc=32", "Br and Bc differ: Q tiles have Br rows, K/V tiles Bc.", (40, 40, d),
+          (16, 32), False, None, "normal", 8),
+        t("explicit scale=0.3", H_SCALE, (20, 30, d), t16, False, 0.3, "normal", 9),
+        t("row strides differ from d: Nq=21, Nk=27", H_STRIDES, (21, 27, d), t16, False, None,
+          "normal", 10, strided=True),
+        t("logits in the hundreds", H_BWD_WIDE, (24, 40, d), t16, False, None, "wide", 11),
+        t("causal, Nq=Nk=64", C, (64, 64, d), t16, True, None, "normal", 12),
+        t("causal, Nq=Nk=37", C + M, (37, 37, d), t16, True, None, "normal", 13),
+        t("causal, Nq=20 < Nk=53", C, (20, 53, d), t16, True, None, "normal", 14),
+        t("causal, Nq=53 > Nk=20", C, (53, 20, d), t16, True, None, "normal", 15),
+        t("causal, Br=32, Bc=16", C, (40, 40, d), (32, 16), True, None, "normal", 16),
+        t("causal, Br=16, Bc=32", C, (40, 40, d), (16, 32), True, None, "normal", 17),
+        t("causal, N=1", C, (1, 1, d), t16, True, None, "normal", 18),
+        t("causal, scale=2.0, row strides differ from d", C + " " + H_STRIDES, (33, 29, d),
+          t16, True, 2.0, "normal", 19, strided=True),
+        t("causal, logits in the hundreds", H_BWD_WIDE, (24, 40, d), t16, True, None, "wide",
+          20),
+    ]
+
+
+def _variants(case):
+    """Gradients (dQ, dK, dV) of the usual mistakes, in float64, for the diagnosis."""
+    Q, K, V, dO, L, O = case.float64_inputs
+    causal, scale = case.args[6], case.args[7]
+    s = 1.0 / math.sqrt(Q.shape[1]) if scale is None else scale
+    S = s * (Q @ K.T)
+
+    def grads(P, delta=True):
+        dS = P * (dO @ V.T - ((dO * O).sum(1, keepdims=True) if delta else 0.0))
+        return s * dS @ K, s * dS.T @ Q, P.T @ dO
+
+    visible = reference.causal_mask(*S.shape) if causal else np.ones(S.shape, dtype=bool)
+    P = np.where(visible, np.exp(np.where(visible, S, 0.0) - L[:, None]), 0.0)
+    right = grads(P)
+    out = {
+        "without Delta_i (dS_ij = P_ij * dP_ij)": grads(P, delta=False),
+        "without the factor scale": (right[0] / s, right[1] / s, right[2]),
+        "with the factor scale twice": (right[0] * s, right[1] * s, right[2]),
+    }
+    if causal:
+        strict = np.tri(*S.shape, k=-1, dtype=bool)
+        Ps = np.where(strict, np.exp(np.where(strict, S, 0.0) - L[:, None]), 0.0)
+        out["with the causal mask j < i instead of j <= i"] = grads(Ps)
+    return out
+
+
+H_VARIANT = {
+    "without Delta_i (dS_ij = P_ij * dP_ij)": (
+        "dS_ij = P_ij * (dP_ij - Delta_i): subtract Delta_i (loaded with the rows of the Q "
+        "tile, one per row) before multiplying by P_ij."),
+    "without the factor scale": (
+        "S_ij = scale * Q_i K_j^T, so the chain rule brings scale into dQ and dK: "
+        "dQ_i += scale * dS_ij K_j, dK_j += scale * dS_ij^T Q_i."),
+    "with the factor scale twice": (
+        "scale enters dQ and dK once: either inside the loop or at the store, not both."),
+    "with the causal mask j < i instead of j <= i": (
+        "query i sees key j when j <= i: the diagonal is visible."),
+}
+
+
+def _diagnose_backward_kernel(case, wrong, outputs):
+    notes = []
+    if any(np.isnan(outputs[name]).any() for name in wrong):
+        notes.append("NaN:")
+        if case.args[-1]:  # the strided case
+            notes.append("here each tensor has its own row stride, with NaN between the rows: "
+                         "a kernel that addresses row r as X + r * D, or with another tensor's "
+                         "stride, reads it. Or")
+        notes.append("a load read past the end of its tensor (the check keeps NaN after "
+                     "each input: mask the loads of Q_i, dO_i, L_i, Delta_i with rows < Nq and "
+                     "of K_j, V_j with cols < Nk, other=0.0), or exp overflowed for a masked "
+                     "pair (apply the mask before the exp) and inf * 0 became NaN.")
+        return " ".join(notes)
+    pick = {"dQ": 0, "dK": 1, "dV": 2}
+    ref = {name: case.expected[case.outputs.index(name)] for name in wrong}
+    tol = {name: compare.tolerance(case.dtype, case.naive[case.outputs.index(name)], ref[name],
+                                   case.floor_scale) for name in wrong}
+    for label, grads in _variants(case).items():
+        mistake = {name: grads[pick[name]] for name in wrong}
+        if all(compare.error(outputs[n], mistake[n]) <= tol[n] for n in wrong) and \
+                all(compare.error(mistake[n], ref[n]) > tol[n] for n in wrong):
+            return (f"Your {' and '.join(sorted(wrong))} {'is' if len(wrong) == 1 else 'are'} "
+                    f"what one gets {label}: "
+                    f"{H_VARIANT[label]}")
+    if case.outputs == ("dK", "dV"):
+        if wrong.keys() == {"dV"}:
+            return ("dV is wrong but dK is right: check dV_j += P_ij^T dO_i (P_ij transposed: "
+                    "tl.dot(tl.trans(P_ij), dO_i)), accumulated over every Q tile i.")
+        if wrong.keys() == {"dK"}:
+            return ("dV is right, so P_ij is; dK is not: check dP_ij = dO_i V_j^T, dS_ij = "
+                    "P_ij * (dP_ij - Delta_i) and dK_j += scale * dS_ij^T Q_i, accumulated over "
+                    "every Q tile i.")
+        return ("dK and dV are both wrong, so P_ij is (dV needs nothing else): P_ij = "
+                "exp(scale * Q_i K_j^T - L_i) with the forward's natural-log L_i, zero for "
+                "masked pairs, and every Q tile that sees tile j visited.")
+    return ("dQ_i = scale * sum over the K/V tiles j of dS_ij K_j, with P_ij = exp(scale * "
+            "Q_i K_j^T - L_i) and dS_ij = P_ij * (dO_i V_j^T - Delta_i); every K/V tile that "
+            "tile i sees must be visited.")
+
+
 EXERCISES = [
     Exercise("numba_forward_kernel", 3, "flash_forward_kernel", _numba_cases,
              invoke=_numba_invoke, diagnose=_diagnose_kernel, timeout=120.0,
@@ -365,4 +705,12 @@ EXERCISES = [
     Exercise("triton_forward_kernel", 4, "flash_forward_kernel", _triton_cases,
              invoke=_triton_invoke, diagnose=_diagnose_kernel, timeout=120.0,
              requires=_triton_unavailable, unfilled=_still_skeleton),
+    Exercise("triton_backward_dkdv_kernel", 4, "dkdv_kernel",
+             lambda: _backward_triton_cases("dkdv"),
+             invoke=_backward_invoke("dkdv"), diagnose=_diagnose_backward_kernel,
+             timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton),
+    Exercise("triton_backward_dq_kernel", 3, "dq_kernel",
+             lambda: _backward_triton_cases("dq"),
+             invoke=_backward_invoke("dq"), diagnose=_diagnose_backward_kernel,
+             timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton),
 ]

@@ -2,7 +2,9 @@
 
 The same rule as tests/test_attention.py: error against a float64 reference at most 2x (forward)
 or 3x (gradients) the error of plain PyTorch attention in the same dtype, plus a small floor.
-Also: backward determinism (two runs bit-identical), zeros for fully masked rows.
+Also: backward determinism (two runs bit-identical), zeros for fully masked rows, and the
+slower variants of flashedu/triton/ablations.py against the production kernels (notebook 10
+times them, so they must compute the same thing).
 
     PYTHONPATH=$PWD python3 scripts/gpu_triton_check.py            # all cases
     PYTHONPATH=$PWD compute-sanitizer --tool memcheck python3 scripts/gpu_triton_check.py --sanitize
@@ -136,6 +138,41 @@ def sanitize() -> None:
     print("sanitize run done")
 
 
+def check_ablations() -> list[str]:
+    """Each variant of ablations.py against the production kernel it is measured against."""
+    from flashedu import runtime
+    from flashedu.triton import ablations
+    from flashedu.triton.backward import backward
+    from flashedu.triton.config import kernel_config
+    from flashedu.triton.forward import forward
+
+    interpreted = runtime.triton_interpreted()
+    fails = []
+    for n, d, dtype in ((1000, 128, bf16), (777, 64, fp16)) if DEVICE == "cuda" else \
+            ((50, 40, fp16),):
+        torch.manual_seed(n)
+        q, do = (torch.randn(2, 4, n, d, device=DEVICE, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(2, 2, n, d, device=DEVICE, dtype=dtype) for _ in range(2))
+        cfg = kernel_config(d, False, interpreted)
+        for causal in (False, True):
+            kw = dict(is_causal=causal, scale=d ** -0.5, interpreted=interpreted)
+            O, L = forward(q, k, v, block_mask=None, tiles=cfg.forward, **kw)
+            grads = backward(q, k, v, O, L, do, block_mask=None, config=cfg, **kw)
+            got = {"natural_exp": ablations.forward(q, k, v, tiles=cfg.forward, natural_exp=True,
+                                                    **kw)[0],
+                   "mask_every_tile": ablations.forward(q, k, v, tiles=cfg.forward,
+                                                        mask_every_tile=True, **kw)[0]}
+            for name, x in got.items():
+                if err(x, O) > 2e-2:
+                    fails.append(f"{name} d={d} causal={causal}: O differs by {err(x, O):.1e}")
+            atomic = ablations.atomic_dq_backward(q, k, v, O, L, do, config=cfg, **kw)
+            for name, x, y in zip(("dQ", "dK", "dV"), atomic, grads):
+                rel = err(x, y) / y.double().abs().max().item()
+                if rel > 2e-2:
+                    fails.append(f"atomic dQ d={d} causal={causal}: {name} differs by {rel:.1e}")
+    return fails
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--sanitize", action="store_true", help="one small launch each, for memcheck")
@@ -160,7 +197,10 @@ def main(argv=None) -> int:
                f"{str(case[6])[6:]} causal={case[7]} mask={case[8]}"
         print(f"{status:<4} {name}  [{summary}]  {time.time() - t:.1f}s", flush=True)
     print(f"{len(CASES) - failed}/{len(CASES)} cases passed")
-    return 1 if failed else 0
+    ablation_fails = check_ablations()
+    print("ablations.py variants agree with the production kernels:",
+          "; ".join(ablation_fails) if ablation_fails else "ok")
+    return 1 if failed or ablation_fails else 0
 
 
 if __name__ == "__main__":

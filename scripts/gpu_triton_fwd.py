@@ -1,12 +1,12 @@
-"""Issue 8, second round on a GPU, in one call: forward variants against the peers, the
+"""On a GPU, in one run: forward variants against the peers, the
 forward before/after over N x d x causal x dtype, the causal backward's configs, a causal
 BlockMask against is_causal, and torch.compile through the kernels. Prints tables, writes JSON.
 
     PYTHONPATH=$PWD GIT_COMMIT=<sha> python3 scripts/gpu_triton_fwd.py --prev .prev/forward_prev.py \
         --json $OUT/fwd.json [--only sparse_tma ...]
 
-``--prev`` is the forward.py of the commit before this round (carried beside the tree: the
-device copy has no git), loaded as a module so that both run in one process. Shapes as
+``--prev`` is the forward.py of an earlier commit, to compare with (carried beside the tree:
+the device copy has no git), loaded as a module so that both run in one process. Shapes as
 ``flashedu bench``: B * N = 16384, H * d = 2048; TFLOPs = 4 B H N^2 d / t (/2 causal).
 """
 
@@ -78,8 +78,8 @@ def forward_variants(log, prev_forward):
         log.rec("fwd prev", f"{name(base)} run{rep}", t(run(base, prev_forward)), fl)
     variants = [base, base,
                 dataclasses.replace(base, num_stages=4), dataclasses.replace(base, num_stages=2)]
-    # (the round-2 record also has a host-made 4-D descriptor variant, "tma1", since removed;
-    # its "tma2" labels are today's tma=True)
+    # (speed_h100_round2.json also has a host-made 4-D descriptor variant, "tma1", since
+    # removed; its "tma2" labels are today's tma=True)
     variants += [dataclasses.replace(base, tma=True, num_stages=st) for st in (2, 3, 4)]
     variants += [dataclasses.replace(base, warp_specialize=True, num_warps=w, num_stages=st,
                                      tma=m) for m in (False, True)

@@ -1,5 +1,6 @@
-"""Issue 8 on a GPU, in one call: the d=128 backward sweep, the ablations of notebook 10, and
-(optionally) the before/after backward at other sizes. Prints short tables, writes JSON.
+"""On a GPU: the d=128 backward sweep, the ablations of notebook 10 (flashedu/triton/ablations.py
+against the production kernels), and the before/after backward at other sizes. Prints short
+tables, writes JSON (docs/bench/speed.md records the runs).
 
     PYTHONPATH=$PWD python3 scripts/gpu_triton_speed.py sweep --json $OUT/speed_sweep.json
     PYTHONPATH=$PWD python3 scripts/gpu_triton_speed.py ncu-fwd     # one forward launch, for ncu
@@ -20,11 +21,13 @@ import torch
 from triton.testing import do_bench
 
 import flashedu
+from flashedu.triton import ablations
 from flashedu.triton.backward import backward
 from flashedu.triton.config import KernelConfig, Tiles, kernel_config
 from flashedu.triton.forward import forward
 
-# The d=128 entry before issue 8 (docs/bench/triton.md): the baseline of every comparison.
+# The tuned entries of docs/bench/triton.md, before the d=128 backward sweep below: the
+# baseline of every comparison.
 BEFORE = {64: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3)),
           128: KernelConfig(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3))}
 DKDV = [Tiles(64, 128, 8, 2), Tiles(64, 128, 8, 4), Tiles(32, 128, 8, 4), Tiles(32, 128, 4, 4),
@@ -121,8 +124,12 @@ def sweep(args):
     rec("bwd chosen", "again (noise)", t(bwd(chosen)), 2.5 * fl)
 
     # --- dQ by atomics instead of its own pass --------------------------------------------
-    a1, a2 = bwd(base, dq_atomic=True)(), bwd(base, dq_atomic=True)()
-    rec("ablate bwd", "dQ by atomics (no dQ pass)", t(bwd(base, dq_atomic=True)), 2.5 * fl,
+    def atomic():
+        return ablations.atomic_dq_backward(q, k, v, o, L, do, is_causal=False, scale=s,
+                                            config=base, interpreted=False)
+
+    a1, a2 = atomic(), atomic()
+    rec("ablate bwd", "dQ by atomics (no dQ pass)", t(atomic), 2.5 * fl,
         dq_rel_err_vs_separate=f"{rel_err(a1[0], ref[0]):.1e}",
         bit_identical_twice=bool(torch.equal(a1[0], a2[0])))
     s1, s2 = bwd(chosen)(), bwd(chosen)()
@@ -132,15 +139,16 @@ def sweep(args):
     for causal in (False, True):
         f = flops(n, d, causal)
         tag = "causal" if causal else "dense"
-        fw = lambda tiles=base.forward, **kw: (lambda: forward(  # noqa: E731
-            q, k, v, is_causal=causal, scale=s, block_mask=None, tiles=tiles,
-            interpreted=False, **kw))
-        o_ref = fw()()[0]
-        rec("ablate fwd", f"{tag} as shipped (exp2, split loops)", t(fw()), f)
-        rec("ablate fwd", f"{tag} natural exp, scale not folded", t(fw(natural_exp=True)), f,
-            rel_diff=f"{rel_err(fw(natural_exp=True)()[0], o_ref):.1e}")
-        rec("ablate fwd", f"{tag} every tile masked", t(fw(mask_every_tile=True)), f,
-            rel_diff=f"{rel_err(fw(mask_every_tile=True)()[0], o_ref):.1e}")
+        shipped = lambda: forward(q, k, v, is_causal=causal, scale=s,  # noqa: E731
+                                  block_mask=None, tiles=base.forward, interpreted=False)
+        variant = lambda **kw: (lambda: ablations.forward(  # noqa: E731
+            q, k, v, is_causal=causal, scale=s, tiles=base.forward, interpreted=False, **kw))
+        o_ref = shipped()[0]
+        rec("ablate fwd", f"{tag} as shipped (exp2, split loops)", t(shipped), f)
+        rec("ablate fwd", f"{tag} natural exp, scale not folded", t(variant(natural_exp=True)),
+            f, rel_diff=f"{rel_err(variant(natural_exp=True)()[0], o_ref):.1e}")
+        rec("ablate fwd", f"{tag} every tile masked", t(variant(mask_every_tile=True)), f,
+            rel_diff=f"{rel_err(variant(mask_every_tile=True)()[0], o_ref):.1e}")
     for c in FWD:
         rec("tiles fwd", name(c), t(lambda c=c: forward(q, k, v, is_causal=False, scale=s,
                                                       block_mask=None, tiles=c,
@@ -188,7 +196,7 @@ def sweep(args):
 
 
 def regress(args):
-    """The shipped config against the one before issue 8, backward and forward, N x d."""
+    """The shipped config against BEFORE (the baseline above), backward and forward, N x d."""
     out = {"device": torch.cuda.get_device_name(0), "rows": []}
     for n in args.n:
         for d in args.d:

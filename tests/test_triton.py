@@ -210,3 +210,44 @@ def test_fast_forward_falls_back_when_it_does_not_build(monkeypatch):
     assert _err(out, reference_attention(q, k, v, scale=0.25)) < 1e-5
     assert len(fast._NO_FAST) == 1
     fw.forward(q, k, v, **kw)  # remembered: no second failure, no second warning
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ablation_variants_match_the_reference(causal, dtype):
+    """The slower variants that notebook 10 times (flashedu/triton/ablations.py) compute
+    attention and its gradients within the same tolerance as the production kernels: ragged
+    sizes, a padded head dim (24 of 32), GQA."""
+    from flashedu.triton import ablations
+    from flashedu.triton.backward import backward
+    from flashedu.triton.config import kernel_config
+    from flashedu.triton.forward import forward
+
+    q, k, v = (x.detach() for x in _qkv(1, 4, 2, 45, 37, 24, dtype))
+    do = torch.randn_like(q)
+    cfg = kernel_config(24, dtype == torch.float32, flashedu.runtime.triton_interpreted())
+    kw = dict(is_causal=causal, scale=24 ** -0.5, interpreted=True)
+    ref = reference_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    plain = naive_attention_torch(q, k, v, is_causal=causal, enable_gqa=True)
+    tol = 2 * _err(plain, ref) + 2 * FLOOR[dtype]
+    O, L = forward(q, k, v, block_mask=None, tiles=cfg.forward, **kw)
+    same, _ = ablations.forward(q, k, v, tiles=cfg.forward, **kw)
+    assert torch.equal(same, O)  # both switches off: the production code
+    for switch in ("natural_exp", "mask_every_tile"):
+        O_v, L_v = ablations.forward(q, k, v, tiles=cfg.forward, **{switch: True}, **kw)
+        assert O_v.dtype == dtype and _err(O_v, ref) <= tol, switch
+        assert _err(L_v, L) < 1e-4, switch  # the same base-2 logsumexp for the backward
+
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    grads_ref = torch.autograd.grad(reference_attention(qr, kr, vr, is_causal=causal,
+                                                        enable_gqa=True), (qr, kr, vr), do.double())
+    qp, kp, vp = (x.clone().requires_grad_() for x in (q, k, v))
+    grads_plain = torch.autograd.grad(naive_attention_torch(qp, kp, vp, is_causal=causal,
+                                                            enable_gqa=True), (qp, kp, vp), do)
+    atomic = ablations.atomic_dq_backward(q, k, v, O, L, do, config=cfg, **kw)
+    shipped = backward(q, k, v, O, L, do, block_mask=None, config=cfg, **kw)
+    for name, a, s, r, p in zip("dq dk dv".split(), atomic, shipped, grads_ref, grads_plain):
+        assert a.dtype == dtype
+        assert _err(a, r) <= 3 * _err(p, r) + 3 * FLOOR[dtype], name
+        if name != "dq":  # dK, dV: the same code in both designs
+            assert torch.equal(a, s), name

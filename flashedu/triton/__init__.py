@@ -2,12 +2,17 @@
 
     forward.py   one program per (Q tile, batch*head), FlashAttention-2 order, exp2 softmax
     backward.py  D = rowsum(dO * O), then dK/dV (K/V-outer) and dQ (Q-outer): no atomics
+    decode.py    split-KV decoding: a few queries against a long K/V cache
     autograd.py  torch.autograd.Function tying them together
     sparse.py    BlockMask -> per-tile index lists (kv_indices, q_indices)
     config.py    tile sizes per head dim
+    fast.py      Hopper's copy engine (TMA) and warp specialization, with a fallback
+    ablations.py slower variants, only to be measured against the kernels (notebook 10)
 
 On a machine without a CUDA GPU the same kernels run in Triton's interpreter on CPU tensors
-(``flashedu.runtime`` sets TRITON_INTERPRET=1 before triton is imported).
+(``flashedu.runtime`` sets TRITON_INTERPRET=1 before triton is imported). The interpreter's
+16-bit tl.dot is unreliable, so there the launch code hands the kernels float32 copies of
+16-bit inputs and casts the results back (``forward.interpreter_fp32``).
 """
 
 from __future__ import annotations

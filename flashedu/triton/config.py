@@ -38,8 +38,8 @@ class KernelConfig:
     preprocess_rows: int = 64  # rows of the D = rowsum(dO * O) kernel
     # dK/dV and dQ programs in one launch (FlexAttention's layout; they then share the dK/dV
     # tiles' warps and stages) or one launch each (each with its own warps and stages).
-    # True is the default because it is what the d=128 entry measured best (issue 8); the
-    # tables below say False where the two launches were measured faster or never compared.
+    # True: the d=128 entry measured fastest so (docs/bench/speed.md); the tables below say
+    # False where the two launches measured faster or were not compared.
     fused_backward: bool = True
     # Where causal attention's backward measured faster with other settings: used instead.
     causal_backward: "KernelConfig | None" = None
@@ -60,7 +60,7 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 # at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not. d=128's backward:
 # scripts/gpu_triton_speed.py (docs/bench/speed.md): one fused launch, 2 stages, 419 TFLOPs
 # against 382-392 for the two launches with 3 stages; at d=64, and causal, it was not faster.
-# Forwards of d=128 and d=256: scripts/gpu_triton_fwd.py (speed.md, round 2): TMA and warp
+# Forwards of d=128 and d=256: scripts/gpu_triton_fwd.py (docs/bench/speed.md): TMA and warp
 # specialization +4-8% at d=128; 128x64 tiles 1.3-1.6x at d=256. At d=64, TMA was within noise
 # and slower for short causal sequences: left off.
 _FORWARD_128 = Tiles(128, 128, 8, 3, tma=True, warp_specialize=True)

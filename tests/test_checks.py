@@ -27,6 +27,7 @@ NOTEBOOKS = {
     "flash_forward": "02_flash_forward", "flash_backward": "03_flash_backward",
     "block_sparse_forward": "04_block_sparse", "numba_forward_kernel": "05_numba_kernel",
     "triton_forward_kernel": "06_triton_kernel",
+    "triton_backward_dkdv_kernel": "07_triton_backward", "triton_backward_dq_kernel": "07_triton_backward",
 }
 _counter = itertools.count()
 
@@ -393,3 +394,95 @@ def test_unfilled_kernel_is_not_implemented_yet(tmp_path):
                 "\n    raise NotImplementedError()\n    ")]
     result = check("triton_forward_kernel", load("triton_forward_kernel", replace, tmp_path))
     assert result.status == NOT_IMPLEMENTED, str(result)
+
+
+# The Triton backward: each kernel graded on its own outputs (dK and dV, or dQ).
+DKDV, DQ = "triton_backward_dkdv_kernel", "triton_backward_dq_kernel"
+TRITON_BWD_BANK = [
+    (DKDV, "missing Delta_i in dS_ij",
+     [("dS_ij = P_ij * (dP_ij - Delta_i[:, None])", "dS_ij = P_ij * dP_ij")],
+     ["one tile", "dK is wrong", "without Delta_i"]),
+    (DQ, "missing Delta_i in dS_ij",
+     [("dS_ij = P_ij * (dP_ij - Delta_i[:, None])", "dS_ij = P_ij * dP_ij")],
+     ["one tile", "dQ is wrong", "without Delta_i"]),
+    (DKDV, "causal Q loop starts at tile j of Br rows (j * Br), not at row j * Bc",
+     [("lo = (j * Bc) // Br * Br", "lo = j * Br")],
+     ["causal, Br=32, Bc=16", "both wrong", "(j * Bc // Br) * Br"]),
+    (DQ, "causal K/V loop stops one tile early",
+     [("end = tl.minimum(Nk, (i + 1) * Br)", "end = tl.minimum(Nk, i * Br + 1)")],
+     ["causal, Br=32, Bc=16", "dQ is wrong", "min(Nk, (i + 1) * Br)"]),
+    (DKDV, "dO_i loaded without a mask",
+     [("dO_i = tl.load(dO + rows[:, None] * stride_do + dims[None, :], mask=row_ok[:, None], other=0.0)",
+       "dO_i = tl.load(dO + rows[:, None] * stride_do + dims[None, :])")],
+     ["edge tiles", "NaN", "mask the loads"]),
+    (DQ, "K_j loaded without a mask",
+     [("K_j = tl.load(K + cols[:, None] * stride_k + dims[None, :], mask=col_ok[:, None], other=0.0)",
+       "K_j = tl.load(K + cols[:, None] * stride_k + dims[None, :])")],
+     ["edge tiles", "NaN", "mask the loads"]),
+    (DKDV, "scale left out of dK",
+     [("dK_j * scale, mask", "dK_j, mask")], ["one tile", "dK is wrong", "without the factor scale"]),
+    (DQ, "scale applied twice",
+     [("dQ_i += tl.dot(dS_ij, K_j)", "dQ_i += tl.dot(dS_ij, K_j) * scale")],
+     ["one tile", "scale twice"]),
+    (DKDV, "rows addressed with D instead of the strides",
+     [("rows[:, None] * stride_q", "rows[:, None] * D"), ("rows[:, None] * stride_do", "rows[:, None] * D")],
+     ["row strides differ from d", "NaN", "stride_q"]),
+    (DQ, "dQ stored with D as its row stride",
+     [("rows[:, None] * stride_dq", "rows[:, None] * D")],
+     ["row strides differ from d", "dQ is wrong", "never r * D"]),
+    (DKDV, "dV stored without a mask",
+     [("dims[None, :], dV_j, mask=col_ok[:, None])", "dims[None, :], dV_j)")],
+     ["edge tiles", "wrote outside dV, past its last row"]),
+    (DKDV, "P_ij not transposed in dV_j",
+     [("dV_j += tl.dot(tl.trans(P_ij), dO_i)", "dV_j += tl.dot(P_ij, dO_i)")],
+     ["one tile", "dV is wrong but dK is right", "P_ij^T dO_i"]),
+    (DKDV, "causal mask with <",
+     [("cols[None, :] <= rows[:, None]", "cols[None, :] < rows[:, None]")],
+     ["causal, Nq=Nk=64", "j < i instead of j <= i"]),
+]
+
+
+@pytest.mark.parametrize("name, mistake, replace, words", TRITON_BWD_BANK,
+                         ids=[f"{b[0]}: {b[1]}" for b in TRITON_BWD_BANK])
+def test_triton_backward_wrong_kernel_is_rejected(name, mistake, replace, words, tmp_path):
+    assert_rejected(check(name, load(name, replace, tmp_path)), *words)
+
+
+@pytest.mark.parametrize("name", [DKDV, DQ])
+def test_triton_backward_solution_passes(name, tmp_path):
+    result = check(name, load(name, (), tmp_path))
+    assert result.passed and result.points == EXERCISES[name].points, str(result)
+    assert len(result.cases) >= 20 and any("strides" in c.label for c in result.cases)
+
+
+@pytest.mark.parametrize("name", [DKDV, DQ])
+def test_triton_backward_unfilled_is_not_implemented_yet(name, tmp_path):
+    source = solution_source(name)
+    body = source.split("### BEGIN SOLUTION")[1].split("### END SOLUTION")[0]
+    result = check(name, load(name, [(body, "\n    raise NotImplementedError()\n    ")], tmp_path))
+    assert result.status == NOT_IMPLEMENTED and "not implemented yet" in result.message, str(result)
+
+
+def test_launch_triton_backward_pairs_the_kernels(tmp_path):
+    """The launcher runs both solution kernels; they give the NumPy backward's gradients for
+    contiguous and strided inputs, causal or not."""
+    import torch
+
+    from flashedu.checks.kernels import launch_triton_backward
+
+    dkdv, dq = load(DKDV, (), tmp_path), load(DQ, (), tmp_path)
+    rng = np.random.default_rng(0)
+    Nq, Nk, d = 29, 35, 16
+    for causal, strided in ((False, False), (True, True)):
+        Q, K, V = (rng.standard_normal((n, d)).astype(np.float32) for n in (Nq, Nk, Nk))
+        O, L = tiled.flash_forward(Q, K, V, 16, 16, causal=causal)
+        dO = rng.standard_normal((Nq, d)).astype(np.float32)
+        want = tiled.flash_backward(*(a.astype(np.float64) for a in (Q, K, V, O, dO, L)), 16, 16,
+                                    causal=causal)
+        t = [torch.from_numpy(a) for a in (Q, K, V, O, dO)]
+        if strided:  # views whose rows are 2d apart
+            t = [torch.cat([a, torch.full_like(a, float("nan"))], dim=1)[:, :d] for a in t]
+            assert t[0].stride(0) == 2 * d
+        got = launch_triton_backward(dkdv, dq, *t, torch.from_numpy(L), causal=causal, Br=16, Bc=16)
+        for g, w in zip(got, want):
+            assert np.allclose(g.numpy(), w, atol=1e-4), (causal, strided)

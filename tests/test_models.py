@@ -326,8 +326,9 @@ def _triton_or_skip():
         pytest.skip(f"triton unavailable: {reason}")
 
 
-def _write_exercise(folder, notebook, finished):
-    """A course folder with solutions/<notebook> and an exercises/ copy, finished or not."""
+def _write_exercise(folder, notebook, finished=()):
+    """A course folder with solutions/<notebook> and an exercises/ copy in which only the
+    graded cells named in ``finished`` are done (the others raise NotImplementedError)."""
     import nbformat
 
     nb = nbformat.read(ROOT / "solutions" / f"{notebook}.ipynb", as_version=4)
@@ -335,7 +336,8 @@ def _write_exercise(folder, notebook, finished):
     (folder / "exercises").mkdir(exist_ok=True)
     nbformat.write(nb, folder / "solutions" / f"{notebook}.ipynb")
     for cell in nb.cells:
-        if cell.metadata.get("nbgrader", {}).get("solution") and not finished:
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("solution") and meta.get("grade_id") not in finished:
             head = cell.source.split("### BEGIN SOLUTION")[0]
             cell.source = head + "    # YOUR CODE HERE\n    raise NotImplementedError()"
     nbformat.write(nb, folder / "exercises" / f"{notebook}.ipynb")
@@ -345,7 +347,7 @@ def test_loader_falls_back_to_the_solution_and_says_so(tmp_path, capsys):
     from flashedu.models.learner import load_exercise_kernels
 
     _triton_or_skip()
-    _write_exercise(tmp_path, "06_triton_kernel", finished=False)
+    _write_exercise(tmp_path, "06_triton_kernel")
     kernels = load_exercise_kernels(["06_triton_kernel"], root=tmp_path)
     out = capsys.readouterr().out
     assert "triton_forward_kernel: USING THE SOLUTION from solutions/06_triton_kernel.ipynb" in out
@@ -354,10 +356,27 @@ def test_loader_falls_back_to_the_solution_and_says_so(tmp_path, capsys):
     assert "NotImplementedError" not in Path(kernels["triton_forward_kernel"].fn.__code__.co_filename).read_text()
 
     (tmp_path / "mine").mkdir()
-    _write_exercise(tmp_path / "mine", "06_triton_kernel", finished=True)
+    _write_exercise(tmp_path / "mine", "06_triton_kernel", finished={"triton_forward_kernel"})
     kernels = load_exercise_kernels(["06_triton_kernel"], root=tmp_path / "mine")
     assert "triton_forward_kernel: your kernel flash_forward_kernel, from exercises/" in capsys.readouterr().out
     assert kernels.from_solutions == []
+
+
+def test_loader_takes_each_finished_kernel_and_no_unfinished_one(tmp_path, capsys):
+    """Exercise 07 half done: the learner's dK/dV kernel, the solution's dQ kernel."""
+    from flashedu.models.learner import ExerciseAttention, load_exercise_kernels
+
+    _triton_or_skip()
+    if not (ROOT / "solutions" / "07_triton_backward.ipynb").exists():
+        pytest.skip("no solutions/07_triton_backward.ipynb in this checkout")
+    _write_exercise(tmp_path, "07_triton_backward", finished={"triton_backward_dkdv_kernel"})
+    kernels = load_exercise_kernels(["07_triton_backward"], root=tmp_path)
+    out = capsys.readouterr().out
+    assert "triton_backward_dkdv_kernel: your kernel dkdv_kernel, from exercises/" in out
+    assert "triton_backward_dq_kernel: USING THE SOLUTION from solutions/07_triton_backward" in out
+    assert kernels.from_solutions == ["triton_backward_dq_kernel"]
+    with pytest.raises(ValueError, match="no triton_forward_kernel among the kernels"):
+        ExerciseAttention(kernels)
 
 
 def test_loader_resolves_the_course_folder_from_notebooks(monkeypatch):

@@ -30,7 +30,10 @@ from pathlib import Path
 
 import torch
 
-FORWARD = "triton_forward_kernel"  # the forward's exercise name (exercise 06)
+# the exercise names (``check``'s first argument) of the three kernels
+FORWARD = "triton_forward_kernel"  # exercise 06
+BACKWARD_DKDV = "triton_backward_dkdv_kernel"  # exercise 07: dK_j, dV_j, one program per K/V tile
+BACKWARD_DQ = "triton_backward_dq_kernel"  # exercise 07: dQ_i, one program per Q tile
 NOTEBOOKS = ("06_triton_kernel", "07_triton_backward")
 _SKELETON = re.compile(r"^\s*raise\s+NotImplementedError\b", re.MULTILINE)
 _CHECK_CALL = re.compile(r"""check\(\s*["'](\w+)["']\s*,\s*(\w+)""")
@@ -67,10 +70,11 @@ class ExerciseKernels:
     def __contains__(self, name):
         return name in self.kernels
 
-    def find(self, *words):
-        """The one exercise whose name contains every word, or None."""
-        hits = [n for n in self.kernels if all(w in n for w in words)]
-        return self.kernels[hits[0]] if len(hits) == 1 else None
+    def get(self, name, default=None):
+        return self.kernels.get(name, default)
+
+    def items(self):
+        return self.kernels.items()
 
     @property
     def from_solutions(self) -> list:
@@ -206,19 +210,18 @@ class ExerciseAttention:
     """``fn(q, k, v, *, is_causal=False, scale=None)`` for (B, H, T, d) tensors, computed by
     the exercise kernels one head at a time in float32.
 
-    ``kernels``: what ``load_exercise_kernels`` returned, or a dict with the forward under
-    "triton_forward_kernel" and the backward's two kernels under names holding "dkdv" and "dq".
+    ``kernels``: what ``load_exercise_kernels`` returned, or a dict of kernels by exercise name:
+    "triton_forward_kernel", and for the backward "triton_backward_dkdv_kernel" and
+    "triton_backward_dq_kernel".
     Without backward kernels the backward is flashedu's NumPy Algorithm 4
     (flashedu.tiled.flash_backward), and ``describe()`` says so.
     Br, Bc: the tile sizes; default 16 in Triton's interpreter, 64 on a GPU."""
 
     def __init__(self, kernels, Br=None, Bc=None):
-        get = kernels.find if isinstance(kernels, ExerciseKernels) else (
-            lambda *w: next((v for k, v in kernels.items() if all(x in k for x in w)), None))
-        self.forward_kernel = get(FORWARD)
+        self.forward_kernel = kernels.get(FORWARD)
         if self.forward_kernel is None:
-            raise ValueError(f"no {FORWARD} among the kernels {list(_names(kernels))}")
-        self.dkdv_kernel, self.dq_kernel = get("dkdv"), get("dq")
+            raise ValueError(f"no {FORWARD} among the kernels {[n for n, _ in kernels.items()]}")
+        self.dkdv_kernel, self.dq_kernel = kernels.get(BACKWARD_DKDV), kernels.get(BACKWARD_DQ)
         self.sources = dict(kernels.sources) if isinstance(kernels, ExerciseKernels) else {}
         from .. import runtime
 
@@ -231,11 +234,10 @@ class ExerciseAttention:
 
     def describe(self) -> str:
         """Which kernels run, from where (yours, or a solution), and how."""
-        def origin(*words):
-            hits = [src for name, src in self.sources.items() if all(w in name for w in words)]
-            return f" from {hits[0].split(' (')[0]}" if hits else ""
+        def origin(name):
+            return f" from {self.sources[name].split(' (')[0]}" if name in self.sources else ""
 
-        backward = (f"the exercise's dK/dV and dQ kernels{origin('dkdv')} (launch_triton_backward)"
+        backward = (f"the exercise's dK/dV and dQ kernels{origin(BACKWARD_DKDV)} (launch_triton_backward)"
                     if self.has_backward_kernels
                     else "flashedu's NumPy Algorithm 4 (no backward kernels given)")
         return (f"forward: the exercise kernel{origin(FORWARD)} (launch_triton_forward); "
@@ -324,10 +326,6 @@ def _numpy_backward(Q, K, V, O, dO, L, causal, scale, Br, Bc):
     arrays = [t.cpu().numpy() for t in (Q, K, V, O, dO, L)]
     grads = flash_backward(*arrays, Br, Bc, causal=causal, scale=scale)
     return [torch.from_numpy(g).to(Q.device) for g in grads]
-
-
-def _names(kernels):
-    return kernels.kernels if isinstance(kernels, ExerciseKernels) else kernels
 
 
 def exercise_attention(root=None, Br=None, Bc=None, quiet=False) -> ExerciseAttention:

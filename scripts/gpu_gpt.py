@@ -2,8 +2,9 @@
 
     PYTHONPATH=$PWD python3 scripts/gpu_gpt.py --out docs/bench/gpt_h100.json
 
-For each attention and sequence length T (512 ... 8192) it trains the seed's default model
-(d_model 768, 12 layers, 12 heads, vocabulary 50257) under bf16 autocast with the same number of
+For each attention and sequence length T (512 ... 8192) it trains GPTConfig's default model, the
+GPT-3-style GPT3Config of the README of PeTeRr0/FlashAttention-pytorch (d_model 768, 12 layers,
+12 heads, vocabulary 50257), under bf16 autocast with the same number of
 tokens per optimizer step (batch = tokens / T), a few warmup steps, then timed steps, and records
 tokens/s and peak memory. Holding tokens per step fixed makes every cost outside attention the
 same at every T, so what changes with T is attention's: FlashAttention's memory is linear in T per
@@ -46,7 +47,7 @@ def parse_args(argv):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--n-layers", type=int, default=12, help="12: GPT-2 small (the seed's default)")
+    p.add_argument("--n-layers", type=int, default=12, help="12: GPT-2 small (GPTConfig's default)")
     p.add_argument("--out", default="gpt_bench.json")
     p.add_argument("--commit", default=flashedu.runtime.git_commit(short=False),
                    help="default: $GIT_COMMIT, else this checkout's commit")

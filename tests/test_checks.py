@@ -468,8 +468,11 @@ def test_launch_triton_backward_pairs_the_kernels(tmp_path):
     contiguous and strided inputs, causal or not."""
     import torch
 
+    from flashedu import runtime
     from flashedu.checks.kernels import launch_triton_backward
 
+    device = runtime.kernel_device()
+    tol = 1e-4 if runtime.triton_interpreted() else 3e-2  # TF32 dots on a GPU
     dkdv, dq = load(DKDV, (), tmp_path), load(DQ, (), tmp_path)
     rng = np.random.default_rng(0)
     Nq, Nk, d = 29, 35, 16
@@ -479,10 +482,11 @@ def test_launch_triton_backward_pairs_the_kernels(tmp_path):
         dO = rng.standard_normal((Nq, d)).astype(np.float32)
         want = tiled.flash_backward(*(a.astype(np.float64) for a in (Q, K, V, O, dO, L)), 16, 16,
                                     causal=causal)
-        t = [torch.from_numpy(a) for a in (Q, K, V, O, dO)]
+        t = [torch.from_numpy(a).to(device) for a in (Q, K, V, O, dO)]
         if strided:  # views whose rows are 2d apart
             t = [torch.cat([a, torch.full_like(a, float("nan"))], dim=1)[:, :d] for a in t]
             assert t[0].stride(0) == 2 * d
-        got = launch_triton_backward(dkdv, dq, *t, torch.from_numpy(L), causal=causal, Br=16, Bc=16)
+        got = launch_triton_backward(dkdv, dq, *t, torch.from_numpy(L).to(device), causal=causal,
+                                     Br=16, Bc=16)
         for g, w in zip(got, want):
-            assert np.allclose(g.numpy(), w, atol=1e-4), (causal, strided)
+            assert np.abs(g.cpu().numpy() - w).max() < tol * (1 + np.abs(w).max()), (causal, strided)

@@ -423,6 +423,8 @@ def test_exercise_kernels_keep_bf16_and_reject_bad_head_dims():
     out = attn(q, q, q, is_causal=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(), is_causal=True)
     assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() < 2e-2
+    saved = micro_config(attention_backend=attn).to_dict()  # a checkpoint keeps its name only
+    assert saved["attention_backend"] == "callable:flashedu.models.learner.ExerciseAttention"
     with pytest.raises(ValueError, match="head dim d=24: the exercise kernels need a power of two"):
         attn(*(torch.randn(1, 1, 8, 24) for _ in range(3)), is_causal=True)
 

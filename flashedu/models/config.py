@@ -15,7 +15,8 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 
 # flashedu.attention's backends, plus torch's own fused SDPA for comparison.
 ATTENTION_BACKENDS = ("auto", "naive", "numpy", "numba", "triton", "sdpa")
@@ -156,7 +157,8 @@ class GPTConfig:
     def to_dict(self) -> dict:
         """The fields as plain data (for a checkpoint). A function as attention_backend is
         stored as "callable:<module>.<qualname>": only its name can be saved."""
-        fields = asdict(self)
+        # not asdict: it deep-copies every value, and a function object need not be copyable
+        fields = {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
         if callable(self.attention_backend):
             fields["attention_backend"] = CALLABLE_MARK + qualified_name(self.attention_backend)
         return fields

@@ -48,7 +48,8 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
                   IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
     """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j.
 
-    qk_scale = scale * log2(e): m_i and the exponents are in base 2, so exp2 is exact here."""
+    qk_scale is scale * log2(e), so exp2(S_ij * qk_scale) = exp(scale * S_ij): the paper's exp,
+    computed by the GPU's ex2 instruction. m_i is kept in that base-2 scale."""
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)  # unscaled scores, Br x Bc
     if MASK:  # keys past Nk, and (causal) keys after the query, get -inf: P_ij = 0 there
         visible = cols[None, :] < Nk

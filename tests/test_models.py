@@ -362,6 +362,23 @@ def test_loader_falls_back_to_the_solution_and_says_so(tmp_path, capsys):
     assert kernels.from_solutions == []
 
 
+def test_loader_reports_a_cell_that_does_not_run(tmp_path):
+    import nbformat
+
+    from flashedu.models.learner import load_exercise_kernels
+
+    _triton_or_skip()
+    _write_exercise(tmp_path, "06_triton_kernel")
+    path = tmp_path / "exercises" / "06_triton_kernel.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution"))
+    cell.source = cell.source.replace("raise NotImplementedError()", "O_i = (")  # unfinished line
+    nbformat.write(nb, path)
+    with pytest.raises(RuntimeError, match="graded cells of 06_triton_kernel .* do not run as a "
+                                           "module: SyntaxError"):
+        load_exercise_kernels(["06_triton_kernel"], root=tmp_path, quiet=True)
+
+
 def test_loader_takes_each_finished_kernel_and_no_unfinished_one(tmp_path, capsys):
     """Exercise 07 half done: the learner's dK/dV kernel, the solution's dQ kernel."""
     from flashedu.models.learner import ExerciseAttention, load_exercise_kernels

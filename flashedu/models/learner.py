@@ -123,7 +123,8 @@ def _load_notebook(root, notebook, found):
                            f"solutions/{notebook}.ipynb is in {root}")
         return
     cells, origin = [], {}
-    for grade_id in (mine or solved)["graded"]:
+    graded = [*(mine or {"graded": {}})["graded"], *(solved or {"graded": {}})["graded"]]
+    for grade_id in dict.fromkeys(graded):  # each once, the learner's order first
         source = (mine or {"graded": {}})["graded"].get(grade_id)
         if source is not None and not _SKELETON.search(source):
             cells.append(source)
@@ -137,7 +138,13 @@ def _load_notebook(root, notebook, found):
                              " finish the exercise, then load again")
         cells.append(fallback)
         origin[grade_id] = f"solutions/{notebook}.ipynb ({why})"
-    module = _import_cells(notebook, cells)
+    try:
+        module = _import_cells(notebook, cells)
+    except Exception as exc:
+        raise RuntimeError(
+            f"the graded cells of {notebook} ({', '.join(sorted(set(origin.values())))}) do "
+            f"not run as a module: {type(exc).__name__}: {exc}. Run them in the exercise "
+            "notebook and fix what fails there, then load again") from exc
     checks = {**(solved or {}).get("checks", {}), **(mine or {}).get("checks", {})}
     for name, fn_name in checks.items():
         grade_id = next((g for g, src in zip(origin, cells)

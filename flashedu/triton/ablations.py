@@ -152,7 +152,7 @@ def _dkdv_atomic_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, dQ_
                       cols, dims, Nq, d, qk_scale, scale, stride_qn, stride_dn, stride_dqn,
                       Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """backward.py's ``_dkdv_step``, plus the last two lines: dS_ij K_j added into dQ_i."""
+    """backward.py's ``_dkdv_step``, line for line, plus the last two: dS_ij K_j into dQ_i."""
     rows = start_m + tl.arange(0, Br)
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
@@ -160,15 +160,20 @@ def _dkdv_atomic_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, dQ_
                     MASK, not EVEN_D)
     dO_i = load_tile(dO_head + rows[:, None] * stride_dn + dims[None, :], row_ok, dim_ok,
                      MASK, not EVEN_D)
-    L_i = tl.load(L_head + rows, mask=rows < Nq, other=float("inf"))
-    D_i = tl.load(D_head + rows, mask=rows < Nq, other=0.0)
-    P_ijT = tl.math.exp2(tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC) * qk_scale
-                         - L_i[None, :])
+    if MASK:
+        L_i = tl.load(L_head + rows, mask=rows < Nq, other=float("inf"))
+        D_i = tl.load(D_head + rows, mask=rows < Nq, other=0.0)
+    else:
+        L_i = tl.load(L_head + rows)
+        D_i = tl.load(D_head + rows)
+    S_ijT = tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC) * qk_scale
+    P_ijT = tl.math.exp2(S_ijT - L_i[None, :])
     if MASK:
         if IS_CAUSAL:
             P_ijT = tl.where(cols[:, None] <= rows[None, :], P_ijT, 0.0)
     dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
-    dS_ijT = P_ijT * (tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC) - D_i[None, :])
+    dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+    dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     dK_j += tl.dot(dS_ijT.to(Q_i.dtype), Q_i, input_precision=DOT_PREC)
     dQ_part = tl.dot(tl.trans(dS_ijT).to(K_j.dtype), K_j, input_precision=DOT_PREC)
     tl.atomic_add(dQ_head + rows[:, None] * stride_dqn + dims[None, :], dQ_part * scale,

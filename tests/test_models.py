@@ -456,3 +456,33 @@ def test_a_gpt_trains_on_the_exercise_kernels_as_on_the_package():
         losses[name] = [r["loss"] for r in trainer.fit()]
     assert losses["exercise"][-1] < losses["exercise"][0] - 0.2
     assert max(abs(a - b) for a, b in zip(*losses.values())) < 1e-4, losses
+
+
+def test_exercise_tiles_shrink_where_a_gpu_lacks_shared_memory():
+    """Triton raises OutOfResources at launch when a tile needs more shared memory than the GPU
+    has: the adapter halves Br and Bc (not below 16), says so, and retries."""
+    attn = _exercise_attention()
+    attn.Br = attn.Bc = 64
+
+    class OutOfResources(Exception):  # Triton's exception, by name
+        pass
+
+    tried = []
+
+    def step():
+        tried.append((attn.Br, attn.Bc))
+        if attn.Br > 16:
+            raise OutOfResources("out of resource: shared memory")
+        return "ran"
+
+    with pytest.warns(UserWarning) as record:
+        assert attn.fit_tiles(step) == "ran"
+    assert tried == [(64, 64), (32, 32), (16, 16)]
+    assert [str(w.message).split("retrying with ")[1] for w in record] == ["Br=32, Bc=32",
+                                                                          "Br=16, Bc=16"]
+
+    def never_fits():
+        raise OutOfResources("out of resource: shared memory")
+
+    with pytest.raises(OutOfResources):  # at 16 there is nothing smaller to try
+        attn.fit_tiles(never_fits)

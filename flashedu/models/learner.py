@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -266,6 +267,19 @@ class ExerciseAttention:
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         return _ExerciseFunction.apply(q, k, v, self, bool(is_causal), scale)
 
+    def fit_tiles(self, step, *args):
+        """``step(*args)``; where the tiles need more shared memory than the GPU has (Triton's
+        OutOfResources, raised at the first launch), halve Br and Bc (down to 16), say so, retry."""
+        while True:
+            try:
+                return step(*args)
+            except Exception as exc:
+                if type(exc).__name__ != "OutOfResources" or max(self.Br, self.Bc) <= 16:
+                    raise
+                self.Br, self.Bc = max(16, self.Br // 2), max(16, self.Bc // 2)
+                warnings.warn(f"the exercise kernels' tiles do not fit this GPU ({exc}): "
+                              f"retrying with Br={self.Br}, Bc={self.Bc}", stacklevel=2)
+
     # one head at a time: the exercise kernels take a (T, d) tensor with one row stride
     def forward_heads(self, q, k, v, causal, scale):
         from ..checks.kernels import launch_triton_forward
@@ -303,7 +317,7 @@ class ExerciseAttention:
 class _ExerciseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn, causal, scale):
-        O, L = attn.forward_heads(q, k, v, causal, scale)
+        O, L = attn.fit_tiles(attn.forward_heads, q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, O, L)
         ctx.attn, ctx.causal, ctx.scale = attn, causal, scale
         return O.to(device=q.device, dtype=q.dtype)
@@ -311,7 +325,8 @@ class _ExerciseFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, O, L = ctx.saved_tensors
-        grads = ctx.attn.backward_heads(q, k, v, O, dout, L, ctx.causal, ctx.scale)
+        grads = ctx.attn.fit_tiles(ctx.attn.backward_heads, q, k, v, O, dout, L, ctx.causal,
+                                   ctx.scale)
         dq, dk, dv = (g.to(device=t.device, dtype=t.dtype) for g, t in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None
 

@@ -403,6 +403,11 @@ def test_loader_resolves_the_course_folder_from_notebooks(monkeypatch):
     assert course_root() == ROOT
 
 
+def _kernel_tolerance():
+    """float32 in Triton's interpreter; on a GPU tl.dot rounds float32 inputs to TF32."""
+    return 1e-5 if flashedu.runtime.triton_interpreted() else 1e-2
+
+
 def _exercise_attention():
     from flashedu.models.learner import ExerciseAttention, load_exercise_kernels
 
@@ -419,11 +424,12 @@ def test_exercise_kernels_give_the_numpy_backends_output_and_gradients(causal):
     out = attn(q.float(), k.float(), v.float(), is_causal=causal)
     ref = flashedu.attention(q, k, v, is_causal=causal, backend="numpy")
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    tol = _kernel_tolerance()
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=10 * tol)
     mine = torch.autograd.grad(out, (q, k, v), grad.float())
     theirs = torch.autograd.grad(ref, (q, k, v), grad)
     for name, a, b in zip("qkv", mine, theirs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"d{name}")
+        torch.testing.assert_close(a, b, atol=tol, rtol=10 * tol, msg=f"d{name}")
 
 
 def test_exercise_kernels_use_the_backward_launcher_when_exercise_07_is_there():
@@ -455,7 +461,8 @@ def test_a_gpt_trains_on_the_exercise_kernels_as_on_the_package():
         trainer = Trainer(config, TrainSettings(batch_size=2, seq_len=32, max_steps=6, progress=False))
         losses[name] = [r["loss"] for r in trainer.fit()]
     assert losses["exercise"][-1] < losses["exercise"][0] - 0.2
-    assert max(abs(a - b) for a, b in zip(*losses.values())) < 1e-4, losses
+    tol = 1e-4 if flashedu.runtime.triton_interpreted() else 2e-2  # TF32 dots on a GPU
+    assert max(abs(a - b) for a, b in zip(*losses.values())) < tol, losses
 
 
 def test_exercise_tiles_shrink_where_a_gpu_lacks_shared_memory():

@@ -15,7 +15,8 @@ train.py    Trainer: AdamW, warmup + cosine, accumulation, bf16, exact checkpoin
 
 from .config import ATTENTION_BACKENDS, GPTConfig
 from .gpt import GPT
+from .learner import ExerciseAttention, load_exercise_kernels
 from .train import Trainer, TrainSettings, lr_factor, plot_history, tiny_config
 
-__all__ = ["ATTENTION_BACKENDS", "GPT", "GPTConfig", "TrainSettings", "Trainer", "lr_factor",
-           "plot_history", "tiny_config"]
+__all__ = ["ATTENTION_BACKENDS", "GPT", "ExerciseAttention", "GPTConfig", "TrainSettings",
+           "Trainer", "load_exercise_kernels", "lr_factor", "plot_history", "tiny_config"]

@@ -554,7 +554,12 @@ def _backward_triton_case(label, hint, shape, tiles, causal, scale, kind, seed, 
     case = Case(label, hint, (q, k, v, o.copy(), do.copy(), l.copy(), causal, scale) + tiles
                 + (strided,), outputs, tuple(grads[pick[n]] for n in outputs),
                 tuple(naive[pick[n]] for n in outputs), inputs=("Q", "K", "V", "O", "dO", "L"),
-                dtype=F32, probe=_backward_bounds_probe, floor_scale=100.0 if on_gpu else 1.0)
+                dtype=F32, probe=_backward_bounds_probe,
+                # TF32 dots on a GPU: the gradients chain two of them (dP, then dS^T Q), and
+                # Triton's TF32 rounding is not cuBLAS's; measured on an H100, a correct kernel
+                # reached 4.4x the naive TF32 error (2.7e-3) where the forward stays under 4x.
+                # A wrong kernel misses by 1e-1 or more.
+                floor_scale=250.0 if on_gpu else 1.0)
     case.float64_inputs = (Q, K, V, do.astype(F64), l.astype(F64), o.astype(F64))
     return case
 

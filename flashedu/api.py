@@ -7,11 +7,18 @@ causal flag into ``is_causal``, and hands over to the chosen backend.
 from __future__ import annotations
 
 import math
+import numbers
+
+import numpy as np
 
 from .backends import BACKENDS, resolve_backend
 from .masks import BlockMask
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# Every backend multiplies by ``scale`` in float32 at least (the kernels hold it in a float32
+# register), so a scale is accepted only where float32 holds it as a normal number: below
+# 2**-126 it would turn into a subnormal or 0 and the scores would silently lose their meaning.
+SCALE_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 
 
 def attention(q, k, v, *, is_causal=False, scale=None, dropout_p=0.0, block_mask=None,
@@ -24,14 +31,20 @@ def attention(q, k, v, *, is_causal=False, scale=None, dropout_p=0.0, block_mask
     False are skipped. enable_gqa: allow H to be a multiple of Hkv (grouped-query attention).
     backend: "naive", "numpy", "numba", "triton", or "auto" (triton on a CUDA GPU, else numpy).
     A query row that sees no key gives zeros.
+
+    Accepted as SDPA accepts them: Python or NumPy bools for the flags, Python or NumPy reals for
+    ``scale`` (within float32's normal range, see ``SCALE_RANGE``), and tensors that are views
+    with the negative or conjugate bit (``torch._neg_view``, ``.conj()``): they are resolved
+    first. Anything else raises a TypeError or ValueError that names the argument.
     """
     name = _check_backend(backend)
     spec = BACKENDS[name]
+    is_causal = _check_flag(is_causal, "is_causal")
+    enable_gqa = _check_flag(enable_gqa, "enable_gqa")
     _check_tensors(q, k, v, enable_gqa)
+    q, k, v = (t.resolve_neg().resolve_conj() for t in (q, k, v))
     scale = _check_scale(scale, q.shape[-1])
     dropout_p = _check_dropout(dropout_p)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if block_mask is not None:
         _check_block_mask(block_mask, q, k)
         is_causal = is_causal or block_mask.is_causal
@@ -53,12 +66,30 @@ def _check_backend(backend) -> str:
     return name
 
 
+def _check_flag(value, name: str) -> bool:
+    """A Python or NumPy bool, as SDPA takes; "no", 1 or None are refused, not read as truthy."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} "
+                        f"{value!r}")
+    return bool(value)
+
+
 def _check_tensors(q, k, v, enable_gqa) -> None:
     import torch
 
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise TypeError(f"{arg} must be a dense tensor (B, H, N, d), got a nested tensor; "
+                            "pad the sequences to one length (or call .to_padded_tensor(0.0)) "
+                            "and mask the padding with a block_mask")
+        if t.layout != torch.strided:
+            raise TypeError(f"{arg} must be a dense (strided) tensor, got layout {t.layout}; "
+                            "call .to_dense() first")
+        if t.device.type == "meta":
+            raise ValueError(f"{arg} is on the meta device (no data): attention needs real "
+                             "values on the CPU or a GPU")
         if t.dim() != 4:
             raise ValueError(f"{arg} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")
         if str(t.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
@@ -85,22 +116,34 @@ def _check_tensors(q, k, v, enable_gqa) -> None:
             raise ValueError(f"q's head count ({H}) must be a multiple of k's ({Hkv}) with enable_gqa")
 
 
+def _is_real(x) -> bool:
+    """A Python or NumPy int or float (np.float32 included, as SDPA takes); never a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
 def _check_scale(scale, d: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not _is_real(scale):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
+    lo, hi = SCALE_RANGE
+    if not lo <= scale <= hi:
+        raise ValueError(f"scale={scale!r} is outside float32's normal range [{lo:.3g}, {hi:.3g}]: "
+                         "the kernels multiply by it in float32, where it would underflow or "
+                         "overflow; scale q or k instead")
+    return scale
 
 
 def _check_dropout(p) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
+    if not _is_real(p):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
+    p = float(p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    return float(p)
+    return p
 
 
 def _check_block_mask(block_mask, q, k) -> None:

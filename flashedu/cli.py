@@ -5,12 +5,17 @@
     flashedu bench ...           benchmarks against peers (flashedu.bench)
     flashedu exercises ...       build exercises/ from solutions/ (flashedu.checks.build)
     flashedu check NOTEBOOK...   grade learners' notebooks (flashedu.checks.grade)
+    flashedu --version           the package version
+
+Every subcommand validates its arguments before doing any work and exits non-zero (2 for bad
+arguments, 1 for a failed run) when it did not do what was asked.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Subcommands that live in their own module, each with main(argv) -> int.
@@ -21,21 +26,63 @@ DELEGATED = {
 }
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in DELEGATED:
-        module = importlib.import_module(DELEGATED[argv[0]][0])
-        return int(module.main(argv[1:]) or 0)
+# `flashedu check`'s options that take a value (the rest of its arguments are notebooks).
+CHECK_VALUE_OPTIONS = ("--timeout", "--kernel", "--jobs")
+
+
+def writable_file(path: str) -> str:
+    """argparse type: a file path whose folder exists and can be written, checked up front."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {path!r}: folder {folder!r} is not writable")
+    return path
+
+
+def missing_notebooks(argv) -> list[str]:
+    """The notebook paths given to `flashedu check` that are not files."""
+    missing, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in CHECK_VALUE_OPTIONS:
+            skip = True
+        elif not arg.startswith("-") and not os.path.isfile(arg):
+            missing.append(arg)
+    return missing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
 
     parser = argparse.ArgumentParser(prog="flashedu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"flashedu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="versions, device, and what runs where")
     tour = sub.add_parser("tour", help="run every available stage on a small problem")
-    tour.add_argument("--json", help="also write the table as JSON to this path")
+    tour.add_argument("--json", type=writable_file, metavar="PATH",
+                      help="also write the table as JSON to this path (its folder must exist)")
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        if argv[0] == "check" and "-h" not in argv and "--help" not in argv:
+            missing = missing_notebooks(argv[1:])
+            if missing:
+                print(f"flashedu check: no such notebook: {', '.join(missing)}", file=sys.stderr)
+                return 2
+        module = importlib.import_module(DELEGATED[argv[0]][0])
+        return int(module.main(argv[1:]) or 0)
+
+    args = build_parser().parse_args(argv)
 
     if args.command == "doctor":
         from .runtime import doctor

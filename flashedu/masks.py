@@ -9,6 +9,10 @@ top-left aligned (query i sees key j only when j <= i), exactly as SDPA's ``is_c
 The blocks are stored as a (B, H, Tr, Tc) array where B and H may be 1 (broadcast over batch and
 heads). Kernels read the same mask as lists: for each Q tile row, the K/V tiles to visit
 (``kv_indices``), and for the backward's dK/dV pass, its transpose (``q_indices``).
+
+A BlockMask is a value: immutable (its ``blocks`` array is read-only, also after pickling or
+copying), equal to another with the same tiles, block size, lengths and causal flag, and
+hashable consistently with that equality (it can key a dict of compiled kernels).
 """
 
 from __future__ import annotations
@@ -19,16 +23,31 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _pair(value, name: str) -> tuple[int, int]:
-    if isinstance(value, (int, np.integer)):
+    """(a, b) from an int or a pair of ints, both >= 1."""
+    if _is_int(value):
         value = (int(value), int(value))
     try:
         a, b = value
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}") from None
-    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in (a, b)):
+    if not all(_is_int(x) for x in (a, b)):
         raise TypeError(f"{name} must be a pair of ints, got {value!r}")
+    if a < 1 or b < 1:
+        raise ValueError(f"{name} must be positive, got {(int(a), int(b))}")
     return int(a), int(b)
+
+
+def _flag(value, name: str) -> bool:
+    """A Python or NumPy bool; strings, ints and None are refused rather than read as truthy."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} "
+                        f"{value!r}")
+    return bool(value)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,10 +63,7 @@ class BlockMask:
     def __post_init__(self):
         Br, Bc = _pair(self.block_size, "block_size")
         Nq, Nk = _pair(self.seq_lens, "seq_lens")
-        if Br < 1 or Bc < 1:
-            raise ValueError(f"block_size must be positive, got {(Br, Bc)}")
-        if Nq < 1 or Nk < 1:
-            raise ValueError(f"seq_lens must be positive, got {(Nq, Nk)}")
+        is_causal = _flag(self.is_causal, "is_causal")
         blocks = np.asarray(self.blocks)
         if blocks.dtype != np.bool_:
             raise TypeError(f"blocks must be a bool array, got dtype {blocks.dtype}")
@@ -61,22 +77,37 @@ class BlockMask:
             raise ValueError(
                 f"blocks must have {want} = (ceil(Nq/Br), ceil(Nk/Bc)) tiles for seq_lens "
                 f"{(Nq, Nk)} and block_size {(Br, Bc)}, got {blocks.shape[-2:]}")
-        blocks = np.ascontiguousarray(blocks)
+        blocks = np.array(blocks, order="C")  # our own copy: the caller's array stays writeable
         blocks.setflags(write=False)
         object.__setattr__(self, "blocks", blocks)
         object.__setattr__(self, "block_size", (Br, Bc))
         object.__setattr__(self, "seq_lens", (Nq, Nk))
-        object.__setattr__(self, "is_causal", bool(self.is_causal))
+        object.__setattr__(self, "is_causal", is_causal)
+
+    # ----- a value: pickles through the constructor, equal by content ---------------------
+    def __reduce__(self):
+        # Rebuilt through __init__, so the unpickled blocks are validated and read-only again.
+        return (BlockMask, (self.blocks, self.block_size, self.seq_lens, self.is_causal))
+
+    def __eq__(self, other):
+        if not isinstance(other, BlockMask):
+            return NotImplemented
+        return (self.block_size == other.block_size and self.seq_lens == other.seq_lens
+                and self.is_causal == other.is_causal and self.blocks.shape == other.blocks.shape
+                and bool((self.blocks == other.blocks).all()))
+
+    def __hash__(self):
+        return hash((self.block_size, self.seq_lens, self.is_causal, self.blocks.shape,
+                     self.blocks.tobytes()))
 
     # ----- constructors -------------------------------------------------------------------
     @classmethod
     def from_dense(cls, blocks, block_size=(128, 128), seq_lens=None, is_causal=False) -> BlockMask:
         """From a bool array (Tr, Tc) or (B, H, Tr, Tc). ``seq_lens`` defaults to whole tiles."""
-        blocks = np.asarray(blocks)
-        if blocks.dtype != np.bool_:
-            if not np.isin(blocks, (0, 1)).all():
-                raise TypeError("blocks must be a bool array (or only 0s and 1s)")
-            blocks = blocks.astype(bool)
+        blocks = _as_bool_blocks(blocks)
+        if blocks.ndim not in (2, 4):
+            raise ValueError(
+                f"blocks must have shape (Tr, Tc) or (B, H, Tr, Tc), got {blocks.shape}")
         Br, Bc = _pair(block_size, "block_size")
         if seq_lens is None:
             seq_lens = (blocks.shape[-2] * Br, blocks.shape[-1] * Bc)
@@ -98,8 +129,11 @@ class BlockMask:
         """Tiles within ``window`` keys of the query (behind it; ahead too when not causal)."""
         Nq, Nk = _pair(seq_lens, "seq_lens")
         Br, Bc = _pair(block_size, "block_size")
-        if not isinstance(window, (int, np.integer)) or window < 1:
+        if not _is_int(window):
+            raise TypeError(f"window must be a positive int, got {type(window).__name__} {window!r}")
+        if window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
+        causal = _flag(causal, "causal")
         i = np.arange(math.ceil(Nq / Br))[:, None]
         j = np.arange(math.ceil(Nk / Bc))[None, :]
         q_lo, q_hi = i * Br, np.minimum((i + 1) * Br, Nq) - 1
@@ -202,6 +236,13 @@ class BlockMask:
 
         FlexAttention keeps the element-level rule in a ``mask_mod`` we cannot inspect; pass
         ``is_causal=True`` when that rule is the causal one."""
+        needed = ("BLOCK_SIZE", "seq_lengths", "kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                  "full_kv_indices")
+        if not all(hasattr(flex_mask, a) for a in needed):
+            raise TypeError("flex_mask must be a torch.nn.attention.flex_attention.BlockMask "
+                            f"(from create_block_mask), got {type(flex_mask).__name__}; for a "
+                            "bool tile grid use BlockMask.from_dense")
+        is_causal = _flag(is_causal, "is_causal")
         Br, Bc = flex_mask.BLOCK_SIZE
         Nq, Nk = flex_mask.seq_lengths
         blocks = _from_lists(flex_mask.kv_num_blocks, flex_mask.kv_indices, flex_mask)
@@ -209,6 +250,21 @@ class BlockMask:
             blocks |= _from_lists(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, flex_mask)
         Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
         return cls(blocks[..., :Tr, :Tc], (Br, Bc), (Nq, Nk), is_causal)
+
+
+def _as_bool_blocks(blocks) -> np.ndarray:
+    """A bool array from bools, or from numbers that are all 0 or 1 (a torch tensor too)."""
+    if hasattr(blocks, "detach"):  # a torch tensor, possibly on a GPU
+        blocks = blocks.detach().cpu().numpy()
+    try:
+        blocks = np.asarray(blocks)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"blocks must be a bool array, got {type(blocks).__name__} ({exc})") from None
+    if blocks.dtype == np.bool_:
+        return blocks
+    if blocks.dtype.kind not in "iuf" or not np.isin(blocks, (0, 1)).all():
+        raise TypeError(f"blocks must be a bool array (or only 0s and 1s), got dtype {blocks.dtype}")
+    return blocks.astype(bool)
 
 
 def _lists(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

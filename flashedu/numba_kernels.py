@@ -389,7 +389,18 @@ class _NumbaAttention(torch.autograd.Function):
 
 
 def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
-    """Backend entry point of ``flashedu.attention(..., backend="numba")`` (inputs checked)."""
+    """Backend entry point of ``flashedu.attention(..., backend="numba")`` (inputs checked).
+
+    The kernel computes in float32 (its shared-memory tiles are float32): float16 and bfloat16
+    inputs gain precision and are cast back, but float64 inputs would silently lose it, so they
+    are refused with a TypeError (call ``.float()`` first, or use backend "numpy" or "naive",
+    which compute float64 in float64). :func:`forward` itself, the teaching entry point, takes
+    any float dtype and says in its docstring that it computes in float32."""
+    if q.dtype == torch.float64:
+        raise TypeError(
+            "the numba backend computes in float32 and would round float64 q, k, v to float32 "
+            "without saying so: pass q.float(), k.float(), v.float() (the output is then "
+            "float32), or use backend='numpy' or 'naive', which compute float64 in float64")
     if dropout_p > 0:
         raise NotImplementedError("the numba backend has no dropout; use dropout_p=0.0")
     if q.shape[-1] > MAX_HEAD_DIM:

@@ -144,14 +144,27 @@ def visible_mask_torch(Nq, Nk, *, is_causal=False, block_mask=None, device="cpu"
 
 
 def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=None,
-                          dropout_p=0.0, enable_gqa=False, return_lse=False):
+                          dropout_p=0.0, enable_gqa=False, return_lse=False, upcast=True):
     """Standard attention on (B, H, N, d) tensors with torch ops; differentiable.
 
-    Computes in the input dtype (as a plain PyTorch implementation would). Rows with no
-    visible key give zeros. Dropout uses torch's RNG (seed it with torch.manual_seed).
+    ``upcast=True`` (the "naive" backend): float16 and bfloat16 inputs are computed in float32
+    and the output is cast back, as SDPA's math backend does; 16-bit scores would overflow
+    (float16 tops out at 65504, so q = k = 100 already gives inf - inf = NaN) or round away
+    the differences between large logits (bfloat16 keeps 8 bits). ``upcast=False`` computes in
+    the input dtype, as a plain PyTorch implementation would: the baseline of the tolerance rule
+    (a kernel may miss by a few times what plain attention in its dtype misses). The lse, when
+    returned, stays in the compute dtype. Rows with no visible key give zeros. Dropout uses
+    torch's RNG (seed it with torch.manual_seed).
     """
     import torch
 
+    if upcast and q.dtype in (torch.float16, torch.bfloat16):
+        out = naive_attention_torch(q.float(), k.float(), v.float(), is_causal=is_causal,
+                                    scale=scale, block_mask=block_mask, dropout_p=dropout_p,
+                                    return_lse=return_lse, upcast=False)
+        if return_lse:
+            return out[0].to(q.dtype), out[1]
+        return out.to(q.dtype)
     H, Nq, Nk, d = q.shape[-3], q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     k, v = expand_kv_heads(k, H), expand_kv_heads(v, H)

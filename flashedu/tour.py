@@ -53,6 +53,8 @@ def _errors(out, grads, q, k, v):
 
 
 def run_tour(json_path=None) -> int:
+    """Print the table; also write it to ``json_path`` (numbers as JSON numbers, null where a
+    backend did not run). Returns 0 when every available backend agreed, else 1."""
     cfg = runtime.configure()
     p, (q, k, v) = _problem(cfg["gpu"])
     print(f"flashedu tour: causal GQA attention, B={p['B']} H={p['H']} Hkv={p['Hkv']} "
@@ -62,7 +64,7 @@ def run_tour(json_path=None) -> int:
         spec = BACKENDS[name]
         if status is not None:
             rows.append(dict(backend=name, runs_on="-", forward="unavailable", backward="-",
-                             max_err="-", seconds="-", ok=None, note=status[:60]))
+                             max_err=None, seconds=None, ok=None, note=status[:60]))
             continue
         device = torch.device("cuda") if cfg["gpu"] and name != "numpy" else torch.device("cpu")
         try:
@@ -71,11 +73,11 @@ def run_tour(json_path=None) -> int:
             ok = max(errs) < TOLERANCE[torch.float32]
             rows.append(dict(backend=name, runs_on=spec.where(), forward="yes",
                              backward="yes" if grads is not None else "no (forward only)",
-                             max_err=f"{max(errs):.1e}", seconds=f"{secs:.2f}", ok=ok, note=""))
+                             max_err=max(errs), seconds=secs, ok=ok, note=""))
         except Exception as exc:  # noqa: BLE001 - the tour reports, it does not crash
             ok = False
             rows.append(dict(backend=name, runs_on=spec.where(), forward="error", backward="-",
-                             max_err="-", seconds="-", ok=False, note=f"{type(exc).__name__}: {exc}"[:80]))
+                             max_err=None, seconds=None, ok=False, note=f"{type(exc).__name__}: {exc}"[:80]))
         failed += ok is False
     _print_table(rows)
     if json_path:
@@ -86,10 +88,21 @@ def run_tour(json_path=None) -> int:
     return 1 if failed else 0
 
 
+def _cell(col, value) -> str:
+    if col == "ok":
+        return {True: "PASS", False: "FAIL", None: "-"}[value]
+    if value is None:
+        return "-"
+    if col == "max_err":
+        return f"{value:.1e}"
+    if col == "seconds":
+        return f"{value:.2f}"
+    return str(value)
+
+
 def _print_table(rows):
     cols = ["backend", "runs_on", "forward", "backward", "max_err", "seconds", "ok"]
-    text = [[str(r[c]) if c != "ok" else {True: "PASS", False: "FAIL", None: "-"}[r[c]] for c in cols]
-            for r in rows]
+    text = [[_cell(c, r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in text)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     print("  ".join("-" * w for w in widths))

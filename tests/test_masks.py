@@ -68,3 +68,72 @@ def test_flex_attention_sees_the_same_pairs():
         theirs = flex.flex_attention(q, k, v, block_mask=m.to_flex())
         seen = torch.as_tensor(m.expand(2, 3).element_mask()).any(-1)
         assert (ours - theirs)[seen].abs().max() < 1e-5
+
+
+# ----- constructors refuse what they cannot mean ---------------------------------------------
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: BlockMask.causal((16, 16), 0), ValueError, "block_size must be positive"),
+    (lambda: BlockMask.causal((16, 16), (16, 0)), ValueError, "block_size must be positive"),
+    (lambda: BlockMask.sliding_window((16, 16), 0), ValueError, "block_size must be positive"),
+    (lambda: BlockMask.from_dense(np.ones((2, 2), bool), 0), ValueError, "block_size must be positive"),
+    (lambda: BlockMask.causal((0, 16), 4), ValueError, "seq_lens must be positive"),
+    (lambda: BlockMask.causal((16, 16), (4.0, 4)), TypeError, "block_size must be a pair of ints"),
+    (lambda: BlockMask.causal((16, 16), True), TypeError, "block_size"),
+    (lambda: BlockMask.from_flex("x"), TypeError, "flex_mask must be a torch.nn.attention"),
+    (lambda: BlockMask.from_flex(np.ones((2, 2), bool)), TypeError, "from_dense"),
+    (lambda: BlockMask.sliding_window((16, 16), 4, window=True), TypeError, "window must be a positive int"),
+    (lambda: BlockMask.sliding_window((16, 16), 4, window=2.5), TypeError, "window"),
+    (lambda: BlockMask.sliding_window((16, 16), 4, window=0), ValueError, "window"),
+    (lambda: BlockMask.sliding_window((16, 16), 4, causal="yes"), TypeError, "causal must be a bool"),
+    (lambda: BlockMask.from_dense(np.ones((2, 2), bool), 8, is_causal="no"), TypeError, "is_causal"),
+    (lambda: BlockMask(np.ones((2, 2), bool), 8, (16, 16), is_causal=1), TypeError, "is_causal"),
+    (lambda: BlockMask.from_dense(np.ones(3, bool), 8), ValueError, "shape"),
+    (lambda: BlockMask.from_dense(np.array([["a"]]), 8), TypeError, "bool array"),
+])
+def test_bad_constructor_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_numpy_bools_and_ints_are_accepted():
+    m = BlockMask.from_dense(np.ones((2, 2), bool), np.int64(8), is_causal=np.bool_(True))
+    assert m.is_causal is True and m.block_size == (8, 8)
+    assert BlockMask.sliding_window((16, 16), 4, window=np.int32(4), causal=np.bool_(False)).density > 0
+    assert BlockMask.from_dense(torch.ones(2, 2, dtype=torch.bool), 8) == m.__class__(
+        np.ones((2, 2), bool), (8, 8), (16, 16))
+
+
+def test_from_flex_checks_is_causal():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    with pytest.raises(TypeError, match="is_causal"):
+        BlockMask.from_flex(BlockMask.causal((64, 64), 32).to_flex(), is_causal="yes")
+
+
+def test_pickle_and_copy_stay_read_only_and_equal():
+    import copy
+    import pickle
+
+    m = BlockMask.sliding_window((100, 70), (32, 16), window=24)
+    for back in (pickle.loads(pickle.dumps(m)), copy.copy(m), copy.deepcopy(m)):
+        assert back == m and hash(back) == hash(m)
+        assert not back.blocks.flags.writeable
+        with pytest.raises(ValueError):
+            back.blocks[0, 0, 0, 0] = False
+
+
+def test_equal_masks_compare_and_hash_equal():
+    a, b = BlockMask.causal((64, 48), 16), BlockMask.causal((64, 48), 16)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != BlockMask.causal((64, 48), 8)
+    assert a != BlockMask.from_dense(a.blocks, 16, (64, 48), is_causal=False)
+    assert a != a.expand(2, 1)  # same pattern, other (B, H) shape: a different mask
+    assert a != "causal" and (a == object()) is False
+
+
+def test_the_callers_array_stays_writeable():
+    blocks = np.ones((2, 2), bool)
+    m = BlockMask.from_dense(blocks, 8)
+    BlockMask(blocks, (8, 8), (16, 16))
+    assert blocks.flags.writeable
+    blocks[0, 0] = False  # the mask kept its own copy
+    assert m.blocks.all()

@@ -6,17 +6,19 @@
 
 Every stage of the course is importable: flashedu.reference (naive, softmax), flashedu.tiled
 (NumPy FlashAttention), flashedu.numba_kernels, flashedu.triton, flashedu.io (HBM traffic).
+flashedu.ops holds the kernels as torch.library operators (torch.compile, meta tensors, vmap).
 """
 
 from . import runtime
 
 runtime.configure()  # before anything can import triton or numba: decides CPU emulation
 
+from . import ops  # noqa: E402,F401  torch.ops.flashedu.*: the kernels as PyTorch operators
 from .api import attention  # noqa: E402
 from .backends import BACKENDS, available_backends  # noqa: E402
 from .masks import BlockMask  # noqa: E402
 
 __version__ = "0.1.0"
-backends = tuple(BACKENDS)
+BACKEND_NAMES = tuple(BACKENDS)  # ("naive", "numpy", "numba", "triton"); the registry: flashedu.backends
 
-__all__ = ["attention", "BlockMask", "backends", "available_backends", "__version__"]
+__all__ = ["attention", "BlockMask", "BACKEND_NAMES", "available_backends", "__version__"]

@@ -8,46 +8,67 @@ inputs have been checked:
 
 q is (B, H, Nq, d); k and v are (B, Hkv, Nk, d) with H a multiple of Hkv (grouped-query
 attention: query head h reads K/V head h // (H // Hkv)). ``is_causal`` already includes the block
-mask's own causal flag. Modules are imported only when a backend is first used, so that triton
-and numba are imported after :mod:`flashedu.runtime` has decided how they run.
+mask's own causal flag.
+
+Each backend's module is imported by a plain import inside its loader, on first use, so that
+triton and numba are imported after :mod:`flashedu.runtime` has decided how they run. A plain
+import is also what ``torch.compile`` traces through: the call from ``flashedu.attention`` to the
+kernel stays in one graph.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 from . import runtime
+
+
+def _naive():
+    from .reference import naive_attention_torch
+
+    return naive_attention_torch
+
+
+def _numpy():
+    from .numpy_backend import attention
+
+    return attention
+
+
+def _numba():
+    from .numba_kernels import attention
+
+    return attention
+
+
+def _triton():
+    from .triton import attention
+
+    return attention
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    module: str  # module holding the function
-    function: str
+    loader: Callable  # imports the backend's module and returns its entry point
     has_backward: bool
     has_dropout: bool
     runs_on: str  # "cpu", "gpu" (emulated on CPU without one), or "any"
 
     def load(self):
-        return getattr(importlib.import_module(self.module), self.function)
+        """The backend's entry point (its module is imported on the first call)."""
+        return self.loader()
 
     def where(self) -> str:
-        gpu = runtime.configure()["gpu"]
-        if self.name == "triton":
-            return "CUDA GPU (compiled)" if gpu else "CPU, Triton interpreter (TRITON_INTERPRET=1)"
-        if self.name == "numba":
-            return "CUDA GPU (compiled)" if gpu else "CPU, numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
-        if self.name == "naive":
-            return "the input's device (torch ops)"
-        return "CPU (NumPy)"
+        return runtime.where(self.name)
 
 
 BACKENDS: dict[str, Backend] = {
-    "naive": Backend("naive", "flashedu.reference", "naive_attention_torch", True, True, "any"),
-    "numpy": Backend("numpy", "flashedu.numpy_backend", "attention", True, False, "cpu"),
-    "numba": Backend("numba", "flashedu.numba_kernels", "attention", False, False, "gpu"),
-    "triton": Backend("triton", "flashedu.triton", "attention", True, False, "gpu"),
+    "naive": Backend("naive", _naive, True, True, "any"),
+    "numpy": Backend("numpy", _numpy, True, False, "cpu"),
+    "numba": Backend("numba", _numba, False, False, "gpu"),
+    "triton": Backend("triton", _triton, True, False, "gpu"),
 }
 
 
@@ -66,9 +87,24 @@ def available_backends() -> dict[str, str | None]:
 def resolve_backend(name: str) -> str:
     """Map "auto" to a concrete backend: triton on a CUDA GPU, numpy on the CPU."""
     if name == "auto":
-        return "triton" if runtime.configure()["gpu"] else "numpy"
+        return runtime.auto_backend()
     return name
 
 
 def backends_with_backward() -> list[str]:
     return [name for name, spec in BACKENDS.items() if spec.has_backward]
+
+
+def report() -> list[str]:
+    """The backend lines of ``flashedu doctor``: each backend and what it runs on."""
+    lines = ["backends:"]
+    available = available_backends()
+    for name, spec in BACKENDS.items():
+        status = available.get(name)
+        where = spec.where() if status is None else f"unavailable ({status})"
+        lines.append(f"  {name:<7}{where}")
+    lines.append(f"  auto   -> {resolve_backend('auto')}")
+    return lines
+
+
+runtime.add_report(report)

@@ -2,7 +2,9 @@
 (batch, head), autograd through :func:`flashedu.tiled.flash_backward`.
 
 Slow by design (a Python loop over heads and tiles); it exists so that the exact algorithm a
-learner reads in NumPy is the one tested against every other backend, on any machine.
+learner reads in NumPy is the one tested against every other backend, on any machine. PyTorch
+sees it as the operators ``torch.ops.flashedu.numpy_forward`` / ``numpy_backward``
+(:mod:`flashedu.ops`), so torch.compile, meta tensors and vmap handle it as one node.
 """
 
 from __future__ import annotations
@@ -15,53 +17,53 @@ from . import tiled
 DEFAULT_BLOCK = (64, 64)  # (Br, Bc) when no block mask fixes the tiling
 
 
-class _NumpyFlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, block_mask):
-        blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
-        qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
-        B, H, Nq, d = qn.shape
-        group = H // kn.shape[1]
-        O = np.empty_like(qn)
-        L = np.empty((B, H, Nq), dtype=qn.dtype)
-        for b in range(B):
-            for h in range(H):
-                O[b, h], L[b, h] = tiled.flash_forward(
-                    qn[b, h], kn[b, h // group], vn[b, h // group], Br, Bc, is_causal, scale,
-                    block_mask=None if blocks is None else blocks[b, h])
-        out, lse = _to_torch(O, q), torch.from_numpy(L)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = (is_causal, scale, blocks, Br, Bc)
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        is_causal, scale, blocks, Br, Bc = ctx.params
-        qn, kn, vn, on, dOn = (_to_numpy(t) for t in (q, k, v, out, d_out))
-        Ln = lse.numpy()
-        B, H = qn.shape[:2]
-        group = H // kn.shape[1]
-        dQ = np.zeros_like(qn)
-        dK = np.zeros_like(kn)  # K/V heads shared by a group accumulate its gradients
-        dV = np.zeros_like(vn)
-        for b in range(B):
-            for h in range(H):
-                dq, dk, dv = tiled.flash_backward(
-                    qn[b, h], kn[b, h // group], vn[b, h // group], on[b, h], dOn[b, h],
-                    Ln[b, h], Br, Bc, is_causal, scale,
-                    block_mask=None if blocks is None else blocks[b, h])
-                dQ[b, h] = dq
-                dK[b, h // group] += dk
-                dV[b, h // group] += dv
-        return _to_torch(dQ, q), _to_torch(dK, k), _to_torch(dV, v), None, None, None
-
-
 def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
     """Backend entry point (inputs already checked by flashedu.attention)."""
+    from .ops import mask_args, numpy_forward
+
     if dropout_p > 0:
         raise NotImplementedError("the numpy backend has no dropout")
-    return _NumpyFlashAttention.apply(q, k, v, is_causal, scale, block_mask)
+    out, _ = numpy_forward(q, k, v, is_causal, scale, *mask_args(block_mask))
+    return out
+
+
+def forward(q, k, v, *, is_causal, scale, block_mask):
+    """(O, L) for every (batch, head): L is the natural-log logsumexp (B, H, Nq) in the
+    computing dtype (float64 for float64 inputs, else float32), on q's device."""
+    blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
+    qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
+    B, H, Nq, d = qn.shape
+    group = H // kn.shape[1]
+    O = np.empty_like(qn)
+    L = np.empty((B, H, Nq), dtype=qn.dtype)
+    for b in range(B):
+        for h in range(H):
+            O[b, h], L[b, h] = tiled.flash_forward(
+                qn[b, h], kn[b, h // group], vn[b, h // group], Br, Bc, is_causal, scale,
+                block_mask=None if blocks is None else blocks[b, h])
+    return _to_torch(O, q), torch.from_numpy(L).to(q.device)
+
+
+def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask):
+    """(dQ, dK, dV) from the forward's (O, L), one head at a time (Algorithm 4 of the paper)."""
+    blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
+    qn, kn, vn, on, dOn = (_to_numpy(t) for t in (q, k, v, out, d_out))
+    Ln = lse.detach().cpu().numpy()
+    B, H = qn.shape[:2]
+    group = H // kn.shape[1]
+    dQ = np.zeros_like(qn)
+    dK = np.zeros_like(kn)  # K/V heads shared by a group accumulate its gradients
+    dV = np.zeros_like(vn)
+    for b in range(B):
+        for h in range(H):
+            dq, dk, dv = tiled.flash_backward(
+                qn[b, h], kn[b, h // group], vn[b, h // group], on[b, h], dOn[b, h],
+                Ln[b, h], Br, Bc, is_causal, scale,
+                block_mask=None if blocks is None else blocks[b, h])
+            dQ[b, h] = dq
+            dK[b, h // group] += dk
+            dV[b, h // group] += dv
+    return _to_torch(dQ, q), _to_torch(dK, k), _to_torch(dV, v)
 
 
 def _tiling(block_mask, B, H):

@@ -100,16 +100,43 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def auto_backend() -> str:
+    """The backend ``backend="auto"`` picks: triton on a CUDA GPU, numpy on the CPU."""
+    return "triton" if configure()["gpu"] else "numpy"
+
+
+def where(backend: str) -> str:
+    """What a backend's kernels run on, on this machine."""
+    gpu = configure()["gpu"]
+    if backend == "triton":
+        return "CUDA GPU (compiled)" if gpu else "CPU, Triton interpreter (TRITON_INTERPRET=1)"
+    if backend == "numba":
+        return "CUDA GPU (compiled)" if gpu else "CPU, numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
+    if backend == "naive":
+        return "the input's device (torch ops)"
+    return "CPU (NumPy)"
+
+
+# Sections that modules above this one add to doctor() (flashedu.backends adds its table):
+# this module imports none of them, so the layers stay one-way (backends -> runtime).
+_REPORTS: list = []
+
+
+def add_report(section) -> None:
+    """Add ``section() -> list[str]`` to the end of :func:`doctor`'s report."""
+    if section not in _REPORTS:
+        _REPORTS.append(section)
+
+
 def doctor() -> str:
     """A report of versions, the device, and what each backend will run on."""
     import torch
 
-    from . import __version__
-    from .backends import BACKENDS, available_backends
+    import flashedu  # the package imports its backend registry, which adds its section
 
     cfg = configure()
     lines = [
-        f"flashedu {__version__}",
+        f"flashedu {flashedu.__version__}",
         f"python     {platform.python_version()} ({sys.executable})",
     ]
     for dist in ("numpy", "torch", "triton", "numba", "numba-cuda", "ipywidgets", "jupyterlab"):
@@ -124,17 +151,6 @@ def doctor() -> str:
         lines.append("device     no CUDA GPU: kernels are emulated on the CPU")
     lines.append(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!s:<3} "
                  f"NUMBA_ENABLE_CUDASIM={os.environ.get('NUMBA_ENABLE_CUDASIM', '')}")
-    lines.append("backends:")
-    available = available_backends()
-    for name, spec in BACKENDS.items():
-        status = available.get(name)
-        where = spec.where() if status is None else f"unavailable ({status})"
-        lines.append(f"  {name:<7}{where}")
-    lines.append(f"  auto   -> {_auto_name()}")
+    for section in _REPORTS:
+        lines.extend(section())
     return "\n".join(lines)
-
-
-def _auto_name() -> str:
-    from .backends import resolve_backend
-
-    return resolve_backend("auto")

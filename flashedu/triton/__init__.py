@@ -3,7 +3,8 @@
     forward.py   one program per (Q tile, batch*head), FlashAttention-2 order, exp2 softmax
     backward.py  D = rowsum(dO * O), then dK/dV (K/V-outer) and dQ (Q-outer): no atomics
     decode.py    split-KV decoding: a few queries against a long K/V cache
-    autograd.py  torch.autograd.Function tying them together
+    autograd.py  the tile table entry of a call (tiles fitted to a block mask); the autograd
+                 link of forward and backward is flashedu.ops (torch.library operators)
     sparse.py    BlockMask -> per-tile index lists (kv_indices, q_indices)
     config.py    tile sizes per head dim
     fast.py      Hopper's copy engine (TMA) and warp specialization, with a fallback
@@ -22,7 +23,7 @@ import math
 import torch
 
 from .. import runtime
-from .autograd import FlashAttention, resolve_config
+from ..ops import mask_args, triton_forward
 from .config import MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -37,22 +38,16 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
             f"the triton backend has no fused dropout yet (dropout_p={dropout_p}); "
             "use dropout_p=0.0, or backend='naive'")
     _check(q, k, v)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    config = resolve_config(q.shape[-1], q.dtype, block_mask)
-    return FlashAttention.apply(q, k, v, is_causal, float(scale), block_mask, config)
+    out, _ = triton_forward(q, k, v, is_causal, float(scale), *mask_args(block_mask))
+    return out
 
 
 def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
     """(O, L): the output and the natural-log logsumexp (B, H, Nq) of the scaled scores, as
     ``flashedu.tiled.flash_forward`` returns per head (-inf for a row that sees no key)."""
-    from .forward import forward
-
     _check(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    config = resolve_config(q.shape[-1], q.dtype, block_mask)
-    o, lse2 = forward(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=is_causal,
-                      scale=scale, block_mask=block_mask, tiles=config.forward_tiles(block_mask),
-                      interpreted=runtime.triton_interpreted())
+    o, lse2 = triton_forward(q, k, v, is_causal, scale, *mask_args(block_mask))
     return o, torch.where(torch.isinf(lse2), -torch.inf, lse2 * math.log(2.0))
 
 
@@ -64,6 +59,8 @@ def _check(q, k, v):
     if d > MAX_HEAD_DIM:
         raise ValueError(f"q: head dim d={d} is not supported by the triton backend "
                          f"(1 <= d <= {MAX_HEAD_DIM})")
+    if q.device.type == "meta":  # shapes only: the operator's fake implementation runs
+        return
     if runtime.triton_interpreted():
         if q.device.type != "cpu":
             raise ValueError(f"q, k, v must be CPU tensors while Triton runs in its interpreter "

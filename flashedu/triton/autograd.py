@@ -1,4 +1,10 @@
-"""torch.autograd glue: the forward kernel saves (O, L), the backward kernels consume them."""
+"""The tile table entry of one call: ``config.kernel_config`` for (d, dtype), with every tile
+shrunk to divide the block mask's block.
+
+Forward and backward are tied together for autograd by the ``torch.library`` operators of
+:mod:`flashedu.ops` (``torch.ops.flashedu.triton_forward`` / ``triton_backward``): the forward
+saves (O, L), the backward kernels consume them.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,7 @@ import torch
 
 from .. import runtime
 from . import sparse
-from .backward import backward
 from .config import KernelConfig, kernel_config
-from .forward import forward
 
 
 def resolve_config(d: int, dtype, block_mask) -> KernelConfig:
@@ -31,23 +35,3 @@ def resolve_config(d: int, dtype, block_mask) -> KernelConfig:
                                    sparse_forward=c.sparse_forward and fit(c.sparse_forward))
 
     return fit_all(config)
-
-
-class FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, block_mask, config):
-        interpreted = runtime.triton_interpreted()
-        o, lse2 = forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask,
-                          tiles=config.forward_tiles(block_mask), interpreted=interpreted)
-        ctx.save_for_backward(q, k, v, o, lse2)
-        ctx.params = (is_causal, scale, block_mask, config, interpreted)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse2 = ctx.saved_tensors
-        is_causal, scale, block_mask, config, interpreted = ctx.params
-        dq, dk, dv = backward(q, k, v, o, lse2, do.contiguous(), is_causal=is_causal,
-                              scale=scale, block_mask=block_mask, config=config,
-                              interpreted=interpreted)
-        return dq, dk, dv, None, None, None, None

@@ -1,0 +1,248 @@
+"""flashedu's kernels as PyTorch operators (``torch.library``).
+
+A kernel that PyTorch sees as one operator, with a shape rule and a derivative, works with the
+rest of PyTorch: ``torch.compile(fullgraph=True)`` puts it in the graph as one node (its fake
+implementation gives the output shapes without running it), meta and fake tensors get shapes,
+CUDA graphs capture forward and backward, and ``torch.func.vmap`` folds its batch into B.
+
+    torch.ops.flashedu.triton_forward(q, k, v, is_causal, scale, blocks, block_r, block_c)
+        -> (out, lse)                       the Triton kernels (flashedu.triton)
+    torch.ops.flashedu.triton_backward(q, k, v, out, lse, dout, is_causal, scale,
+                                       blocks, block_r, block_c) -> (dq, dk, dv)
+    torch.ops.flashedu.numpy_forward / numpy_backward: the same, by flashedu.tiled (NumPy)
+
+q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d), H a multiple of Hkv. ``lse`` is what the backward
+needs from the forward, (B, H, Nq), float32 (float64 for numpy's float64): the Triton kernels
+keep it in base 2 (their exp2 softmax), NumPy in the natural log. Use it only to hand it back.
+
+A :class:`flashedu.BlockMask` is not a tensor, so the operators take its tile grid ``blocks``
+(bool (b, h, Tr, Tc), b and h 1 or B and H, or None without a mask) and its block size;
+``is_causal`` already includes the mask's own flag. The operator rebuilds the mask from them
+(cached: a training loop passes the same grid every step).
+
+The derivative is the kernels' backward. Its own derivative (a second backward, after
+``create_graph=True``) is not implemented: asking for one raises a RuntimeError, never a
+silently wrong zero.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# The backward of these kernels is not differentiable: the naive backend is (plain torch ops).
+SECOND_ORDER_BACKENDS = ("naive",)
+
+
+# ---------------------------------------------------------------------------------------------
+# The block mask across the operator boundary
+# ---------------------------------------------------------------------------------------------
+
+def mask_args(block_mask) -> tuple[Optional[Tensor], int, int]:
+    """(blocks, block_r, block_c) of a BlockMask (or None) for the operators."""
+    if block_mask is None:
+        return None, 0, 0
+    Br, Bc = block_mask.block_size
+    return torch.from_numpy(block_mask.blocks.copy()), Br, Bc
+
+
+_MASKS: collections.OrderedDict = collections.OrderedDict()
+_MAX_MASKS = 16
+
+
+def rebuild_mask(blocks: Optional[Tensor], block_r: int, block_c: int, Nq: int, Nk: int):
+    """The BlockMask for these operator arguments: the same object for the same grid, so that
+    the kernels' per-mask caches (the tile lists of ``flashedu.triton.sparse``) stay warm."""
+    if blocks is None:
+        return None
+    from .masks import BlockMask
+
+    grid = blocks.detach().cpu().numpy().astype(bool, copy=False)
+    key = (grid.tobytes(), grid.shape, block_r, block_c, Nq, Nk)
+    mask = _MASKS.get(key)
+    if mask is None:
+        mask = BlockMask(grid.copy(), (block_r, block_c), (Nq, Nk))
+        _MASKS[key] = mask
+        if len(_MASKS) > _MAX_MASKS:
+            _MASKS.popitem(last=False)
+    else:
+        _MASKS.move_to_end(key)
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+# ---------------------------------------------------------------------------------------------
+
+def _kernel_layout(t: Tensor) -> Tensor:
+    """The kernels index rows and heads by stride but need the last dim contiguous."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("flashedu::triton_forward", mutates_args=())
+def triton_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                   blocks: Optional[Tensor], block_r: int, block_c: int) -> tuple[Tensor, Tensor]:
+    """(out, lse): the Triton forward; lse is the base-2 logsumexp, +inf for an empty row."""
+    from . import runtime
+    from .triton.autograd import resolve_config
+    from .triton.forward import forward
+
+    q, k, v = (_kernel_layout(t) for t in (q, k, v))
+    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
+    config = resolve_config(q.shape[-1], q.dtype, mask)
+    return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
+                   tiles=config.forward_tiles(mask), interpreted=runtime.triton_interpreted())
+
+
+@triton_forward.register_fake
+def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
+    q = _kernel_layout(q)
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashedu::triton_backward", mutates_args=())
+def triton_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                    is_causal: bool, scale: float, blocks: Optional[Tensor], block_r: int,
+                    block_c: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the Triton kernels (Algorithm 4 of the paper, FlashAttention-2 order)."""
+    from . import runtime
+    from .triton.autograd import resolve_config
+    from .triton.backward import backward
+
+    q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
+    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
+    config = resolve_config(q.shape[-1], q.dtype, mask)
+    return backward(q, k, v, out, lse, dout.contiguous(), is_causal=is_causal, scale=scale,
+                    block_mask=mask, config=config, interpreted=runtime.triton_interpreted())
+
+
+@triton_backward.register_fake
+def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c):
+    return tuple(torch.empty_like(_kernel_layout(t)) for t in (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy (flashedu.tiled, one (batch, head) at a time)
+# ---------------------------------------------------------------------------------------------
+
+def _numpy_lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("flashedu::numpy_forward", mutates_args=())
+def numpy_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                  blocks: Optional[Tensor], block_r: int, block_c: int) -> tuple[Tensor, Tensor]:
+    """(out, lse): flashedu.tiled.flash_forward per head; lse natural-log, -inf for an empty row."""
+    from .numpy_backend import forward
+
+    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
+    return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask)
+
+
+@numpy_forward.register_fake
+def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:3], dtype=_numpy_lse_dtype(q.dtype)))
+
+
+@torch.library.custom_op("flashedu::numpy_backward", mutates_args=())
+def numpy_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                   is_causal: bool, scale: float, blocks: Optional[Tensor], block_r: int,
+                   block_c: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv): flashedu.tiled.flash_backward per head."""
+    from .numpy_backend import backward
+
+    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
+    return backward(q, k, v, out, lse, dout, is_causal=is_causal, scale=scale, block_mask=mask)
+
+
+@numpy_backward.register_fake
+def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: the forward saves (q, k, v, out, lse); the backward operator consumes them
+# ---------------------------------------------------------------------------------------------
+
+def _register_autograd(forward_op, backward_op, backend: str):
+    def setup_context(ctx, inputs, output):
+        q, k, v, is_causal, scale, blocks, block_r, block_c = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)  # handed to the backward only, never differentiated
+        ctx.save_for_backward(q, k, v, out, lse, blocks)
+        ctx.params = (is_causal, scale, block_r, block_c)
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, blocks = ctx.saved_tensors
+        is_causal, scale, block_r, block_c = ctx.params
+        dq, dk, dv = backward_op(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r,
+                                 block_c)
+        return dq, dk, dv, None, None, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+
+    def no_second_order(ctx, *grads):
+        raise RuntimeError(
+            f"flashedu.attention(backend={backend!r}) has no double backward: its gradients "
+            f"come from a backward kernel that is not itself differentiable, so a gradient of "
+            f"a gradient (create_graph=True, then backward again) cannot be computed. Use "
+            f"backend={SECOND_ORDER_BACKENDS[0]!r}: its plain torch ops are differentiated "
+            f"twice by autograd.")
+
+    backward_op.register_autograd(no_second_order, setup_context=lambda ctx, inputs, output: None)
+
+
+_register_autograd(triton_forward, triton_backward, "triton")
+_register_autograd(numpy_forward, numpy_backward, "numpy")
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap: the mapped dim folds into the batch dim B (the kernels already loop over it)
+# ---------------------------------------------------------------------------------------------
+
+def _fold(t, dim, size):
+    """(size, B, ...) -> (size * B, ...), the mapped dim ``dim`` (None: broadcast) first."""
+    t = t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
+    return t.reshape(size * t.shape[1], *t.shape[2:])
+
+
+def _fold_blocks(blocks, size):
+    if blocks is None or blocks.shape[0] == 1:  # shared by every batch entry
+        return blocks
+    return blocks.repeat(size, 1, 1, 1)
+
+
+def _register_vmap(forward_op, backward_op, backend: str):
+    def check(in_dims, tensor_args):
+        if in_dims[tensor_args] is not None:
+            raise RuntimeError(f"torch.func.vmap over a block mask is not supported by "
+                               f"flashedu.attention(backend={backend!r}): map q, k, v only")
+
+    def forward_vmap(info, in_dims, q, k, v, is_causal, scale, blocks, block_r, block_c):
+        check(in_dims, 5)
+        n = info.batch_size
+        q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
+        out, lse = forward_op(q, k, v, is_causal, scale, _fold_blocks(blocks, n), block_r,
+                              block_c)
+        return (out.unflatten(0, (n, -1)), lse.unflatten(0, (n, -1))), (0, 0)
+
+    def backward_vmap(info, in_dims, q, k, v, out, lse, dout, is_causal, scale, blocks,
+                      block_r, block_c):
+        check(in_dims, 8)
+        n = info.batch_size
+        q, k, v, out, lse, dout = (_fold(t, d, n) for t, d in
+                                   zip((q, k, v, out, lse, dout), in_dims[:6]))
+        grads = backward_op(q, k, v, out, lse, dout, is_causal, scale, _fold_blocks(blocks, n),
+                            block_r, block_c)
+        return tuple(g.unflatten(0, (n, -1)) for g in grads), (0, 0, 0)
+
+    forward_op.register_vmap(forward_vmap)
+    backward_op.register_vmap(backward_vmap)
+
+
+_register_vmap(triton_forward, triton_backward, "triton")
+_register_vmap(numpy_forward, numpy_backward, "numpy")

@@ -80,6 +80,77 @@ def test_stepper_row_statistics_end_at_the_kernels_logsumexp(stepper):
     assert f"{rs.m[-1]:.4f}" in stepper.counters.value
 
 
+def test_stepper_invalid_setting_turns_stepping_off_and_shows_no_old_run():
+    s = TileLoopStepper(Nq=64, Nk=64, Br=16, Bc=16)
+    s.step()
+    s.configure(Nq=100, Nk=100, Br=4, Bc=4)  # 25 x 25 tile pairs: refused
+    assert not s.valid and "too many" in s.status.value and "Stepping is off" in s.status.value
+    assert s.step_button.disabled and s.back_button.disabled and s.slider.disabled
+    assert s.play.disabled and s.trace is None
+    assert s.tiles.value == s.counters.value == s.charts.value == s.hbm_panel.value == ""
+    s.step()  # the button is off; a call does nothing either
+    assert s.position == 0 and s.current is None and "too many" in s.status.value
+    s.configure(Br=16, Bc=16)  # valid again: the new run, from its start
+    assert s.valid and not s.step_button.disabled and s.done == 49
+    assert "Nq = 100" in s.run_info.value and "step 1 of 49" in s.status.value
+
+
+def test_stepper_charts_have_a_cursor_at_the_position():
+    import re
+
+    s = TileLoopStepper(Nq=32, Nk=32, Br=8, Bc=8)
+    def cursors():
+        return [float(x) for x in re.findall(r"class='fe-cursor' x1='([\d.]+)'", s.charts.value)]
+    first = cursors()
+    assert len(first) == 3 and len(set(first)) == 1  # one cursor per chart, at position 0
+    s.position = s.done
+    last = cursors()
+    assert all(b > a for a, b in zip(first, last))
+    assert "fill:#000" not in s.charts.value and "var(--jp-ui-font-color1" in s.charts.value
+
+
+def test_stepper_svg_text_follows_the_theme():
+    import re
+
+    s = TileLoopStepper()
+    svg = s.tiles.value
+    fills = re.findall(r"<text[^>]*style='fill:([^;]+);", svg)
+    assert fills and all(f.startswith("var(--jp-ui-font-color1") or f == "#1f1f1f" for f in fills)
+    headers = re.findall(r"<text[^>]*style='fill:([^;]+);[^>]*>([QKVOLlm]ᵀ?)</text>", svg)
+    assert headers and all(f.startswith("var(") for f, _ in headers)  # labels on the background
+
+
+def test_stepper_follows_the_editor():
+    e = BlockMaskEditor(tiles=4, block=16, preset="causal")
+    s = TileLoopStepper(state=e.state)
+    assert s.controls["Br"].disabled and s.controls["mask"].disabled
+    np.testing.assert_array_equal(s.block_mask, e.block_mask.blocks[0, 0])
+    e.toggle(3, 0)  # the stepper re-traces the edited mask
+    np.testing.assert_array_equal(s.block_mask, e.block_mask.blocks[0, 0])
+    assert not s.block_mask[3, 0] and any((st.i, st.j) == (3, 0) and not st.computed
+                                          for st in s.trace.steps)
+    e.controls["tiles"].value = 6
+    assert s.block_mask.shape == (6, 6) and s.controls["Nq"].value == 96
+    e.controls["causal"].value = False
+    assert not s.controls["causal"].value and s.valid
+    sram = SRAMOccupancy(state=e.state)
+    assert (sram.controls["Br"].value, sram.controls["Bc"].value) == (16, 16)
+
+
+def test_widgets_display_a_static_picture_beside_the_live_view():
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    InteractiveShell.instance()
+    s = TileLoopStepper(Nq=16, Nk=16, Br=8, Bc=8)
+    with capture_output() as cap:
+        s._ipython_display_()
+    live, picture = cap.outputs
+    assert "application/vnd.jupyter.widget-view+json" in live.data
+    assert "image/png" in picture.data
+    assert b"\x89PNG" == s.static_png()[:4]
+
+
 def test_stepper_takes_a_block_mask():
     mask = presets.make("sliding window", (64, 64), (16, 16), window=1)
     s = TileLoopStepper(block_mask=mask)
@@ -122,19 +193,86 @@ def test_sram_ties_tile_to_the_papers_M_and_traffic():
     assert w.bar.value[:4] == b"\x89PNG" and w.effect.value[:4] == b"\x89PNG"
 
 
+def test_sram_chart_places_a_non_square_tile_where_each_order_depends_on_it():
+    """FA1's traffic depends on Bc, FA2's on Br: the chart's marks agree with the table."""
+    w = SRAMOccupancy(gpu="A100 SXM4 40GB", Br=128, Bc=64, d=64, N=4096)
+    fa1, fa2 = "FA1 (K/V outer)", "FA2 (Q outer)"
+    assert w.chart_points[fa1] == (64, w.predicted[fa1])
+    assert w.chart_points[fa2] == (128, w.predicted[fa2])
+    square = {o: io.flash_forward_hbm_bytes(4096, 4096, 64, B, B, order=o, itemsize=2)["total"]
+              for o, B in (("kv_outer", 64), ("q_outer", 128))}
+    assert w.predicted[fa1] == square["kv_outer"]  # on the FA1 curve at B = Bc
+    assert w.predicted[fa2] == square["q_outer"]  # on the FA2 curve at B = Br
+    assert f"{w.predicted[fa1] / 2**20:,.1f} MiB" == "99.0 MiB"
+
+
 # ----- BlockMaskEditor -------------------------------------------------------------------
 
 
 def test_editor_toggles_change_density():
     e = BlockMaskEditor(tiles=8, preset="causal")
     assert e.density == pytest.approx(36 / 64) and e.block_mask.is_causal
-    e.toggle(0, 7)
-    assert e.density == pytest.approx(37 / 64) and e.blocks[0, 7]
-    assert "fe-on" in e.buttons[0][7]._dom_classes  # coloured as kept
-    assert "0.578" in e.info.value
-    e.buttons[0][7].value = False  # what a click in the browser does
-    assert e.density == pytest.approx(36 / 64)
+    e.toggle(7, 0)  # below the diagonal: kept by the causal preset already, now off
+    assert e.density == pytest.approx(35 / 64) and not e.blocks[7, 0]
+    assert "fe-on" not in e.buttons[7][0]._dom_classes
+    assert "0.547" in e.info.value
+    e.buttons[7][0].value = True  # what a click in the browser does
+    assert e.density == pytest.approx(36 / 64) and "fe-on" in e.buttons[7][0]._dom_classes
     assert isinstance(e.block_mask, BlockMask) and e.block_mask.shape == (8, 8)
+
+
+def test_editor_causal_flag_skips_tiles_above_the_diagonal_in_every_view():
+    """A kept tile wholly above the diagonal is skipped by a causal kernel: its colour, the
+    density, the HBM traffic and the speedup all say so, together."""
+    e = BlockMaskEditor(tiles=8, preset="causal")
+    e.toggle(0, 7)  # above the diagonal
+    assert e.blocks[0, 7] and not e.block_mask.blocks[0, 0, 0, 7]
+    assert "fe-causal-skip" in e.buttons[0][7]._dom_classes
+    assert "fe-on" not in e.buttons[0][7]._dom_classes
+    assert e.density == pytest.approx(36 / 64) and "0.562" in e.info.value
+    e.apply_preset("dense")  # not causal: every tile computed
+    dense_speedup = e.prediction["speedup"]
+    e.controls["causal"].value = True
+    upper = np.triu(np.ones((8, 8), bool), 1)
+    assert all("fe-causal-skip" in e.buttons[i][j]._dom_classes for i, j in zip(*upper.nonzero()))
+    assert e.density == pytest.approx(36 / 64)
+    p = predict(scaled(e.block_mask, e.model_N), e.d, e.controls["gpu"].value)
+    assert e.prediction == p and e.prediction["speedup"] > 1.5 * dense_speedup
+    N = e.model_N
+    want = io.flash_forward_hbm_bytes(N, N, e.d, N // 8, N // 8, causal=True, itemsize=2)
+    assert e.prediction["sparse_bytes"] == want["total"]  # the same as a plain causal pass
+
+
+def test_editor_slider_keeps_the_clicked_tiles():
+    e = BlockMaskEditor(tiles=8, preset="sliding window")
+    e.toggle(7, 0)
+    e.toggle(5, 4)  # inside the window: kept by the preset, clicked off
+    assert e.blocks[7, 0] and not e.blocks[5, 4]
+    e.controls["window"].value = 3  # a slider move re-applies the preset...
+    assert e.blocks[7, 0] and not e.blocks[5, 4]  # ...and keeps the clicks
+    assert e.blocks[6, 3]  # while the wider window is there
+    assert "2 tile(s) clicked" in e.clicks_note.value
+    assert e.controls["stride"].disabled and not e.controls["window"].disabled
+    e.controls["preset"].value = "causal"  # a new preset starts afresh
+    assert e.clicked == {} and e.blocks[5, 4] and not e.blocks[7, 0]
+
+
+def test_editor_check_result_is_marked_stale_when_the_mask_changes():
+    e = BlockMaskEditor(tiles=4, preset="causal")
+    e.run()
+    assert not e.results_stale and "stale" not in e.run_output.value
+    e.toggle(3, 0)
+    assert e.results_stale and "stale: this result is for the previous mask" in e.run_output.value
+    e.toggle(3, 0)  # back to the mask that was checked
+    assert not e.results_stale and "stale" not in e.run_output.value
+
+
+def test_one_colour_meaning_across_widgets():
+    from flashedu.viz import mask_editor, render, tile_grid
+
+    assert render.COLORS["done"] in mask_editor.TILE_CSS  # kept tile = computed, as in the stepper
+    assert tile_grid.FILL["done"] == render.COLORS["done"]
+    assert render.COLORS["sram"] not in mask_editor.TILE_CSS  # orange only means "in SRAM now"
 
 
 @pytest.mark.parametrize("name", list(presets.PRESETS))

@@ -14,9 +14,10 @@ import functools
 import ipywidgets as W
 
 from .. import io
+from . import static
 from .charts import block_size_effect, sram_bar
 from .controls import set_quietly
-from .render import kib
+from .render import FG_MUTED, kib
 
 TILES = [16, 32, 64, 128, 256, 512]
 ORDER_NAMES = {"kv_outer": "FA1 (K/V outer)", "q_outer": "FA2 (Q outer)"}
@@ -30,35 +31,78 @@ def _traffic(N: int, d: int, B: int, order: str, itemsize: int) -> int:
 class SRAMOccupancy:
     """State: ``footprint`` (buffer -> bytes), ``total_bytes``, ``capacity_bytes``, ``fits``,
     ``largest_tile``, ``paper_M`` (elements), ``paper_blocks`` (Br, Bc), ``predicted`` (bytes
-    of HBM traffic of a forward pass with this tile, per order, and of standard attention)."""
+    of HBM traffic of a forward pass with this tile, per order, and of standard attention),
+    ``chart_points`` (curve -> (B, bytes) where the chart marks this tile: FA1 at B = Bc, FA2
+    at B = Br, the values of the table)."""
 
     def __init__(self, gpu="A100 SXM4 40GB", Br=128, Bc=64, d=64, dtype="float16", stages=2,
-                 N=4096):
+                 N=4096, state=None):
         c = self.controls = {
             "gpu": W.Dropdown(options=list(io.GPUS), value=gpu, description="GPU"),
-            "Br": W.Dropdown(options=TILES, value=Br, description="Br", layout=_narrow),
-            "Bc": W.Dropdown(options=TILES, value=Bc, description="Bc", layout=_narrow),
-            "d": W.Dropdown(options=[32, 64, 128, 256], value=d, description="d", layout=_narrow),
+            "Br": W.Dropdown(options=TILES, value=Br, description="Br", layout=_narrow()),
+            "Bc": W.Dropdown(options=TILES, value=Bc, description="Bc", layout=_narrow()),
+            "d": W.Dropdown(options=[32, 64, 128, 256], value=d, description="d",
+                            layout=_narrow()),
             "dtype": W.Dropdown(options=list(io.DTYPE_BYTES), value=dtype, description="dtype",
                                 layout=W.Layout(width="190px")),
-            "stages": W.IntSlider(stages, min=1, max=4, description="stages"),
+            "stages": W.IntSlider(stages, min=1, max=4, description="stages",
+                                  layout=W.Layout(width="auto", flex="1 1 240px",
+                                                  max_width="320px")),
             "N": W.Dropdown(options=[1024, 2048, 4096, 8192], value=N, description="N",
-                            layout=_narrow),
+                            layout=_narrow()),
         }
+        self.linked_note = W.HTML()
         self.summary = W.HTML()
         self.bar = W.Image(format="png", layout=W.Layout(width="100%", max_width="850px"))
         self.effect = W.Image(format="png", layout=W.Layout(width="100%", max_width="850px"))
+        wrap = dict(flex_flow="row wrap", align_items="center", max_width="100%")
         self.widget = W.VBox([
-            W.HTML("<b>SRAM occupancy</b> of one thread block (forward pass)"),
-            W.HBox([c["gpu"], c["dtype"], c["stages"]]),
-            W.HBox([c["Br"], c["Bc"], c["d"], c["N"]]),
+            W.HTML(static.HIDE_WHEN_LIVE
+                   + "<b>SRAM occupancy</b> of one thread block (forward pass)"),
+            self.linked_note,
+            W.HBox([c["gpu"], c["dtype"], c["stages"]], layout=W.Layout(**wrap)),
+            W.HBox([c["Br"], c["Bc"], c["d"], c["N"]], layout=W.Layout(**wrap)),
             self.summary, self.bar, self.effect,
-        ])
+        ], layout=W.Layout(max_width="100%", overflow="hidden"))
         self.widget.add_class("flashedu-sram")
+        self.widget.add_class("flashedu-live")
         self._holding = False
         for w in c.values():
             w.observe(lambda _: None if self._holding else self._update(), names="value")
-        self._update()
+        if state is not None:
+            c["Br"].disabled = c["Bc"].disabled = True
+            self.linked_note.value = (f"<small style='color:{FG_MUTED}'>Br and Bc follow the "
+                                      "block-mask editor's tiles.</small>")
+            state.follow(self._follow)
+        else:
+            self._update()
+
+    def _follow(self, block_mask) -> None:
+        Br, Bc = block_mask.block_size
+        self._holding = True
+        try:
+            for name, size in (("Br", Br), ("Bc", Bc)):
+                if size not in self.controls[name].options:
+                    self.controls[name].options = sorted({*self.controls[name].options, size})
+        finally:
+            self._holding = False
+        if (Br, Bc) != (self.controls["Br"].value, self.controls["Bc"].value) \
+                or not hasattr(self, "footprint"):
+            self.configure(Br=Br, Bc=Bc)
+
+    def static_png(self) -> bytes:
+        """The two charts stacked, as the widget shows them."""
+        from io import BytesIO
+
+        from PIL import Image
+
+        a, b = (Image.open(BytesIO(x)) for x in (self.bar.value, self.effect.value))
+        out = Image.new("RGB", (max(a.width, b.width), a.height + b.height), "white")
+        out.paste(a, (0, 0))
+        out.paste(b, (0, a.height))
+        buf = BytesIO()
+        out.save(buf, format="PNG")
+        return buf.getvalue()
 
     def configure(self, **values) -> None:
         """Set several controls (keys of ``controls``) and redraw once."""
@@ -88,6 +132,7 @@ class SRAMOccupancy:
                                   f"{gpu.name}: {kib(self.total_bytes)} of "
                                   f"{kib(self.capacity_bytes)} per SM")
         self.effect.value = self._effect_png(N, d, dtype, stages, isz, gpu, v)
+        static.update(self)
 
     def _effect_png(self, N, d, dtype, stages, isz, gpu, v) -> bytes:
         tiles = [B for B in TILES if B <= N]
@@ -95,16 +140,21 @@ class SRAMOccupancy:
         traffic["standard attention"] = [self.predicted["standard attention"]] * len(tiles)
         fits = [sum(io.sram_footprint(B, B, d, dtype, stages).values()) <= self.capacity_bytes
                 for B in tiles]
-        return block_size_effect(tiles, traffic, fits, max(v["Br"], v["Bc"]), self.largest_tile,
+        # FA1's traffic depends on Bc only, FA2's on Br only: the chosen tile sits on each
+        # curve at the size that curve depends on, with the value the table shows.
+        fa1, fa2 = ORDER_NAMES["kv_outer"], ORDER_NAMES["q_outer"]
+        self.chart_points = {fa1: (v["Bc"], self.predicted[fa1]),
+                             fa2: (v["Br"], self.predicted[fa2])}
+        return block_size_effect(tiles, traffic, fits, self.chart_points, self.largest_tile,
                                  f"block-size effect: N = {N}, d = {d}, {dtype} on {gpu.name}",
                                  f"your tile {v['Br']} x {v['Bc']}")
 
     def _summary_html(self, v, gpu) -> str:
         if self.fits:
-            flag = (f"<b class='fe-fit' style='color:#2a7d2a'>fits</b>: "
+            flag = (f"<b class='fe-fit' style='color:var(--jp-success-color1, #2a7d2a)'>fits</b>: "
                     f"{kib(self.capacity_bytes - self.total_bytes)} to spare")
         else:
-            flag = (f"<b class='fe-fit' style='color:#c00'>does not fit</b>: "
+            flag = (f"<b class='fe-fit' style='color:var(--jp-error-color1, #c62828)'>does not fit</b>: "
                     f"{kib(self.total_bytes - self.capacity_bytes)} over; the kernel would not "
                     "launch (or spill): pick a smaller tile or fewer stages")
         Br, Bc = self.paper_blocks
@@ -124,5 +174,9 @@ class SRAMOccupancy:
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
 
+    def _ipython_display_(self):
+        static.display_with_fallback(self)
 
-_narrow = W.Layout(width="150px")
+
+def _narrow():
+    return W.Layout(width="150px")

@@ -4,6 +4,11 @@ Every change of a control re-runs :func:`flashedu.tiled.flash_forward` with a fr
 :class:`flashedu.trace.Trace` on random Q, K, V; the picture and the counters are read from that
 trace (through :mod:`flashedu.viz.timeline`), so at the last position the byte counters equal
 :func:`flashedu.io.flash_forward_hbm_bytes`, the formula the IO tests check against the trace.
+
+The view never shows a run the controls do not describe: a setting that cannot be traced (too
+many tiles, a block mask of another tiling) clears the picture, turns stepping off and says why.
+Made with ``state=editor.state`` the stepper follows a :class:`BlockMaskEditor`: its tiling,
+causal flag and block mask are the editor's, re-traced at every edit.
 """
 
 from __future__ import annotations
@@ -18,87 +23,118 @@ from .. import io
 from ..masks import BlockMask
 from ..tiled import flash_forward
 from ..trace import Trace
-from . import presets, timeline
-from .charts import run_chart
+from . import presets, static, timeline
+from .charts import run_panels
 from .controls import set_quietly
-from .render import kib
-from .tile_grid import LEGEND, svg
+from .render import FG_MUTED, error_html, kib
+from .tile_grid import LEGEND, drawing
 
 ORDERS = {"FA1: K/V outer (Algorithm 1)": "kv_outer", "FA2: Q outer": "q_outer"}
 MASKS = ["none", "sliding window", "strided", "random", "BigBird"]
 TILE_SIZES = [4, 8, 16, 32, 64]
 MAX_STEPS = 400  # beyond this the grid is unreadable and each frame slow
+LINKED = ("Nq", "Nk", "Br", "Bc", "causal", "mask")  # set by a followed editor
 
 
 class TileLoopStepper:
     """Controls for the tiling, loop order, causal and a block mask; step / play / scrub.
 
-    State for tests and notebooks: ``position`` (0 .. ``done``; ``done`` is after the last
-    step), ``trace``, ``timeline``, ``bytes_read`` / ``bytes_written`` (so far),
-    ``predicted`` (flashedu.io's totals), ``current`` (the Step, None at done), ``sram_live``,
-    ``row_stats`` (m_i, l_i of the chosen row), ``block_mask`` (the (Tr, Tc) grid or None).
+    State for tests and notebooks: ``error`` (None, or why the controls' setting cannot be
+    stepped; then ``trace`` is None and stepping is off), ``position`` (0 .. ``done``; ``done``
+    is after the last step), ``trace``, ``timeline``, ``bytes_read`` / ``bytes_written`` (so
+    far), ``predicted`` (flashedu.io's totals), ``current`` (the Step, None at done),
+    ``sram_live``, ``row_stats`` (m_i, l_i of the chosen row), ``block_mask`` (the (Tr, Tc)
+    grid or None).
     """
 
     def __init__(self, Nq=64, Nk=64, d=16, Br=16, Bc=16, order="kv_outer", causal=False,
-                 block_mask=None, row=0, seed=0):
+                 block_mask=None, row=0, seed=0, state=None):
         self.seed = seed
         self._custom_mask = None
         self._holding = False
+        self.error = None
+        self.trace = self.timeline = None
+        self.state = state
         c = self.controls = {
-            "Nq": W.BoundedIntText(Nq, min=1, max=512, description="Nq", layout=_narrow),
-            "Nk": W.BoundedIntText(Nk, min=1, max=512, description="Nk", layout=_narrow),
-            "d": W.Dropdown(options=[4, 8, 16, 32, 64], value=d, description="d", layout=_narrow),
-            "Br": W.Dropdown(options=TILE_SIZES, value=Br, description="Br", layout=_narrow),
-            "Bc": W.Dropdown(options=TILE_SIZES, value=Bc, description="Bc", layout=_narrow),
+            "Nq": W.BoundedIntText(Nq, min=1, max=1024, description="Nq", layout=_narrow()),
+            "Nk": W.BoundedIntText(Nk, min=1, max=1024, description="Nk", layout=_narrow()),
+            "d": W.Dropdown(options=[4, 8, 16, 32, 64], value=d, description="d", layout=_narrow()),
+            "Br": W.Dropdown(options=TILE_SIZES, value=Br, description="Br", layout=_narrow()),
+            "Bc": W.Dropdown(options=TILE_SIZES, value=Bc, description="Bc", layout=_narrow()),
             "order": W.ToggleButtons(options=list(ORDERS.items()), value=order,
-                                     style={"button_width": "230px"}),
-            "causal": W.Checkbox(causal, description="causal", indent=False, layout=_narrow),
-            "mask": W.Dropdown(options=MASKS, value="none", description="block mask"),
-            "row": W.BoundedIntText(row, min=0, max=Nq - 1, description="row", layout=_narrow),
+                                     style={"button_width": "210px"},
+                                     layout=W.Layout(width="auto", max_width="100%")),
+            "causal": W.Checkbox(causal, description="causal", indent=False,
+                                 layout=W.Layout(width="90px")),
+            "mask": W.Dropdown(options=MASKS, value="none", description="block mask",
+                               layout=W.Layout(width="240px")),
+            "row": W.BoundedIntText(row, min=0, max=Nq - 1, description="row", layout=_narrow()),
         }
         self.slider = W.IntSlider(0, min=0, max=1, description="position", continuous_update=True,
-                                  layout=W.Layout(width="420px"))
+                                  layout=W.Layout(flex="1 1 260px", min_width="220px",
+                                                  max_width="480px"))
         self.play = W.Play(0, min=0, max=1, interval=700, description="play")
         W.link((self.play, "value"), (self.slider, "value"))
-        self.step_button = W.Button(description="step ▶", tooltip="next (i, j) step")
-        self.back_button = W.Button(description="◀ back", tooltip="previous (i, j) step")
+        self.step_button = W.Button(description="step ▶", tooltip="next (i, j) step",
+                                    layout=W.Layout(width="80px"))
+        self.back_button = W.Button(description="◀ back", tooltip="previous (i, j) step",
+                                    layout=W.Layout(width="80px"))
         self.step_button.on_click(lambda _: self.step())
         self.back_button.on_click(lambda _: self.back())
         self.tiles = W.HTML()
-        self.chart = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px"))
+        self.charts = W.HTML()
         self.status = W.HTML()
+        self.run_info = W.HTML()
         self.counters = W.HTML()
-        self.hbm_panel = W.HTML(layout=W.Layout(width="50%"))
-        self.sram_panel = W.HTML(layout=W.Layout(width="50%"))
+        self.hbm_panel = W.HTML(layout=W.Layout(flex="1 1 280px"))
+        self.sram_panel = W.HTML(layout=W.Layout(flex="1 1 280px"))
+        self.linked_note = W.HTML()
         self.widget = W.VBox([
-            W.HTML("<b>FlashAttention tile loop</b>: which tiles sit in SRAM, what moves over HBM"),
-            W.HBox([c["Nq"], c["Nk"], c["d"], c["Br"], c["Bc"], c["causal"]]),
-            W.HBox([c["order"], c["mask"]]),
-            W.HBox([self.back_button, self.step_button, self.play, self.slider, c["row"]]),
-            self.status, self.counters, self.tiles, W.HTML(LEGEND),
-            W.HBox([self.hbm_panel, self.sram_panel]), self.chart,
-        ])
+            W.HTML(static.HIDE_WHEN_LIVE
+                   + "<b>FlashAttention tile loop</b>: which tiles sit in SRAM, what moves over HBM"),
+            self.linked_note,
+            _wrap([c["Nq"], c["Nk"], c["d"], c["Br"], c["Bc"], c["causal"]]),
+            _wrap([c["order"], c["mask"]]),
+            _wrap([self.back_button, self.step_button, self.play, self.slider, c["row"]]),
+            self.status, self.run_info, self.counters, self.tiles, W.HTML(LEGEND),
+            _wrap([self.hbm_panel, self.sram_panel]), self.charts,
+        ], layout=W.Layout(max_width="100%", overflow="hidden"))
         self.widget.add_class("flashedu-stepper")
+        self.widget.add_class("flashedu-live")
         for name, w in c.items():
             w.observe(self._on_config if name != "row" else self._on_row, names="value")
         self.slider.observe(lambda ch: self._show(), names="value")
-        if block_mask is not None:
+        if state is not None:
+            for name in LINKED:
+                c[name].disabled = True
+            self.linked_note.value = (
+                f"<small style='color:{FG_MUTED}'>Nq, Nk, Br, Bc, causal and the block mask "
+                "follow the block-mask editor: edit the mask there and this stepper re-traces "
+                "it.</small>")
+            state.follow(self._follow)
+        elif block_mask is not None:
             self.use_mask(block_mask)
         else:
             self._run()
 
     # ----- public actions ------------------------------------------------------------------
     @property
+    def valid(self) -> bool:
+        """True when the controls describe a run that has been traced and can be stepped."""
+        return self.error is None
+
+    @property
     def position(self) -> int:
         return self.slider.value
 
     @position.setter
     def position(self, value: int) -> None:
-        self.slider.value = max(0, min(int(value), self.done))
+        if self.valid:
+            self.slider.value = max(0, min(int(value), self.done))
 
     @property
     def done(self) -> int:
-        return self.timeline.done
+        return self.timeline.done if self.valid else 0
 
     def step(self) -> None:
         self.position = self.position + 1
@@ -118,9 +154,12 @@ class TileLoopStepper:
             (Nq, Nk), (Br, Bc) = block_mask.seq_lens, block_mask.block_size
             for name, size in (("Br", Br), ("Bc", Bc)):
                 if size not in self.controls[name].options:
-                    self.controls[name].options = sorted({*self.controls[name].options, size})
-            blocks = block_mask.blocks[0, 0]
-            self._custom_mask = np.asarray(blocks, bool)
+                    self._holding = True
+                    try:
+                        self.controls[name].options = sorted({*self.controls[name].options, size})
+                    finally:
+                        self._holding = False
+            self._custom_mask = np.asarray(block_mask.blocks[0, 0], bool)
             self._ensure_custom_option()
             self.configure(Nq=Nq, Nk=Nk, Br=Br, Bc=Bc, causal=block_mask.is_causal, mask="custom")
         else:
@@ -131,14 +170,16 @@ class TileLoopStepper:
     # ----- state read by tests and panels ----------------------------------------------------
     @property
     def bytes_read(self) -> int:
-        return self.timeline.totals(self.position)[0]
+        return self.timeline.totals(self.position)[0] if self.valid else 0
 
     @property
     def bytes_written(self) -> int:
-        return self.timeline.totals(self.position)[1]
+        return self.timeline.totals(self.position)[1] if self.valid else 0
 
     @property
     def current(self):
+        if not self.valid:
+            return None
         steps = self.trace.steps
         return steps[self.position] if self.position < len(steps) else None
 
@@ -148,26 +189,45 @@ class TileLoopStepper:
 
     def traffic(self, name: str) -> tuple[int, int]:
         """(bytes read, bytes written) of HBM tensor ``name`` so far, e.g. "O"."""
+        if not self.valid:
+            return 0, 0
         by = self.timeline.traffic_by_tensor(self.position)
         return by.get(("load", name), 0), by.get(("store", name), 0)
 
+    def static_png(self) -> bytes:
+        """A picture of what the widget shows now (tiles and charts), for a saved notebook."""
+        if not self.valid:
+            return static.message_png(f"tile loop: {self.error}")
+        return static.stack_png([drawing(self.timeline, self.position),
+                                 *run_panels(self.timeline, self.row_stats, self.position)],
+                                f"tile loop, {self._describe()}, position {self.position} "
+                                f"of {self.done}")
+
     # ----- internals --------------------------------------------------------------------------
+    def _follow(self, block_mask) -> None:
+        self.use_mask(block_mask)
+
     def _ensure_custom_option(self):
         if "custom" not in self.controls["mask"].options:
-            self.controls["mask"].options = MASKS + ["custom"]
+            self._holding = True
+            try:
+                self.controls["mask"].options = MASKS + ["custom"]
+            finally:
+                self._holding = False
 
     def _config(self) -> dict:
         return {name: w.value for name, w in self.controls.items()}
 
     def _mask_grid(self, cfg, Tr, Tc):
         name = cfg["mask"]
-        if name == "none":
+        if name in (None, "none"):
             return None
         if name == "custom":
             if self._custom_mask is None or self._custom_mask.shape != (Tr, Tc):
                 raise ValueError(f"the custom block mask has shape "
                                  f"{None if self._custom_mask is None else self._custom_mask.shape},"
-                                 f" this tiling needs (Tr, Tc) = {(Tr, Tc)}")
+                                 f" this tiling needs (Tr, Tc) = {(Tr, Tc)}: set Br, Bc back, or "
+                                 "pick another mask")
             return self._custom_mask
         mask = presets.make(name, (cfg["Nq"], cfg["Nk"]), (cfg["Br"], cfg["Bc"]), window=1,
                             stride=3, density=0.35, seed=self.seed)
@@ -178,9 +238,31 @@ class TileLoopStepper:
             self._run()
 
     def _on_row(self, change):
-        self._row_stats()
-        self._show()
-        self.chart.value = run_chart(self.timeline, self.row_stats)
+        if self.valid and not self._holding:
+            self._row_stats()
+            self._show()
+
+    def _invalid(self, reason: str) -> None:
+        """Clear everything that described the previous run; stepping off until valid."""
+        self.error = reason
+        self.trace = self.timeline = self.block_mask = None
+        self.predicted = self.row_stats = None
+        for w in (self.step_button, self.back_button, self.play, self.slider,
+                  self.controls["row"]):
+            w.disabled = True
+        self._holding = True
+        try:
+            self.play.playing = False
+            self.play.value = 0
+            self.slider.value = 0
+        finally:
+            self._holding = False
+        self.status.value = error_html(f"cannot step this setting: {html.escape(reason)}. "
+                                       "Stepping is off until the settings are valid.")
+        for w in (self.run_info, self.counters, self.tiles, self.hbm_panel, self.sram_panel,
+                  self.charts):
+            w.value = ""
+        static.update(self)
 
     def _run(self):
         """Trace a fresh run of flash_forward with the controls' configuration."""
@@ -193,7 +275,7 @@ class TileLoopStepper:
                                  f"(at most {MAX_STEPS}); use larger tiles or shorter sequences")
             blocks = self._mask_grid(cfg, Tr, Tc)
         except ValueError as exc:
-            self.status.value = f"<span style='color:#c00'>{html.escape(str(exc))}</span>"
+            self._invalid(str(exc))
             return
         rng = np.random.default_rng(self.seed)
         self.Q, self.K, self.V = (rng.standard_normal((n, d)).astype(np.float32)
@@ -207,20 +289,37 @@ class TileLoopStepper:
         self.predicted = io.flash_forward_hbm_bytes(Nq, Nk, d, Br, Bc, order=cfg["order"],
                                                     causal=cfg["causal"], block_mask=blocks,
                                                     itemsize=self.Q.itemsize)
-        self.controls["row"].max = Nq - 1
+        self.error = None
+        self._holding = True
+        try:
+            for w in (self.step_button, self.back_button, self.play, self.slider):
+                w.disabled = False
+            self.controls["row"].disabled = False
+            self.controls["row"].max = Nq - 1
+            self.play.value = 0
+            self.play.max = self.slider.max = self.done
+            self.slider.value = 0
+        finally:
+            self._holding = False
         self._row_stats()
-        self.play.value = 0
-        self.play.max = self.slider.max = self.done
-        self.position = 0
         self._show()
-        self.chart.value = run_chart(self.timeline, self.row_stats)
+        static.update(self)
 
     def _row_stats(self):
         row = min(self.controls["row"].value, self.Q.shape[0] - 1)
         self.row_stats = timeline.row_stats(self.trace, self.Q, self.K, row, self.scale,
                                             self.controls["causal"].value)
 
+    def _describe(self) -> str:
+        info = self.trace.info
+        mask = self.controls["mask"].value
+        return (f"Nq = {info['Nq']}, Nk = {info['Nk']}, d = {info['d']}, Br = {info['Br']}, "
+                f"Bc = {info['Bc']}, {'FA1' if info['order'] == 'kv_outer' else 'FA2'}, "
+                f"{'causal' if info['causal'] else 'not causal'}, block mask: {mask}")
+
     def _show(self):
+        if not self.valid or self._holding:
+            return
         p, tl = self.position, self.timeline
         s = self.current
         if s is None:
@@ -229,10 +328,15 @@ class TileLoopStepper:
             what = "computed" if s.computed else "skipped (masked out: nothing loaded)"
             where = f"step {p + 1} of {tl.done}: tile pair (i={s.i}, j={s.j}) {what}"
         self.status.value = f"<span class='fe-status'>{where}</span>"
+        self.run_info.value = (f"<small class='fe-run-info' style='color:{FG_MUTED}'>traced run: "
+                               f"{self._describe()}</small>")
         self.counters.value = self._counters_html()
         self.hbm_panel.value = self._hbm_html()
         self.sram_panel.value = self._sram_html()
-        self.tiles.value = svg(tl, p)
+        self.tiles.value = drawing(tl, p).svg()
+        self.charts.value = "".join(
+            f"<div style='display:inline-block;margin:0 8px 4px 0'>{d.svg()}</div>"
+            for d in run_panels(tl, self.row_stats, p))
 
     def _counters_html(self) -> str:
         read, written = self.bytes_read, self.bytes_written
@@ -276,5 +380,14 @@ class TileLoopStepper:
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
 
+    def _ipython_display_(self):
+        static.display_with_fallback(self)
 
-_narrow = W.Layout(width="150px")
+
+def _narrow():
+    return W.Layout(width="150px")
+
+
+def _wrap(children):
+    return W.HBox(children, layout=W.Layout(flex_flow="row wrap", align_items="center",
+                                            max_width="100%"))

@@ -12,16 +12,22 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .render import COLORS
+from .drawing import Drawing
+from .render import BG, BORDER, COLORS, FG, ON_TILE
 from .timeline import Timeline
 
 FILL = {"sram": COLORS["sram"], "done": COLORS["done"], "skipped": COLORS["skipped"],
-        "todo": COLORS["todo"], "acc": COLORS["accumulator"]}
+        "todo": BG, "acc": COLORS["accumulator"]}
+
+
+def _swatch(kind: str) -> str:
+    return (f"<span style='display:inline-block;width:12px;height:12px;background:{FILL[kind]};"
+            f"border:1px solid {BORDER};vertical-align:middle'></span>")
+
 
 LEGEND = (
-    "<div style='font-size:12px'>"
-    + " ".join(f"<span style='display:inline-block;width:12px;height:12px;background:{FILL[k]};"
-               f"border:1px solid #444;vertical-align:middle'></span> {text} &nbsp;"
+    "<div class='fe-legend' style='font-size:12px'>"
+    + " ".join(f"<span style='white-space:nowrap'>{_swatch(k)} {text}</span> &nbsp;"
                for k, text in (("sram", "in SRAM now"), ("done", "computed"),
                                ("skipped", "skipped (masked out)"),
                                ("acc", "O_i accumulating on chip (FA2)")))
@@ -33,34 +39,27 @@ def _io_counts(tl: Timeline, position: int) -> Counter:
     return Counter((e.op, e.name, e.tile) for e, p in zip(tl.trace.events, tl.owner) if p <= position)
 
 
-class _Svg:
-    def __init__(self, unit: float):
-        self.u, self.parts = unit, []
+class _Grid:
+    """Tiles in tile units on a :class:`Drawing`."""
+
+    def __init__(self, unit: float, width: float, height: float):
+        self.u = unit
+        self.d = Drawing(width * unit, height * unit, "fe-tiles")
 
     def tile(self, x, y, w, h, kind, label="", current=False, name=""):
-        u = self.u
-        stroke = "stroke='#000' stroke-width='3'" if current else "stroke='#555' stroke-width='1'"
-        dash = " stroke-dasharray='4 2'" if kind == "acc" else ""
-        self.parts.append(
-            f"<rect class='tile {kind}' data-name='{name}' x='{x * u:.1f}' y='{y * u:.1f}' "
-            f"width='{w * u:.1f}' height='{h * u:.1f}' fill='{FILL[kind]}' {stroke}{dash}/>")
+        u, d = self.u, self.d
+        stroke, sw = (FG, 3.0) if current else (BORDER, 1.0)
+        d.rect(x * u, y * u, w * u, h * u, FILL[kind], stroke, sw, "4 2" if kind == "acc" else "",
+               cls=f"tile {kind}" + (" current" if current else ""), data=f" data-name='{name}'")
         if kind == "skipped":  # a cross, so skipped reads without colour too
-            self.parts.append(
-                f"<path d='M{x * u:.1f},{y * u:.1f} l{w * u:.1f},{h * u:.1f} m0,{-h * u:.1f} "
-                f"l{-w * u:.1f},{h * u:.1f}' stroke='#999' stroke-width='1'/>")
+            d.line(x * u, y * u, (x + w) * u, (y + h) * u, "#8a8a8a")
+            d.line(x * u, (y + h) * u, (x + w) * u, y * u, "#8a8a8a")
         if label:
-            self.text(x + w / 2, y + h / 2, label, size=min(11, self.u * 0.32))
+            color = FG if kind == "todo" else ON_TILE
+            d.text((x + w / 2) * u, (y + h / 2) * u, label, color, size=min(11, u * 0.32))
 
     def text(self, x, y, s, size=12, bold=False, anchor="middle"):
-        weight = " font-weight='bold'" if bold else ""
-        self.parts.append(f"<text x='{x * self.u:.1f}' y='{y * self.u:.1f}' font-size='{size:.0f}'"
-                          f" text-anchor='{anchor}' dominant-baseline='middle'{weight}>{s}</text>")
-
-    def done(self, width, height) -> str:
-        w, h = width * self.u, height * self.u
-        return (f"<svg class='fe-tiles' xmlns='http://www.w3.org/2000/svg' width='{w:.0f}' "
-                f"height='{h:.0f}' viewBox='0 0 {w:.0f} {h:.0f}' font-family='sans-serif'>"
-                + "".join(self.parts) + "</svg>")
+        self.d.text(x * self.u, y * self.u, s, FG, size, anchor, bold)
 
 
 def _rw(counts: Counter, name: str, tile: int) -> str:
@@ -68,8 +67,8 @@ def _rw(counts: Counter, name: str, tile: int) -> str:
     return " ".join(p for p in (f"r{r}" if r else "", f"w{w}" if w else "") if p)
 
 
-def svg(tl: Timeline, position: int) -> str:
-    """The tile picture of ``tl`` at ``position`` as an SVG string."""
+def drawing(tl: Timeline, position: int) -> Drawing:
+    """The tile picture of ``tl`` at ``position``."""
     info = tl.trace.info
     Tr, Tc, order = info["Tr"], info["Tc"], info["order"]
     steps = tl.trace.steps
@@ -79,7 +78,7 @@ def svg(tl: Timeline, position: int) -> str:
     right_cols = ["O", "l", "m", "L"] if order == "kv_outer" else ["O", "L"]
     width = 1.6 + Tc + 0.4 + 1.25 * len(right_cols) + 0.2
     height = 2.9 + Tr + 0.8
-    g = _Svg(unit=max(18.0, min(44.0, 620 / width, 460 / height)))
+    g = _Grid(max(18.0, min(44.0, 620 / width, 460 / height)), width, height)
     x_S, y_S = 1.6, 2.9  # top-left corner of the score grid
 
     def kind_of(name, tile):
@@ -108,4 +107,9 @@ def svg(tl: Timeline, position: int) -> str:
             g.tile(x_S + j, y_S + i, 1, 1, kind, "S_ij" if now and current.computed else "",
                    current=now, name=f"S{i},{j}")
     g.text(x_S + Tc / 2, y_S + Tr + 0.45, "S = scale · Q Kᵀ, tile by tile (never in HBM)", size=12)
-    return g.done(width, height)
+    return g.d
+
+
+def svg(tl: Timeline, position: int) -> str:
+    """The tile picture of ``tl`` at ``position`` as an SVG string."""
+    return drawing(tl, position).svg()

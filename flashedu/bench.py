@@ -16,6 +16,8 @@ of its inputs (torch's allocator statistics).
     flashedu bench                         # bf16, N=8192, d=64/128, causal and not, fwd/bwd,
                                            #   block-sparse densities 0.1/0.25/0.5
     flashedu bench --n 2048 4096 --d 64 --modes fwd --json out.json --plot out.png
+    flashedu bench overhead                # wall time per call at small sizes (bench_overhead)
+    flashedu bench --baseline OTHER/flashedu   # also time another checkout's triton backend
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import sys
 from dataclasses import asdict, dataclass
 
 PROVIDERS = ("flashedu", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+# flashedu-dispatch: flashedu with every launch through Triton's own dispatch (no cached
+# compiled kernels); baseline: the triton backend of another checkout (``--baseline``).
+EXTRA_PROVIDERS = ("flashedu-dispatch", "baseline")
 SPARSE_PROVIDERS = ("flashedu", "flex")
 TOKENS = 16384  # B * N
 WIDTH = 2048  # H * d
@@ -123,6 +128,27 @@ def make_forward(provider: str, case: Case, q, k, v):
     if provider == "flashedu":
         return lambda: flashedu.attention(q, k, v, is_causal=case.causal, block_mask=mask,
                                           backend="triton")
+    if provider == "flashedu-dispatch":
+        from flashedu.triton import fast
+
+        def dispatched():  # the kernels launched through Triton's dispatch every time
+            fast.FAST_LAUNCH = False
+            try:
+                return flashedu.attention(q, k, v, is_causal=case.causal, block_mask=mask,
+                                          backend="triton")
+            finally:
+                fast.FAST_LAUNCH = True
+        return dispatched
+    if provider == "baseline":  # the other checkout's triton backend entry, called directly
+        import importlib
+
+        other = baseline_package()
+        other_triton = importlib.import_module(other.__name__ + ".triton")
+        other_mask = None if mask is None else other.BlockMask.from_dense(
+            mask.blocks, mask.block_size, mask.seq_lens)
+        scale = q.shape[-1] ** -0.5
+        return lambda: other_triton.attention(q, k, v, is_causal=case.causal, scale=scale,
+                                              block_mask=other_mask, dropout_p=0.0)
     if provider == "naive":
         return lambda: naive_attention_torch(q, k, v, is_causal=case.causal)
     if provider.startswith("sdpa-"):
@@ -142,7 +168,38 @@ def make_forward(provider: str, case: Case, q, k, v):
         flex_mask = None if mask is None else mask.to_flex(device=q.device)
         flex = _flex()
         return lambda: flex(q, k, v, block_mask=flex_mask)
-    raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
+    raise ValueError(f"provider must be one of {PROVIDERS + EXTRA_PROVIDERS}, got {provider!r}")
+
+
+_BASELINE = {"path": None, "module": None}
+
+
+def set_baseline(path) -> None:
+    """Time the triton backend of another flashedu checkout too (provider "baseline"): ``path``
+    is that checkout's package folder (the one holding its ``__init__.py``)."""
+    import os
+
+    if not os.path.isfile(os.path.join(path, "__init__.py")):
+        raise ValueError(f"--baseline: {path!r} is not a package folder (no __init__.py)")
+    _BASELINE.update(path=path, module=None)
+
+
+def baseline_package():
+    """The package of ``set_baseline``, imported once as ``flashedu_baseline``."""
+    import importlib.util
+    import os
+
+    if _BASELINE["module"] is None:
+        if _BASELINE["path"] is None:
+            raise ValueError("provider 'baseline' needs --baseline PATH")
+        spec = importlib.util.spec_from_file_location(
+            "flashedu_baseline", os.path.join(_BASELINE["path"], "__init__.py"),
+            submodule_search_locations=[_BASELINE["path"]])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["flashedu_baseline"] = module
+        spec.loader.exec_module(module)
+        _BASELINE["module"] = module
+    return _BASELINE["module"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -297,24 +354,80 @@ def environment(argv) -> dict:
 # ----------------------------------------------------------------------------------------
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def head_dim(text: str) -> int:
+    """argparse type: a head dim the triton backend takes (1..256)."""
+    value = positive_int(text)
+    if value > 256:
+        raise argparse.ArgumentTypeError(f"head dims go up to 256, got {value}")
+    return value
+
+
+def density(text: str) -> float:
+    """argparse type: a block-sparse density in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a density is in (0, 1], got {value:g}")
+    return value
+
+
+def boolean(text: str) -> bool:
+    """argparse type: true/false (also 1/0, yes/no); anything else is an error."""
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    try:
+        return words[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="flashedu bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, nargs="+", default=[8192], help="sequence lengths")
-    p.add_argument("--d", type=int, nargs="+", default=[64, 128], help="head dims")
+    p.add_argument("--n", type=positive_int, nargs="+", default=[8192], help="sequence lengths")
+    p.add_argument("--d", type=head_dim, nargs="+", default=[64, 128], help="head dims")
     p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
-    p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+",
-                   default=[False, True], help="causal values to run (true/false)")
-    p.add_argument("--density", type=float, nargs="*", default=[0.1, 0.25, 0.5],
-                   help="block-sparse densities (non-causal, 128x128 blocks)")
+    p.add_argument("--causal", type=boolean, nargs="+", default=[False, True],
+                   help="causal values to run (true/false)")
+    p.add_argument("--density", type=density, nargs="*", default=[0.1, 0.25, 0.5],
+                   help="block-sparse densities in (0, 1] (non-causal, 128x128 blocks)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS),
+                   choices=PROVIDERS + EXTRA_PROVIDERS)
+    p.add_argument("--baseline", default=None, metavar="PATH",
+                   help="another checkout's flashedu/ folder: its triton backend is timed too")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (png) here")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if "flashedu" not in args.providers:
         args.providers.insert(0, "flashedu")
+    check_baseline(p, args)
     return args
+
+
+def check_baseline(parser, args) -> None:
+    """--baseline adds the "baseline" provider; asking for it without a path is an error."""
+    if args.baseline is not None:
+        try:
+            set_baseline(args.baseline)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if "baseline" not in args.providers:
+            args.providers.insert(1, "baseline")
+    elif "baseline" in args.providers:
+        parser.error("provider 'baseline' needs --baseline PATH")
 
 
 def cpu_check() -> None:
@@ -337,6 +450,10 @@ def cpu_check() -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "overhead":
+        from .bench_overhead import main as overhead
+
+        return overhead(argv[1:])
     args = parse_args(argv)
     from . import runtime
 

@@ -3,6 +3,8 @@
 Runs through Triton's interpreter on a CPU: small shapes, a few seconds each.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from flashedu.reference import naive_attention_torch, reference_attention
 pytestmark = pytest.mark.skipif(flashedu.available_backends()["triton"] is not None,
                                 reason="triton backend unavailable")
 
-FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3}
+FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def _qkv(B, H, Hkv, Nq, Nk, d, dtype=torch.float32):
@@ -251,3 +253,145 @@ def test_ablation_variants_match_the_reference(causal, dtype):
         assert _err(a, r) <= 3 * _err(p, r) + 3 * FLOOR[dtype], name
         if name != "dq":  # dK, dV: the same code in both designs
             assert torch.equal(a, s), name
+
+
+# --- launching: cached compiled kernels, tile tables per GPU, retry with smaller tiles ------
+
+
+def test_launch_key_holds_what_triton_specializes_on():
+    """Two calls share a compiled kernel only if Triton would give them the same one: the
+    key separates ints by divisibility by 16, by 1, and by width; tensors by dtype and 16-byte
+    alignment."""
+    from flashedu.triton.fast import _arg_key
+
+    assert _arg_key(32) != _arg_key(33) and _arg_key(1) != _arg_key(17)
+    assert _arg_key(2 ** 31) != _arg_key(2 ** 31 - 16) and _arg_key(48) == _arg_key(64)
+    assert _arg_key(0.5) == _arg_key(2.0) and _arg_key(None) is None
+    x = torch.zeros(64)
+    assert _arg_key(x) == _arg_key(torch.ones(64)) != _arg_key(x[1:])
+    assert _arg_key(x) != _arg_key(x.half())
+
+
+def test_launch_falls_back_under_the_interpreter():
+    """The interpreter has no compiled kernel to keep: every launch is Triton's own call."""
+    from flashedu.triton import fast
+
+    q, k, v = (x.detach() for x in _qkv(1, 2, 2, 40, 40, 16))
+    before = len(fast._COMPILED)
+    out = flashedu.attention(q, k, v, backend="triton")
+    assert len(fast._COMPILED) == before
+    assert _err(out, reference_attention(q, k, v)) < 1e-5
+
+
+def test_dense_launch_takes_no_placeholder_tensors():
+    """A dense launch passes None for the block-sparse lists (nothing allocated per call) and
+    shares its constexprs across calls of one configuration."""
+    from flashedu.triton import forward as fw
+    from flashedu.triton.config import Tiles
+
+    q, k, v = (x.detach() for x in _qkv(1, 2, 2, 40, 40, 16))
+    o, lse2 = torch.empty_like(q), torch.empty(1, 2, 40)
+    kw = dict(is_causal=True, qk_scale=0.3, block_mask=None, tiles=Tiles(32, 16),
+              interpreted=True)
+    grid, args, consts = fw.forward_launch(q, k, v, o, lse2, **kw)
+    assert args[5:8] == (None, None, None) and grid == (2, 2)
+    assert fw.forward_launch(q, k, v, o, lse2, **kw)[2] == consts
+
+
+@pytest.mark.parametrize("name", ["sm75", "sm80", "sm86", "sm89"])
+@pytest.mark.parametrize("is_fp32", [False, True])
+def test_safe_tables_fit_their_shared_memory(name, is_fp32):
+    """Every entry of another GPU's table fits that GPU's shared memory per block by the
+    estimate (or is the smallest tile there is: fp32 at d=256 on a 64 KB GPU), with no
+    Hopper-only switch."""
+    from flashedu.triton import config
+
+    budget = config.SMEM_PER_BLOCK[name]
+    elem = 4 if is_fp32 else 2
+    for D, entry in config.table(name, is_fp32).items():
+        for kind, t in (("forward", entry.forward), ("dkdv", entry.dkdv), ("dq", entry.dq)):
+            fits = config.smem_estimate(kind, t.Br, t.Bc, t.num_stages, D, elem) <= budget
+            assert fits or config.smaller(t) is None, (D, kind, t)
+            assert not (t.tma or t.warp_specialize) and min(t.Br, t.Bc) >= config.MIN_TILE
+
+
+def test_tile_table_by_name_and_environment(monkeypatch):
+    from flashedu.triton import config
+
+    assert config.table("sm90", False) is config.GPU_16BIT
+    with pytest.raises(ValueError, match="sm80"):
+        config.table("sm99", False)
+    t = config.Tiles(64, 32, 4, 3)
+    seen = []
+    while t is not None:
+        seen.append(t)
+        t = config.smaller(t)
+    assert seen[-1] == config.Tiles(16, 16, 4, 1) and len(seen) == len(set(seen))
+
+
+def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
+    """Triton's out-of-resources error: the launch retries with smaller tiles, once per
+    configuration; later calls start from the tiles that fit."""
+    from flashedu.triton import backward as bw
+    from flashedu.triton import fast
+    from flashedu.triton import forward as fw
+    from flashedu.triton.config import INTERPRETER, Tiles
+
+    q, k, v, do = (x.detach() for x in _qkv(1, 2, 2, 50, 45, 16) + (torch.randn(1, 2, 50, 16),))
+    kw = dict(is_causal=True, scale=0.25, block_mask=None, interpreted=True)
+    o_ref, lse2_ref = fw.forward(q, k, v, tiles=INTERPRETER.forward, **kw)
+    ref = bw.backward(q, k, v, o_ref, lse2_ref, do, config=INTERPRETER, **kw)
+    real_launch, real_run = fast.launch, fast.run
+    tried = []
+
+    def picky_launch(kernel, grid, args, consts, switches):
+        tried.append((consts["Br"], consts["Bc"]))
+        if consts["Br"] * consts["Bc"] > 16 * 16:
+            raise fast.OUT_OF_RESOURCES(300000, 232448, "shared memory")
+        return real_launch(kernel, grid, args, consts, switches)
+
+    def picky_run(kernel, grid, args, consts):
+        if kernel is bw.backward_kernel and consts["Br1"] * consts["Bc1"] > 16 * 16:
+            raise fast.OUT_OF_RESOURCES(300000, 232448, "shared memory")
+        return real_run(kernel, grid, args, consts)
+
+    monkeypatch.setattr(fast, "launch", picky_launch)
+    monkeypatch.setattr(fast, "run", picky_run)
+    monkeypatch.setattr(fw, "_SHRUNK", {})
+    monkeypatch.setattr(bw, "_SHRUNK", {})
+    with pytest.warns(UserWarning, match="smaller tiles"):
+        o, lse2 = fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    assert tried == [(32, 16), (32, 16), (16, 16)]  # one stage fewer, then Br halved
+    assert _err(o, reference_attention(q, k, v, is_causal=True, scale=0.25)) < 1e-5
+    tried.clear()
+    fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    assert tried == [(16, 16)]  # remembered
+    config = dataclasses.replace(INTERPRETER, dkdv=Tiles(16, 32, 4, 1))
+    with pytest.warns(UserWarning, match="smaller tiles"):
+        grads = bw.backward(q, k, v, o, lse2, do, config=config, **kw)
+    assert all(_err(a, b) < 1e-5 for a, b in zip(grads, ref))
+    assert list(bw._SHRUNK.values())[0].dkdv == Tiles(16, 16, 4, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="forcing another GPU's tile table on this one needs a CUDA GPU")
+@pytest.mark.parametrize("table", ["sm75", "sm80", "sm86", "sm89", "sm90"])
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_forced_tile_table(table, d, dtype, monkeypatch):
+    """Another GPU's tiles (FLASHEDU_TILE_TABLE), run on this one: forward and backward,
+    causal and not, GQA and ragged sizes, within the tolerance of the float64 reference."""
+    from flashedu.triton import config
+
+    monkeypatch.setenv(config.TABLE_ENV, table)
+    config.device_table_name.cache_clear()
+    config._device_config.cache_clear()
+    try:
+        assert config.kernel_config(d, dtype == torch.float32, False) == \
+            config.table(table, dtype == torch.float32)[config.padded_head_dim(d)]
+        for causal in (False, True):
+            _check(*_qkv(2, 4, 2, 300, 200 if causal else 333, d, dtype), is_causal=causal)
+    finally:
+        config.device_table_name.cache_clear()
+        config._device_config.cache_clear()

@@ -26,7 +26,7 @@ import triton.language as tl
 from .backward import preprocess
 from .config import padded_head_dim
 from .forward import (LOG2E, _forward_step, _store_output, dot_precision, forward_launch,
-                      interpreter_fp32, load_tile)
+                      interpreter_fp32, load_tile, outputs_like)
 
 # --- forward: natural exp, and one masked loop ---------------------------------------------
 
@@ -80,7 +80,7 @@ def _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n, row
 @triton.jit
 def forward_variant_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                           stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                           stride_vb, stride_vh, stride_vn,
                            stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                            H, GROUP, Nq, Nk, d,
                            Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -126,7 +126,7 @@ def forward_variant_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
     if NATURAL_EXP:  # m_i in natural-log units: L_i = m_i + ln(l_i), stored in base 2
         m_i = m_i * 1.4426950408889634
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
-                  stride_ob, stride_oh, stride_on)
+                  stride_qb, stride_qh, stride_qn)
 
 
 def forward(q, k, v, *, is_causal, scale, tiles, interpreted, natural_exp=False,
@@ -134,7 +134,7 @@ def forward(q, k, v, *, is_causal, scale, tiles, interpreted, natural_exp=False,
     """(O, L2) as ``forward.forward`` returns them, computed by a variant (both switches False:
     the production code). Launched by the production launch code; TMA is not used."""
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
-    o = torch.empty_like(q32)
+    (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
                                         qk_scale=scale if natural_exp else scale * LOG2E,

@@ -10,6 +10,8 @@ boundaries on small problems, and the interpreter's cost grows with the tile are
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, replace
 
 MAX_HEAD_DIM = 256
@@ -97,8 +99,119 @@ def padded_head_dim(d: int) -> int:
     return max(MIN_TILE, 1 << (d - 1).bit_length())
 
 
-def kernel_config(d: int, is_fp32: bool, interpreted: bool) -> KernelConfig:
+# ------------------------------------------------------------------------------------------
+# Other GPUs: tiles that fit the device's shared memory
+# ------------------------------------------------------------------------------------------
+#
+# The table above was tuned on an H100 (227 KB of shared memory per block). Another GPU gets a
+# table built for its shared memory per block: for each head dim the largest candidate tiles
+# whose estimated footprint fits. The estimate counts the tiles a program keeps in shared
+# memory: its own tile (Q_i, or K_j and V_j), the streamed tiles times the pipeline stages,
+# and the P_ij / dS_ij operand of the second product. Should Triton still need more than the
+# device has, the launch retries with smaller tiles (``smaller``).
+
+SMEM_PER_BLOCK = {  # bytes a block may use, by compute capability (CUDA programming guide)
+    "sm75": 64 * 1024, "sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024,
+    "sm90": 227 * 1024,
+}
+TABLE_ENV = "FLASHEDU_TILE_TABLE"  # e.g. sm80: use that GPU's table on this one (testing)
+
+# (Br, Bc, num_stages), largest first; warps: 8 for 128-row tiles at d >= 128, else 4.
+_FORWARD_CANDIDATES = [(128, 64, 3), (128, 64, 2), (64, 64, 2), (64, 32, 2), (32, 32, 2),
+                       (32, 32, 1), (16, 32, 1), (16, 16, 1)]
+_DKDV_CANDIDATES = [(32, 128, 2), (32, 64, 2), (16, 64, 2), (16, 32, 2), (16, 32, 1),
+                    (16, 16, 1)]
+_DQ_CANDIDATES = [(128, 64, 2), (64, 64, 2), (64, 32, 2), (32, 32, 2), (32, 32, 1),
+                  (16, 32, 1), (16, 16, 1)]
+
+
+def smem_estimate(kind: str, Br: int, Bc: int, stages: int, D: int, elem: int) -> int:
+    """Estimated bytes of shared memory of one program: ``kind`` is "forward", "dkdv" or "dq"."""
+    stages = max(stages, 1)
+    if kind == "forward":  # Q_i; K_j, V_j per stage; P_ij
+        return (Br * D + stages * 2 * Bc * D + Br * Bc) * elem
+    if kind == "dkdv":  # K_j, V_j; Q_i, dO_i per stage; P_ij^T and dS_ij^T
+        return (2 * Bc * D + stages * 2 * Br * D + 2 * Br * Bc) * elem
+    if kind == "dq":  # Q_i, dO_i; K_j, V_j per stage; dS_ij
+        return (2 * Br * D + stages * 2 * Bc * D + Br * Bc) * elem
+    raise ValueError(f"kind must be forward, dkdv or dq, got {kind!r}")
+
+
+def _fit(kind, candidates, D, elem, budget) -> Tiles:
+    for Br, Bc, stages in candidates:
+        if smem_estimate(kind, Br, Bc, stages, D, elem) <= budget:
+            warps = 8 if kind != "dkdv" and Br >= 128 and D >= 128 else 4
+            return Tiles(Br, Bc, warps, stages)
+    Br, Bc, stages = candidates[-1]
+    return Tiles(Br, Bc, 4, stages)
+
+
+def safe_table(smem_bytes: int, elem: int) -> dict:
+    """{padded head dim: KernelConfig} whose estimated footprints fit ``smem_bytes`` (with a
+    tenth kept back for what the estimate misses), for inputs of ``elem`` bytes."""
+    budget = int(smem_bytes * 0.9)
+    return {D: KernelConfig(_fit("forward", _FORWARD_CANDIDATES, D, elem, budget),
+                            _fit("dkdv", _DKDV_CANDIDATES, D, elem, budget),
+                            _fit("dq", _DQ_CANDIDATES, D, elem, budget), fused_backward=False)
+            for D in (16, 32, 64, 128, 256)}
+
+
+def table(name: str, is_fp32: bool) -> dict:
+    """The tile table of a GPU named by its compute capability ("sm90", "sm80", ...)."""
+    if name == "sm90":
+        return GPU_FP32 if is_fp32 else GPU_16BIT
+    if name not in SMEM_PER_BLOCK:
+        raise ValueError(f"{TABLE_ENV}: tables exist for {sorted(SMEM_PER_BLOCK)}, got {name!r}")
+    return safe_table(SMEM_PER_BLOCK[name], 4 if is_fp32 else 2)
+
+
+@functools.lru_cache(maxsize=None)
+def device_table_name(index: int) -> str:
+    """The table a CUDA device gets: its own compute capability's where flashedu has one (sm_90
+    and newer: the tuned table), else a table fitted to its shared memory per block."""
+    import torch
+
+    forced = os.environ.get(TABLE_ENV)
+    if forced:
+        table(forced, False)  # an unknown name is an error now, not at the first launch
+        return forced
+    major, minor = torch.cuda.get_device_capability(index)
+    if major >= 9:
+        return "sm90"
+    name = f"sm{major}{minor}"
+    if name in SMEM_PER_BLOCK:
+        return name
+    smem = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    SMEM_PER_BLOCK[name] = smem
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _device_config(index: int, D: int, is_fp32: bool) -> KernelConfig:
+    return table(device_table_name(index), is_fp32)[D]
+
+
+def kernel_config(d: int, is_fp32: bool, interpreted: bool, device=None) -> KernelConfig:
+    """The tile table entry for head dim d: small tiles under the interpreter; on a GPU the
+    table of ``device`` (None: the current CUDA device)."""
     if interpreted:
         return INTERPRETER
-    table = GPU_FP32 if is_fp32 else GPU_16BIT
-    return table[padded_head_dim(d)]
+    import torch
+
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return _device_config(index, padded_head_dim(d), bool(is_fp32))
+
+
+def smaller(tiles: Tiles) -> Tiles | None:
+    """The next tiles to try after Triton reported too little shared memory or registers:
+    one pipeline stage fewer, then the larger tile side halved (not below 16); None when
+    nothing is left to shrink."""
+    if tiles.num_stages > 1:
+        return replace(tiles, num_stages=tiles.num_stages - 1)
+    if max(tiles.Br, tiles.Bc) > MIN_TILE:
+        if tiles.Br >= tiles.Bc:
+            return replace(tiles, Br=tiles.Br // 2)
+        return replace(tiles, Bc=tiles.Bc // 2)
+    return None

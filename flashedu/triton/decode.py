@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
+from . import fast
 from .config import padded_head_dim
 from .forward import LOG2E, _forward_step, dot_precision, interpreter_fp32, load_tile
 
@@ -165,17 +166,20 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     HEAD_DIM = padded_head_dim(d)
     O_part = torch.empty((B, H, S, Nq, HEAD_DIM), dtype=torch.float32, device=q.device)
     L_part = torch.empty((B, H, S, Nq), dtype=torch.float32, device=q.device)
-    split_kernel[(S, B * H // heads)](
-        q, k, v, O_part, L_part, scale * LOG2E, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], H, H // Hkv, heads, Nq, Nk, d, chunk, S,
-        BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc, HEAD_DIM=HEAD_DIM,
-        IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
-        **({} if interpreted else {"num_warps": 4, "num_stages": 3}))
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
+    fast.run(split_kernel, (S, B * H // heads),
+             (q, k, v, O_part, L_part, scale * LOG2E, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+              sv[0], sv[1], sv[2], H, H // Hkv, heads, Nq, Nk, d, chunk, S),
+             dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc, HEAD_DIM=HEAD_DIM,
+                  IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
+                  **({} if interpreted else {"num_warps": 4, "num_stages": 3})))
 
     out = torch.empty_like(q)  # float32 under the interpreter: cast back below
     lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-    combine_kernel[(B * H, Nq)](O_part, L_part, out, lse2, *out.stride()[:3], H, Nq, d, S,
-                                BLOCK_S=triton.next_power_of_2(S), HEAD_DIM=HEAD_DIM)
+    so = out.stride()
+    fast.run(combine_kernel, (B * H, Nq),
+             (O_part, L_part, out, lse2, so[0], so[1], so[2], H, Nq, d, S),
+             dict(BLOCK_S=triton.next_power_of_2(S), HEAD_DIM=HEAD_DIM))
     out = out.to(dtype)
     if return_lse:
         return out, lse2 * math.log(2.0)  # -inf stays -inf

@@ -12,6 +12,8 @@ launch warns once, remembers the settings, and runs the pointer version.
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 
 import triton
@@ -19,17 +21,44 @@ import triton
 _NO_FAST: set = set()  # launch settings whose fast build failed
 OFF = {"TMA": False, "WARP_SPECIALIZE": False}
 
+try:  # raised when a kernel needs more shared memory or registers than the device has
+    from triton.runtime.errors import OutOfResources as OUT_OF_RESOURCES
+except ImportError:  # pragma: no cover - every Triton 3 has it
+    class OUT_OF_RESOURCES(Exception):  # noqa: N801
+        pass
+
+
+def shrink(key, tiles, exc, remembered: dict):
+    """After Triton's out-of-resources error: the next smaller tiles (config.smaller), kept in
+    ``remembered[key]`` so that later calls of this configuration start from them. Raises the
+    error again when no smaller tiles are left."""
+    from .config import smaller
+
+    new = smaller(tiles)
+    if new is None:
+        raise exc
+    warnings.warn(f"flashedu: {exc}; retrying with smaller tiles {new}", stacklevel=3)
+    remembered[key] = new
+    return new
+
 
 def tma_ok(*tensors) -> bool:
     """The copy engine (Hopper and newer) needs 16-byte aligned base addresses and strides."""
     import torch
 
     t0 = tensors[0]
-    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+    if t0.device.type != "cuda" or _major(t0.device.index) < 9:
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
                for t in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index) -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def switches(tiles, interpreted: bool, *tensors) -> dict:
@@ -42,26 +71,34 @@ def switches(tiles, interpreted: bool, *tensors) -> dict:
 def launch(kernel, grid, args, consts: dict, fast: dict):
     """kernel[grid](*args, **consts, **fast), or the pointer version where fast does not build."""
     if fast == OFF:  # the common case pays for no bookkeeping
-        return kernel[grid](*args, **consts, **fast)
-    key = (getattr(kernel, "__name__", str(kernel)), tuple(sorted(consts.items())),
-           tuple(str(a.dtype) for a in args if hasattr(a, "dtype")))
+        return run(kernel, grid, args, {**consts, **fast})
+    key = (kernel, tuple(consts.items()), args[0].dtype)
     if key in _NO_FAST:
-        return kernel[grid](*args, **consts, **OFF)
+        return run(kernel, grid, args, {**consts, **OFF})
     if fast["TMA"]:
         ensure_allocator()
     try:
-        return kernel[grid](*args, **consts, **fast)
+        return run(kernel, grid, args, {**consts, **fast})
+    except OUT_OF_RESOURCES:
+        raise  # the caller retries with smaller tiles
     except Exception as exc:  # noqa: BLE001 - only the TMA / warp-specialized build may fail
         warnings.warn(f"flashedu: the TMA / warp-specialized kernel did not build on this "
                       f"Triton ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                       f"using the pointer version for these settings", stacklevel=3)
         _NO_FAST.add(key)
-        return kernel[grid](*args, **consts, **OFF)
+        return run(kernel, grid, args, {**consts, **OFF})
+
+
+_ALLOCATOR_CHECKED = False
 
 
 def ensure_allocator():
     """Descriptors made inside a kernel live in scratch memory that Triton asks an allocator
     for: install one backed by torch, unless the user has set their own."""
+    global _ALLOCATOR_CHECKED
+    if _ALLOCATOR_CHECKED:
+        return
+    _ALLOCATOR_CHECKED = True
     try:
         from triton.runtime import _allocation
 
@@ -76,3 +113,97 @@ def ensure_allocator():
         return torch.empty(size, dtype=torch.int8, device="cuda")
 
     triton.set_allocator(alloc)
+
+
+# ------------------------------------------------------------------------------------------
+# Launching a compiled kernel again without Triton's dispatch
+# ------------------------------------------------------------------------------------------
+#
+# ``kernel[grid](*args)`` binds every argument, works out what Triton specializes on (the
+# dtype and 16-byte alignment of each tensor, the width and divisibility by 16 of each int),
+# hashes that into a cache key and looks the compiled kernel up: about 100 us of Python for a
+# kernel of 40-70 arguments, more than the kernel itself at small sizes. ``launch`` keeps the
+# CompiledKernel that the first call returned, under a key holding everything Triton
+# specializes on (a finer key is safe: it only compiles or looks up more often), and starts it
+# directly the next time, as the end of Triton's own ``JITFunction.run`` does. It falls back to
+# the normal call under the interpreter, while a launch hook is set (profilers), for
+# arguments it cannot key, and for good if a direct start ever fails.
+
+FAST_LAUNCH = os.environ.get("FLASHEDU_FAST_LAUNCH", "1") != "0"  # False: always kernel[grid]
+_COMPILED: dict = {}  # (kernel, device, consts, argument key) -> (CompiledKernel, trailing args)
+_I32 = (-(2 ** 31), 2 ** 31)
+
+
+def _arg_key(a):
+    """What Triton specializes a runtime argument on (finer where that is cheaper to compute)."""
+    if type(a) is int:
+        return (a % 16 == 0, a == 1, _I32[0] <= a < _I32[1], a >= 2 ** 63)
+    if type(a) is float:
+        return "f"
+    if a is None:
+        return None
+    dtype = getattr(a, "dtype", None)
+    if dtype is not None and hasattr(a, "data_ptr"):
+        return (dtype, a.data_ptr() % 16 == 0)
+    if type(a) is bool:
+        return ("b", a)
+    raise _Unkeyable
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _hooks_set() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return True  # an older Triton: keep to its own path
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+
+
+def _direct_ok(kernel) -> bool:
+    from triton.runtime.jit import JITFunction
+
+    return FAST_LAUNCH and isinstance(kernel, JITFunction) and not _hooks_set()
+
+
+def run(kernel, grid, args, consts: dict):
+    """``kernel[grid](*args, **consts)``; repeated launches skip Triton's dispatch.
+    Returns the CompiledKernel (None under the interpreter)."""
+    global FAST_LAUNCH
+    if not _direct_ok(kernel):
+        return kernel[grid](*args, **consts)
+    import torch
+
+    device = torch.cuda.current_device()
+    try:
+        key = (kernel, device, tuple(consts.items()), tuple(map(_arg_key, args)))
+    except _Unkeyable:
+        return kernel[grid](*args, **consts)
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **consts)
+        names = kernel.arg_names[len(args):]  # the constexprs, given by keyword or defaulted
+        defaults = {p.name: p.default for p in kernel.params}
+        _COMPILED[key] = (compiled, tuple(consts[n] if n in consts else defaults[n]
+                                          for n in names))
+        return compiled
+    compiled, tail = hit
+    try:
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
+    except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs: its own path
+        warnings.warn(f"flashedu: launching a compiled kernel directly failed on this Triton "
+                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); using "
+                      f"Triton's dispatch from now on", stacklevel=3)
+        FAST_LAUNCH = False
+        _COMPILED.clear()
+        return kernel[grid](*args, **consts)
+    return compiled
+
+
+def compiled_kernels():
+    """[(kernel name, constexprs and launch options, CompiledKernel)] launched so far: their
+    ``metadata.shared`` (bytes of shared memory), ``n_regs`` and ``n_spills``."""
+    return [(getattr(k[0], "__name__", str(k[0])), dict(k[2]), v[0]) for k, v in _COMPILED.items()]

@@ -19,7 +19,7 @@ variants of ``ablations.py``):
 
 from __future__ import annotations
 
-import math
+import functools
 
 import triton
 import triton.language as tl
@@ -111,7 +111,7 @@ def _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
 @triton.jit
 def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                   stride_vb, stride_vh, stride_vn,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                    H, GROUP, Nq, Nk, d,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -181,7 +181,7 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                                           stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
                                           IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA)
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
-                  stride_ob, stride_oh, stride_on)
+                  stride_qb, stride_qh, stride_qn)  # O has Q's strides (forward_launch)
 
 
 def dot_precision(dtype) -> str:
@@ -203,25 +203,57 @@ def interpreter_fp32(interpreted: bool, *tensors):
                  for t in tensors)
 
 
-def forward_launch(q, k, v, o, lse2, *, is_causal, qk_scale, block_mask, tiles, interpreted):
-    """(grid, args, consts) of forward_kernel for these tensors: shared with the variants of
-    ``ablations.py``, whose kernels take the same arguments."""
+# The block-sparse lists and their strides of a dense launch: None, which Triton compiles as
+# a constant (the SPARSE branches that would read them are not compiled at all).
+NO_LISTS = (None, None, None, (None,) * 5)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, tiles, interpreted):
+    """The constexprs and launch options of forward_kernel: computed once per configuration."""
     from . import sparse
     from .config import padded_head_dim
 
+    HEAD_DIM = padded_head_dim(d)
+    return dict(Br=tiles.Br, Bc=tiles.Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal,
+                SPARSE=sparse_, SPARSE_MASK=sparse.needs_mask(is_causal, Nq, Nk, tiles.Br, tiles.Bc),
+                EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(dtype),
+                **({} if interpreted else tiles.launch()))
+
+
+def forward_launch(q, k, v, o, lse2, *, is_causal, qk_scale, block_mask, tiles, interpreted):
+    """(grid, args, consts) of forward_kernel for these tensors: shared with the variants of
+    ``ablations.py``, whose kernels take the same arguments. ``o`` must have q's strides."""
+    from . import sparse
+
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    Br, Bc, HEAD_DIM = tiles.Br, tiles.Bc, padded_head_dim(d)
-    num, full, idx, idx_strides = sparse.kernel_lists(block_mask, Br, Bc, False, q.device,
-                                                       is_causal)
-    args = (q, k, v, o, lse2, num, full, idx, qk_scale,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *idx_strides,
-            H, H // Hkv, Nq, Nk, d)
-    consts = dict(Br=Br, Bc=Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal,
-                  SPARSE=block_mask is not None,
-                  SPARSE_MASK=sparse.needs_mask(is_causal, Nq, Nk, Br, Bc), EVEN_D=HEAD_DIM == d,
-                  DOT_PREC=dot_precision(q.dtype), **({} if interpreted else tiles.launch()))
-    return (math.ceil(Nq / Br), B * H), args, consts
+    if block_mask is None:
+        num, full, idx, idx_strides = NO_LISTS
+    else:
+        num, full, idx, idx_strides = sparse.kernel_lists(block_mask, tiles.Br, tiles.Bc, False,
+                                                           q.device, is_causal)
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
+    args = (q, k, v, o, lse2, num, full, idx, qk_scale, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+            sv[0], sv[1], sv[2], *idx_strides, H, H // Hkv, Nq, Nk, d)
+    consts = dict(_launch_consts(Nq, Nk, d, q.dtype, is_causal, block_mask is not None, tiles,
+                                 interpreted))
+    return (-(-Nq // tiles.Br), B * H), args, consts
+
+
+def outputs_like(*tensors):
+    """Empty tensors with the strides of ``tensors`` (the kernels write each output with its
+    input's strides); inputs whose memory overlaps or has gaps are copied to contiguous first."""
+    import torch
+
+    outs = [torch.empty_like(t) for t in tensors]
+    if all(o.stride() == t.stride() for o, t in zip(outs, tensors)):
+        return tensors, outs
+    tensors = tuple(t.contiguous() for t in tensors)
+    return tensors, [torch.empty_like(t) for t in tensors]
+
+
+_SHRUNK: dict = {}  # tiles whose launch ran out of resources -> the tiles that fit
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
@@ -232,10 +264,17 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
     from . import fast
 
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
-    o = torch.empty_like(q32)
+    (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
-                                        qk_scale=scale * LOG2E, block_mask=block_mask,
-                                        tiles=tiles, interpreted=interpreted)
-    fast.launch(forward_kernel, grid, args, consts, fast.switches(tiles, interpreted, k, v))
-    return o.to(q.dtype), lse2
+    key = (tiles, q.shape[-1], q.dtype)
+    tiles = _SHRUNK.get(key, tiles)
+    while True:
+        grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
+                                            qk_scale=scale * LOG2E, block_mask=block_mask,
+                                            tiles=tiles, interpreted=interpreted)
+        try:
+            fast.launch(forward_kernel, grid, args, consts, fast.switches(tiles, interpreted, k, v))
+            break
+        except fast.OUT_OF_RESOURCES as exc:
+            tiles = fast.shrink(key, tiles, exc, _SHRUNK)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2

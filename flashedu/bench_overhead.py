@@ -1,0 +1,181 @@
+"""``flashedu bench overhead``: wall time per call where the host, not the GPU, sets the pace.
+
+At small sizes an attention call costs what the Python around its kernels costs: argument
+checks, allocations, and each launch's dispatch. This benchmark times one call two ways, for
+flashedu's triton backend and its peers (SDPA's flash and cuDNN backends, selected explicitly
+with ``sdpa_kernel``, and FlexAttention), in one process:
+
+- wall: ``time.perf_counter`` around many calls, each followed by ``torch.cuda.synchronize()``
+  (what a training step that waits for its result pays per call);
+- do_bench: the median of ``triton.testing.do_bench`` (launches queued back to back: the GPU
+  time once the host keeps ahead of it).
+
+Modes: the forward alone, and forward + backward (one step of training: out, then
+out.backward(dout)). Shapes (B, H, N, d): tiny (1, 2, 128, 64), gpt (8, 12, 512, 64; the
+course's GPT), n1024 (4, 32, 1024, 64) and n1024-d128 (4, 16, 1024, 128).
+
+    flashedu bench overhead                                   # causal, every shape and mode
+    flashedu bench overhead --shapes gpt --causal true false --json overhead.json
+    flashedu bench overhead --providers flashedu flashedu-dispatch sdpa-flash
+
+``flashedu-dispatch`` is flashedu with every launch through Triton's own dispatch (the
+compiled-kernel cache of ``flashedu.triton.fast`` off); ``--baseline PATH`` adds another
+checkout's triton backend as ``baseline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .bench import (EXTRA_PROVIDERS, Case, boolean, check_baseline, environment, make_forward,
+                    positive_int)
+
+SHAPES = {  # (B, H, N, d)
+    "tiny": (1, 2, 128, 64),
+    "gpt": (8, 12, 512, 64),
+    "n1024": (4, 32, 1024, 64),
+    "n1024-d128": (4, 16, 1024, 128),
+}
+PROVIDERS = ("flashedu", "flashedu-dispatch", "sdpa-flash", "sdpa-cudnn", "flex")
+MODES = ("fwd", "fwd+bwd")
+
+
+def step(provider: str, shape, causal: bool, mode: str, dtype):
+    """A zero-argument function running one call (one forward, or forward + backward)."""
+    import torch
+
+    B, H, N, d = shape
+    case = Case(N, d, causal, "fwd", None, str(dtype).removeprefix("torch."))
+    g = torch.Generator(device="cuda").manual_seed(B * N + d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=g,
+                           requires_grad=mode != "fwd") for _ in range(3))
+    forward = make_forward(provider, case, q, k, v)
+    if mode == "fwd":
+        return forward, []
+    dout = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+
+    def train_step():
+        forward().backward(dout)
+    return train_step, [q, k, v]
+
+
+def measure(fn, grads, iters: int) -> dict:
+    """{"wall_us", "bench_us"}: perf_counter over synchronized calls, do_bench's median."""
+    import torch
+    from triton.testing import do_bench
+
+    for _ in range(3):  # compile, and fill every cache on the way
+        fn()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(3):  # the best of three rounds: another process's burst hits one at most
+        start = time.perf_counter()
+        for _ in range(iters):
+            for t in grads:
+                t.grad = None
+            fn()
+            torch.cuda.synchronize()
+        walls.append((time.perf_counter() - start) / iters * 1e6)
+    ms = do_bench(fn, warmup=25, rep=100, grad_to_none=grads or None, return_mode="median")
+    return {"wall_us": min(walls), "bench_us": ms * 1e3}
+
+
+def run_all(shapes, causals, modes, providers, dtype, iters, progress=True) -> list[dict]:
+    import torch
+
+    rows = []
+    for name in shapes:
+        for causal in causals:
+            for mode in modes:
+                for provider in providers:
+                    row = {"shape": name, "BHNd": SHAPES[name], "causal": causal, "mode": mode,
+                           "provider": provider}
+                    try:
+                        fn, grads = step(provider, SHAPES[name], causal, mode, dtype)
+                        row.update(measure(fn, grads, iters))
+                    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+                    finally:
+                        torch.cuda.empty_cache()
+                    rows.append(row)
+                    if progress:
+                        got = (f"wall {row['wall_us']:.0f} us, do_bench {row['bench_us']:.0f} us"
+                               if "wall_us" in row else row["error"])
+                        print(f"  {name} {'causal' if causal else 'dense'} {mode} {provider}: "
+                              f"{got}", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows, providers) -> str:
+    """One line per (shape, causal, mode): each provider's wall / do_bench microseconds, and
+    flashedu's wall time over SDPA-flash's (< 1: flashedu's calls are cheaper)."""
+    head = f"{'case':<26}" + "".join(f"{p:>20}" for p in providers) + f"{'wall vs sdpa-flash':>20}"
+    lines = ["cells: wall us per call / do_bench us", head, "-" * len(head)]
+    cases = {}
+    for r in rows:
+        cases.setdefault((r["shape"], r["causal"], r["mode"]), {})[r["provider"]] = r
+    for (shape, causal, mode), by in cases.items():
+        line = f"{shape + (' causal ' if causal else ' dense ') + mode:<26}"
+        for p in providers:
+            r = by.get(p, {})
+            cell = (f"{r['wall_us']:.0f} / {r['bench_us']:.0f}" if "wall_us" in r
+                    else r.get("error", "")[:18])
+            line += f"{cell:>20}"
+        me, fa2 = by.get("flashedu", {}), by.get("sdpa-flash", {})
+        ratio = f"{me['wall_us'] / fa2['wall_us']:.2f}x" if "wall_us" in me and "wall_us" in fa2 \
+            else "-"
+        lines.append(line + f"{ratio:>20}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="flashedu bench overhead",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--causal", type=boolean, nargs="+", default=[True],
+                   help="causal values to run (true/false)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS),
+                   choices=PROVIDERS + EXTRA_PROVIDERS)
+    p.add_argument("--baseline", default=None, metavar="PATH",
+                   help="another checkout's flashedu/ folder: its triton backend is timed too")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--iters", type=positive_int, default=200,
+                   help="synchronized calls per wall-time round")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--quiet", action="store_true", help="no line per measurement")
+    args = p.parse_args(argv)
+    if "flashedu" not in args.providers:
+        args.providers.insert(0, "flashedu")
+    check_baseline(p, args)
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    from . import runtime
+
+    if not runtime.configure()["gpu"]:
+        print("flashedu bench overhead: wall time per call needs a CUDA GPU; none is visible "
+              "here, so nothing is timed.")
+        return 0
+    import torch
+
+    env = environment(["overhead", *argv])
+    rows = run_all(args.shapes, args.causal, args.modes, args.providers,
+                   getattr(torch, args.dtype), args.iters, progress=not args.quiet)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**env, "rows": rows}, f, indent=1)
+    print(f"\n{env['device']}  torch {env['torch']}  triton {env['triton']}  "
+          f"commit {env['commit']}  {args.dtype}")
+    print(table(rows, args.providers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

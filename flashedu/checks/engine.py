@@ -5,16 +5,30 @@ in plain words) and a way to call the learner's object on a case (directly for t
 exercises, through a launcher for the numba and Triton kernels). Each case is checked in this
 order, and the first problem found is the one reported:
 
-1. it finished in time, and did not raise (NotImplementedError means "not implemented yet");
+1. it finished in time, and did not raise;
 2. it returned what the contract says (a tuple of the right length, arrays of the right shape
    and dtype);
 3. it left its inputs alone;
 4. every output is within tolerance of the float64 reference (see :mod:`.compare`);
-5. the case's probe agrees (memory, blocks it must skip, shared memory, writes out of bounds).
+5. the case's probe agrees (memory, blocks it must skip, shared memory, reads and writes out of
+   bounds).
+
+Running a case has two halves. :func:`execute_case` calls the learner's object and gathers what
+happened (the :class:`~.sandbox.Call`: the value, an error, the time, the memory, what the
+probes counted, the inputs after the call); :func:`judge_case` compares that with the case's
+reference. The notebook's ``check()`` runs both in one process; ``flashedu check`` runs the
+first half in the learner's kernel and the second in its own process, where the references,
+tolerances and comparisons live and the learner's code never runs (see :mod:`.grade`).
+
+Inputs are drawn fresh for every check from a seed (``run_seed()``) that the message reports,
+so that a failure can be reproduced (``check(name, fn, seed=...)``) and no table of answers
+for fixed inputs can pass.
 """
 
 from __future__ import annotations
 
+import secrets
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +36,22 @@ import numpy as np
 
 from . import compare
 from .result import FAILED, NOT_IMPLEMENTED, PASSED, SKIPPED, CaseResult, CheckResult
-from .sandbox import Call, brief_traceback, call_limited
+from .sandbox import Call, call_limited, error_text, forbidden_uses, shortcuts_blocked
+
+_SEED = threading.local()  # each grading thread (flashedu check --jobs) its own
+
+
+def run_seed() -> int:
+    """The seed of the inputs of the check being built (fresh for every check)."""
+    return getattr(_SEED, "value", 0)
+
+
+def new_seed() -> int:
+    return secrets.randbelow(2**31)
+
+
+def set_seed(seed: int) -> None:
+    _SEED.value = int(seed)
 
 
 @dataclass
@@ -33,6 +62,9 @@ class Case:
     outputs: tuple  # names of the returned arrays, e.g. ("O", "L")
     expected: tuple  # float64 reference of each output
     naive: tuple = ()  # each output computed naively in the case's dtype: sets the tolerance
+    # other correct computations in the case's dtype (each a tuple of outputs, e.g. O kept
+    # normalized key by key, or D_i = rowsum(P_ij * dP_ij)): the tolerance covers the worst
+    variants: tuple = ()
     kwargs: dict = field(default_factory=dict)
     inputs: tuple = ()  # names of the array arguments, in order (for the mutation check)
     dtype: object = np.float64
@@ -42,6 +74,9 @@ class Case:
     needs_pass: bool = False  # run only if every earlier case passed (the costly probes)
     floor_scale: float = 1.0  # widen the dtype's error floor (e.g. TF32 dots on a GPU)
     block_q: int | None = None  # Br, when the case has Q tiles (for the diagnosis)
+    # (name, *params) of a PREPARE function run where the learner's code runs, just before the
+    # call: it wraps the inputs in watchers; what they saw comes back as call.evidence
+    prepare: tuple | None = None
 
 
 @dataclass
@@ -54,18 +89,71 @@ class Exercise:
     diagnose: Callable | None = None  # (case, wrong: {name: rows}, outputs) -> extra hint
     timeout: float = 20.0
     requires: Callable | None = None  # () -> reason this machine cannot run it, or None
-    unfilled: Callable | None = None  # (fn) -> True when it is still the skeleton (kernels)
+    unfilled: Callable | None = None  # (fn) -> True while it is still the exact skeleton
+    inspect: Callable | None = None  # (fn) -> problem text when fn is not a kernel (or None)
+    blocked: bool = True  # flashedu's references, torch softmax/SDPA off during the call
 
 
-def run_exercise(ex: Exercise, fn) -> CheckResult:
+# name -> prepare(args, *params) -> (args, collect); collect() -> evidence dict. Filled by the
+# exercise modules; looked up by name so that a case can travel to another process.
+PREPARE: dict[str, Callable] = {}
+
+
+def preflight(ex: Exercise, fn) -> tuple[str, str] | None:
+    """(status, message) when ``fn`` cannot be graded at all, else None. Runs where the
+    learner's code lives (it looks at the object)."""
     problem = _not_checkable(ex, fn)
     if problem:
-        return _result(ex, False, FAILED, problem, [])
-    if ex.unfilled is not None and ex.unfilled(fn):
-        return _result(ex, False, NOT_IMPLEMENTED, "", [])
+        return FAILED, problem
+    if is_unfilled(ex, fn):
+        return NOT_IMPLEMENTED, ""
     unavailable = ex.requires() if ex.requires else None
     if unavailable:
-        return _result(ex, False, FAILED, f"cannot run this check here: {unavailable}", [])
+        return FAILED, f"cannot run this check here: {unavailable}"
+    problem = ex.inspect(fn) if ex.inspect else None
+    if problem is None and ex.blocked:
+        problem = forbidden_uses(fn)
+    if problem:
+        return FAILED, problem
+    return None
+
+
+def is_unfilled(ex: Exercise, fn) -> bool:
+    from .build import PLACEHOLDER
+
+    if ex.unfilled is not None:
+        return bool(ex.unfilled(fn))
+    return source_has_placeholder(fn, PLACEHOLDER)
+
+
+def source_has_placeholder(fn, placeholder) -> bool:
+    """True while the source of ``fn`` still holds the exercise's placeholder, line for line
+    (``# YOUR CODE HERE`` then ``raise NotImplementedError()``): a NotImplementedError that
+    the learner raises on purpose (a guard) does not count."""
+    import inspect
+    import re
+
+    inner = getattr(fn, "py_func", None) or getattr(fn, "fn", None) or fn
+    try:
+        source = inspect.getsource(inner)
+    except (OSError, TypeError):
+        return False
+    pattern = r"^[ \t]*" + re.escape(placeholder[0]) + r"[ \t]*\n[ \t]*" + \
+        re.escape(placeholder[1]) + r"[ \t]*$"
+    return re.search(pattern, source, re.MULTILINE) is not None
+
+
+def run_exercise(ex: Exercise, fn, seed: int | None = None) -> CheckResult:
+    """Both halves in this process (the notebook's ``check()``)."""
+    set_seed(new_seed() if seed is None else seed)
+    early = preflight(ex, fn)
+    if early is not None:
+        return _result(ex, False, early[0], early[1], [])
+    return grade_cases(ex, lambda case: execute_case(ex, fn, case))
+
+
+def grade_cases(ex: Exercise, execute: Callable) -> CheckResult:
+    """Judge every case of ``ex``; ``execute(case) -> Call`` runs the learner's code."""
     rows, first = [], None
     stop = False
     for case in ex.cases():
@@ -73,16 +161,15 @@ def run_exercise(ex: Exercise, fn) -> CheckResult:
             why = "skipped: fix the cases above first" if not stop else "skipped"
             rows.append(CaseResult(case.label, SKIPPED, why))
             continue
-        row, message, status = _run_case(ex, fn, case)
+        row, message, status = judge_case(ex, case, execute(case))
         rows.append(row)
-        if status == NOT_IMPLEMENTED:
-            return _result(ex, False, NOT_IMPLEMENTED, message, [])
         if row.status == FAILED and first is None:
             first = message
         stop = stop or status == "timeout"
+    seed_note = f"(inputs drawn with seed {run_seed()}: check(..., seed={run_seed()}) repeats them)"
     if first is None:
-        return _result(ex, True, PASSED, f"All {len(rows)} cases passed.", rows)
-    return _result(ex, False, FAILED, first, rows)
+        return _result(ex, True, PASSED, f"All {len(rows)} cases passed. {seed_note}", rows)
+    return _result(ex, False, FAILED, f"{first}\n{seed_note}", rows)
 
 
 def _not_checkable(ex: Exercise, fn) -> str | None:
@@ -103,28 +190,46 @@ def _result(ex, passed, status, message, rows) -> CheckResult:
                        status=status, cases=rows)
 
 
-def _run_case(ex: Exercise, fn, case: Case):
-    """(CaseResult, message for the learner, status) for one case."""
-    arrays = [a for a in case.args if isinstance(a, np.ndarray)]
-    snapshot = [a.copy() for a in arrays]
+def execute_case(ex: Exercise, fn, case: Case) -> Call:
+    """Call the learner's object on (copies of) the case's inputs; runs where their code runs."""
+    args = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in case.args)
+    collect = None
+    if case.prepare is not None:
+        args, collect = PREPARE[case.prepare[0]](args, *case.prepare[1:])
     measure = case.memory_budget is not None
-    if ex.invoke is None:
-        call = call_limited(fn, case.args, case.kwargs, timeout=ex.timeout, measure_memory=measure)
-    else:
-        call = ex.invoke(fn, case, ex.timeout, measure)
+    view = _CaseView(case, args)
+    with shortcuts_blocked(ex.blocked):
+        if ex.invoke is None:
+            call = call_limited(fn, args, case.kwargs, timeout=ex.timeout, measure_memory=measure)
+        else:
+            call = ex.invoke(fn, view, ex.timeout, measure)
+    call.inputs_after = [np.asarray(a) for a in args if isinstance(a, np.ndarray)]
+    call.evidence = collect() if collect is not None else {}
+    return call
+
+
+class _CaseView:
+    """What an invoke function sees of a case: its arguments (the learner's copies)."""
+
+    def __init__(self, case, args):
+        self.args, self.kwargs, self.label = args, case.kwargs, case.label
+
+
+def judge_case(ex: Exercise, case: Case, call: Call):
+    """(CaseResult, message for the learner, status) for one case; runs on the trusted side."""
+    arrays = [a for a in case.args if isinstance(a, np.ndarray)]
     outputs, problem, status = None, None, FAILED
     if call.timed_out:
         problem, status = _timeout_text(ex, case), "timeout"
-    elif call.not_implemented:
-        return CaseResult(case.label, FAILED, "not implemented"), "", NOT_IMPLEMENTED
     elif call.error is not None:
-        problem = f"your code raised an error:\n{brief_traceback(call.error)}"
-        if isinstance(call.error, IndexError):
+        problem = f"your code raised an error:\n{error_text(call.error)}"
+        if getattr(call.error, "kind", type(call.error).__name__) == "IndexError" \
+                or isinstance(call.error, IndexError):
             problem += ("\nAn index ran past the end of an array: guard the last, partial "
                         "tiles (e.g. `if row < Nq`, `if j < Nk`).")
     else:
         outputs, problem = _unpack(case, call.value)
-    problem = problem or _mutated(case, arrays, snapshot)
+    problem = problem or _mutated(case, arrays, getattr(call, "inputs_after", None))
     max_err = None
     if problem is None:
         problem, max_err = _compare(ex, case, outputs)
@@ -172,9 +277,15 @@ def _unpack(case: Case, value):
     return out, None
 
 
-def _mutated(case: Case, arrays, snapshot) -> str | None:
+def _mutated(case: Case, arrays, after) -> str | None:
+    if after is None:
+        return None
+    if len(after) != len(arrays):
+        return "the grader could not read back your function's inputs after the call."
     names = case.inputs or tuple(f"argument {k}" for k in range(len(arrays)))
-    for name, now, before in zip(names, arrays, snapshot):
+    for name, before, now in zip(names, arrays, after):
+        if np.shape(now) != np.shape(before):
+            return f"your function changed the shape of its input {name}."
         # plain views: comparing must not trigger an input's own ufunc hooks (see _Streamed)
         if not np.array_equal(np.asarray(now), np.asarray(before), equal_nan=True):
             return (f"your function changed its input {name} in place (an `{name} *= ...`, "
@@ -187,9 +298,10 @@ def _compare(ex: Exercise, case: Case, outputs: dict):
     """(problem or None, max error over outputs)."""
     naive = case.naive or (None,) * len(case.outputs)
     wrong, lines, worst = {}, [], 0.0
-    for name, ref, slow in zip(case.outputs, case.expected, naive):
+    for k, (name, ref, slow) in enumerate(zip(case.outputs, case.expected, naive)):
         got = outputs[name]
-        tol = compare.tolerance(case.dtype, slow, ref, case.floor_scale)
+        candidates = [slow] + [v[k] for v in case.variants]
+        tol = compare.tolerance(case.dtype, candidates, ref, case.floor_scale)
         err = compare.error(got, ref)
         worst = max(worst, err)
         if err > tol:

@@ -1,15 +1,23 @@
-"""``flashedu check NOTEBOOK.ipynb [...]``: run learners' notebooks and print a score table.
+"""``flashedu check NOTEBOOK.ipynb [...]``: grade learners' notebooks and print a score table.
 
-Each notebook runs top to bottom in a fresh kernel (nbclient), with errors allowed so that one
-broken cell does not stop the grading, and a time limit per cell. Then one more cell, added by the
-grader, checks every exercise of the notebook on the function the learner defined under its
-expected name (so an edited check cell cannot change what is graded; a check the notebook
-already ran on that same function is reused). An instructor runs this over a folder:
+    flashedu check submissions/*/*.ipynb                      # the table
+    flashedu check submissions/*/*.ipynb --json grades.json   # and every row as JSON in a file
 
-    flashedu check submissions/*/*.ipynb            # the table
-    flashedu check submissions/*/*.ipynb --json     # one JSON list of rows
+Each notebook runs top to bottom in a fresh kernel (nbclient), errors allowed so that one broken
+cell does not stop the grading, the notebook's own check cells left out (they only show the
+learner a result). Then the grader, in this process, checks each exercise that the notebook owns
+(by its name, e.g. ``02_flash_forward`` owns ``flash_forward``; see NOTEBOOK_EXERCISES): it draws
+fresh inputs, asks the kernel to call the learner's function on them, one case at a time (see
+:mod:`.worker`), and compares what comes back with its own float64 reference. Expected answers,
+tolerances and the comparison never enter the learner's kernel; the score comes from this
+process, never from the notebook's output.
 
-The exit code is 0 whatever the scores; 2 only for a usage error.
+Time: each cell has ``--timeout`` seconds and each notebook ``--budget`` seconds in all; a cell
+that runs past either (one that swallows KeyboardInterrupt included) has its kernel killed, and
+that notebook's remaining exercises are not graded (0 points, status "not graded").
+
+Exit code: 0 when every notebook was graded (whatever the scores); 1 when one could not be (a
+missing or unreadable file, a kernel that died or ran out of time); 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -17,20 +25,39 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import secrets
+import shutil
 import sys
+import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
 
-from . import EXERCISES, RESULTS_MARKER
+from . import EXERCISES
+from .engine import grade_cases, new_seed, run_seed, set_seed
+from .result import CheckResult
+from .sandbox import Call, RemoteError
 
 _CHECK_CALL = re.compile(r"""check\(\s*["'](\w+)["']""")
 
+# Which exercises each course notebook owns: its rows in the table, whatever its cells say.
+NOTEBOOK_EXERCISES = {
+    "01_softmax": ("safe_softmax", "online_softmax"),
+    "02_flash_forward": ("flash_forward",),
+    "03_flash_backward": ("flash_backward",),
+    "04_block_sparse": ("block_sparse_forward",),
+    "05_numba_kernel": ("numba_forward_kernel",),
+    "06_triton_kernel": ("triton_forward_kernel",),
+    "07_triton_backward": ("triton_backward_dkdv_kernel", "triton_backward_dq_kernel"),
+}
+NOT_GRADED = "not graded"
+
 
 def exercises_in(nb) -> list[str]:
-    """Exercise names of a notebook: its nbgrader grade cells, by grade_id ``check_<name>`` or
-    by the ``check("<name>", ...)`` call in their source."""
+    """Exercise names of a notebook's nbgrader grade cells, by grade_id ``check_<name>`` or by
+    the ``check("<name>", ...)`` call in their source."""
     names = []
     for cell in nb.cells:
         meta = cell.get("metadata", {}).get("nbgrader", {})
@@ -46,52 +73,166 @@ def exercises_in(nb) -> list[str]:
     return names
 
 
+def owned_exercises(path: Path, nb) -> list[str]:
+    """The exercises notebook ``path`` is graded on: those of the course notebook its file name
+    contains (``alice_02_flash_forward.ipynb`` too), else of the course notebook that owns the
+    first exercise its grade cells check. Extra grade cells never add rows."""
+    for stem, names in NOTEBOOK_EXERCISES.items():
+        if stem in path.name:
+            return list(names)
+    for name in exercises_in(nb):
+        for names in NOTEBOOK_EXERCISES.values():
+            if name in names:
+                return list(names)
+    return []
+
+
 def _row(notebook, exercise, points, max_points, passed, message, status=None):
     return {"notebook": str(notebook), "exercise": exercise, "points": points,
             "max_points": max_points, "passed": passed,
             "status": status or ("passed" if passed else "failed"), "message": message}
 
 
-def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = None) -> list[dict]:
-    """One row per exercise of the notebook at ``path``."""
+class _Kernel:
+    """The learner's notebook kernel, driven cell by cell under a per-notebook deadline."""
+
+    def __init__(self, client, deadline: float, cell_timeout: float):
+        self.client, self.deadline, self.cell_timeout = client, deadline, cell_timeout
+        self.index = 0
+
+    def run(self, source: str, timeout: float | None = None):
+        """Execute ``source`` as a new cell; raises TimeoutError when it runs out of time."""
+        from nbclient.exceptions import CellTimeoutError
+
+        left = self.deadline - time.monotonic()
+        limit = min(self.cell_timeout if timeout is None else timeout, left)
+        if limit <= 0:
+            raise TimeoutError("the notebook's time budget is spent")
+        cell = nbformat.v4.new_code_cell(source)
+        self.client.timeout = max(1, int(limit))
+        try:
+            self.client.execute_cell(cell, self.index)
+        except CellTimeoutError as exc:
+            raise TimeoutError(f"a cell ran past {limit:.0f} s") from exc
+        finally:
+            self.index += 1
+        return cell
+
+
+def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = None,
+                   budget: float = 1800, seed: int | None = None) -> tuple[list[dict], bool]:
+    """(one row per exercise the notebook at ``path`` owns, whether it could be graded)."""
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
+    path = Path(path)
+    if not path.is_file():
+        return [_row(path, "-", 0, 0, False, f"no such file: {path}", NOT_GRADED)], False
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one row of the table
-        return [_row(path, "-", 0, 0, False, f"cannot read the notebook: {exc}")]
-    names = exercises_in(nb)
+        return [_row(path, "-", 0, 0, False, f"cannot read the notebook: {exc}", NOT_GRADED)], False
+    names = owned_exercises(path, nb)
     if not names:
-        return [_row(path, "-", 0, 0, False, "no exercises found (no nbgrader grade cell "
-                     "calling flashedu.checks.check)")]
-    nb.cells.append(nbformat.v4.new_code_cell(
-        f"import flashedu.checks as _flashedu_checks\n"
-        f"_flashedu_checks.print_namespace_results(globals(), {names!r})"))
-    client = NotebookClient(nb, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
+        return [_row(path, "-", 0, 0, False, "no exercises found: the file name names no course "
+                     "notebook and no grade cell checks an exercise", NOT_GRADED)], False
+    for cell in nb.cells:  # the learner's check cells: feedback for them, not the grade
+        if cell.cell_type == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("grade"):
+            cell.source = ""
+    client = NotebookClient(nb, timeout=int(timeout), allow_errors=True,
+                            interrupt_on_timeout=False, shutdown_kernel="immediate",
                             kernel_name=kernel_name or nb.metadata.get("kernelspec", {}).get("name", "python3"),
                             resources={"metadata": {"path": str(path.parent.resolve())}})
+    kernel = _Kernel(client, time.monotonic() + budget, timeout)
+    folder = Path(tempfile.mkdtemp(prefix="flashedu-check-"))
+    results: dict[str, CheckResult] = {}
     problem = None
     try:
-        client.execute()
+        with client.setup_kernel():
+            for index, cell in enumerate(nb.cells):
+                if cell.cell_type != "code" or not cell.source.strip():
+                    continue
+                left = kernel.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the notebook's time budget is spent")
+                client.timeout = max(1, int(min(timeout, left)))
+                from nbclient.exceptions import CellTimeoutError
+                try:
+                    client.execute_cell(cell, index)
+                except CellTimeoutError as exc:
+                    raise TimeoutError(f"cell {index} ran past {client.timeout} s") from exc
+            kernel.index = len(nb.cells)
+            # learner hooks that would run around the grader's cells are dropped
+            kernel.run("for _flashedu_cbs in get_ipython().events.callbacks.values():\n"
+                       "    _flashedu_cbs.clear()\n", timeout=30)
+            for name in names:
+                results[name] = _grade_remote(EXERCISES[name], kernel, folder, seed)
+    except TimeoutError as exc:
+        problem = (f"{exc}: the kernel was stopped ({timeout:g} s a cell, {budget:g} s a "
+                   "notebook; an endless loop, or a cell that ignores interrupts?)")
     except DeadKernelError as exc:
-        problem = f"the notebook's kernel died ({exc}); exercises not graded"
+        problem = f"the notebook's kernel died ({exc})"
     except Exception as exc:  # noqa: BLE001 - e.g. a missing kernel: one row per exercise
         problem = f"could not run the notebook: {type(exc).__name__}: {exc}"
-    results = _results(nb.cells[-1]) if problem is None else None
-    if results is None:
-        problem = problem or "the grading cell did not report (see the notebook's last cell)"
-        return [_row(path, n, 0, EXERCISES[n].points, False, problem, "not graded") for n in names]
-    return [_row(path, r["name"], r["points"], r["max_points"], r["passed"], r["message"],
-                 r["status"]) for r in results]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    rows = []
+    for name in names:
+        r = results.get(name)
+        if r is None:
+            rows.append(_row(path, name, 0, EXERCISES[name].points, False,
+                             f"{problem or 'not graded'}; exercise not graded", NOT_GRADED))
+        else:
+            rows.append(_row(path, name, r.points, r.max_points, r.passed, r.message, r.status))
+    return rows, problem is None
 
 
-def _results(cell):
-    for output in cell.get("outputs", []):
-        for line in output.get("text", "").splitlines():
-            if line.startswith(RESULTS_MARKER):
-                return json.loads(line[len(RESULTS_MARKER):])
-    return None
+def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None) -> CheckResult:
+    """Grade exercise ``ex``: the learner's calls in the kernel, everything else here."""
+    from .engine import _result
+    from . import worker
+
+    counter = iter(range(10**9))
+    token = secrets.token_hex(8)
+    source = Path(worker.__file__).resolve()
+
+    def ask(payload, timeout):
+        request = f"r{next(counter)}"
+        worker.write(folder / request, payload)
+        kernel.run(f"import importlib.util as _flashedu_u\n"
+                   f"_flashedu_s = _flashedu_u.spec_from_file_location("
+                   f"'_flashedu_worker_{token}', {str(source)!r})\n"
+                   f"_flashedu_w = _flashedu_u.module_from_spec(_flashedu_s)\n"
+                   f"_flashedu_s.loader.exec_module(_flashedu_w)\n"
+                   f"_flashedu_w.serve(globals(), {str(folder)!r}, {request!r})\n"
+                   f"del _flashedu_u, _flashedu_s, _flashedu_w\n", timeout=timeout)
+        try:
+            return worker.read(folder / (request + "-reply"))
+        except Exception:  # noqa: BLE001 - no reply, or a reply that is not ours
+            return None
+
+    set_seed(new_seed() if seed is None else seed)
+    reply = ask({"what": "preflight", "exercise": ex.name}, 120)
+    if reply is None or not isinstance(reply, dict):
+        return _result(ex, False, "failed", "the grader got no answer from the notebook's "
+                       "kernel (see the notebook's last cells)", [])
+    early = reply.get("preflight")
+    if early:
+        return _result(ex, False, str(early[0]), str(early[1]), [])
+
+    def execute(case) -> Call:
+        answer = ask(worker.request_payload(ex, case), ex.timeout + 60)
+        if not isinstance(answer, dict):
+            call = Call(error=RemoteError("Error", "the grader got no answer for this case "
+                                          "from the notebook's kernel"))
+            call.inputs_after = None
+            return call
+        return worker.payload_to_call(answer)
+
+    seed_used = run_seed()
+    result = grade_cases(ex, execute)
+    assert run_seed() == seed_used
+    return result
 
 
 def table(rows: list[dict]) -> str:
@@ -121,15 +262,28 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flashedu check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="+", type=Path)
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--json", metavar="FILE", help="also write every row as JSON to FILE "
+                        "('-': print the JSON instead of the table)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per cell")
+    parser.add_argument("--budget", type=float, default=1800, help="seconds per notebook")
     parser.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
     parser.add_argument("--jobs", type=int, default=1, help="notebooks graded at once")
+    parser.add_argument("--seed", type=int, help="the inputs' seed (default: fresh per exercise)")
     args = parser.parse_args(argv)
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        graded = pool.map(lambda p: grade_notebook(p, args.timeout, args.kernel), args.notebooks)
-        rows = [row for rows in graded for row in rows]
-    print(json.dumps(rows, indent=1) if args.json else table(rows))
+        graded = list(pool.map(lambda p: grade_notebook(p, args.timeout, args.kernel,
+                                                         args.budget, args.seed), args.notebooks))
+    rows = [row for rows, _ in graded for row in rows]
+    if args.json == "-":
+        print(json.dumps(rows, indent=1))
+    else:
+        print(table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    failed = [str(p) for p, (_, ok) in zip(args.notebooks, graded) if not ok]
+    if failed:
+        print(f"could not grade {len(failed)} notebook(s): {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,9 +19,9 @@ What the checks enforce beyond the values:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-import re
 
 import numpy as np
 
@@ -36,13 +36,15 @@ from .numpy_exercises import (
     H_NQNK,
     H_SCALE,
     H_TILES,
+    H_FUTURE,
     H_WIDE,
     _backward_in_dtype,
+    normalized_key_by_key,
     _inputs,
     _memo,
     _normal,
 )
-from .sandbox import call_limited
+from .sandbox import Call, call_limited
 
 F32 = np.float32
 SENTINEL = 12345.0  # written into the padding around the outputs; must survive the launch
@@ -75,11 +77,15 @@ class _CountedReads(np.ndarray):
     when it copies it to the "device", so the count lives on a class made for each launch."""
 
     reads = 0
+    negative = 0  # reads at a negative index: NumPy wraps them, a GPU reads before the array
 
     def __getitem__(self, idx):
         value = super().__getitem__(idx)
         if not isinstance(value, np.ndarray):  # a single element read from global memory
             type(self).reads += 1
+            if any(isinstance(i, (int, np.integer)) and i < 0
+                   for i in (idx if isinstance(idx, tuple) else (idx,))):
+                type(self).negative += 1
         return value
 
 
@@ -88,11 +94,12 @@ def _numba_invoke(fn, case, timeout, measure):
         return _numba_invoke_gpu(fn, case, timeout, measure)
     # The simulator bounds-checks every index (IndexError) and lets us count reads.
     Q, K, V, causal, scale, threads = case.args
-    K = K.view(type("K_counted", (_CountedReads,), {"reads": 0}))
-    V = V.view(type("V_counted", (_CountedReads,), {"reads": 0}))
+    Q, K, V = (a.view(type(f"{n}_counted", (_CountedReads,), {"reads": 0, "negative": 0}))
+               for n, a in zip("QKV", (Q, K, V)))
     call = call_limited(launch_numba_forward, (fn, Q, K, V, causal, scale, threads),
                         timeout=timeout, measure_memory=measure)
-    call.reads = {"K": type(K).reads, "V": type(V).reads}
+    call.reads = {"K": type(K).reads, "V": type(V).reads,
+                  "negative": sum(type(a).negative for a in (Q, K, V))}
     return call
 
 
@@ -133,7 +140,11 @@ def _shared_memory_probe(case):
     def probe(call, outputs):
         if call.reads is None:  # on a real GPU reads cannot be counted; the simulator does it
             return _bounds_probe(call, outputs)
-        for name, n in call.reads.items():
+        problem = _loads_problem(call)
+        if problem:
+            return problem
+        for name in ("K", "V"):
+            n = call.reads.get(name, 0)
             if n > 2 * per_block:
                 return (f"the answer is right, but your kernel read {name} from global memory "
                         f"{n} times: {n / (Nk * d):.1f} times each element, with "
@@ -149,6 +160,9 @@ H_NUMBA = ("One thread per query row i, Br = blockDim.x rows per block. The bloc
            "K_j, V_j tile (BC rows) into shared memory, every thread helping, then "
            "cuda.syncthreads() before anyone reads it, and again before the next tile "
            "overwrites it. Each thread keeps m_i, l_i and its row of O_i in registers.")
+H_THREADS = ("Another block size: Br is cuda.blockDim.x, whatever it is (32, 64, 128), never "
+             "a constant. The block copies K_j, V_j together in steps of blockDim.x elements, "
+             "and a causal block stops at its own last row, (blockIdx.x + 1) * blockDim.x.")
 H_NUMBA_GUARD = (" Threads past the last row (row >= Nq) and key rows past Nk (j >= Nk) must "
                  "not read or write; but every thread must still reach each syncthreads().")
 
@@ -157,8 +171,12 @@ def _numba_case(label, hint, shape, causal, scale, kind, threads, seed, **extra)
     (Q, K, V), (q, k, v) = _inputs(shape, kind, F32, seed)
     O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
     naive = reference.naive_attention(q, k, v, causal=causal, scale=scale)
+    # NumPy 2 keeps float32 * a Python float in float32 in the simulator, where a GPU would
+    # compute in float64: a correct kernel may be as far off as float32 arithmetic throughout
+    variants = (normalized_key_by_key(q, k, v, causal, scale),)
     return Case(label, hint, (q, k, v, causal, scale, threads), ("O", "L"), (O, L), naive,
-                inputs=("Q", "K", "V"), dtype=F32, probe=_bounds_probe, **extra)
+                inputs=("Q", "K", "V"), dtype=F32, probe=_bounds_probe, variants=variants,
+                **extra)
 
 
 def _numba_cases():
@@ -175,6 +193,14 @@ def _numba_cases():
         _numba_case("logits in the hundreds", H_WIDE, (8, 24, 4), False, None, "wide", T, 7),
         _numba_case("causal, Nq=Nk=19", H_CAUSAL, (19, 19, 4), True, None, "normal", T, 8),
         _numba_case("causal, Nq=12, Nk=33", H_CAUSAL, (12, 33, 4), True, None, "normal", T, 9),
+        _numba_case("causal, a future key dominates", H_FUTURE, (24, 24, 4), True, None,
+                    "future", T, 11),
+        _numba_case("32 threads a block, Nq=40, Nk=200", H_THREADS, (40, 200, 2), False, None,
+                    "normal", 32, 12),
+        _numba_case("64 threads a block, causal, Nq=Nk=70", H_THREADS + " " + H_CAUSAL,
+                    (70, 70, 2), True, None, "normal", 64, 13),
+        _numba_case("128 threads a block, Nq=130, Nk=24", H_THREADS, (130, 24, 2), False, None,
+                    "normal", 128, 14),
     ]
     shared = _numba_case("shared memory: Nq=Nk=32, 4 blocks of 8 threads", H_NUMBA,
                          (32, 32, 4), False, None, "normal", T, 10, needs_pass=True)
@@ -219,6 +245,39 @@ def launch_triton_forward(kernel, Q, K, V, causal=False, scale=None, Br=16, Bc=1
     return O, L
 
 
+@contextlib.contextmanager
+def _watch_loads(tensors):
+    """Count, in Triton's interpreter, the loads (mask on) whose address lies outside every
+    one of ``tensors`` (each a 1-D or 2-D view, strides included). Yields a dict."""
+    seen = {"oob_loads": 0}
+    if not runtime.triton_interpreted():
+        yield seen
+        return
+    from triton.runtime import interpreter
+
+    regions = [(t.data_ptr(), t.shape[0], t.shape[1] if t.dim() == 2 else 1,
+                t.stride(0) if t.dim() == 2 else 1, t.element_size()) for t in tensors]
+    original = interpreter.InterpreterBuilder.create_masked_load
+
+    def masked_load(self, ptrs, mask, other, *args, **kwargs):
+        addr = np.asarray(ptrs.data).astype(np.int64)
+        on = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)
+        inside = np.zeros(addr.shape, dtype=bool)
+        for base, rows, cols, stride, size in regions:
+            off = addr - base
+            elem = off // size
+            inside |= (off >= 0) & (off % size == 0) & (elem // stride < rows) & \
+                (elem % stride < cols)
+        seen["oob_loads"] += int((on & ~inside).sum())
+        return original(self, ptrs, mask, other, *args, **kwargs)
+
+    interpreter.InterpreterBuilder.create_masked_load = masked_load
+    try:
+        yield seen
+    finally:
+        interpreter.InterpreterBuilder.create_masked_load = original
+
+
 def _padded(a, fill, device):
     """A torch view of ``a`` whose buffer has PAD more rows filled with ``fill``."""
     import torch
@@ -232,27 +291,50 @@ def _padded(a, fill, device):
 def _triton_invoke(fn, case, timeout, measure):
     import torch
 
-    q, k, v, causal, scale, Br, Bc = case.args
+    q, k, v, causal, scale, Br, Bc, strided = case.args
     device = runtime.kernel_device()
-    ins = [_padded(a, float("nan"), device) for a in (q, k, v)]
-    outs = [_padded(np.zeros_like(a), SENTINEL, device) for a in (q, q[:, 0])]
+    width = (lambda name: STRIDES.get(name)) if strided else (lambda name: None)
+    ins = [_padded_rows(a, float("nan"), device, width(n)) for n, a in zip("QKV", (q, k, v))]
+    outs = [_padded_rows(np.zeros_like(a), SENTINEL, device, width(n))
+            for n, a in zip("OL", (q, q[:, 0]))]
     before = [buf.clone() for buf, _ in ins]
 
     def run():
-        launch_triton_forward(fn, *(view for _, view in ins), causal, scale, Br, Bc,
-                              out=tuple(view for _, view in outs))
+        with _watch_loads([view for _, view in ins + outs]) as seen:
+            launch_triton_forward(fn, *(view for _, view in ins), causal, scale, Br, Bc,
+                                  out=tuple(view for _, view in outs))
         if device.type == "cuda":
             torch.cuda.synchronize()
+        call.reads = dict(seen)
         return tuple(view.cpu().numpy().copy() for _, view in outs)
 
-    call = call_limited(run, timeout=timeout, measure_memory=measure)
-    call.buffers = {"in": [(name, buf, old) for name, (buf, _), old in zip("QKV", ins, before)],
-                    "out": [(name, buf, n) for name, (buf, _), n in zip("OL", outs, (len(q),) * 2)]}
-    return call
+    call = Call()
+    done = call_limited(run, timeout=timeout, measure_memory=measure)
+    done.reads = call.reads
+    done.buffers = {"in": [(name, buf, old) for name, (buf, _), old in zip("QKV", ins, before)],
+                    "out": [(name, buf, tuple(view.shape)) for name, (buf, view) in zip("OL", outs)]}
+    return done
+
+
+def _loads_problem(call) -> str | None:
+    reads = getattr(call, "reads", None) or {}
+    if reads.get("negative"):
+        return (f"your kernel read {reads['negative']} element(s) at a negative index (e.g. "
+                "K[j] with j = -1): NumPy wraps around to the last row, a GPU reads memory "
+                "before the array. Guard the index (j >= 0, j < Nk).")
+    if reads.get("oob_loads"):
+        return (f"the answer is right, but your kernel loaded {reads['oob_loads']} values from "
+                "outside its tensors (past the last row, or between the rows of a strided "
+                "tensor) and then threw them away. On a GPU such a load can fault or read "
+                "another tensor: mask every load (mask=rows < Nq, cols < Nk, other=0.0).")
+    return None
 
 
 def _bounds_probe(call, outputs):
     """Inputs (padding included) unchanged, and nothing written past the end of O or L."""
+    problem = _loads_problem(call)
+    if problem:
+        return problem
     buffers = getattr(call, "buffers", None)
     if buffers is None:
         return None
@@ -278,14 +360,15 @@ H_TRITON_MASK = (" Rows past Nq and keys past Nk: load with mask=... and other=0
                  "the last row holds NaN: an unmasked load brings it in.)")
 
 
-def _triton_case(label, hint, shape, tiles, causal, scale, kind, seed):
+def _triton_case(label, hint, shape, tiles, causal, scale, kind, seed, strided=False):
     (Q, K, V), (q, k, v) = _inputs(shape, kind, F32, seed)
     O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
     on_gpu = not runtime.triton_interpreted()
     naive = (_naive_tf32 if on_gpu else reference.naive_attention)(q, k, v, causal=causal,
                                                                    scale=scale)
-    return Case(label, hint, (q, k, v, causal, scale) + tiles, ("O", "L"), (O, L), naive,
-                inputs=("Q", "K", "V"), dtype=F32, probe=_bounds_probe,
+    return Case(label, hint, (q, k, v, causal, scale) + tiles + (strided,), ("O", "L"), (O, L),
+                naive, inputs=("Q", "K", "V"), dtype=F32, probe=_backward_bounds_probe,
+                variants=(normalized_key_by_key(q, k, v, causal, scale),),
                 floor_scale=100.0 if on_gpu else 1.0)  # TF32 dots: ~1e-3 relative
 
 
@@ -330,7 +413,20 @@ def _triton_cases():
         t("causal, Br=16, Bc=32", H_CAUSAL, (40, 40, d), (16, 32), True, None, "normal", 15),
         t("causal, N=1", H_CAUSAL, (1, 1, d), t16, True, None, "normal", 16),
         t("causal, logits in the hundreds", H_WIDE, (24, 40, d), t16, True, None, "wide", 17),
+        t("causal, a future key dominates", H_FUTURE, (40, 40, d), t16, True, None, "future",
+          18),
+        t("row strides differ from d: Nq=21, Nk=27", H_STRIDES_FWD, (21, 27, d), t16, False,
+          None, "normal", 19, strided=True),
+        t("causal, Br=16, Bc=32, row strides differ from d", H_CAUSAL + " " + H_STRIDES_FWD,
+          (45, 45, d), (16, 32), True, None, "normal", 20, strided=True),
+        t("Nk=200, Br=32, Bc=16", H_TILES + M, (24, 200, d), (32, 16), False, None, "normal",
+          21),
     ]
+
+
+H_STRIDES_FWD = ("Each tensor's rows are further apart than D here (views into wider buffers, "
+                 "each with its own row stride, NaN in the gaps): address row r of Q as Q + r * "
+                 "stride_q, of K as K + r * stride_k, of O as O + r * stride_o; never r * D.")
 
 
 def _triton_unavailable():
@@ -357,14 +453,95 @@ def _diagnose_kernel(case, wrong, outputs):
 
 
 def _still_skeleton(kernel) -> bool:
-    """True when the kernel's source still raises NotImplementedError. Checked on the source:
-    compiled for a GPU, a kernel cannot raise (numba ignores it, Triton refuses to compile)."""
-    inner = getattr(kernel, "py_func", None) or getattr(kernel, "fn", None) or kernel
+    """True while the kernel's source still holds the exercise's placeholder. Checked on the
+    source: compiled for a GPU, a kernel cannot raise (numba ignores it, Triton refuses to
+    compile)."""
+    from .build import PLACEHOLDER
+    from .engine import source_has_placeholder
+
+    return source_has_placeholder(kernel, PLACEHOLDER)
+
+
+# What a kernel body may call: the kernel language, math, a few builtins, and other kernels
+# (device functions) of the same kind. Anything else (NumPy, torch, flashedu, a plain Python
+# function, an object with __getitem__ in place of a kernel) runs in the simulator or the
+# interpreter but would not compile for a GPU.
+_BUILTINS_OK = {"range", "min", "max", "abs", "float", "int", "bool", "len", "print",
+                "tl_range", "static_range"}
+
+
+def _kernel_problem(kernel, kind: str) -> str | None:
+    is_kernel, inner = _kernel_parts(kernel, kind)
+    if not is_kernel:
+        want = "@cuda.jit" if kind == "numba" else "@triton.jit"
+        return (f"what was checked is a {type(kernel).__name__}, not a {want} kernel: define "
+                f"the kernel with {want} (a GPU could not compile anything else).")
+    return _calls_problem(inner, kind, set())
+
+
+def _kernel_parts(obj, kind):
+    if kind == "numba":
+        names = {"FakeCUDAKernel", "CUDADispatcher", "Dispatcher"}
+        inner = getattr(obj, "py_func", None) or getattr(obj, "fn", None)
+    else:
+        names = {"JITFunction", "InterpretedFunction"}
+        inner = getattr(obj, "fn", None)
+    mro = {c.__name__ for c in type(obj).__mro__}
+    ok = bool(mro & names) and inspect.isfunction(inner) and \
+        type(obj).__module__.split(".")[0] in ("numba", "numba_cuda", "triton")
+    return ok, inner
+
+
+def _calls_problem(fn, kind, seen) -> str | None:
+    import ast
+    import builtins
+    import textwrap
+    import types
+
+    if fn in seen:
+        return None
+    seen.add(fn)
     try:
-        source = inspect.getsource(inner)
-    except (OSError, TypeError):
-        return False
-    return re.search(r"^\s*raise\s+NotImplementedError\b", source, re.MULTILINE) is not None
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return "the grader cannot read your kernel's source (define it in a cell or a file)."
+    env = dict(vars(builtins))
+    env.update(fn.__globals__)
+    allowed_modules = {"numba": ("numba", "math"), "triton": ("triton", "math")}[kind]
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        base = node.func
+        while isinstance(base, ast.Attribute):
+            base = base.value
+        if not isinstance(base, ast.Name) or base.id not in env:
+            continue  # a local value's method (acc.to(...)) or a name bound in the kernel
+        value = env[base.id]
+        if isinstance(value, types.ModuleType):
+            if value.__name__.split(".")[0] in allowed_modules or \
+                    value.__name__.startswith("numba_cuda"):
+                continue
+            return (f"your kernel calls {ast.unparse(node.func)}: a GPU kernel can only call "
+                    f"the kernel language ({'cuda.*, math.*' if kind == 'numba' else 'tl.*'}) "
+                    "and other kernels; this would not compile for a GPU.")
+        if isinstance(node.func, ast.Name) and base.id in _BUILTINS_OK and \
+                value is getattr(builtins, base.id, None):
+            continue
+        is_kernel, inner = _kernel_parts(value, kind)
+        if is_kernel:
+            problem = _calls_problem(inner, kind, seen)
+            if problem:
+                return problem
+            continue
+        if getattr(type(value), "__module__", "").split(".")[0] in ("numba", "numba_cuda",
+                                                                   "triton") or \
+                getattr(value, "__module__", "") and str(getattr(value, "__module__", "")).split(".")[0] in ("numba", "numba_cuda", "triton"):
+            continue  # a numba type (float32(...)) or a triton language object
+        return (f"your kernel calls {ast.unparse(node.func)}, a plain Python "
+                f"{type(value).__name__}: a GPU kernel can only call the kernel language and "
+                "other kernels (decorate a helper with "
+                f"{'@cuda.jit(device=True)' if kind == 'numba' else '@triton.jit'}).")
+    return None
 
 
 # ----------------------------------------------------------------------------------------
@@ -437,7 +614,7 @@ def _padded_rows(a, fill, device, width=None):
 
 # The row strides (in elements) of the strided case, for d = 16: each tensor its own, so a
 # kernel that uses one tensor's stride for another fails too.
-STRIDES = {"Q": 48, "K": 32, "V": 40, "dO": 24, "dQ": 56, "dK": 20, "dV": 36}
+STRIDES = {"Q": 48, "K": 32, "V": 40, "dO": 24, "dQ": 56, "dK": 20, "dV": 36, "O": 52}
 
 
 def _backward_invoke(which):
@@ -462,19 +639,25 @@ def _backward_invoke(which):
         s = 1.0 / math.sqrt(q.shape[1]) if scale is None else scale
         views = {name: view for name, (_, view) in ins.items()}
 
+        seen = {}
+
         def run():
             args = (fn, views["Q"], views["K"], views["V"], views["dO"], views["L"],
                     views["Delta"])
-            if which == "dkdv":
-                launch_dkdv(*args, outs["dK"][1], outs["dV"][1], causal, s, Br, Bc)
-            else:
-                launch_dq(*args, outs["dQ"][1], causal, s, Br, Bc)
+            watched = list(views.values()) + [view for _, view in outs.values()]
+            with _watch_loads(watched) as counted:
+                if which == "dkdv":
+                    launch_dkdv(*args, outs["dK"][1], outs["dV"][1], causal, s, Br, Bc)
+                else:
+                    launch_dq(*args, outs["dQ"][1], causal, s, Br, Bc)
+            seen.update(counted)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             got = tuple(view.cpu().numpy().copy() for _, view in outs.values())
             return got if len(got) > 1 else got[0]
 
         call = call_limited(run, timeout=timeout, measure_memory=measure)
+        call.reads = dict(seen)
         call.buffers = {"in": [(name, buf, before[name]) for name, (buf, _) in ins.items()],
                         "out": [(name, buf, like[name].shape) for name, (buf, _) in outs.items()]}
         return call
@@ -485,6 +668,9 @@ def _backward_invoke(which):
 def _backward_bounds_probe(call, outputs):
     """Inputs (padding included) unchanged; outside each output's (rows, d) view, the
     sentinel intact (no store past the last row, nor into the gap of a longer row stride)."""
+    problem = _loads_problem(call)
+    if problem:
+        return problem
     buffers = getattr(call, "buffers", None)
     if buffers is None:
         return None
@@ -493,7 +679,7 @@ def _backward_bounds_probe(call, outputs):
             return f"your kernel wrote into its input {name}. Store only into its outputs."
     for name, buf, shape in buffers["out"]:
         outside = np.ones(buf.shape, dtype=bool)
-        outside[: shape[0], : shape[1]] = False
+        outside[tuple(slice(0, n) for n in shape)] = False
         if not (_numpy(buf)[outside] == SENTINEL).all():
             past = not (_numpy(buf)[shape[0]:] == SENTINEL).all()
             where = ("past its last row: mask the store" if past else
@@ -547,14 +733,16 @@ def _backward_triton_case(label, hint, shape, tiles, causal, scale, kind, seed, 
                                                    scale=scale)
         naive = (_naive_backward_tf32 if on_gpu else _backward_in_dtype)(q, k, v, o, do, l,
                                                                          causal, scale)
-        return (o, l, do), grads, naive
+        other = _backward_in_dtype(q, k, v, o, do, l, causal, scale, delta="P dP")
+        return (o, l, do), grads, naive, other
 
-    (o, l, do), grads, naive = _memo(("triton backward", label), compute)
+    (o, l, do), grads, naive, other = _memo(("triton backward", label), compute)
     pick = {"dQ": 0, "dK": 1, "dV": 2}
     case = Case(label, hint, (q, k, v, o.copy(), do.copy(), l.copy(), causal, scale) + tiles
                 + (strided,), outputs, tuple(grads[pick[n]] for n in outputs),
                 tuple(naive[pick[n]] for n in outputs), inputs=("Q", "K", "V", "O", "dO", "L"),
                 dtype=F32, probe=_backward_bounds_probe,
+                variants=(tuple(other[pick[n]] for n in outputs),),
                 # TF32 dots on a GPU: the gradients chain two of them (dP, then dS^T Q), and
                 # Triton's TF32 rounding is not cuBLAS's; measured on an H100, a correct kernel
                 # reached 4.4x the naive TF32 error (2.7e-3) where the forward stays under 4x.
@@ -620,6 +808,10 @@ def _backward_triton_cases(which):
           t16, True, 2.0, "normal", 19, strided=True),
         t("causal, logits in the hundreds", H_BWD_WIDE, (24, 40, d), t16, True, None, "wide",
           20),
+        t("causal, a future key dominates", C + " " + H_BWD_WIDE, (40, 40, d), t16, True, None,
+          "future", 21),
+        t("Nq=Nk=200, Br=32, Bc=16", hint + M, (200, 200, d), (32, 16), False, None, "normal",
+          22),
     ]
 
 
@@ -706,16 +898,20 @@ def _diagnose_backward_kernel(case, wrong, outputs):
 EXERCISES = [
     Exercise("numba_forward_kernel", 3, "flash_forward_kernel", _numba_cases,
              invoke=_numba_invoke, diagnose=_diagnose_kernel, timeout=120.0,
-             requires=_numba_unavailable, unfilled=_still_skeleton),
+             requires=_numba_unavailable, unfilled=_still_skeleton,
+             inspect=lambda k: _kernel_problem(k, "numba")),
     Exercise("triton_forward_kernel", 4, "flash_forward_kernel", _triton_cases,
              invoke=_triton_invoke, diagnose=_diagnose_kernel, timeout=120.0,
-             requires=_triton_unavailable, unfilled=_still_skeleton),
+             requires=_triton_unavailable, unfilled=_still_skeleton,
+             inspect=lambda k: _kernel_problem(k, "triton")),
     Exercise("triton_backward_dkdv_kernel", 4, "dkdv_kernel",
              lambda: _backward_triton_cases("dkdv"),
              invoke=_backward_invoke("dkdv"), diagnose=_diagnose_backward_kernel,
-             timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton),
+             timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton,
+             inspect=lambda k: _kernel_problem(k, "triton")),
     Exercise("triton_backward_dq_kernel", 3, "dq_kernel",
              lambda: _backward_triton_cases("dq"),
              invoke=_backward_invoke("dq"), diagnose=_diagnose_backward_kernel,
-             timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton),
+             timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton,
+             inspect=lambda k: _kernel_problem(k, "triton")),
 ]

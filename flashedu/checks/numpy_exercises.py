@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 
 from .. import reference
-from .engine import Case, Exercise
+from .engine import PREPARE, Case, Exercise, run_seed
 
 F32, F64 = np.float32, np.float64
 LN2 = math.log(2.0)
@@ -45,6 +45,9 @@ H_WIDE = ("Logits differ by hundreds here: exp overflows to inf above ~88 (float
           "(float64) and underflows to 0 far below. Subtract the running max m_i before exp, "
           "and compute L_i = m_i + log(l_i), not log(sum(exp(S))).")
 H_F32 = "float32 inputs: return float32 arrays (allocate with the inputs' dtype)."
+H_FUTURE = ("causal, and every query's future keys score far above its visible ones. Mask "
+            "the scores (-inf for j > i) BEFORE taking the row max m_i: a max that includes a "
+            "future key makes every visible exp(S_ij - m_i) underflow to 0 in float32.")
 H_BLOCKS = ("Unusual tile sizes (1, unequal, or larger than N): do not assume Br == Bc or that "
             "a tile size divides N.")
 H_MEMORY = ("A big problem (large Nq and Nk, small d): the answer must be right AND your "
@@ -56,22 +59,37 @@ H_MEMORY = ("A big problem (large Nq and Nk, small d): the answer must be right 
 # ----------------------------------------------------------------------------------------
 
 
+def _rng(seed):
+    """The generator of one case: the check's run seed (fresh per check) and the case's own."""
+    return np.random.default_rng((run_seed(), seed))
+
+
 def _normal(seed, *shape):
-    return np.random.default_rng(seed).standard_normal(shape)
+    return _rng(seed).standard_normal(shape)
 
 
 def _qkv(Nq, Nk, d, seed):
-    rng = np.random.default_rng(seed)
+    rng = _rng(seed)
     return tuple(rng.standard_normal((n, d)) for n in (Nq, Nk, Nk))
 
 
 def _wide_qkv(Nq, Nk, d, seed):
     """Scores that spread over hundreds: rows near +900 (exp overflows in float64 too) and rows
     near -900 (exp underflows to 0), with keys hundreds apart within a row."""
-    rng = np.random.default_rng(seed)
+    rng = _rng(seed + 7919)
     Q, K, V = _qkv(Nq, Nk, d, seed)
     Q[:, 0] = rng.choice([-250.0, 250.0], Nq)
     K[:, 0] = 10.0 + rng.uniform(-3.0, 3.0, Nk)
+    return Q, K, V
+
+
+def _future_qkv(Nq, Nk, d, seed):
+    """Causal inputs where each query's later keys score far higher than its visible ones
+    (about 10 per position, hundreds within a tile): a kernel that takes the max before it
+    masks subtracts a future key's score and its visible exps underflow to 0 in float32."""
+    Q, K, V = _qkv(Nq, Nk, d, seed)
+    Q[:, 0] = 30.0
+    K[:, 0] = np.arange(Nk) + 0.1 * K[:, 0]
     return Q, K, V
 
 
@@ -86,7 +104,10 @@ def _memo(key, compute, *args):
     """compute() once per process: the references of a case never change, and the long
     sequences of the memory cases cost seconds to compute naively. Read-only: the learner is
     only ever given fresh inputs, never these arrays."""
+    key = (run_seed(),) + tuple(key)
     if key not in _MEMO:
+        if len(_MEMO) > 400:  # references of earlier checks' seeds
+            _MEMO.clear()
         _MEMO[key] = tuple(_readonly(x) for x in compute(*args))
     return _MEMO[key]
 
@@ -171,11 +192,24 @@ def _covers_last_axis(ndim, axis) -> bool:
     return any(a % max(ndim, 1) == ndim - 1 for a in axes)
 
 
-def _streaming_probe(spy):
+def _prepare_stream(args, block):
+    """Wrap x in a fresh watching class (where the learner's code runs)."""
+    spy = type("Streamed", (_Streamed,), {"block": block, "whole_rows": []})
+    x = args[0]
+    return (x.view(spy),) + tuple(args[1:]), lambda: {"whole_rows": list(spy.whole_rows)}
+
+
+PREPARE["stream"] = _prepare_stream
+
+
+def _streaming_probe(block):
     def probe(call, outputs):
-        if spy.whole_rows:
-            return (f"the result is right, but your code took a {spy.whole_rows[0]} at once, "
-                    f"while block_size is {spy.block}. Online softmax sees each row block by "
+        whole = call.evidence.get("whole_rows") if isinstance(call.evidence, dict) else None
+        if whole is None:
+            return "the grader could not see how your code read the row."
+        if whole:
+            return (f"the result is right, but your code took a {whole[0]} at once, "
+                    f"while block_size is {block}. Online softmax sees each row block by "
                     "block: keep a running max m and sum l, update them with each block "
                     "(rescaling l by exp(m_old - m_new)), and normalize at the end.")
         return None
@@ -192,13 +226,13 @@ def _online_softmax_cases():
     for idx, blocks in specs:
         label, hint, x = inputs[idx]
         for block in blocks:
-            spy = type("Streamed", (_Streamed,), {"block": block, "whole_rows": []})
             hint_b = (hint + " Several blocks per row: when a block raises the max from m to "
                       "m_new, rescale the running sum: l = l * exp(m - m_new) + sum(exp(x_j - m_new)).")
-            cases.append(Case(f"{label}, block_size={block}", hint_b, (x.view(spy), block),
+            cases.append(Case(f"{label}, block_size={block}", hint_b, (x, block),
                               ("softmax",), (reference.safe_softmax(np.asarray(x, dtype=F64)),),
                               naive=(reference.safe_softmax(x),), inputs=("x",),
-                              dtype=x.dtype, probe=_streaming_probe(spy)))
+                              dtype=x.dtype, probe=_streaming_probe(block),
+                              prepare=("stream", block)))
     whole = _normal(6, 3, 10)
     cases.append(Case("block_size=16 larger than the row of 10", H_BLOCKS, (whole, 16),
                       ("softmax",), (reference.safe_softmax(whole),), inputs=("x",)))
@@ -231,6 +265,8 @@ FORWARD_SPECS = [
     ("edge tiles, float32", H_F32, (37, 53, 8), (16, 8), False, None, "normal", F32),
     ("causal, float32", H_F32, (37, 37, 8), (8, 16), True, None, "normal", F32),
     ("logits in the hundreds, float32", H_WIDE, (24, 40, 8), (8, 8), False, None, "wide", F32),
+    ("causal, a future key dominates, float32", H_FUTURE, (40, 40, 8), (8, 16), True, None,
+     "future", F32),
 ]
 
 # The memory cases: (label, (Nq, Nk, d), (Br, Bc), causal). The first two catch an Nq x Nk array
@@ -247,7 +283,8 @@ def _inputs(shape, kind, dtype, seed):
     """(the inputs in float64, the same in ``dtype``): the reference sees exactly the values
     the learner's function sees, rounding included."""
     Nq, Nk, d = shape
-    qkv = _wide_qkv(Nq, Nk, d, seed) if kind == "wide" else _qkv(Nq, Nk, d, seed)
+    make = {"wide": _wide_qkv, "future": _future_qkv}.get(kind, _qkv)
+    qkv = make(Nq, Nk, d, seed)
     cast = _cast(qkv, dtype)
     return _cast(cast, F64), cast
 
@@ -268,19 +305,49 @@ def _forward_cases():
     cases = []
     for seed, (label, hint, shape, (Br, Bc), causal, scale, kind, dtype) in enumerate(FORWARD_SPECS):
         (Q, K, V), (q, k, v) = _inputs(shape, kind, dtype, seed)
-        (O, L), naive = _memo(("forward", label), _forward_refs, Q, K, V, q, k, v, causal, scale)
+        (O, L), naive, streamed = _memo(("forward", label), _forward_refs, Q, K, V, q, k, v,
+                                        causal, scale)
         cases.append(Case(f"{label}, {np.dtype(dtype).name}" if "float" not in label else label,
                           hint, (q, k, v, Br, Bc, causal, scale), ("O", "L"), (O, L), naive,
-                          inputs=("Q", "K", "V"), dtype=dtype, block_q=Br))
+                          inputs=("Q", "K", "V"), dtype=dtype, block_q=Br,
+                          variants=(streamed,) if streamed else ()))
     for seed, (label, shape, (Br, Bc), causal) in enumerate(MEMORY_SPECS, start=100):
         cases.append(_forward_memory_case(label, shape, Br, Bc, causal, seed))
     return cases
 
 
 def _forward_refs(Q, K, V, q, k, v, causal, scale):
-    """The float64 reference, and the same formula in the learner's dtype (the tolerance)."""
+    """The float64 reference, and two correct computations in the learner's dtype (the
+    tolerance): the naive formula, and O kept normalized key by key (float32 only)."""
+    streamed = normalized_key_by_key(q, k, v, causal, scale) if q.dtype == F32 else ()
     return (reference.naive_attention(Q, K, V, causal=causal, scale=scale),
-            reference.naive_attention(q, k, v, causal=causal, scale=scale))
+            reference.naive_attention(q, k, v, causal=causal, scale=scale), streamed)
+
+
+def normalized_key_by_key(q, k, v, causal, scale):
+    """A correct forward that keeps O_i normalized after every key, all in the inputs' dtype:
+    O_i = O_i * (alpha * l_i / l_new) + (p / l_new) V_j. Its float32 rounding is several times
+    the naive formula's (one division per key), and a kernel written this way is right."""
+    t = q.dtype.type
+    Nq, d = q.shape
+    s = t(1 / math.sqrt(d) if scale is None else scale)
+    S = (q @ k.T) * s
+    m = np.full(Nq, -np.inf, dtype=q.dtype)
+    l = np.zeros(Nq, dtype=q.dtype)
+    O = np.zeros_like(q)
+    with np.errstate(all="ignore"):
+        for j in range(k.shape[0]):
+            s_j = S[:, j] if not causal else np.where(np.arange(Nq) >= j, S[:, j], -np.inf).astype(q.dtype)
+            m_new = np.maximum(m, s_j)
+            seen = np.isfinite(m_new)
+            alpha = np.where(seen, np.exp(m - np.where(seen, m_new, 0)), 0).astype(q.dtype)
+            p = np.where(seen, np.exp(s_j - np.where(seen, m_new, 0)), 0).astype(q.dtype)
+            l_new = alpha * l + p
+            safe = np.where(l_new > 0, l_new, 1).astype(q.dtype)
+            O = O * (alpha * l / safe)[:, None] + (p / safe)[:, None] * v[j]
+            m, l = m_new, l_new
+        L = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf).astype(q.dtype)
+    return O, L
 
 
 def _forward_memory_case(label, shape, Br, Bc, causal, seed):
@@ -335,28 +402,36 @@ def _backward_case(label, hint, Q, K, V, q, k, v, Br, Bc, causal, scale, dtype, 
         O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
         dO = _normal(seed + 1000, *O.shape)
         o, l, do = _cast((O, L, dO), dtype)
-        naive = _backward_in_dtype(q, k, v, o, do, l, causal, scale) \
-            if np.dtype(dtype) != np.float64 else ()
+        low = np.dtype(dtype) != np.float64
+        naive = _backward_in_dtype(q, k, v, o, do, l, causal, scale) if low else ()
+        other = _backward_in_dtype(q, k, v, o, do, l, causal, scale, delta="P dP") if low else ()
         return (o, l, do), reference.naive_attention_backward(Q, K, V, dO, causal=causal,
-                                                              scale=scale), naive
+                                                              scale=scale), naive, other
 
-    given, (dQ, dK, dV), naive = _memo(("backward", label), compute)
+    given, (dQ, dK, dV), naive, other = _memo(("backward", label), compute)
     o, l, do = (a.copy() for a in given)  # the learner's own, writable copies
     return Case(label, hint, (q, k, v, o, do, l, Br, Bc, causal, scale), ("dQ", "dK", "dV"),
-                (dQ, dK, dV), naive, inputs=("Q", "K", "V", "O", "dO", "L"), dtype=dtype, **extra)
+                (dQ, dK, dV), naive, inputs=("Q", "K", "V", "O", "dO", "L"), dtype=dtype,
+                variants=(other,) if len(other) else (), **extra)
 
 
-def _backward_in_dtype(Q, K, V, O, dO, L, causal, scale):
+def _backward_in_dtype(Q, K, V, O, dO, L, causal, scale, delta="dO O"):
     """The backward's formulas without tiles, computed in the inputs' dtype from the given L.
 
     Its error sets the tolerance: with logits in the hundreds, exp(S_ij - L_i) in float32 is off
-    by |S| * eps however it is tiled, because S and L are rounded separately."""
+    by |S| * eps however it is tiled, because S and L are rounded separately. ``delta="P dP"``
+    takes D_i = rowsum(P_ij * dP_ij) instead of rowsum(dO_i * O_i): equal in exact arithmetic,
+    and a correct kernel may use either; their float32 errors differ."""
     scale = 1.0 / math.sqrt(Q.shape[1]) if scale is None else scale
     S = Q.dtype.type(scale) * (Q @ K.T)
     if causal:
         S = np.where(reference.causal_mask(*S.shape), S, -np.inf)
-    P = np.exp(S - L[:, None])
-    dS = P * (dO @ V.T - (dO * O).sum(axis=1, keepdims=True))
+    with np.errstate(all="ignore"):
+        P = np.exp(S - L[:, None])
+        dP = dO @ V.T
+        D = (dO * O).sum(axis=1, keepdims=True) if delta == "dO O" else \
+            (P * dP).sum(axis=1, keepdims=True)
+        dS = P * (dP - D)
     return scale * dS @ K, scale * dS.T @ Q, P.T @ dO
 
 

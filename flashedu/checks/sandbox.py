@@ -5,19 +5,30 @@ that thread (and inside any thread it started, such as the numba simulator's one
 thread workers), which stops any loop that runs Python code. A thread stuck in one long C call
 cannot be stopped this way; it is left behind as a daemon and the check still reports the timeout.
 
-Threads rather than a subprocess: the learner's function lives in the notebook's namespace (a
-closure, a ``@triton.jit`` or ``@cuda.jit`` object) and cannot be sent to another process.
+Threads rather than a subprocess here: the learner's function lives in the notebook's
+namespace (a closure, a ``@triton.jit`` or ``@cuda.jit`` object) and cannot be sent to another
+process. ``flashedu check`` keeps the trusted half of grading in its own process instead (see
+:mod:`.grade`): only this call runs in the learner's kernel.
+
+During the call, the answers themselves are out of reach (:func:`shortcuts_blocked`):
+flashedu's references and kernels, ``flashedu.attention``, torch's softmax and
+scaled_dot_product_attention and SciPy's softmax raise :class:`Shortcut`; a learner's function
+that holds one of them by name is refused before it runs (:func:`forbidden_uses`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
+import sys
+import types
 import os
 import threading
 import time
 import traceback
 import tracemalloc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,10 +46,24 @@ class Call:
     timed_out: bool = False
     seconds: float = 0.0
     peak_bytes: int | None = None  # most bytes allocated at once during the call (if measured)
+    rss_bytes: int | None = None  # growth of the process's peak resident memory (if measured)
+    inputs_after: list | None = None  # the array arguments after the call (mutation check)
+    evidence: dict = field(default_factory=dict)  # what the case's watchers saw
+    reads: dict | None = None  # numba: global reads of K and V (simulator only)
+    buffers: dict | None = None  # kernels: padded input and output buffers after the launch
 
-    @property
-    def not_implemented(self) -> bool:
-        return isinstance(self.error, NotImplementedError)
+
+
+class RemoteError(Exception):
+    """An error raised by the learner's code in another process: its kind and its traceback."""
+
+    def __init__(self, kind: str, text: str):
+        super().__init__(text)
+        self.kind, self.text = kind, text
+
+
+class Shortcut(RuntimeError):
+    """Raised when the learner's code calls the answer (a reference) during a check."""
 
 
 def call_limited(fn, args=(), kwargs=None, *, timeout: float, measure_memory: bool = False) -> Call:
@@ -65,6 +90,7 @@ def call_limited(fn, args=(), kwargs=None, *, timeout: float, measure_memory: bo
     if measure_memory:
         tracemalloc.reset_peak()
         baseline = tracemalloc.get_traced_memory()[0]
+        rss_before = _reset_peak_rss()
     worker = threading.Thread(target=work, name="flashedu-check", daemon=True)
     start = time.perf_counter()
     worker.start()
@@ -77,12 +103,39 @@ def call_limited(fn, args=(), kwargs=None, *, timeout: float, measure_memory: bo
         call.seconds = time.perf_counter() - start
         if measure_memory:
             call.peak_bytes = max(0, tracemalloc.get_traced_memory()[1] - baseline)
+            rss_after = _peak_rss()
+            if rss_before is not None and rss_after is not None:
+                call.rss_bytes = max(0, rss_after - rss_before)
         if tracing:
             tracemalloc.stop()
     if worker.is_alive():
         call.timed_out = True
         _stop(worker, before)
     return call
+
+
+def _peak_rss() -> int | None:
+    """The process's peak resident memory (VmHWM) in bytes, or None where /proc lacks it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> int | None:
+    """Reset VmHWM to the current resident size (Linux: clear_refs 5) and return it. Peak
+    resident memory sees every allocation of the process (NumPy, torch, numba alike), which
+    tracemalloc does not; None where it cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _peak_rss()
 
 
 def _stop(worker: threading.Thread, before: set) -> None:
@@ -102,6 +155,12 @@ _HIDDEN = (_HERE, os.sep + "threading.py", os.sep + "numba_cuda" + os.sep,
            os.sep + "numba" + os.sep, os.sep + "triton" + os.sep, os.sep + "concurrent" + os.sep)
 
 
+def error_text(exc: BaseException) -> str:
+    if isinstance(exc, RemoteError):
+        return exc.text
+    return brief_traceback(exc)
+
+
 def brief_traceback(exc: BaseException, limit: int = 4) -> str:
     """The last ``limit`` frames of the learner's own code, then the error line."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
@@ -110,3 +169,126 @@ def brief_traceback(exc: BaseException, limit: int = 4) -> str:
     lines += traceback.format_exception_only(type(exc), exc)
     text = "".join(lines).rstrip()
     return text if len(text) < 2000 else text[:2000] + " ..."
+
+
+# ------------------------------------------------------------------------------------------
+# The answers are out of reach during a check
+# ------------------------------------------------------------------------------------------
+
+# module -> attribute names that compute (part of) an exercise's answer
+SHORTCUTS = {
+    "flashedu": ("attention",),
+    "flashedu.api": ("attention",),
+    "flashedu.reference": ("naive_attention", "naive_attention_backward", "safe_softmax",
+                           "online_softmax", "naive_attention_torch"),
+    "flashedu.tiled": ("flash_forward", "flash_backward", "block_sparse_forward"),
+    "torch": ("softmax", "log_softmax"),
+    "torch.nn.functional": ("softmax", "log_softmax", "scaled_dot_product_attention"),
+    "torch.special": ("softmax", "log_softmax"),
+    "scipy.special": ("softmax", "log_softmax", "logsumexp"),
+}
+_SHORTCUT_PACKAGES = ("flashedu.numba_kernels", "flashedu.triton", "flashedu.tiled",
+                      "flashedu.reference")
+
+
+def _shortcut_objects() -> dict[int, str]:
+    """id(object) -> its name, for every shortcut that is loaded now (nothing is imported)."""
+    found = {}
+    for module_name, names in SHORTCUTS.items():
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for name in names:
+            obj = getattr(module, name, None)
+            if obj is not None:
+                found[id(obj)] = f"{module_name}.{name}"
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and module_name.startswith(_SHORTCUT_PACKAGES):
+            found[id(module)] = module_name
+            for name, obj in vars(module).items():
+                if callable(obj) and getattr(obj, "__module__", "") == module_name:
+                    found[id(obj)] = f"{module_name}.{name}"
+    return found
+
+
+def forbidden_uses(fn) -> str | None:
+    """A message when ``fn`` (or a function it reaches through its globals, closure or
+    defaults) names one of the answers, else None."""
+    shortcuts = _shortcut_objects()
+    seen, todo = set(), [fn]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        inner = getattr(obj, "py_func", None) or getattr(obj, "fn", None) or obj
+        code = getattr(inner, "__code__", None)
+        if code is None:
+            continue
+        env = getattr(inner, "__globals__", {})
+        values = [env.get(name) for name in _names(code)]
+        values += [c.cell_contents for c in (getattr(inner, "__closure__", None) or ())
+                   if _filled(c)]
+        values += list(getattr(inner, "__defaults__", None) or ())
+        values += list((getattr(inner, "__kwdefaults__", None) or {}).values())
+        for value in values:
+            if id(value) in shortcuts and value is not fn:
+                return (f"your code uses {shortcuts[id(value)]}, which computes the answer "
+                        "itself. Write the computation with NumPy (or the kernel language) "
+                        "operations: that is the exercise.")
+            if isinstance(value, types.FunctionType) or hasattr(value, "py_func") \
+                    or hasattr(value, "fn"):
+                todo.append(value)
+    return None
+
+
+def _names(code) -> set:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def shortcuts_blocked(active: bool = True):
+    """While active, every loaded shortcut (see SHORTCUTS) raises Shortcut when called."""
+    if not active:
+        yield
+        return
+    saved = []
+    for module_name, names in SHORTCUTS.items():
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for name in names:
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, _refuse(f"{module_name}.{name}"))
+    tensor = sys.modules.get("torch")
+    tensor = getattr(tensor, "Tensor", None)
+    if tensor is not None:
+        for name in ("softmax", "log_softmax"):
+            saved.append((tensor, name, getattr(tensor, name)))
+            setattr(tensor, name, _refuse(f"torch.Tensor.{name}"))
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def _refuse(name):
+    def refused(*args, **kwargs):
+        raise Shortcut(f"{name} computes the answer itself and is off during a check: write "
+                       "the computation yourself (that is the exercise).")
+    refused.__name__ = name.rsplit(".", 1)[-1]
+    return refused

@@ -19,12 +19,12 @@ DEFAULT_BLOCK = (64, 64)  # (Br, Bc) when no block mask fixes the tiling
 
 def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
     """Backend entry point (inputs already checked by flashedu.attention)."""
-    from .ops import mask_args, numpy_forward
+    from . import ops
 
     if dropout_p > 0:
         raise NotImplementedError("the numpy backend has no dropout")
-    out, _ = numpy_forward(q, k, v, is_causal, scale, *mask_args(block_mask))
-    return out
+    return ops.attention("numpy", q, k, v, is_causal=is_causal, scale=scale,
+                         block_mask=block_mask)
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask):

@@ -37,6 +37,23 @@ from torch import Tensor
 SECOND_ORDER_BACKENDS = ("naive",)
 
 
+def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mask):
+    """The output of ``torch.ops.flashedu.<backend>_forward`` (what the backends call)."""
+    forward_op = {"triton": triton_forward, "numpy": numpy_forward}[backend]
+    try:
+        out, _ = forward_op(q, k, v, is_causal, scale, *mask_args(block_mask))
+    except RuntimeError:
+        if any(torch._C._functorch.is_gradtrackingtensor(t) for t in (q, k, v)):
+            raise RuntimeError(
+                f"torch.func.grad (and jacrev, jvp, hessian) cannot differentiate "
+                f"flashedu.attention(backend={backend!r}): its derivative is registered for "
+                f"torch.autograd only. Use torch.autograd.grad or .backward() (torch.func.vmap "
+                f"alone works), or backend={SECOND_ORDER_BACKENDS[0]!r}, plain torch ops that "
+                f"every torch.func transform differentiates.") from None
+        raise
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The block mask across the operator boundary
 # ---------------------------------------------------------------------------------------------

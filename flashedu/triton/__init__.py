@@ -23,7 +23,7 @@ import math
 import torch
 
 from .. import runtime
-from ..ops import mask_args, triton_forward
+from .. import ops
 from .config import MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,8 +38,8 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
             f"the triton backend has no fused dropout yet (dropout_p={dropout_p}); "
             "use dropout_p=0.0, or backend='naive'")
     _check(q, k, v)
-    out, _ = triton_forward(q, k, v, is_causal, float(scale), *mask_args(block_mask))
-    return out
+    return ops.attention("triton", q, k, v, is_causal=is_causal, scale=float(scale),
+                         block_mask=block_mask)
 
 
 def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
@@ -47,7 +47,7 @@ def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
     ``flashedu.tiled.flash_forward`` returns per head (-inf for a row that sees no key)."""
     _check(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, lse2 = triton_forward(q, k, v, is_causal, scale, *mask_args(block_mask))
+    o, lse2 = ops.triton_forward(q, k, v, is_causal, scale, *ops.mask_args(block_mask))
     return o, torch.where(torch.isinf(lse2), -torch.inf, lse2 * math.log(2.0))
 
 

@@ -38,6 +38,8 @@ from . import compare
 from .result import FAILED, NOT_IMPLEMENTED, PASSED, SKIPPED, CaseResult, CheckResult
 from .sandbox import Call, call_limited, error_text, forbidden_uses, shortcuts_blocked
 
+# bound at import: a learner's cell that patches flashedu.checks.compare changes nothing here
+_TOLERANCE, _ERROR, _BAD_ROWS = compare.tolerance, compare.error, compare.bad_rows
 _SEED = threading.local()  # each grading thread (flashedu check --jobs) its own
 
 
@@ -301,11 +303,11 @@ def _compare(ex: Exercise, case: Case, outputs: dict):
     for k, (name, ref, slow) in enumerate(zip(case.outputs, case.expected, naive)):
         got = outputs[name]
         candidates = [slow] + [v[k] for v in case.variants]
-        tol = compare.tolerance(case.dtype, candidates, ref, case.floor_scale)
-        err = compare.error(got, ref)
+        tol = _TOLERANCE(case.dtype, candidates, ref, case.floor_scale)
+        err = _ERROR(got, ref)
         worst = max(worst, err)
         if err > tol:
-            rows = compare.bad_rows(got, ref, tol)
+            rows = _BAD_ROWS(got, ref, tol)
             wrong[name] = rows
             lines.append(_wrong_text(name, got, ref, err, tol, rows))
     if not wrong:

@@ -527,6 +527,8 @@ def _calls_problem(fn, kind, seen) -> str | None:
         if isinstance(node.func, ast.Name) and base.id in _BUILTINS_OK and \
                 value is getattr(builtins, base.id, None):
             continue
+        if isinstance(value, type) and issubclass(value, BaseException):
+            continue  # raise ValueError(...): a guard (Triton checks it when compiling)
         is_kernel, inner = _kernel_parts(value, kind)
         if is_kernel:
             problem = _calls_problem(inner, kind, seen)

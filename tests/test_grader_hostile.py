@@ -1,0 +1,353 @@
+"""The grader against its red team: kernels that are wrong in the ways the old cases missed,
+cheats, unusual correct kernels, and notebooks that try to fool or hang ``flashedu check``.
+
+Every wrong kernel and cheat must score 0; every correct variant must pass; every hostile
+notebook must neither score nor hang. Sizes are small: the kernels run in numba's simulator and
+Triton's interpreter here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+
+from flashedu.checks import EXERCISES, check
+from flashedu.checks.result import NOT_IMPLEMENTED
+from test_checks import ROOT, assert_rejected, load, solution_source
+
+DKDV, DQ = "triton_backward_dkdv_kernel", "triton_backward_dq_kernel"
+TFWD, NUMBA = "triton_forward_kernel", "numba_forward_kernel"
+
+
+# ------------------------------------------------------------------------------------------
+# Wrong kernels the earlier cases let through
+# ------------------------------------------------------------------------------------------
+
+T_LOAD_K = "K_j = tl.load(K + cols[:, None] * stride_k + dims[None, :], mask=col_ok[:, None], other=0.0)"
+T_LOAD_V = "V_j = tl.load(V + cols[:, None] * stride_v + dims[None, :], mask=col_ok[:, None], other=0.0)"
+T_MASK = "S_ij = tl.where(visible, S_ij, float(\"-inf\"))"
+WRONG = [
+    # Triton forward
+    (TFWD, "K and V loaded unmasked, the NaN discarded by tl.where",
+     [(T_LOAD_K, "K_j = tl.load(K + cols[:, None] * stride_k + dims[None, :])"),
+      (T_LOAD_V, "V_j = tl.load(V + cols[:, None] * stride_v + dims[None, :])"),
+      ("P_ij = tl.exp(S_ij - m_new[:, None])", "P_ij = tl.where(visible, tl.exp(S_ij - m_new[:, None]), 0.0)"),
+      ("O_i = alpha[:, None] * O_i + tl.dot(P_ij, V_j)", "O_i = alpha[:, None] * O_i + tl.dot(P_ij, tl.where(col_ok[:, None], V_j, 0.0))"),
+      ("S_ij = tl.dot(Q_i, tl.trans(K_j)) * scale", "S_ij = tl.dot(Q_i, tl.trans(tl.where(col_ok[:, None], K_j, 0.0))) * scale")],
+     ["loaded", "outside its tensors"]),
+    (TFWD, "Q loaded unmasked, NaN rows never stored",
+     [("Q_i = tl.load(Q + rows[:, None] * stride_q + dims[None, :], mask=row_ok[:, None], other=0.0)",
+       "Q_i = tl.load(Q + rows[:, None] * stride_q + dims[None, :])\n    Q_i = tl.where(row_ok[:, None], Q_i, 0.0)")],
+     ["outside its tensors"]),
+    (TFWD, "rows addressed with D instead of stride_q",
+     [("rows[:, None] * stride_q", "rows[:, None] * D")], ["row strides differ"]),
+    (TFWD, "K addressed with stride_q",
+     [("cols[:, None] * stride_k", "cols[:, None] * stride_q")], ["row strides differ"]),
+    (TFWD, "O stored with D as its row stride",
+     [("rows[:, None] * stride_o", "rows[:, None] * D")], ["row strides differ"]),
+    (TFWD, "masks after the max (a future key dominates)",
+     [(T_MASK, ""),
+      ("m_new = tl.maximum(m_i, tl.max(S_ij, 1))  # finite: key 0 lies in the first tile",
+       "m_new = tl.maximum(m_i, tl.max(tl.where(col_ok[None, :], S_ij, float('-inf')), 1))\n        S_ij = tl.where(visible, S_ij, float(\"-inf\"))")],
+     ["causal"]),
+    (TFWD, "causal loop bound in tiles of Bc, not rows of Br",
+     [("end = tl.minimum(Nk, (i + 1) * Br)", "end = tl.minimum(Nk, (i + 1) * Bc)")], ["causal"]),
+    (TFWD, "only the first 128 keys",
+     [("for start in range(0, end, Bc):", "for start in range(0, tl.minimum(end, 128), Bc):")],
+     ["Nk=200"]),
+    (TFWD, "exp of unmasked scores in float16",
+     [("P_ij = tl.exp(S_ij - m_new[:, None])", "P_ij = tl.exp((S_ij - m_new[:, None]).to(tl.float16)).to(tl.float32)")],
+     []),
+    (TFWD, "L stored without m_i",
+     [("m_i + tl.log(l_i)", "tl.log(l_i)")], ["L"]),
+    # Triton backward
+    (DKDV, "Q loaded unmasked, rows discarded by the visible mask",
+     [("Q_i = tl.load(Q + rows[:, None] * stride_q + dims[None, :], mask=row_ok[:, None], other=0.0)",
+       "Q_i = tl.where(row_ok[:, None], tl.load(Q + rows[:, None] * stride_q + dims[None, :]), 0.0)")],
+     ["outside its tensors"]),
+    (DQ, "L_i loaded unmasked, discarded by tl.where",
+     [("L_i = tl.load(L + rows, mask=row_ok, other=0.0)", "L_i = tl.where(row_ok, tl.load(L + rows), 0.0)")],
+     ["outside its tensors"]),
+    (DKDV, "only the first 128 query rows",
+     [("for start in range(lo, Nq, Br):", "for start in range(lo, tl.minimum(Nq, 128), Br):")], ["Nq=Nk=200"]),
+    (DQ, "only the first 128 keys",
+     [("for start in range(0, end, Bc):", "for start in range(0, tl.minimum(end, 128), Bc):")], ["Nq=Nk=200"]),
+    (DKDV, "dK addressed with stride_dv",
+     [("cols[:, None] * stride_dk", "cols[:, None] * stride_dv")], ["row strides differ"]),
+    (DQ, "dO addressed with stride_q",
+     [("rows[:, None] * stride_do", "rows[:, None] * stride_q")], ["row strides differ"]),
+    (DKDV, "Delta_i taken as zero",
+     [("Delta_i = tl.load(Delta + rows, mask=row_ok, other=0.0)", "Delta_i = tl.zeros((Br,), tl.float32)")],
+     ["wrong"]),
+    (DQ, "dQ not scaled",
+     [("dQ_i * scale, mask", "dQ_i, mask")], ["scale"]),
+    # numba
+    (NUMBA, "Br hard-coded to 8",
+     [("Br = cuda.blockDim.x  # query rows per block: one per thread", "Br = 8")], ["threads a block"]),
+    (NUMBA, "causal loop bound in blocks of BC, not of Br",
+     [("end = min(Nk, (cuda.blockIdx.x + 1) * Br)", "end = min(Nk, (cuda.blockIdx.x + 1) * BC)")],
+     ["causal"]),
+    (NUMBA, "masks after the max (a future key dominates)",
+     [("                if causal and start + r > i:\n                    s = -math.inf\n", ""),
+      ("            m_new = max(m_i, m_ij)", "            m_new = max(m_i, m_ij)\n            for r in range(n):\n                if causal and start + r > i:\n                    S_ij[r] = -math.inf")],
+     ["future key dominates"]),
+    (NUMBA, "reads K[j - 1] for the first key (negative index)",
+     [("K_j[r, c] = K[start + r, c]", "K_j[r, c] = K[start + r, c] if start + r > 0 or K[start + r - 1, c] == K[start + r - 1, c] else 0.0")],
+     ["negative index"]),
+    (NUMBA, "only the first 128 keys",
+     [("for start in range(0, end, BC):", "for start in range(0, min(end, 128), BC):")], ["Nk=200"]),
+    (NUMBA, "no syncthreads after the copy",
+     [("        cuda.syncthreads()  # the tile is complete before anyone reads it\n", "")], []),
+    # NumPy
+    ("flash_forward", "masks after the max (a future key dominates)",
+     [("m_new = np.maximum(m_i, S_ij.max(axis=1))", "m_new = np.maximum(m_i, (scale * (Q_i @ K[c0:c1].T)).max(axis=1))")],
+     ["future key dominates"]),
+    ("block_sparse_forward", "computes every tile, zeroes the skipped ones",
+     [("for j in np.flatnonzero(block_mask[i]):", "for j in range(block_mask.shape[1]):"),
+      ("P_ij = np.exp(S_ij - m_new[:, None])", "P_ij = np.where(block_mask[i, j], np.exp(S_ij - m_new[:, None]), 0.0)")],
+     ["skip"]),
+]
+
+
+def _check_source(name, replace, tmp_path):
+    return check(name, load(name, replace, tmp_path))
+
+
+@pytest.mark.parametrize("name, mistake, replace, words", WRONG, ids=[f"{w[0]}: {w[1]}" for w in WRONG])
+def test_wrong_kernel_is_rejected(name, mistake, replace, words, tmp_path):
+    assert_rejected(_check_source(name, replace, tmp_path), *words)
+
+
+# ------------------------------------------------------------------------------------------
+# Cheats: the answer from somewhere else
+# ------------------------------------------------------------------------------------------
+
+def _cheat_reference(Q, K, V, block_q, block_k, causal=False, scale=None):
+    from flashedu import reference
+    return reference.naive_attention(Q, K, V, causal=causal, scale=scale)
+
+
+def _cheat_tiled(Q, K, V, block_q, block_k, causal=False, scale=None):
+    import flashedu.tiled
+    return flashedu.tiled.flash_forward(Q, K, V, block_q, block_k, causal=causal, scale=scale)
+
+
+def _cheat_attention(Q, K, V, block_q, block_k, causal=False, scale=None):
+    import torch
+
+    import flashedu
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(a))[None, None] for a in (Q, K, V))
+    out, lse = flashedu.attention(q, k, v, is_causal=causal, scale=scale, return_lse=True)
+    return out[0, 0].numpy().astype(Q.dtype), lse[0, 0].numpy().astype(Q.dtype)
+
+
+def _cheat_sdpa(Q, K, V, block_q, block_k, causal=False, scale=None):
+    import torch
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(a)) for a in (Q, K, V))
+    O = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal, scale=scale)[0]
+    return O.numpy(), np.zeros(len(Q), Q.dtype)
+
+
+def _cheat_torch_softmax(x):
+    import torch
+    return torch.softmax(torch.from_numpy(np.asarray(x)), dim=-1).numpy()
+
+
+def _cheat_tensor_softmax(x, block_size):
+    import torch
+    return torch.from_numpy(np.asarray(x)).softmax(-1).numpy()
+
+
+def _cheat_stack(Q, K, V, block_q, block_k, causal=False, scale=None):
+    """Reads the expected answer off the grader's stack."""
+    import inspect
+    for frame in inspect.stack():
+        case = frame.frame.f_locals.get("case")
+        if case is not None and getattr(case, "expected", None):
+            return tuple(np.asarray(e, dtype=Q.dtype) for e in case.expected)
+    raise RuntimeError("no answer found")
+
+
+_TABLE = {}
+
+
+def _cheat_table(Q, K, V, block_q, block_k, causal=False, scale=None):
+    """A table of answers recorded for the inputs of an earlier check."""
+    return _TABLE[(Q.shape, K.shape, causal)]
+
+
+def _cheat_patch_compare(Q, K, V, block_q, block_k, causal=False, scale=None):
+    from flashedu.checks import compare
+    compare.tolerance = lambda *a, **k: float("inf")
+    compare.error = lambda *a, **k: 0.0
+    return np.zeros_like(Q), np.zeros(len(Q), Q.dtype)
+
+
+CHEATS = [
+    ("flash_forward", _cheat_reference, ["flashedu.reference"]),
+    ("flash_forward", _cheat_tiled, ["flashedu.tiled"]),
+    ("flash_forward", _cheat_attention, ["attention"]),
+    ("flash_forward", _cheat_sdpa, ["scaled_dot_product_attention"]),
+    ("safe_softmax", _cheat_torch_softmax, ["softmax"]),
+    ("online_softmax", _cheat_tensor_softmax, ["softmax"]),
+    ("flash_forward", _cheat_stack, ["no answer found"]),
+    ("flash_forward", _cheat_table, ["KeyError"]),
+]
+
+
+@pytest.mark.parametrize("name, fn, words", CHEATS, ids=[c[1].__name__ for c in CHEATS])
+def test_cheat_is_rejected(name, fn, words):
+    assert_rejected(check(name, fn), *words)
+
+
+def test_table_of_answers_for_one_seed_fails_on_the_next(tmp_path):
+    """Inputs are fresh per check: answers recorded on one run do not fit the next."""
+    from flashedu.checks import engine
+    real = load("flash_forward", (), tmp_path)
+
+    def recorder(Q, K, V, block_q, block_k, causal=False, scale=None):
+        out = real(Q, K, V, block_q, block_k, causal, scale)
+        _TABLE[(Q.shape, K.shape, causal)] = out
+        return out
+
+    assert check("flash_forward", recorder).passed
+    first = engine.run_seed()
+    result = check("flash_forward", _cheat_table)
+    assert engine.run_seed() != first
+    assert_rejected(result, "is wrong")
+
+
+def test_patching_compare_does_not_help():
+    result = check("flash_forward", _cheat_patch_compare)
+    import importlib
+
+    from flashedu.checks import compare
+    importlib.reload(compare)  # undo the cheat for the other tests
+    assert not result.passed
+
+
+def test_python_function_standing_in_for_a_kernel(tmp_path):
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+    assert_rejected(check(TFWD, FakeKernel()))
+    assert_rejected(check(NUMBA, FakeKernel()))
+    FakeKernel.__call__ = lambda self, *a: None
+    assert_rejected(check(TFWD, FakeKernel()), "not a @triton.jit kernel")
+    assert_rejected(check(NUMBA, FakeKernel()), "not a @cuda.jit kernel")
+
+
+def test_kernel_calling_plain_python_is_rejected(tmp_path):
+    replace = [("    ### BEGIN SOLUTION", "    helper_value = np.zeros(1)\n    ### BEGIN SOLUTION")]
+    assert_rejected(check(NUMBA, load(NUMBA, replace, tmp_path)), "np.zeros", "not compile")
+
+
+# ------------------------------------------------------------------------------------------
+# Correct, if unusual: must pass
+# ------------------------------------------------------------------------------------------
+
+CORRECT = [
+    (TFWD, "a NotImplementedError guard for an unsupported D",
+     [("    i = tl.program_id(0)\n", "    i = tl.program_id(0)\n    if D > 256:\n        raise NotImplementedError(\"D > 256\")\n")]),
+    (TFWD, "exp2 with log2(e) folded into the scale",
+     [("S_ij = tl.dot(Q_i, tl.trans(K_j)) * scale", "S_ij = tl.dot(Q_i, tl.trans(K_j)) * (scale * 1.4426950408889634)"),
+      ("P_ij = tl.exp(S_ij - m_new[:, None])", "P_ij = tl.exp2(S_ij - m_new[:, None])"),
+      ("alpha = tl.exp(m_i - m_new)", "alpha = tl.exp2(m_i - m_new)"),
+      ("m_i + tl.log(l_i)", "(m_i + tl.log2(l_i)) * 0.6931471805599453")]),
+    (TFWD, "no causal loop bound (masks every tile)", [("end = tl.minimum(Nk, (i + 1) * Br)", "end = Nk")]),
+    (DKDV, "causal Q loop from row 0", [("lo = (j * Bc) // Br * Br", "lo = 0")]),
+    (DQ, "no causal loop bound", [("end = tl.minimum(Nk, (i + 1) * Br)", "end = Nk")]),
+    (DKDV, "D = rowsum(P * dP) in place of Delta",
+     [("dS_ij = P_ij * (dP_ij - Delta_i[:, None])", "dS_ij = P_ij * (dP_ij - Delta_i[:, None])")]),
+    (DQ, "scale applied inside the loop",
+     [("dQ_i += tl.dot(dS_ij, K_j)", "dQ_i += tl.dot(dS_ij, K_j) * scale"), ("dQ_i * scale, mask", "dQ_i, mask")]),
+    (NUMBA, "O kept normalized key by key",
+     [("                for r in range(n):\n                    p = math.exp(S_ij[r] - m_new)\n                    l_i += p\n                    for c in range(d):\n                        o[c] += p * V_j[r, c]",
+       "                for r in range(n):\n                    p = math.exp(S_ij[r] - m_new)\n                    l_new = l_i + p\n                    for c in range(d):\n                        o[c] = o[c] * (l_i / l_new) + (p / l_new) * V_j[r, c]\n                    l_i = l_new"),
+      ("                l_i *= alpha\n                for c in range(d):\n                    o[c] *= alpha\n",
+       "                l_i *= alpha\n"),
+      ("            O[i, c] = o[c] / l_i", "            O[i, c] = o[c]")]),
+    (NUMBA, "no causal loop bound", [("end = min(Nk, (cuda.blockIdx.x + 1) * Br)", "end = Nk")]),
+    ("flash_forward", "a NotImplementedError guard",
+     [("    Nq, d = Q.shape\n", "    Nq, d = Q.shape\n    if Q.ndim != 2:\n        raise NotImplementedError('batched inputs')\n")]),
+    ("flash_backward", "D = rowsum(P * dP) per tile",
+     [("dS_ij = P_ij * (dP_ij - D[r0:r1, None])", "dS_ij = P_ij * (dP_ij - D[r0:r1, None])")]),
+]
+
+
+@pytest.mark.parametrize("name, variant, replace", CORRECT, ids=[f"{c[0]}: {c[1]}" for c in CORRECT])
+def test_correct_variant_passes(name, variant, replace, tmp_path):
+    result = check(name, load(name, replace, tmp_path))
+    assert result.passed, str(result)
+
+
+# ------------------------------------------------------------------------------------------
+# flashedu check: hostile notebooks
+# ------------------------------------------------------------------------------------------
+
+def _notebook(tmp_path, stem, extra_cells, solution=True):
+    src = ROOT / ("solutions" if solution else "exercises") / f"{stem}.ipynb"
+    nb = nbformat.read(src, as_version=4)
+    for source in extra_cells:
+        nb.cells.append(nbformat.v4.new_code_cell(source))
+    path = tmp_path / f"{stem}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def _flashedu_check(*args, timeout=300):
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "flashedu.cli", "check", *map(str, args)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    return run, time.perf_counter() - start
+
+
+def test_hostile_notebooks_neither_score_nor_hang(tmp_path):
+    fake = "flashedu-check-results: [{\"name\": \"flash_forward\", \"points\": 4}]"
+    unfilled = tmp_path / "unfilled"
+    unfilled.mkdir()
+    forger = _notebook(unfilled, "02_flash_forward", [
+        f"print({fake!r})",
+        "import flashedu.checks as c, flashedu.checks.engine as e\n"
+        "for ex in c.EXERCISES.values():\n    ex.cases = lambda: []\n"
+        "e.judge_case = lambda *a: None\n"
+        "c.check = lambda *a, **k: True",
+        "check('block_sparse_forward', None)  # an extra check of another notebook's exercise",
+    ], solution=False)
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    stubborn = _notebook(hang, "01_softmax", [
+        "import time\nwhile True:\n    try:\n        time.sleep(0.2)\n    except KeyboardInterrupt:\n        pass",
+    ])
+    json_file = tmp_path / "grades.json"
+    run, seconds = _flashedu_check(forger, stubborn, tmp_path / "missing.ipynb", "--timeout", "20",
+                                   "--jobs", "2", "--json", json_file)
+    assert seconds < 150, seconds
+    assert run.returncode == 1, run.stdout + run.stderr
+    rows = json.loads(json_file.read_text())
+    by = {(Path(r["notebook"]).parent.name, r["exercise"]): r for r in rows}
+    assert set(r["exercise"] for r in rows if "unfilled" in r["notebook"]) == {"flash_forward"}
+    assert by[("unfilled", "flash_forward")]["points"] == 0
+    assert by[("unfilled", "flash_forward")]["status"] == NOT_IMPLEMENTED
+    for name in ("safe_softmax", "online_softmax"):
+        assert by[("hang", name)]["points"] == 0 and by[("hang", name)]["status"] == "not graded"
+    assert any(r["exercise"] == "-" and "no such file" in r["message"] for r in rows)
+    assert "missing.ipynb" in run.stderr
+
+
+def test_solutions_and_an_empty_case_list_trick(tmp_path):
+    """A filled notebook is graded on its own function, whatever its cells do to the grader."""
+    sol = _notebook(tmp_path, "02_flash_forward", [
+        "import flashedu.checks as c\nfor ex in c.EXERCISES.values():\n    ex.cases = lambda: []",
+    ])
+    run, _ = _flashedu_check(sol, "--json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(run.stdout)
+    assert row["passed"] and row["points"] == 4 and "All 2" in row["message"], row

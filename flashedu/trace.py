@@ -110,22 +110,53 @@ class Trace:
 
 
 class _NoTrace:
-    """Stands in for a Trace when nobody is watching: every call is a no-op."""
+    """Stands in for a Trace when nobody is watching: every call is a no-op, unless a learner
+    trace is listening (see :func:`listen`)."""
 
     def load(self, name, tile, array):
+        if _LISTENER is not None:
+            _LISTENER.load(name, tile, array)
         return array
 
     def store(self, name, tile, array):
-        pass
+        if _LISTENER is not None:
+            _LISTENER.store(name, tile, array)
 
     def compute(self, i, j, **scratch):
-        pass
+        if _LISTENER is not None:
+            _LISTENER.compute(i, j, **scratch)
 
     def skip(self, i, j):
-        pass
+        if _LISTENER is not None:
+            _LISTENER.skip(i, j)
 
     def drop(self, *names):
         pass
 
 
 NO_TRACE = _NoTrace()
+
+# ----- the learner-trace hook ---------------------------------------------------------------
+# flashedu.viz.compare_trace runs a function it did not write (a learner's flash_forward, or
+# the package's own). Code that calls the kernels of this package without a trace still reports
+# its tile loads, stores and steps to the listener set here, with the values (S_ij, O_i, l_i,
+# m_i) it passes; code that does not is traced by other means (flashedu.viz.learner_trace).
+_LISTENER = None
+
+
+class listen:
+    """``with listen(recorder):`` sends every untraced kernel's ``load``, ``store``,
+    ``compute`` and ``skip`` calls to ``recorder`` (an object with those methods)."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def __enter__(self):
+        global _LISTENER
+        self._previous, _LISTENER = _LISTENER, self.recorder
+        return self.recorder
+
+    def __exit__(self, *exc):
+        global _LISTENER
+        _LISTENER = self._previous
+        return False

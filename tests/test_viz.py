@@ -4,6 +4,9 @@ The browser test (test_browser.py) checks that they render; these check that wha
 is right: the stepper's counters are the trace's, and equal flashedu.io's count at the end.
 """
 
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -13,6 +16,8 @@ from flashedu import io
 from flashedu.masks import BlockMask
 from flashedu.viz import BlockMaskEditor, SRAMOccupancy, TileLoopStepper, presets
 from flashedu.viz.block_sparse import predict, scaled
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +259,9 @@ def test_editor_slider_keeps_the_clicked_tiles():
     assert "2 tile(s) clicked" in e.clicks_note.value
     assert e.controls["stride"].disabled and not e.controls["window"].disabled
     e.controls["preset"].value = "causal"  # a new preset starts afresh
-    assert e.clicked == {} and e.blocks[5, 4] and not e.blocks[7, 0]
+    assert e.clicked == {} and e.blocks[5, 4]
+    np.testing.assert_array_equal(e.blocks, presets.make("causal", (512, 512), (64, 64))
+                                  .blocks[0, 0])
 
 
 def test_editor_check_result_is_marked_stale_when_the_mask_changes():
@@ -313,3 +320,160 @@ def test_editor_runs_a_cpu_check():
     for r in results:  # triton may be absent, but then it says why
         assert r["ok"] or r["note"].startswith("not run")
     assert "numpy: matches" in e.run_output.value
+
+
+# ----- compare_trace: the learner's own kernel beside the reference ---------------------------
+
+
+def _kernel(rescale=True, diagonal=0, tiles=math.ceil):
+    """A learner's Q-outer flash_forward in the exercise's names, with one bug switched on:
+    rescale=False leaves O_i unscaled by alpha; diagonal=k lets query r see keys c <= r + k;
+    tiles=lambda x: int(x) drops the last, ragged K/V tile."""
+
+    def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None):
+        Nq, d = Q.shape
+        Nk = K.shape[0]
+        Br, Bc = block_q, block_k
+        scale = 1 / math.sqrt(d) if scale is None else scale
+        O = np.zeros_like(Q)
+        L = np.zeros(Nq, dtype=Q.dtype)
+        for i in range(math.ceil(Nq / Br)):
+            r0, r1 = i * Br, min((i + 1) * Br, Nq)
+            rows = np.arange(r0, r1)
+            Q_i = Q[r0:r1]
+            m_i = np.full(r1 - r0, -np.inf, dtype=Q.dtype)
+            l_i = np.zeros(r1 - r0, dtype=Q.dtype)
+            O_i = np.zeros((r1 - r0, d), dtype=Q.dtype)
+            for j in range(tiles(Nk / Bc)):
+                c0, c1 = j * Bc, min((j + 1) * Bc, Nk)
+                if causal and c0 > r1 - 1 + diagonal:
+                    break
+                S_ij = scale * (Q_i @ K[c0:c1].T)
+                if causal:
+                    S_ij = np.where(np.arange(c0, c1)[None, :] <= rows[:, None] + diagonal,
+                                    S_ij, -np.inf)
+                m_new = np.maximum(m_i, S_ij.max(axis=1))
+                P_ij = np.exp(S_ij - m_new[:, None])
+                alpha = np.exp(m_i - m_new)
+                l_i = alpha * l_i + P_ij.sum(axis=1)
+                O_i = (alpha[:, None] * O_i if rescale else O_i) + P_ij @ V[c0:c1]
+                m_i = m_new
+            O[r0:r1] = O_i / l_i[:, None]
+            L[r0:r1] = m_i + np.log(l_i)
+        return O, L
+
+    return flash_forward
+
+
+def _algorithm1(Q, K, V, block_q, block_k, causal=False, scale=None):
+    """The paper's Algorithm 1 (K/V outer, O, l, m kept in HBM), as a learner writes it."""
+    Nq, d = Q.shape
+    Nk = K.shape[0]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    O = np.zeros_like(Q)
+    l = np.zeros(Nq)
+    m = np.full(Nq, -np.inf)
+    for j in range(math.ceil(Nk / block_k)):
+        c0, c1 = j * block_k, min((j + 1) * block_k, Nk)
+        K_j, V_j = K[c0:c1], V[c0:c1]
+        for i in range(math.ceil(Nq / block_q)):
+            r0, r1 = i * block_q, min((i + 1) * block_q, Nq)
+            if causal and c0 > r1 - 1:
+                continue
+            Q_i, m_i, l_i = Q[r0:r1], m[r0:r1], l[r0:r1]
+            S_ij = scale * (Q_i @ K_j.T)
+            if causal:
+                S_ij = np.where(np.arange(c0, c1)[None, :] <= np.arange(r0, r1)[:, None],
+                                S_ij, -np.inf)
+            m_ij = S_ij.max(axis=1)
+            P_ij = np.exp(S_ij - m_ij[:, None])
+            m_new = np.maximum(m_i, m_ij)
+            l_new = np.exp(m_i - m_new) * l_i + np.exp(m_ij - m_new) * P_ij.sum(axis=1)
+            O[r0:r1] = ((l_i * np.exp(m_i - m_new))[:, None] * O[r0:r1]
+                        + np.exp(m_ij - m_new)[:, None] * (P_ij @ V_j)) / l_new[:, None]
+            l[r0:r1], m[r0:r1] = l_new, m_new
+    return O, m + np.log(l)
+
+
+def _solution_kernel():
+    import nbformat
+
+    nb = nbformat.read(ROOT / "solutions" / "02_flash_forward.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id")
+                == "flash_forward")
+    namespace = {"math": math, "np": np}
+    exec(cell.source, namespace)
+    return namespace["flash_forward"]
+
+
+def _qkv(Nq=40, Nk=50, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n, d)).astype(np.float32) for n in (Nq, Nk, Nk)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["reference FA2", "reference FA1", "solution", "Algorithm 1",
+                                  "exercise style"])
+def test_compare_trace_agrees_for_correct_kernels(name, causal):
+    from functools import partial
+
+    from flashedu.tiled import flash_forward
+    from flashedu.viz import compare_trace
+
+    fn = {"reference FA2": flash_forward,
+          "reference FA1": partial(flash_forward, order="kv_outer"),
+          "solution": _solution_kernel(), "Algorithm 1": _algorithm1,
+          "exercise style": _kernel()}[name]
+    c = compare_trace(fn, *_qkv(), 16, 16, causal=causal)
+    assert c.first_divergence is None, c.first_divergence
+    assert len(c.steps) == len(c.reference_steps) == (6 if causal else 12)
+    assert all(s.state is not None for s in c.steps)  # m_i, l_i, O_i were seen at every step
+    assert c.order == ("kv_outer" if name in ("reference FA1", "Algorithm 1") else "q_outer")
+
+
+def test_compare_trace_finds_a_missing_rescale_of_O_i():
+    from flashedu.viz import compare_trace
+
+    c = compare_trace(_kernel(rescale=False), *_qkv(), 16, 16)
+    div = c.first_divergence
+    assert div.what == "O_i" and div.step == 2  # the first step where m_i can move
+    assert set(div.rows) <= set(range(16)) and "no rescale of O_i by alpha" in div.message
+    assert str(div).startswith("step 2: O_i of rows")
+
+
+def test_compare_trace_finds_a_wrong_causal_diagonal():
+    from flashedu.viz import compare_trace
+
+    Q, K, V = _qkv(Nq=40, Nk=50)
+    c = compare_trace(_kernel(diagonal=10), Q, K, V, 16, 16, causal=True)  # bottom-right
+    div = c.first_divergence
+    assert div.step == 1 and div.what == "m_i" and 0 in div.rows
+    assert "causal mask" in div.message
+
+
+def test_compare_trace_finds_a_dropped_last_ragged_tile():
+    from flashedu.viz import compare_trace
+
+    c = compare_trace(_kernel(tiles=int), *_qkv(Nq=40, Nk=50), 16, 16)
+    div = c.first_divergence
+    assert div.what == "tile" and div.step == 4  # Tc = 4: the row's 4th tile is missing
+    assert "(i=0, j=3)" in div.message and "ragged K/V tile" in div.message
+
+
+def test_compare_trace_names_an_error_and_displays_as_a_stepper():
+    from flashedu.viz import CompareView, compare_trace
+
+    def crashes(Q, K, V, block_q, block_k, causal=False, scale=None):
+        Q_i = Q[:block_q]
+        S_ij = Q_i @ K[:block_k].T
+        raise IndexError("tile out of range")
+
+    c = compare_trace(crashes, *_qkv(), 16, 16)
+    assert c.first_divergence.what == "error" and "IndexError" in str(c.first_divergence)
+    bad = compare_trace(_kernel(rescale=False), *_qkv(), 16, 16)
+    view = bad.view()
+    assert isinstance(view, CompareView) and view.step == 2  # opens at the divergence
+    assert "first divergence: step 2" in view.verdict.value
+    assert "class='tile mine-now'" in view.grid.value and "differ" in view.table.value
+    view.step_button.click()
+    assert view.step == 3 and "step 3 of 12" in view.table.value

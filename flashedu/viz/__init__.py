@@ -4,13 +4,18 @@
     TileLoopStepper()      # step through the (i, j) loop of a traced flash_forward run
     SRAMOccupancy()        # what one thread block holds in shared memory, against a real GPU
     BlockMaskEditor()      # click tiles of a block-sparse mask; model, check and time it
+    compare_trace(my_flash_forward, Q, K, V, 16, 16)   # your kernel beside the reference
+
+One notebook, one state: ``TileLoopStepper(state=editor.state)`` and
+``SRAMOccupancy(state=editor.state)`` follow a mask editor (:mod:`flashedu.viz.state`).
 
 Each widget displays itself (or its ``.widget``) and keeps its state in plain attributes, so
 tests drive it without a browser. The numbers come from :mod:`flashedu.trace` and
 :mod:`flashedu.io`, the same code the IO tests check.
 
 The widget classes are imported lazily: the pure modules here (``timeline``, ``presets``,
-``sparse_bench``) work where ipywidgets is not installed, e.g. on a bare GPU machine.
+``block_sparse``, ``learner_trace``) work where ipywidgets is not installed, e.g. on a bare GPU
+machine.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ _WIDGETS = {
     "TileLoopStepper": "stepper",
     "SRAMOccupancy": "sram",
     "BlockMaskEditor": "mask_editor",
+    "CompareView": "compare_view",
+    "compare_trace": "learner_trace",  # pure: no ipywidgets until the result is displayed
+    "SharedMask": "state",
 }
 
 __all__ = list(_WIDGETS)

@@ -38,10 +38,16 @@ SECOND_ORDER_BACKENDS = ("naive",)
 
 
 def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mask):
-    """The output of ``torch.ops.flashedu.<backend>_forward`` (what the backends call)."""
-    forward_op = {"triton": triton_forward, "numpy": numpy_forward}[backend]
+    """The output of ``torch.ops.flashedu.<backend>_forward``: what the backends call.
+
+    A plain eager call (real tensors, no compile, no transform, no dispatch mode) skips the
+    operator's trips through the dispatcher (tens of microseconds a call, forward and
+    backward) and runs the same implementation under :class:`_EagerAttention`, which gives
+    the same values, gradients and errors."""
+    if _plain_eager(q, k, v):
+        return _EagerAttention.apply(backend, q, k, v, is_causal, scale, block_mask)
     try:
-        out, _ = forward_op(q, k, v, is_causal, scale, *mask_args(block_mask))
+        out, _ = FORWARD_OPS[backend](q, k, v, is_causal, scale, *mask_args(block_mask))
     except RuntimeError:
         if any(torch._C._functorch.is_gradtrackingtensor(t) for t in (q, k, v)):
             raise RuntimeError(
@@ -52,6 +58,13 @@ def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mas
                 f"every torch.func transform differentiates.") from None
         raise
     return out
+
+
+def _plain_eager(*tensors) -> bool:
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(type(t) is Tensor and t.device.type != "meta"
+               and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,27 +104,65 @@ def rebuild_mask(blocks: Optional[Tensor], block_r: int, block_c: int, Nq: int, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton
+# The implementations: (out, lse) and (dq, dk, dv), given a BlockMask or None
 # ---------------------------------------------------------------------------------------------
 
 def _kernel_layout(t: Tensor) -> Tensor:
-    """The kernels index rows and heads by stride but need the last dim contiguous."""
+    """The Triton kernels index rows and heads by stride but need the last dim contiguous."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("flashedu::triton_forward", mutates_args=())
-def triton_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
-                   blocks: Optional[Tensor], block_r: int, block_c: int) -> tuple[Tensor, Tensor]:
-    """(out, lse): the Triton forward; lse is the base-2 logsumexp, +inf for an empty row."""
+def triton_forward_impl(q, k, v, is_causal, scale, mask):
+    """The Triton forward; lse is the base-2 logsumexp, +inf for an empty row."""
     from . import runtime
     from .triton.autograd import resolve_config
     from .triton.forward import forward
 
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
     config = resolve_config(q.shape[-1], q.dtype, mask)
     return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
                    tiles=config.forward_tiles(mask), interpreted=runtime.triton_interpreted())
+
+
+def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask):
+    """The Triton backward (Algorithm 4 of the paper, FlashAttention-2 order)."""
+    from . import runtime
+    from .triton.autograd import resolve_config
+    from .triton.backward import backward
+
+    q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
+    config = resolve_config(q.shape[-1], q.dtype, mask)
+    return backward(q, k, v, out, lse, dout.contiguous(), is_causal=is_causal, scale=scale,
+                    block_mask=mask, config=config, interpreted=runtime.triton_interpreted())
+
+
+def numpy_forward_impl(q, k, v, is_causal, scale, mask):
+    """flashedu.tiled.flash_forward per head; lse natural-log, -inf for an empty row."""
+    from .numpy_backend import forward
+
+    return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask)
+
+
+def numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask):
+    """flashedu.tiled.flash_backward per head."""
+    from .numpy_backend import backward
+
+    return backward(q, k, v, out, lse, dout, is_causal=is_causal, scale=scale, block_mask=mask)
+
+
+IMPLS = {"triton": (triton_forward_impl, triton_backward_impl),
+         "numpy": (numpy_forward_impl, numpy_backward_impl)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The operators: the implementations, with the mask as a tensor, and their shape rules
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("flashedu::triton_forward", mutates_args=())
+def triton_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                   blocks: Optional[Tensor], block_r: int, block_c: int) -> tuple[Tensor, Tensor]:
+    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
+    return triton_forward_impl(q, k, v, is_causal, scale, mask)
 
 
 @triton_forward.register_fake
@@ -124,26 +175,14 @@ def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
 def triton_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                     is_causal: bool, scale: float, blocks: Optional[Tensor], block_r: int,
                     block_c: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of the Triton kernels (Algorithm 4 of the paper, FlashAttention-2 order)."""
-    from . import runtime
-    from .triton.autograd import resolve_config
-    from .triton.backward import backward
-
-    q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
     mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    config = resolve_config(q.shape[-1], q.dtype, mask)
-    return backward(q, k, v, out, lse, dout.contiguous(), is_causal=is_causal, scale=scale,
-                    block_mask=mask, config=config, interpreted=runtime.triton_interpreted())
+    return triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask)
 
 
 @triton_backward.register_fake
 def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c):
     return tuple(torch.empty_like(_kernel_layout(t)) for t in (q, k, v))
 
-
-# ---------------------------------------------------------------------------------------------
-# NumPy (flashedu.tiled, one (batch, head) at a time)
-# ---------------------------------------------------------------------------------------------
 
 def _numpy_lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -152,11 +191,8 @@ def _numpy_lse_dtype(dtype):
 @torch.library.custom_op("flashedu::numpy_forward", mutates_args=())
 def numpy_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
                   blocks: Optional[Tensor], block_r: int, block_c: int) -> tuple[Tensor, Tensor]:
-    """(out, lse): flashedu.tiled.flash_forward per head; lse natural-log, -inf for an empty row."""
-    from .numpy_backend import forward
-
     mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask)
+    return numpy_forward_impl(q, k, v, is_causal, scale, mask)
 
 
 @numpy_forward.register_fake
@@ -169,16 +205,17 @@ def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
 def numpy_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                    is_causal: bool, scale: float, blocks: Optional[Tensor], block_r: int,
                    block_c: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv): flashedu.tiled.flash_backward per head."""
-    from .numpy_backend import backward
-
     mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return backward(q, k, v, out, lse, dout, is_causal=is_causal, scale=scale, block_mask=mask)
+    return numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask)
 
 
 @numpy_backward.register_fake
 def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+FORWARD_OPS = {"triton": triton_forward, "numpy": numpy_forward}
+BACKWARD_OPS = {"triton": triton_backward, "numpy": numpy_backward}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,3 +300,27 @@ def _register_vmap(forward_op, backward_op, backend: str):
 
 _register_vmap(triton_forward, triton_backward, "triton")
 _register_vmap(numpy_forward, numpy_backward, "numpy")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain eager calls: the same implementations and derivative, without the dispatcher trips
+# ---------------------------------------------------------------------------------------------
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, backend, q, k, v, is_causal, scale, block_mask):
+        out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = (backend, is_causal, scale, block_mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        backend, is_causal, scale, block_mask = ctx.params
+        if torch.is_grad_enabled():  # create_graph=True: the operator, whose derivative says no
+            grads = BACKWARD_OPS[backend](q, k, v, out, lse, dout, is_causal, scale,
+                                          *mask_args(block_mask))
+        else:
+            grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask)
+        return (None, *grads, None, None, None)

@@ -187,14 +187,20 @@ def test_operator_lse_shape_and_dtype(backend, no_kernels):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_double_backward_is_a_clear_error(backend):
+@pytest.mark.parametrize("path", ["eager", "operator"])
+def test_double_backward_is_a_clear_error(backend, path):
+    """Through flashedu.attention (eager) and through the operator (what compile records)."""
+    def fn(q, k, v):
+        if path == "eager":
+            return flashedu.attention(q, k, v, is_causal=True, backend=backend)
+        forward = getattr(torch.ops.flashedu, f"{backend}_forward")
+        return forward(q, k, v, True, 0.25, None, 0, 0)[0]
+
     q, k, v = _qkv(H=2, Hkv=2, Nq=16, Nk=16)
-    out = flashedu.attention(q, k, v, is_causal=True, backend=backend)
-    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    dq, = torch.autograd.grad(fn(q, k, v).square().sum(), q, create_graph=True)
     # create_graph alone is allowed: the first-order gradient is the usual one
     q2 = q.detach().requires_grad_()
-    want, = torch.autograd.grad(
-        flashedu.attention(q2, k, v, is_causal=True, backend=backend).square().sum(), q2)
+    want, = torch.autograd.grad(fn(q2, k, v).square().sum(), q2)
     assert _err(dq, want) <= TOL[torch.float32]
     assert dq.requires_grad  # so that a second backward reaches the operator, which says no
     with pytest.raises(RuntimeError, match=f"backend='{backend}'\\) has no double backward.*"

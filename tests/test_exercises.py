@@ -103,7 +103,7 @@ def graded(tmp_path_factory):
     """`flashedu check --json` over the solutions, the exercises and one broken submission."""
     learner = _learner_notebook(tmp_path_factory.mktemp("submission"))
     notebooks = [str(p) for p in SOLUTIONS + EXERCISE_NBS] + [str(learner)]
-    run = subprocess.run([sys.executable, "-m", "flashedu.cli", "check", "--json", "--jobs", "3",
+    run = subprocess.run([sys.executable, "-m", "flashedu.checks.grade", "--json", "-", "--jobs", "2",
                           "--timeout", "300", *notebooks],
                          cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-3000:]

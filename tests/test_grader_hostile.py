@@ -304,7 +304,8 @@ def _notebook(tmp_path, stem, extra_cells, solution=True):
 
 def _flashedu_check(*args, timeout=300):
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "flashedu.cli", "check", *map(str, args)],
+    # the grader's own entry point (what `flashedu check` delegates to)
+    run = subprocess.run([sys.executable, "-m", "flashedu.checks.grade", *map(str, args)],
                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
     return run, time.perf_counter() - start
 

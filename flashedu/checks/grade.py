@@ -98,7 +98,6 @@ class _Kernel:
 
     def __init__(self, client, deadline: float, cell_timeout: float):
         self.client, self.deadline, self.cell_timeout = client, deadline, cell_timeout
-        self.index = 0
 
     def run(self, source: str, timeout: float | None = None):
         """Execute ``source`` as a new cell; raises TimeoutError when it runs out of time."""
@@ -109,13 +108,14 @@ class _Kernel:
         if limit <= 0:
             raise TimeoutError("the notebook's time budget is spent")
         cell = nbformat.v4.new_code_cell(source)
+        self.client.nb.cells.append(cell)  # nbclient writes the outputs by index
         self.client.timeout = max(1, int(limit))
         try:
-            self.client.execute_cell(cell, self.index)
+            self.client.execute_cell(cell, len(self.client.nb.cells) - 1)
         except CellTimeoutError as exc:
             raise TimeoutError(f"a cell ran past {limit:.0f} s") from exc
         finally:
-            self.index += 1
+            del self.client.nb.cells[-1]  # the grader's cells are not kept
         return cell
 
 
@@ -161,7 +161,6 @@ def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = N
                     client.execute_cell(cell, index)
                 except CellTimeoutError as exc:
                     raise TimeoutError(f"cell {index} ran past {client.timeout} s") from exc
-            kernel.index = len(nb.cells)
             # learner hooks that would run around the grader's cells are dropped
             kernel.run("for _flashedu_cbs in get_ipython().events.callbacks.values():\n"
                        "    _flashedu_cbs.clear()\n", timeout=30)

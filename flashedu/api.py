@@ -87,9 +87,6 @@ def _check_tensors(q, k, v, enable_gqa) -> None:
         if t.layout != torch.strided:
             raise TypeError(f"{arg} must be a dense (strided) tensor, got layout {t.layout}; "
                             "call .to_dense() first")
-        if t.device.type == "meta":
-            raise ValueError(f"{arg} is on the meta device (no data): attention needs real "
-                             "values on the CPU or a GPU")
         if t.dim() != 4:
             raise ValueError(f"{arg} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")
         if str(t.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
@@ -121,12 +118,19 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
+def _as_float(x, name: str) -> float:
+    try:
+        return float(x)
+    except OverflowError:  # a Python int beyond float64, e.g. 10**400
+        raise ValueError(f"{name} must be a finite float, got an int of {len(str(x))} digits") from None
+
+
 def _check_scale(scale, d: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(d)
     if not _is_real(scale):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    scale = float(scale)
+    scale = _as_float(scale, "scale")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale}")
     lo, hi = SCALE_RANGE
@@ -140,7 +144,7 @@ def _check_scale(scale, d: int) -> float:
 def _check_dropout(p) -> float:
     if not _is_real(p):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
-    p = float(p)
+    p = _as_float(p, "dropout_p")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     return p

@@ -37,6 +37,8 @@ def writable_file(path: str) -> str:
         raise argparse.ArgumentTypeError(f"{path!r} is a folder, not a file")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {path!r}: folder {folder!r} does not exist")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {path!r}: the file is not writable")
     if not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {path!r}: folder {folder!r} is not writable")
     return path

@@ -271,13 +271,17 @@ def backward_test(backend):
     return test
 
 
+# The Triton interpreter warns when its backward's exp2 overflows on a score that the causal
+# mask then discards (the gradients are right; on a GPU exp2 gives inf silently, also discarded).
+TRITON_EXP2 = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+
 test_forward_naive = forward_test("naive")
 test_forward_numpy = forward_test("numpy")
 test_forward_triton = forward_test("triton")
 test_forward_numba = forward_test("numba")
 test_backward_naive = backward_test("naive")
 test_backward_numpy = backward_test("numpy")
-test_backward_triton = backward_test("triton")
+test_backward_triton = TRITON_EXP2(backward_test("triton"))
 test_backward_numba = backward_test("numba")  # its backward says it has none
 
 
@@ -341,7 +345,9 @@ def nonfinite_test(backend, examples):
         assert_close("out (finite part)", torch.where(finite, out.double(), 0), torch.where(finite, ref, 0),
                      [torch.where(finite, plain.double(), 0)], torch.float32)
 
-    return test
+    # the Triton interpreter's max reduction warns on a NaN row before giving NaN, as it should
+    return pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")(
+        pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")(test))
 
 
 test_nonfinite_naive = nonfinite_test("naive", 25)
@@ -365,8 +371,8 @@ def test_arguments_are_checked(value, arg):
     if arg in ("is_causal", "enable_gqa"):
         ok = is_flag
     elif arg == "scale":
-        ok = value is None or (is_real and math.isfinite(value)
-                               and np.finfo(np.float32).tiny <= value <= np.finfo(np.float32).max)
+        lo, hi = flashedu.api.SCALE_RANGE
+        ok = value is None or (is_real and math.isfinite(value) and lo <= float(value) <= hi)
     else:
         ok = is_real and 0 <= value < 1
     if ok:

@@ -17,3 +17,31 @@ def test_git_commit_outside_a_checkout_is_unknown(monkeypatch, tmp_path):
     shutil.copytree(runtime.__file__.rsplit("/", 1)[0], copy)
     monkeypatch.setattr(runtime, "__file__", str(copy / "runtime.py"))
     assert runtime.git_commit() == "unknown"
+
+
+def test_import_leaves_triton_and_numba_for_later():
+    """Kernels import triton / numba on first use, after runtime.configure() has decided how
+    they run (TRITON_INTERPRET, NUMBA_ENABLE_CUDASIM are read at their import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashedu; "
+            "print(sorted(m for m in ('triton', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_auto_backend_and_where_follow_the_device():
+    gpu = runtime.configure()["gpu"]
+    assert runtime.auto_backend() == ("triton" if gpu else "numpy")
+    assert ("interpreter" in runtime.where("triton")) == runtime.triton_interpreted()
+    assert runtime.where("naive") == "the input's device (torch ops)"
+
+
+def test_doctor_ends_with_the_sections_added_by_higher_layers(monkeypatch):
+    monkeypatch.setattr(runtime, "_REPORTS", list(runtime._REPORTS))
+    runtime.add_report(lambda: ["extra: a section"])
+    report = runtime.doctor()
+    assert report.splitlines()[-1] == "extra: a section"
+    assert "backends:" in report and "  auto   -> " in report  # flashedu.backends' section

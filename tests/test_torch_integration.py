@@ -392,3 +392,18 @@ def test_gpu_cuda_graph_captures_forward_and_backward(dtype, is_causal):
     want = step()
     for name, a, b in zip(("out", "dq", "dk", "dv"), static, want):
         assert _err(a, b) <= 1e-6 * b.abs().max().item(), name  # the same kernels, replayed
+
+
+@pytest.mark.gpu
+@GPU
+def test_gpu_opcheck_bf16_in_a_model_layout():
+    """On the GPU the kernels take 16-bit tensors as they are: fake strides must still match."""
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+               for t in _qkv(B=2, H=4, Hkv=2, Nq=200, Nk=136, d=64, dtype=torch.bfloat16,
+                             device="cuda"))
+    margs = (True, 0.125, None, 0, 0)
+    torch.library.opcheck(torch.ops.flashedu.triton_forward, (q, k, v, *margs))
+    out, lse = torch.ops.flashedu.triton_forward(q, k, v, *margs)
+    torch.library.opcheck(torch.ops.flashedu.triton_backward,
+                          (*(t.detach() for t in (q, k, v, out)), lse, torch.randn_like(out),
+                           *margs))

@@ -1,9 +1,13 @@
 """The widgets in a real browser: JupyterLab driven by Playwright in Debian's chromium.
 
-Writes a small demo notebook showing the three widgets into a tmp dir, starts `jupyter lab` on
-it, runs all cells, then clicks like a learner: the stepper's step button, a tile of the mask
-editor, the SRAM widget's GPU dropdown. It asserts on the text the page shows and saves a
-screenshot of each widget to artifacts/ (gitignored; CI keeps them).
+Writes a small demo notebook showing the widgets into a tmp dir, starts `jupyter lab` on it,
+runs all cells, then uses them like a learner and checks what the page shows: stepping, an
+invalid setting (stepping off, no old run on screen), the mask editor's causal tiles, a stale
+check result and the stepper that follows the editor, the chart cursor, the SRAM widget's
+redraw; then the dark theme (labels readable), 1024 px with the file browser open (nothing
+outside the output area), and save + reopen without the kernel's widgets (a picture, not only
+"Error displaying widget"). Screenshots of the light theme, the dark theme and 1024 px go to a
+tmp dir (printed) and to artifacts/ (gitignored; CI keeps them).
 
 Needs /usr/bin/chromium (CI: `apt-get install -y chromium`); never downloads a browser.
 Run: pytest -m browser tests/test_browser.py
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -40,6 +45,7 @@ DEMO_CELLS = [
     "stepper = TileLoopStepper()\nstepper",
     "sram = SRAMOccupancy()\nsram",
     "editor = BlockMaskEditor(tiles=6)\neditor",
+    "linked = TileLoopStepper(state=editor.state)\nlinked",
 ]
 
 
@@ -68,9 +74,10 @@ def _quiet_lab_settings(settings: Path) -> None:
         path.write_text(json.dumps(values))
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """A running JupyterLab on a tmp copy of the demo notebook: yields (url, token)."""
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A running JupyterLab on a tmp copy of the demo notebook: yields (url, token, tmp)."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     root = tmp_path / "nb"
     root.mkdir()
     _write_demo(root)
@@ -88,7 +95,7 @@ def lab(tmp_path):
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_until_up(proc, url, token, tmp_path / "lab.log")
-            yield url, token
+            yield url, token, tmp_path
         finally:
             _stop(proc)
 
@@ -118,73 +125,212 @@ def _stop(proc):
         proc.wait()
 
 
-def test_widgets_render_and_respond_in_jupyterlab(lab):
+KERNEL_IDLE = (
+    "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+    " return w && w.sessionContext && w.sessionContext.session &&"
+    " w.sessionContext.session.kernel &&"
+    " w.sessionContext.session.kernel.status === 'idle'; }")
+
+
+@pytest.fixture(scope="module")
+def page(lab):
+    """The demo notebook open in chromium with every cell run; yields (page, shots dir)."""
     from playwright.sync_api import expect, sync_playwright
 
-    url, token = lab
-    ARTIFACTS.mkdir(exist_ok=True)
+    expect.set_options(timeout=30_000)  # a busy 2-core machine answers a click in seconds
+    url, token, tmp = lab
+    shots = tmp / "screenshots"
+    shots.mkdir()
+    print(f"\nscreenshots: {shots}")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 2000})
+            page = browser.new_page(viewport={"width": 1400, "height": 2400})
             page.set_default_timeout(60_000)
             page.goto(f"{url}/lab/tree/demo.ipynb?token={token}")
-            page.wait_for_function(
-                "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
-                " return w && w.sessionContext && w.sessionContext.session &&"
-                " w.sessionContext.session.kernel &&"
-                " w.sessionContext.session.kernel.status === 'idle'; }")
+            page.wait_for_function(KERNEL_IDLE)
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-
-            _check_stepper(page, expect)
-            _check_mask_editor(page, expect)
-            _check_sram(page, expect)
-            expect(page.get_by_text("Error displaying widget")).to_have_count(0)
-            page.screenshot(path=ARTIFACTS / "browser_notebook.png")
+            page.locator(".flashedu-stepper").first.wait_for(timeout=90_000)  # imports torch
+            page.locator(".flashedu-stepper").nth(1).wait_for(timeout=60_000)
+            page.wait_for_function(KERNEL_IDLE)
+            yield page, shots, url, token
         finally:
             browser.close()
 
 
-def _check_stepper(page, expect):
-    stepper = page.locator(".flashedu-stepper")
-    expect(stepper).to_be_visible(timeout=90_000)  # the kernel imports torch first
+def _shot(page, shots: Path, name: str, locator=None) -> None:
+    target = locator if locator is not None else page
+    target.screenshot(path=shots / name)
+    ARTIFACTS.mkdir(exist_ok=True)
+    target.screenshot(path=ARTIFACTS / name)
+
+
+def _cell_output(page, n: int):
+    """The output area of code cell n (0-based)."""
+    return page.locator(".jp-Notebook .jp-CodeCell").nth(n).locator(".jp-OutputArea")
+
+
+def test_stepper_steps_and_has_a_cursor(page):
+    from playwright.sync_api import expect
+
+    page, shots, *_ = page
+    stepper = page.locator(".flashedu-stepper").first
     status, read = stepper.locator(".fe-status"), stepper.locator(".fe-read")
     expect(status).to_contain_text("step 1 of 16")
     expect(stepper.locator("svg.fe-tiles rect.sram").first).to_be_visible()
-    read_before = read.inner_text()
+    cursor = stepper.locator("line.fe-cursor").first
+    x_before, read_before = cursor.get_attribute("x1"), read.inner_text()
     stepper.get_by_role("button", name="step ▶").click()
     expect(status).to_contain_text("step 2 of 16")
     expect(read).not_to_have_text(read_before)
-    stepper.get_by_role("button", name="step ▶").click()
-    expect(status).to_contain_text("step 3 of 16")
-    stepper.scroll_into_view_if_needed()
-    stepper.screenshot(path=ARTIFACTS / "stepper.png")
+    expect(cursor).not_to_have_attribute("x1", x_before)  # the charts' cursor moved with it
+    expect(stepper.locator("line.fe-cursor")).to_have_count(3)
+    # while the widget is live, its static picture (for a saved notebook) is hidden
+    expect(_cell_output(page, 1).locator(".jp-RenderedImage")).to_be_hidden()
+    _shot(page, shots, "light_stepper.png", stepper)
 
 
-def _check_mask_editor(page, expect):
+def test_stepper_invalid_setting_shows_no_old_run(page):
+    from playwright.sync_api import expect
+
+    page, shots, *_ = page
+    stepper = page.locator(".flashedu-stepper").first
+    selects, numbers = stepper.locator("select"), stepper.locator("input[type=number]")
+    selects.nth(1).select_option("4")  # Br
+    selects.nth(2).select_option("4")  # Bc
+    for k in (0, 1):  # Nq, Nk = 100: 25 x 25 tile pairs
+        numbers.nth(k).fill("100")
+        numbers.nth(k).press("Enter")
+    expect(stepper.locator(".fe-error")).to_contain_text("too many")
+    expect(stepper.locator(".fe-error")).to_contain_text("Stepping is off")
+    expect(stepper.locator("svg.fe-tiles")).to_have_count(0)  # the old run is gone
+    expect(stepper.locator(".fe-read")).to_have_count(0)
+    step = stepper.get_by_role("button", name="step ▶")
+    expect(step).to_be_disabled()
+    step.click(force=True)  # a click on the disabled button changes nothing
+    expect(stepper.locator(".fe-error")).to_contain_text("too many")
+    expect(stepper.locator(".fe-status")).to_have_count(0)
+    selects.nth(1).select_option("16")
+    selects.nth(2).select_option("16")
+    expect(stepper.locator(".fe-status")).to_contain_text("step 1 of 49")
+    expect(stepper.locator(".fe-run-info")).to_contain_text("Nq = 100, Nk = 100")
+    expect(step).to_be_enabled()
+
+
+def test_mask_editor_causal_tiles_stale_check_and_linked_stepper(page):
+    from playwright.sync_api import expect
+
+    page, shots, *_ = page
     editor = page.locator(".flashedu-mask-editor")
-    expect(editor).to_be_visible()
+    linked = page.locator(".flashedu-stepper").nth(1)
     density = editor.locator(".fe-density")
     expect(density).to_have_text("0.583")  # causal preset on 6 x 6 tiles: 21 of 36
-    editor.locator(".fe-tile").nth(5).click()  # tile (0, 5): above the diagonal, off
-    expect(density).to_have_text("0.611")  # 22 of 36
+    expect(linked.locator(".fe-run-info")).to_contain_text("21 of 36 tiles kept")
+    tiles = editor.locator(".fe-tile")
+    tiles.nth(5).click()  # tile (0, 5): above the diagonal: kept, but skipped by causal
+    expect(tiles.nth(5)).to_have_class(re.compile("fe-causal-skip"))
+    expect(density).to_have_text("0.583")  # density, traffic and speedup agree with the colour
+    traffic = editor.locator(".fe-traffic").inner_text()
     editor.get_by_role("button", name="check on CPU").click()  # numpy + Triton interpreter
     expect(editor.locator(".fe-run")).to_contain_text("numpy: matches", timeout=90_000)
-    editor.scroll_into_view_if_needed()
-    editor.screenshot(path=ARTIFACTS / "mask_editor.png")
+    tiles.nth(30).click()  # tile (5, 0): below the diagonal, kept -> off
+    expect(density).to_have_text("0.556")  # 20 of 36
+    expect(editor.locator(".fe-traffic")).not_to_have_text(traffic)
+    expect(editor.locator(".fe-stale-note")).to_contain_text("stale")  # the check is old now
+    expect(linked.locator(".fe-run-info")).to_contain_text("20 of 36 tiles kept")  # followed
+    editor.locator("input[type=checkbox]").uncheck()  # causal off: (0, 5) computed now
+    expect(tiles.nth(5)).to_have_class(re.compile("fe-on"))
+    expect(density).to_have_text("0.583")
+    expect(linked.locator(".fe-run-info")).to_contain_text("not causal")
+    _shot(page, shots, "light_mask_editor.png", editor)
 
 
-def _check_sram(page, expect):
+def test_sram_widget_redraws_and_agrees_with_its_table(page):
+    from playwright.sync_api import expect
+
+    page, shots, *_ = page
     sram = page.locator(".flashedu-sram")
-    expect(sram).to_be_visible()
     fit = sram.locator(".fe-fit")
     expect(fit).to_have_text("fits")
+    expect(sram).to_contain_text("99.0 MiB")  # FA1 with Bc = 64 at N = 4096, fp16
     bar, effect = sram.locator("img").first, sram.locator("img").nth(1)
-    expect(bar).to_be_visible()
     drawn_for_a100 = bar.get_attribute("src"), effect.get_attribute("src")
     sram.locator("select").first.select_option("T4")  # 64 KiB per SM: the 113 KiB tile overflows
     expect(fit).to_have_text("does not fit")
     expect(bar).not_to_have_attribute("src", drawn_for_a100[0])  # both charts were redrawn
     expect(effect).not_to_have_attribute("src", drawn_for_a100[1])
-    sram.scroll_into_view_if_needed()
-    sram.screenshot(path=ARTIFACTS / "sram_occupancy.png")
+    _shot(page, shots, "light_theme.png")
+
+
+def _luminance(rgb: str) -> float:
+    r, g, b = (int(x) for x in re.findall(r"\d+", rgb)[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+def test_dark_theme_labels_are_readable(page):
+    page, shots, *_ = page
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme',"
+                  " {theme: 'JupyterLab Dark'})")
+    page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+    page.wait_for_timeout(500)
+    stepper = page.locator(".flashedu-stepper").first
+    background = page.evaluate("getComputedStyle(document.querySelector('.jp-Notebook'))"
+                               ".backgroundColor")
+    for selector in ("svg.fe-tiles text", "svg.fe-chart text"):
+        label = stepper.locator(selector).first
+        fill = label.evaluate("e => getComputedStyle(e).fill")
+        assert _luminance(fill) - _luminance(background) > 0.4, (selector, fill, background)
+    status = stepper.locator(".fe-status")
+    color = status.evaluate("e => getComputedStyle(e).color")
+    assert _luminance(color) > 0.5, color
+    _shot(page, shots, "dark_theme.png")
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme',"
+                  " {theme: 'JupyterLab Light'})")
+    page.wait_for_function("() => document.body.dataset.jpThemeLight === 'true'")
+
+
+def test_narrow_window_with_the_file_browser_open(page):
+    page, shots, *_ = page
+    page.set_viewport_size({"width": 1024, "height": 2400})
+    page.evaluate("window.jupyterapp.shell.activateById('filebrowser')")
+    page.wait_for_function("() => !window.jupyterapp.shell.leftCollapsed")
+    page.wait_for_timeout(800)
+    for widget in (".flashedu-stepper", ".flashedu-mask-editor", ".flashedu-sram"):
+        root = page.locator(widget).first
+        outside = root.evaluate("""root => {
+            const area = root.closest('.jp-OutputArea-output').getBoundingClientRect();
+            const bad = [];
+            for (const e of root.querySelectorAll('.widget-inline-hbox, .widget-button, select,'
+                                                  + ' input, svg, img, .widget-toggle-buttons')) {
+                const r = e.getBoundingClientRect();
+                if (r.width > 0 && (r.right > area.right + 1 || r.left < area.left - 1))
+                    bad.push((e.className.baseVal ?? e.className) + ` ${r.left}-${r.right} `
+                             + `in ${area.left}-${area.right}, root `
+                             + `${root.getBoundingClientRect().width}`);
+            }
+            return bad; }""")
+        assert outside == [], (widget, outside)
+    slider = page.locator(".flashedu-stepper").first.locator(".widget-slider").first
+    assert slider.bounding_box()["width"] > 200  # the position slider does not collapse
+    _shot(page, shots, "narrow_1024.png")
+    page.set_viewport_size({"width": 1400, "height": 2400})
+
+
+def test_saved_notebook_shows_pictures_after_reopening(page):
+    import urllib.request as rq
+
+    from playwright.sync_api import expect
+
+    page, shots, url, token = page
+    page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+    page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty")
+    for session in json.loads(rq.urlopen(f"{url}/api/sessions?token={token}").read()):
+        rq.urlopen(rq.Request(f"{url}/api/sessions/{session['id']}?token={token}",
+                              method="DELETE"))  # the kernel and its widget models are gone
+    page.goto(f"{url}/lab/tree/demo.ipynb?token={token}")
+    page.wait_for_function(KERNEL_IDLE)
+    for cell in (1, 2, 3, 4):
+        out = _cell_output(page, cell)
+        expect(out.locator(".jp-RenderedImage img")).to_be_visible()
+        expect(out.locator(".flashedu-live")).to_have_count(0)
+    _shot(page, shots, "reopened.png")

@@ -53,8 +53,8 @@ class SRAMOccupancy:
         }
         self.linked_note = W.HTML()
         self.summary = W.HTML()
-        self.bar = W.Image(format="png", layout=W.Layout(width="100%", max_width="850px"))
-        self.effect = W.Image(format="png", layout=W.Layout(width="100%", max_width="850px"))
+        self.bar = W.Image(format="png", layout=_image())
+        self.effect = W.Image(format="png", layout=_image())
         wrap = dict(flex_flow="row wrap", align_items="center", max_width="100%")
         self.widget = W.VBox([
             W.HTML(static.HIDE_WHEN_LIVE
@@ -180,3 +180,8 @@ class SRAMOccupancy:
 
 def _narrow():
     return W.Layout(width="150px")
+
+
+def _image():
+    # no margin: ipywidgets' 2 px would push a 100 % wide image past the output area
+    return W.Layout(width="100%", max_width="850px", margin="0")

@@ -313,6 +313,8 @@ class TileLoopStepper:
     def _describe(self) -> str:
         info = self.trace.info
         mask = self.controls["mask"].value
+        if self.block_mask is not None:
+            mask += f" ({int(self.block_mask.sum())} of {self.block_mask.size} tiles kept)"
         return (f"Nq = {info['Nq']}, Nk = {info['Nk']}, d = {info['d']}, Br = {info['Br']}, "
                 f"Bc = {info['Bc']}, {'FA1' if info['order'] == 'kv_outer' else 'FA2'}, "
                 f"{'causal' if info['causal'] else 'not causal'}, block mask: {mask}")

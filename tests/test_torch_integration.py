@@ -20,6 +20,7 @@ from flashedu import ops, runtime
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU "
                          "runs these paths through the interpreter in the tests above)")
+DEV = runtime.kernel_device()  # the GPU, or the CPU under Triton's interpreter
 KERNEL_BACKENDS = ("numpy", "triton")  # the torch.library operators of flashedu.ops
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
@@ -31,7 +32,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _qkv(B=1, H=4, Hkv=2, Nq=24, Nk=40, d=16, dtype=torch.float32, device="cpu", grad=True):
+def _qkv(B=1, H=4, Hkv=2, Nq=24, Nk=40, d=16, dtype=torch.float32, device=DEV, grad=True):
     def t(h, n):
         return torch.randn(B, h, n, d, dtype=dtype, device=device, requires_grad=grad)
     return t(H, Nq), t(Hkv, Nk), t(Hkv, Nk)
@@ -43,7 +44,8 @@ def _err(a, b):
 
 def _fwd_bwd(fn, q, k, v):
     out = fn(q, k, v)
-    dout = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    dout = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device)
+    dout = dout.reshape(out.shape)
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
@@ -103,13 +105,13 @@ def test_compiled_module_trains_like_eager():
     """A few SGD steps of a tiny attention layer: compiled and eager losses agree."""
     def make():
         torch.manual_seed(1)
-        return torch.nn.Linear(16, 48)
+        return torch.nn.Linear(16, 48, device=DEV)
 
     def loss_fn(layer, x):
         q, k, v = layer(x).view(1, 12, 3, 2, 8).permute(2, 0, 3, 1, 4)  # strided (B, H, N, d)
         return flashedu.attention(q, k, v, is_causal=True, backend="triton").square().mean()
 
-    x = torch.randn(1, 12, 16)
+    x = torch.randn(1, 12, 16, device=DEV)
     losses = {}
     for name, wrap in (("eager", lambda f: f),
                        ("compiled", lambda f: torch.compile(f, fullgraph=True,
@@ -233,9 +235,9 @@ def test_naive_double_backward_is_right():
 @pytest.mark.parametrize("backend", ["naive", "numpy", "triton"])
 def test_vmap_equals_a_loop(backend):
     torch.manual_seed(2)
-    q = torch.randn(3, 2, 4, 20, 16, requires_grad=True)  # vmapped over dim 0
-    k = torch.randn(2, 2, 28, 16, requires_grad=True)  # shared by every mapped entry
-    v = torch.randn(2, 2, 28, 16, requires_grad=True)
+    q = torch.randn(3, 2, 4, 20, 16, device=DEV, requires_grad=True)  # vmapped over dim 0
+    k = torch.randn(2, 2, 28, 16, device=DEV, requires_grad=True)  # shared by every entry
+    v = torch.randn(2, 2, 28, 16, device=DEV, requires_grad=True)
 
     def fn(q, k, v):
         return flashedu.attention(q, k, v, is_causal=True, enable_gqa=True, backend=backend)

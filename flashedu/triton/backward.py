@@ -296,15 +296,21 @@ def preprocess(o, do, rows):
     import torch
 
     from . import fast
-    from .config import padded_head_dim
 
     B, H, Nq, d = o.shape
     D = torch.empty((B, H, Nq), dtype=torch.float32, device=o.device)
     so, sd = o.stride(), do.stride()
     fast.run(preprocess_kernel, (-(-Nq // rows), B * H),
              (o, do, D, so[0], so[1], so[2], sd[0], sd[1], sd[2], H, Nq, d),
-             {"ROWS": rows, "HEAD_DIM": padded_head_dim(d)})
+             _preprocess_consts(rows, d))
     return D
+
+
+@functools.lru_cache(maxsize=64)
+def _preprocess_consts(rows, d):
+    from .config import padded_head_dim
+
+    return {"ROWS": rows, "HEAD_DIM": padded_head_dim(d)}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -350,7 +356,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     if is_causal and config.causal_backward is not None:
         config = config.causal_backward
     key = (config, q.shape[-1], dtype)
-    config = _SHRUNK.get(key, config)
+    if _SHRUNK:
+        config = _SHRUNK.get(key, config)
     D = preprocess(o, do, config.preprocess_rows)
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -39,6 +42,8 @@ def _pair(value, name: str) -> tuple[int, int]:
         raise TypeError(f"{name} must be a pair of ints, got {value!r}")
     if a < 1 or b < 1:
         raise ValueError(f"{name} must be positive, got {(int(a), int(b))}")
+    if a > INT32_MAX or b > INT32_MAX:  # tile indices are int32, as FlexAttention's
+        raise ValueError(f"{name} must be at most 2**31 - 1, got {(int(a), int(b))}")
     return int(a), int(b)
 
 
@@ -133,6 +138,7 @@ class BlockMask:
             raise TypeError(f"window must be a positive int, got {type(window).__name__} {window!r}")
         if window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
+        window = min(int(window), Nq + Nk)  # any wider window sees the same pairs
         causal = _flag(causal, "causal")
         i = np.arange(math.ceil(Nq / Br))[:, None]
         j = np.arange(math.ceil(Nk / Bc))[None, :]

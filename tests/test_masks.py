@@ -130,10 +130,21 @@ def test_equal_masks_compare_and_hash_equal():
     assert a != "causal" and (a == object()) is False
 
 
-def test_the_callers_array_stays_writeable():
-    blocks = np.ones((2, 2), bool)
+@pytest.mark.parametrize("shape", [(2, 2), (1, 1, 2, 2), (2, 3, 2, 2)])
+def test_the_callers_array_stays_writeable(shape):
+    """A (B, H, Tr, Tc) grid used to be frozen in place: the mask must keep its own copy."""
+    blocks = np.ones(shape, bool)
     m = BlockMask.from_dense(blocks, 8)
     BlockMask(blocks, (8, 8), (16, 16))
     assert blocks.flags.writeable
-    blocks[0, 0] = False  # the mask kept its own copy
+    blocks[..., 0, 0] = False
     assert m.blocks.all()
+
+
+def test_huge_sizes_are_a_value_error_and_huge_windows_exact():
+    with pytest.raises(ValueError, match="block_size must be at most"):
+        BlockMask.causal((20, 20), 10**400)
+    with pytest.raises(ValueError, match="seq_lens must be at most"):
+        BlockMask.causal((2**40, 20), 16)
+    wide = BlockMask.sliding_window((40, 30), 8, window=10**400, causal=False)
+    assert wide == BlockMask.sliding_window((40, 30), 8, window=70, causal=False) and wide.density == 1

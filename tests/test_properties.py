@@ -196,16 +196,18 @@ def visible_rows(p):
 
 
 # ----- flashedu.attention against the float64 reference -------------------------------------
-def check_forward(backend, p, mode):
+def check_forward(backend, p, mode, requires):
     caps = CAPS[backend]
-    q, k, v = tensors(p, caps.device)
+    q, k, v = tensors(p, caps.device, requires)
     before = [logical(t).clone() for t in (q, k, v)]
     ctx = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
            "inference_mode": torch.inference_mode}[mode]
     with ctx():
         out = flashedu.attention(q, k, v, backend=backend, **kwargs(p))
     assert out.shape == (p["B"], p["H"], p["Nq"], p["d"]) and out.dtype == q.dtype
-    assert out.device == q.device and not out.requires_grad
+    assert out.device == q.device
+    assert out.requires_grad == (mode == "grad" and any(requires))
+    assert out.is_inference() == (mode == "inference_mode")
     for t, b in zip((q, k, v), before):  # the inputs are left as they were
         assert torch.equal(logical(t), b)
     ref = reference_attention(*(logical(t) for t in (q, k, v)), **ref_kwargs(p))
@@ -216,7 +218,7 @@ def check_forward(backend, p, mode):
     assert (out.cpu()[~visible_rows(p)] == 0).all(), "a row that sees no key must give zeros"
 
 
-def check_backward(backend, p, requires):
+def check_backward(backend, p, requires, strided_dout):
     caps = CAPS[backend]
     q, k, v = tensors(p, caps.device, requires)
     out = flashedu.attention(q, k, v, backend=backend, **kwargs(p))
@@ -224,7 +226,11 @@ def check_backward(backend, p, requires):
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(p["seed"] + 1),
                        dtype=torch.float64)
     leaves = [t for t, r in zip((q, k, v), requires) if r]
-    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype).to(out.device))
+    d_out = dout.to(out.dtype).to(out.device)
+    if strided_dout:  # a gradient that arrives as a strided view (e.g. from a transpose)
+        d_out = torch.zeros(*out.shape[:-1], 2 * out.shape[-1], dtype=out.dtype,
+                            device=out.device)[..., ::2].copy_(d_out)
+    grads = torch.autograd.grad(out, leaves, d_out)
 
     r64 = [logical(t).requires_grad_(r) for t, r in zip((q, k, v), requires)]
     ref = reference_attention(*r64, **ref_kwargs(p))
@@ -244,10 +250,11 @@ def forward_test(backend):
     caps = CAPS[backend]
 
     @settings(max_examples=caps.examples * X)
-    @given(p=problems(backend), mode=st.sampled_from(("grad", "no_grad", "inference_mode")))
-    def test(p, mode):
+    @given(p=problems(backend), mode=st.sampled_from(("grad", "no_grad", "inference_mode")),
+           requires=st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    def test(p, mode, requires):
         available(backend)
-        check_forward(backend, p, mode)
+        check_forward(backend, p, mode, requires)
 
     return test
 
@@ -256,8 +263,9 @@ def backward_test(backend):
     caps = CAPS[backend]
 
     @settings(max_examples=max(1, caps.grad_examples) * X)
-    @given(p=problems(backend), requires=st.tuples(st.booleans(), st.booleans(), st.booleans()))
-    def test(p, requires):
+    @given(p=problems(backend), requires=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+           strided_dout=st.booleans())
+    def test(p, requires, strided_dout):
         available(backend)
         assume(any(requires))
         if not caps.backward:
@@ -266,7 +274,7 @@ def backward_test(backend):
             with pytest.raises(NotImplementedError, match="no backward"):
                 out.sum().backward()
             return
-        check_backward(backend, p, requires)
+        check_backward(backend, p, requires, strided_dout)
 
     return test
 
@@ -358,6 +366,7 @@ test_nonfinite_numba = nonfinite_test("numba", 4)
 
 # ----- arguments: accepted exactly when SDPA would, refused with the argument's name ----------
 ANYTHING = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True),
+                     st.just(10**400),  # a Python int beyond float64
                      st.text(max_size=4), st.sampled_from((np.bool_(True), np.bool_(False),
                      np.float32(0.5), np.int64(1), torch.tensor(True), (True,), [1.0])))
 Q, K, V = (torch.randn(1, 2, 5, 8) for _ in range(3))
@@ -368,6 +377,8 @@ Q, K, V = (torch.randn(1, 2, 5, 8) for _ in range(3))
 def test_arguments_are_checked(value, arg):
     is_flag = isinstance(value, (bool, np.bool_))
     is_real = isinstance(value, (int, float, np.floating, np.integer)) and not is_flag
+    if isinstance(value, int) and abs(value) > 10**308:
+        is_real = False  # a Python int beyond float64 is refused as a ValueError naming arg
     if arg in ("is_causal", "enable_gqa"):
         ok = is_flag
     elif arg == "scale":
@@ -489,7 +500,7 @@ def test_blockmask_arguments_are_checked(value):
     is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
     is_flag = isinstance(value, (bool, np.bool_))
     calls = {
-        "block_size": (lambda: BlockMask.causal((20, 20), value), is_int and value >= 1),
+        "block_size": (lambda: BlockMask.causal((20, 20), value), is_int and 1 <= value < 2**31),
         "window": (lambda: BlockMask.sliding_window((20, 20), 4, window=value), is_int and value >= 1),
         "causal": (lambda: BlockMask.sliding_window((20, 20), 4, causal=value), is_flag),
         "is_causal": (lambda: BlockMask.from_dense(np.ones((2, 2), bool), 4, is_causal=value), is_flag),

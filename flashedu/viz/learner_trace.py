@@ -301,8 +301,9 @@ def _record(fn, Q, K, V, block_q, block_k, causal):
             if code is not None:
                 sys.settrace(global_)
             try:
-                out = fn(_traced(Q, "Q"), _traced(K, "K"), _traced(V, "V"), block_q, block_k,
-                         causal=causal)
+                args = (_traced(Q, "Q"), _traced(K, "K"), _traced(V, "V"), block_q, block_k)
+                # a kernel written without the causal argument can still be compared unmasked
+                out = fn(*args, causal=True) if causal else fn(*args)
             finally:
                 sys.settrace(previous)
     except Exception as exc:  # noqa: BLE001 - the learner's error is the finding
@@ -571,7 +572,7 @@ def _common_prefix(a: list[Step], b: list[Step]) -> int:
 
 
 def compare_trace(fn, Q, K, V, block_q, block_k, causal=False) -> TraceComparison:
-    """Run ``fn(Q, K, V, block_q, block_k, causal=causal) -> (O, L)`` traced, replay it beside
+    """Run ``fn(Q, K, V, block_q, block_k[, causal=True]) -> (O, L)`` traced, replay it beside
     the reference, and return a :class:`TraceComparison`: ``.first_divergence`` is None when
     they agree, else the first step where they differ and what differs there."""
     Q, K, V = (np.asarray(a) for a in (Q, K, V))

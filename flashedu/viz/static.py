@@ -24,7 +24,7 @@ def stack_png(drawings: list[Drawing], title: str) -> bytes:
     title_h = 24.0
     row_w = sum(d.width for d in rest)
     row_h = max((d.height for d in rest), default=0.0)
-    W, H = max(top.width, row_w), title_h + top.height + row_h
+    W, H = max(top.width, row_w, 7.0 * len(title) + 20), title_h + top.height + row_h
     fig = new_figure(W / 90, H / 90)
     fig.set_layout_engine("none")
     fig.text(0.01, 1 - 12 / H, title, fontsize=9, va="center", color="#333")

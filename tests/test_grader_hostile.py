@@ -109,10 +109,32 @@ WRONG = [
     ("flash_forward", "masks after the max (a future key dominates)",
      [("m_new = np.maximum(m_i, S_ij.max(axis=1))", "m_new = np.maximum(m_i, (scale * (Q_i @ K[c0:c1].T)).max(axis=1))")],
      ["future key dominates"]),
-    ("block_sparse_forward", "computes every tile, zeroes the skipped ones",
+    ("block_sparse_forward", "computes every tile, zeroes the skipped ones (NaN discarded)",
      [("for j in np.flatnonzero(block_mask[i]):", "for j in range(block_mask.shape[1]):"),
-      ("P_ij = np.exp(S_ij - m_new[:, None])", "P_ij = np.where(block_mask[i, j], np.exp(S_ij - m_new[:, None]), 0.0)")],
-     ["skip"]),
+      ("S_ij = scale * (Q_i @ K[c0:c1].T)", "keep = block_mask[i, j]\n            S_ij = np.where(keep, scale * (Q_i @ np.where(keep, K[c0:c1], 0.0).T), -np.inf)"),
+      ("P_ij = np.exp(S_ij - m_new[:, None])", "m_safe = np.where(np.isinf(m_new), 0.0, m_new)\n            P_ij = np.exp(S_ij - m_safe[:, None])"),
+      ("alpha = np.exp(m_i - m_new)", "alpha = np.where(np.isinf(m_new), 1.0, np.exp(m_i - m_safe))"),
+      ("P_ij @ V[c0:c1]", "P_ij @ np.where(keep, V[c0:c1], 0.0)")],
+     ["block_mask skips", "not be read"]),
+    ("block_sparse_forward", "K @ whole, then picks the kept tiles",
+     [("S_ij = scale * (Q_i @ K[c0:c1].T)", "S_ij = scale * (Q_i @ np.nan_to_num(K).T)[:, c0:c1]")],
+     ["whole of K"]),
+    # more Triton forward
+    (TFWD, "O_i not rescaled", [("O_i = alpha[:, None] * O_i + tl.dot(P_ij, V_j)", "O_i = O_i + tl.dot(P_ij, V_j)")], []),
+    (TFWD, "l_i not rescaled", [("l_i = alpha * l_i + tl.sum(P_ij, 1)", "l_i = l_i + tl.sum(P_ij, 1)")], []),
+    (TFWD, "scale ignored", [("S_ij = tl.dot(Q_i, tl.trans(K_j)) * scale", "S_ij = tl.dot(Q_i, tl.trans(K_j))")], []),
+    (TFWD, "O not divided by l_i", [("O_i / l_i[:, None], mask", "O_i, mask")], []),
+    # more Triton backward
+    (DKDV, "P_ij without L_i", [("P_ij = tl.exp(tl.where(visible, S_ij - L_i[:, None], float(\"-inf\")))",
+                                 "P_ij = tl.exp(tl.where(visible, S_ij, float(\"-inf\")))")], []),
+    (DQ, "last, partial key tile dropped", [("    end = Nk\n", "    end = Nk - Nk % Bc\n")], ["edge tiles"]),
+    (DKDV, "dK_j overwritten, not accumulated", [("dK_j += tl.dot(tl.trans(dS_ij), Q_i)", "dK_j = tl.dot(tl.trans(dS_ij), Q_i)")], []),
+    (DQ, "dQ_i from K_j transposed twice", [("dQ_i += tl.dot(dS_ij, K_j)", "dQ_i += tl.dot(dS_ij, K_j) * 0.5")], []),
+    # more numba
+    (NUMBA, "l_i not rescaled", [("                l_i *= alpha\n", "")], []),
+    (NUMBA, "scale applied twice", [("                s *= scale\n", "                s *= scale * scale\n")], []),
+    (NUMBA, "L without m_i", [("L[i] = m_i + math.log(l_i)", "L[i] = math.log(l_i)")], []),
+    (NUMBA, "causal mask drops the diagonal", [("if causal and start + r > i:", "if causal and start + r >= i:")], []),
 ]
 
 
@@ -264,8 +286,9 @@ CORRECT = [
     (TFWD, "no causal loop bound (masks every tile)", [("end = tl.minimum(Nk, (i + 1) * Br)", "end = Nk")]),
     (DKDV, "causal Q loop from row 0", [("lo = (j * Bc) // Br * Br", "lo = 0")]),
     (DQ, "no causal loop bound", [("end = tl.minimum(Nk, (i + 1) * Br)", "end = Nk")]),
-    (DKDV, "D = rowsum(P * dP) in place of Delta",
-     [("dS_ij = P_ij * (dP_ij - Delta_i[:, None])", "dS_ij = P_ij * (dP_ij - Delta_i[:, None])")]),
+    (DQ, "P_ij with exp2",
+     [("P_ij = tl.exp(tl.where(visible, S_ij - L_i[:, None], float(\"-inf\")))",
+       "P_ij = tl.exp2(tl.where(visible, (S_ij - L_i[:, None]) * 1.4426950408889634, float(\"-inf\")))")]),
     (DQ, "scale applied inside the loop",
      [("dQ_i += tl.dot(dS_ij, K_j)", "dQ_i += tl.dot(dS_ij, K_j) * scale"), ("dQ_i * scale, mask", "dQ_i, mask")]),
     (NUMBA, "O kept normalized key by key",
@@ -277,8 +300,25 @@ CORRECT = [
     (NUMBA, "no causal loop bound", [("end = min(Nk, (cuda.blockIdx.x + 1) * Br)", "end = Nk")]),
     ("flash_forward", "a NotImplementedError guard",
      [("    Nq, d = Q.shape\n", "    Nq, d = Q.shape\n    if Q.ndim != 2:\n        raise NotImplementedError('batched inputs')\n")]),
-    ("flash_backward", "D = rowsum(P * dP) per tile",
-     [("dS_ij = P_ij * (dP_ij - D[r0:r1, None])", "dS_ij = P_ij * (dP_ij - D[r0:r1, None])")]),
+    (DKDV, "causal Q loop from the tile's first key, not a Br boundary",
+     [("lo = (j * Bc) // Br * Br", "lo = j * Bc")]),
+    (NUMBA, "only thread 0 copies the tile",
+     [("for idx in range(tx, BC * d, Br):", "for idx in range(0, BC * d if tx == 0 else 0):")]),
+    (TFWD, "scores masked with a large negative number, not -inf",
+     [(T_MASK, "S_ij = tl.where(visible, S_ij, -1.0e30)")]),
+    ("block_sparse_forward", "kept tiles in reverse order",
+     [("for j in np.flatnonzero(block_mask[i]):", "for j in np.flatnonzero(block_mask[i])[::-1]:")]),
+    ("flash_backward", "D_i = rowsum(P_ij * dP_ij), summed over tiles in a first pass",
+     [("    D = (dO * O).sum(axis=1)  # D_i = rowsum(dO_i * O_i)\n",
+       "    D = np.zeros(Nq, dtype=Q.dtype)\n"
+       "    for i in range(math.ceil(Nq / Br)):\n"
+       "        r0, r1 = i * Br, min((i + 1) * Br, Nq)\n"
+       "        for j in range(math.ceil(Nk / Bc)):\n"
+       "            c0, c1 = j * Bc, min((j + 1) * Bc, Nk)\n"
+       "            S = scale * (Q[r0:r1] @ K[c0:c1].T)\n"
+       "            if causal:\n"
+       "                S = np.where(np.arange(c0, c1)[None, :] <= np.arange(r0, r1)[:, None], S, -np.inf)\n"
+       "            D[r0:r1] += (np.exp(S - L[r0:r1, None]) * (dO[r0:r1] @ V[c0:c1].T)).sum(axis=1)\n")]),
 ]
 
 

@@ -502,7 +502,94 @@ def _sparse_case(label, hint, shape, Br, Bc, blocks, scale, dtype, seed, **extra
         k[j * Bc:(j + 1) * Bc] = np.nan
         v[j * Bc:(j + 1) * Bc] = np.nan
     return Case(label, hint, (q, k, v, blocks, Br, Bc, scale), ("O", "L"), (O, L), naive,
-                inputs=("Q", "K", "V", "block_mask"), dtype=dtype, block_q=Br, **extra)
+                inputs=("Q", "K", "V", "block_mask"), dtype=dtype, block_q=Br,
+                prepare=("watch_kv",), probe=_tile_probe(blocks, Bc, Nk), **extra)
+
+
+class _TileWatch(np.ndarray):
+    """K or V of a block-sparse case: records which rows each read takes (K[c0:c1] -> (c0,
+    c1)) and any operation on the whole array. Slices come back as plain arrays. Subclassed
+    per call: ``log`` lives on the class."""
+
+    log: ClassVar[list] = []
+
+    def __getitem__(self, idx):
+        out = np.ndarray.__getitem__(self.view(np.ndarray), idx)
+        rows = idx[0] if isinstance(idx, tuple) and idx else idx
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(self.shape[0])
+            type(self).log.append([start, stop] if step == 1 else ["other"])
+        elif isinstance(rows, (int, np.integer)):
+            row = int(rows) % max(self.shape[0], 1)
+            type(self).log.append([row, row + 1])
+        else:
+            type(self).log.append(["other"])
+        return out
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        type(self).log.append(["whole"])
+        plain = [i.view(np.ndarray) if isinstance(i, _TileWatch) else i for i in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _TileWatch) else o
+                                  for o in kwargs["out"])
+        return getattr(ufunc, method)(*plain, **kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        if func not in (np.shape, np.ndim, np.size):
+            type(self).log.append(["whole"])
+        return func(*_plain(args), **_plain(kwargs))
+
+
+def _plain(x):
+    if isinstance(x, _TileWatch):
+        return x.view(np.ndarray)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(i) for i in x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _prepare_watch_kv(args):
+    """Wrap K and V (arguments 1 and 2) in one fresh watching class (where the code runs)."""
+    watch = type("Watched", (_TileWatch,), {"log": []})
+    q, k, v = args[:3]
+    return (q, k.view(watch), v.view(watch)) + tuple(args[3:]), lambda: {"reads": list(watch.log)}
+
+
+PREPARE["watch_kv"] = _prepare_watch_kv
+
+
+def _tile_probe(blocks, Bc, Nk):
+    """Key tiles that block_mask skips for every query tile must never be read (not even read
+    and thrown away), nor may K and V be used whole; and at most about one K_j, V_j read per
+    kept tile."""
+    blocks = np.asarray(blocks, dtype=bool)
+    dead = np.zeros(Nk, dtype=bool)
+    for j in np.flatnonzero(~blocks.any(axis=0)):
+        dead[j * Bc:(j + 1) * Bc] = True
+    kept = int(blocks.sum())
+
+    def probe(call, outputs):
+        reads = (call.evidence or {}).get("reads") if isinstance(call.evidence, dict) else None
+        if not reads:  # nothing seen (e.g. np.asarray(K) dropped the watch): NaN poison only
+            return None
+        if dead.any() and any(r[0] == "whole" for r in reads):
+            return ("the answer is right, but your code used the whole of K or V at once (a "
+                    "product or an operation over all keys), so it computed tiles that "
+                    "block_mask skips. Read K_j, V_j one kept tile at a time.")
+        for r in reads:
+            if r[0] not in ("whole", "other") and dead[int(r[0]):int(r[1])].any():
+                return (f"the answer is right, but your code read rows {r[0]}..{int(r[1]) - 1} "
+                        "of K or V, in a key tile that block_mask skips for every query tile "
+                        "(the result was then thrown away). A skipped tile must not be read "
+                        "at all: test block_mask[i, j] before touching K_j, V_j.")
+        tiles = sum(1 for r in reads if r[0] not in ("whole", "other"))
+        if tiles > 2 * (2 * kept + blocks.shape[1]):  # K and V: about 2 reads per kept tile
+            return (f"the answer is right, but your code read {tiles} tiles of K and V where "
+                    f"block_mask keeps {kept} (i, j) tiles: skip the others without reading.")
+        return None
+    return probe
 
 
 def _sparse_blocks(Tr, Tc, seed, empty_row, empty_col):

@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from .. import runtime
-from .. import ops
+from .. import ops, runtime
+from . import backward, forward  # noqa: F401  the kernels: this import fails where triton does
 from .config import MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -91,7 +91,11 @@ def problems(draw, backend, masks=True):
              d=draw(st.sampled_from(caps.d_values)), dtype=draw(st.sampled_from(caps.dtypes)),
              layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(3)),
              magnitude=draw(st.sampled_from((0.5, 1.0, 3.0))), seed=draw(st.integers(0, 2**16)))
-    p["enable_gqa"] = group > 1 or draw(st.booleans())
+    # self-attention on one tensor: q, k and v the same object (aliased memory)
+    p["alias"] = masks and draw(st.sampled_from((False, False, False, True)))
+    if p["alias"]:
+        p.update(Hkv=p["H"], Nk=p["Nq"], layouts=(p["layouts"][0],) * 3)
+    p["enable_gqa"] = p["H"] != p["Hkv"] or draw(st.booleans())
     p["scale"] = draw(st.one_of(st.none(), st.floats(0.01, 2.0),
                                 st.floats(0.01, 2.0).map(np.float32)))
     p["is_causal"] = draw(st.booleans())
@@ -146,6 +150,10 @@ def make(shape, dtype, layout, g, magnitude, device):
 
 def tensors(p, device, requires=(False, False, False)):
     g = torch.Generator().manual_seed(p["seed"])
+    if p.get("alias"):
+        t = make((p["B"], p["H"], p["Nq"], p["d"]), p["dtype"], p["layouts"][0], g,
+                 p["magnitude"], device)
+        return [t.requires_grad_() if any(requires) else t] * 3
     shapes = [(p["B"], p["H"], p["Nq"], p["d"])] + [(p["B"], p["Hkv"], p["Nk"], p["d"])] * 2
     out = []
     for shape, layout, req in zip(shapes, p["layouts"], requires):
@@ -268,6 +276,7 @@ def backward_test(backend):
     def test(p, requires, strided_dout):
         available(backend)
         assume(any(requires))
+        p["alias"] = False  # (aliased inputs: the forward tests)
         if not caps.backward:
             q, k, v = tensors(p, caps.device, requires)
             out = flashedu.attention(q, k, v, backend=backend, **kwargs(p))

@@ -19,6 +19,7 @@ from .backends import BACKENDS, available_backends  # noqa: E402
 from .masks import BlockMask  # noqa: E402
 
 __version__ = "0.1.0"
-BACKEND_NAMES = tuple(BACKENDS)  # ("naive", "numpy", "numba", "triton"); the registry: flashedu.backends
+# ("naive", "numpy", "numba", "triton"); the registry itself is the module flashedu.backends
+BACKEND_NAMES = tuple(BACKENDS)
 
 __all__ = ["attention", "BlockMask", "BACKEND_NAMES", "available_backends", "__version__"]

@@ -324,7 +324,7 @@ def test_runtime_imports_no_backend_module():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: inductor and CUDA graphs (the lead's H100 run)
+# GPU: inductor and CUDA graphs
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

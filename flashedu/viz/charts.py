@@ -91,29 +91,6 @@ def run_panels(tl: Timeline, stats: RowStats, position: int) -> list[Drawing]:
     return [hbm, m, l]
 
 
-def run_chart(tl: Timeline, stats: RowStats) -> bytes:
-    """The whole traced run: HBM bytes so far at each position, and the chosen row's m_i, l_i."""
-    fig = new_figure(8.0, 2.4)
-    left, right = fig.subplots(1, 2)
-    x = np.arange(tl.done + 1)
-    left.plot(x, tl.read_until / 1024, color="#4e79a7", label="read")
-    left.plot(x, tl.written_until / 1024, color="#e15759", label="written")
-    left.set_title(f"HBM KiB so far ({tl.trace.info['order']})", fontsize=9)
-    left.set_xlabel("position (loop step; last = done)", fontsize=8)
-    left.legend(fontsize=7, frameon=False)
-    m = np.where(np.isfinite(stats.m), stats.m, np.nan)
-    right.step(x, m, where="post", color="#59a14f", label="m_i (running max)")
-    right.set_xlabel("position", fontsize=8)
-    twin = right.twinx()
-    twin.step(x, stats.l, where="post", color="#b07aa1", ls="--", label="l_i (running sum)")
-    right.set_title(f"row {stats.row}: online-softmax statistics", fontsize=9)
-    right.legend(handles=right.get_lines() + twin.get_lines(), fontsize=7, frameon=False,
-                 loc="lower right")
-    for ax in (left, right, twin):
-        ax.tick_params(labelsize=7)
-    return png(fig)
-
-
 def sram_bar(footprint: dict, capacity: int, title: str) -> bytes:
     """A horizontal stacked bar of what one thread block keeps in shared memory, against the
     SM's capacity (the dashed line)."""
@@ -163,7 +140,8 @@ def block_size_effect(tiles, traffic: dict, fits, points: dict, largest: int, ti
                     xytext=(6, 6), fontsize=7)
         first = False
     if largest:
-        ax.axvline(largest, color=COLORS["ok"], ls=":", lw=1.5, label=f"largest fitting B = {largest}")
+        ax.axvline(largest, color=COLORS["ok"], ls=":", lw=1.5,
+                   label=f"largest fitting B = {largest}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(tiles, [str(t) for t in tiles])

@@ -142,7 +142,8 @@ class CompareView:
                             f"{'same' if same.all() else f'differ: largest gap {worst:.3g}'} "
                             f"(rows {mine.q[0]}..{mine.q[1] - 1})</td></tr>")
         elif mine is not None and mine.state is None:
-            rows.append("<tr><td colspan=3>your m_i, l_i, O_i were not found at this step</td></tr>")
+            rows.append("<tr><td colspan=3>your m_i, l_i, O_i were not found at this step"
+                        "</td></tr>")
         return ("<table class='fe-compare-table' style='margin-left:12px'><tr><th></th>"
                 "<th>reference</th><th>yours</th></tr>" + "".join(rows) + "</table>")
 

@@ -295,7 +295,8 @@ def _gpu_html(r: dict) -> str:
     return (f"<span class='fe-run'>{html.escape(r['device'])}, N = {r['N']}, {r['heads']} heads, "
             f"d = {r['d']}, fp16, tiles of {r['block_size']}: block-sparse "
             f"<b>{r['sparse_ms']:.3f} ms</b> vs dense <b>{r['dense_ms']:.3f} ms</b>: measured "
-            f"speedup <b>{r['speedup']:.2f}x</b> (max error vs reference {r['max_err']:.1e})</span>")
+            f"speedup <b>{r['speedup']:.2f}x</b> (max error vs reference {r['max_err']:.1e})"
+            "</span>")
 
 
 def _cpu_html(results: list, mask: BlockMask) -> str:

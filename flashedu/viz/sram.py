@@ -154,7 +154,8 @@ class SRAMOccupancy:
             flag = (f"<b class='fe-fit' style='color:var(--jp-success-color1, #2a7d2a)'>fits</b>: "
                     f"{kib(self.capacity_bytes - self.total_bytes)} to spare")
         else:
-            flag = (f"<b class='fe-fit' style='color:var(--jp-error-color1, #c62828)'>does not fit</b>: "
+            flag = ("<b class='fe-fit' style='color:var(--jp-error-color1, #c62828)'>does not "
+                    "fit</b>: "
                     f"{kib(self.total_bytes - self.capacity_bytes)} over; the kernel would not "
                     "launch (or spill): pick a smaller tile or fewer stages")
         Br, Bc = self.paper_blocks

@@ -91,7 +91,8 @@ class TileLoopStepper:
         self.linked_note = W.HTML()
         self.widget = W.VBox([
             W.HTML(static.HIDE_WHEN_LIVE
-                   + "<b>FlashAttention tile loop</b>: which tiles sit in SRAM, what moves over HBM"),
+                   + "<b>FlashAttention tile loop</b>: which tiles sit in SRAM, what moves over "
+                   "HBM"),
             self.linked_note,
             _wrap([c["Nq"], c["Nk"], c["d"], c["Br"], c["Bc"], c["causal"]]),
             _wrap([c["order"], c["mask"]]),
@@ -224,8 +225,8 @@ class TileLoopStepper:
             return None
         if name == "custom":
             if self._custom_mask is None or self._custom_mask.shape != (Tr, Tc):
-                raise ValueError(f"the custom block mask has shape "
-                                 f"{None if self._custom_mask is None else self._custom_mask.shape},"
+                shape = None if self._custom_mask is None else self._custom_mask.shape
+                raise ValueError(f"the custom block mask has shape {shape},"
                                  f" this tiling needs (Tr, Tc) = {(Tr, Tc)}: set Br, Bc back, or "
                                  "pick another mask")
             return self._custom_mask

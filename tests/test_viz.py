@@ -477,3 +477,12 @@ def test_compare_trace_names_an_error_and_displays_as_a_stepper():
     assert "class='tile mine-now'" in view.grid.value and "differ" in view.table.value
     view.step_button.click()
     assert view.step == 3 and "step 3 of 12" in view.table.value
+
+
+def test_divergence_hint_for_a_graders_message():
+    from flashedu.viz.learner_trace import divergence_hint
+
+    Q, K, V = _qkv()
+    assert divergence_hint(_kernel(), Q, K, V, 16, 16) is None
+    hint = divergence_hint(_kernel(rescale=False), Q, K, V, 16, 16)
+    assert hint.startswith("step 2: O_i of rows") and "open the stepper at step 2" in hint

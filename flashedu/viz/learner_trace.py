@@ -603,3 +603,18 @@ def compare_trace(fn, Q, K, V, block_q, block_k, causal=False) -> TraceCompariso
     cmp.first_divergence = (_compare_steps(steps, ref, cmp) if steps else None) \
         or _compare_end(cmp, ref)
     return cmp
+
+
+def divergence_hint(fn, Q, K, V, block_q, block_k, causal=False) -> str | None:
+    """One line for a grader's failure message: where ``fn`` first leaves the reference and
+    how to open the stepper there; None when the traces agree (or ``fn`` cannot be traced)."""
+    try:
+        div = compare_trace(fn, Q, K, V, block_q, block_k, causal=causal).first_divergence
+    except Exception:  # noqa: BLE001 - a hint must never hide the grader's own message
+        return None
+    if div is None:
+        return None
+    Nq, Nk, d = np.shape(Q)[0], np.shape(K)[0], np.shape(Q)[1]
+    return (f"{div} - open the stepper at step {div.step}: compare_trace(flash_forward, Q, K, "
+            f"V, {block_q}, {block_k}{', causal=True' if causal else ''}) with Q: ({Nq}, {d}), "
+            f"K, V: ({Nk}, {d}) (from flashedu.viz import compare_trace)")

@@ -180,8 +180,10 @@ def test_stepper_steps_and_has_a_cursor(page):
     expect(stepper.locator("svg.fe-tiles rect.sram").first).to_be_visible()
     cursor = stepper.locator("line.fe-cursor").first
     x_before, read_before = cursor.get_attribute("x1"), read.inner_text()
+    start = time.perf_counter()
     stepper.get_by_role("button", name="step ▶").click()
     expect(status).to_contain_text("step 2 of 16")
+    print(f"\nclick -> redrawn stepper: {time.perf_counter() - start:.2f} s")
     expect(read).not_to_have_text(read_before)
     expect(cursor).not_to_have_attribute("x1", x_before)  # the charts' cursor moved with it
     expect(stepper.locator("line.fe-cursor")).to_have_count(3)

@@ -486,3 +486,19 @@ def test_divergence_hint_for_a_graders_message():
     assert divergence_hint(_kernel(), Q, K, V, 16, 16) is None
     hint = divergence_hint(_kernel(rescale=False), Q, K, V, 16, 16)
     assert hint.startswith("step 2: O_i of rows") and "open the stepper at step 2" in hint
+
+
+def test_compare_trace_of_a_kernel_that_hides_its_tiles_compares_the_result():
+    from flashedu.tiled import flash_forward
+    from flashedu.trace import Trace
+    from flashedu.viz import compare_trace
+
+    def plain(Q, K, V, block_q, block_k, causal=False, scale=None):
+        # plain arrays and a trace of its own: nobody sees its tiles, only its result
+        O, L = flash_forward(np.asarray(Q), np.asarray(K), np.asarray(V), block_q, block_k,
+                             causal, scale, trace=Trace())
+        return O * (1 + 1e-2), L
+
+    c = compare_trace(plain, *_qkv(), 16, 16)
+    assert c.steps == [] and "Only the result is compared" in c.notes[0]
+    assert c.first_divergence.what == "O" and str(c.first_divergence).startswith("at the end")

@@ -122,7 +122,7 @@ def _as_float(x, name: str) -> float:
     try:
         return float(x)
     except OverflowError:  # a Python int beyond float64, e.g. 10**400
-        raise ValueError(f"{name} must be a finite float, got an int of {len(str(x))} digits") from None
+        raise ValueError(f"{name} must be a finite float, got an int of {x.bit_length()} bits") from None
 
 
 def _check_scale(scale, d: int) -> float:

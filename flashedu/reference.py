@@ -161,7 +161,7 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         out = naive_attention_torch(q.float(), k.float(), v.float(), is_causal=is_causal,
                                     scale=scale, block_mask=block_mask, dropout_p=dropout_p,
-                                    return_lse=return_lse, upcast=False)
+                                    enable_gqa=enable_gqa, return_lse=return_lse, upcast=False)
         if return_lse:
             return out[0].to(q.dtype), out[1]
         return out.to(q.dtype)

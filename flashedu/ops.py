@@ -171,10 +171,23 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
     return triton_forward_impl(q, k, v, is_causal, scale, mask)
 
 
+def _triton_outputs_like(*tensors):
+    """Empty outputs laid out as the Triton launch code lays out its own (the same host
+    functions decide): the fake implementations must give the real strides, which compiled
+    code relies on."""
+    from . import runtime
+    from .triton.forward import interpreter_fp32, outputs_like
+
+    dtype = tensors[0].dtype
+    tensors = interpreter_fp32(runtime.triton_interpreted(), *map(_kernel_layout, tensors))
+    _, outs = outputs_like(*tensors)
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in outs)
+
+
 @triton_forward.register_fake
 def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
-    q = _kernel_layout(q)
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    out, = _triton_outputs_like(q)
+    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashedu::triton_backward", mutates_args=())
@@ -187,7 +200,7 @@ def triton_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d
 
 @triton_backward.register_fake
 def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c):
-    return tuple(torch.empty_like(_kernel_layout(t)) for t in (q, k, v))
+    return _triton_outputs_like(q, k, v)
 
 
 def _numpy_lse_dtype(dtype):

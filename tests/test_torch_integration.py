@@ -268,15 +268,30 @@ def test_func_grad_is_a_clear_error(backend):
 # The operators themselves
 # ---------------------------------------------------------------------------------------------
 
+def _layout(layout, dtype, B=1, H=2, N=20, d=16):
+    """q, k, v (B, H, N, d) in a memory layout a model gives them."""
+    if layout == "packed":  # one projection (B, N, 3, H, d), permuted: views with gaps
+        x = torch.randn(B, N, 3, H, d, dtype=dtype, device=DEV)
+        return [t.requires_grad_() for t in x.permute(2, 0, 3, 1, 4).unbind(0)]
+    if layout == "transposed":  # (B, N, H, d) memory, seen as (B, H, N, d): dense, permuted
+        return [torch.randn(B, N, H, d, dtype=dtype, device=DEV).transpose(1, 2).requires_grad_()
+                for _ in range(3)]
+    return [t.detach().requires_grad_() for t in _qkv(B, H, H, N, N, d, dtype)]
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("masked", [False, True])
-def test_opcheck(backend, masked):
-    """torch.library.opcheck: schema, fake tensors, autograd registration, AOT dispatch."""
+@pytest.mark.parametrize("layout, masked, dtype", [("contiguous", False, torch.float32),
+                                                   ("transposed", True, torch.float32),
+                                                   ("packed", False, torch.float16)])
+def test_opcheck(backend, layout, masked, dtype):
+    """torch.library.opcheck: schema, fake tensors (shapes and strides), autograd registration,
+    AOT dispatch; in the layouts a model hands over (compiled code trusts the fake strides)."""
+    if backend == "numpy" and dtype == torch.float16:
+        dtype = torch.float64
     forward = getattr(torch.ops.flashedu, f"{backend}_forward")
     backward = getattr(torch.ops.flashedu, f"{backend}_backward")
-    q, k, v = _qkv(H=2, Hkv=1, Nq=20, Nk=32)
-    if masked:  # and q in a (B, N, H, d) memory layout, as a model's projections give it
-        q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    q, k, v = _layout(layout, dtype)
+    if masked:
         blocks = torch.from_numpy(np.random.default_rng(0).random((1, 1, 2, 2)) < 0.7)
         margs = (False, 0.3, blocks, 16, 16)
     else:

@@ -335,6 +335,13 @@ RSS_SLACK = 16 * 2**20
 
 
 def _probe(case: Case, call: Call, outputs) -> str | None:
+    if case.memory_budget is not None and call.peak_bytes is not None \
+            and call.peak_bytes > case.memory_budget:
+        return (f"the answer is right, but your function allocated {_mib(call.peak_bytes)} at "
+                f"once, where a tiled kernel needs at most about {_mib(case.memory_budget)} "
+                f"here. {case.memory_note} FlashAttention never holds an Nq x Nk array (scores, "
+                "probabilities or a mask), nor whole rows of scores: work on one Br x Bc tile "
+                "S_ij at a time.")
     rss = getattr(call, "rss_bytes", None)
     if case.memory_budget is not None and rss is not None \
             and rss > case.memory_budget + RSS_SLACK:
@@ -343,13 +350,6 @@ def _probe(case: Case, call: Call, outputs) -> str | None:
                 f"tiled kernel needs at most about {_mib(case.memory_budget)} here. "
                 f"{case.memory_note} FlashAttention never holds an Nq x Nk array, in any "
                 "library: work on one Br x Bc tile S_ij at a time.")
-    if case.memory_budget is not None and call.peak_bytes is not None \
-            and call.peak_bytes > case.memory_budget:
-        return (f"the answer is right, but your function allocated {_mib(call.peak_bytes)} at "
-                f"once, where a tiled kernel needs at most about {_mib(case.memory_budget)} "
-                f"here. {case.memory_note} FlashAttention never holds an Nq x Nk array (scores, "
-                "probabilities or a mask), nor whole rows of scores: work on one Br x Bc tile "
-                "S_ij at a time.")
     if case.probe is not None:
         return case.probe(call, outputs)
     return None

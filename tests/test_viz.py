@@ -502,3 +502,28 @@ def test_compare_trace_of_a_kernel_that_hides_its_tiles_compares_the_result():
     c = compare_trace(plain, *_qkv(), 16, 16)
     assert c.steps == [] and "Only the result is compared" in c.notes[0]
     assert c.first_divergence.what == "O" and str(c.first_divergence).startswith("at the end")
+
+
+@pytest.mark.parametrize("product", ["Q_i.dot(K_j.T)", "np.dot(Q_i, K_j.T)",
+                                     "np.einsum('id,jd->ij', Q_i, K_j)"])
+def test_compare_trace_sees_every_way_of_writing_the_product(product):
+    from flashedu.viz import compare_trace
+
+    def fn(Q, K, V, block_q, block_k, causal=False, scale=None):
+        O, L = np.zeros_like(Q), np.zeros(len(Q), Q.dtype)
+        for i in range(math.ceil(len(Q) / block_q)):
+            rows = slice(i * block_q, (i + 1) * block_q)
+            Q_i = Q[rows]
+            m_i = np.full(len(Q_i), -np.inf)
+            l_i, O_i = np.zeros(len(Q_i)), np.zeros((len(Q_i), Q.shape[1]))
+            for j in range(math.ceil(len(K) / block_k)):
+                K_j, V_j = K[j * block_k:(j + 1) * block_k], V[j * block_k:(j + 1) * block_k]
+                S_ij = eval(product) / math.sqrt(Q.shape[1])
+                m_new = np.maximum(m_i, S_ij.max(axis=1))
+                P_ij, alpha = np.exp(S_ij - m_new[:, None]), np.exp(m_i - m_new)
+                l_i, O_i, m_i = alpha * l_i + P_ij.sum(1), alpha[:, None] * O_i + P_ij @ V_j, m_new
+            O[rows], L[rows] = O_i / l_i[:, None], m_i + np.log(l_i)
+        return O, L
+
+    c = compare_trace(fn, *_qkv(), 16, 16)
+    assert len(c.steps) == 12 and c.first_divergence is None

@@ -242,6 +242,11 @@ class _Traced(np.ndarray):
             result._fe = tile_tags[0][0]
         return result
 
+    def dot(self, b, out=None):  # the method does not dispatch through __array_function__
+        if _ACTIVE is not None:
+            _ACTIVE.matmul([self._fe, _tag(b)])
+        return np.dot(self.view(np.ndarray), _plain(b), out=_plain(out))
+
     def __array_function__(self, func, types, args, kwargs):
         plain_args, plain_kwargs = _plain(args), {k: _plain(v) for k, v in kwargs.items()}
         if func in (np.dot, np.inner, np.tensordot, np.einsum, np.matmul) and _ACTIVE is not None:

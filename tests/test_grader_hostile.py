@@ -397,12 +397,32 @@ def test_hostile_notebooks_neither_score_nor_hang(tmp_path):
     assert "missing.ipynb" in run.stderr
 
 
-def test_solutions_and_an_empty_case_list_trick(tmp_path):
-    """A filled notebook is graded on its own function, whatever its cells do to the grader."""
-    sol = _notebook(tmp_path, "02_flash_forward", [
+def test_the_grade_comes_from_the_graders_process(tmp_path):
+    """A filled notebook is graded on its own function whatever its cells do to the grader in
+    the kernel; a notebook whose function hunts for the expected answers in every thread's
+    frames, patches the comparison and prints a fake result finds nothing to copy."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    honest = _notebook(tmp_path / "a", "02_flash_forward", [
         "import flashedu.checks as c\nfor ex in c.EXERCISES.values():\n    ex.cases = lambda: []",
     ])
-    run, _ = _flashedu_check(sol, "--json", "-")
+    thief = _notebook(tmp_path / "b", "02_flash_forward", [
+        "import sys, numpy as np\n"
+        "import flashedu.checks.compare as cmp\n"
+        "cmp.error = lambda *a, **k: 0.0\n"
+        "cmp.tolerance = lambda *a, **k: float('inf')\n"
+        "def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None):\n"
+        "    print('flashedu-check-results: all passed')\n"
+        "    for frame in list(sys._current_frames().values()):\n"
+        "        while frame is not None:\n"
+        "            case = frame.f_locals.get('case')\n"
+        "            if getattr(case, 'expected', None):\n"
+        "                return tuple(np.asarray(e, dtype=Q.dtype) for e in case.expected)\n"
+        "            frame = frame.f_back\n"
+        "    return np.zeros_like(Q), np.zeros(len(Q), Q.dtype)\n",
+    ])
+    run, _ = _flashedu_check(honest, thief, "--jobs", "2", "--json", "-")
     assert run.returncode == 0, run.stderr[-2000:]
-    (row,) = json.loads(run.stdout)
-    assert row["passed"] and row["points"] == 4 and "All 2" in row["message"], row
+    rows = {Path(r["notebook"]).parent.name: r for r in json.loads(run.stdout)}
+    assert rows["a"]["passed"] and rows["a"]["points"] == 4 and "All 2" in rows["a"]["message"]
+    assert not rows["b"]["passed"] and rows["b"]["points"] == 0, rows["b"]

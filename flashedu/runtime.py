@@ -111,7 +111,8 @@ def where(backend: str) -> str:
     if backend == "triton":
         return "CUDA GPU (compiled)" if gpu else "CPU, Triton interpreter (TRITON_INTERPRET=1)"
     if backend == "numba":
-        return "CUDA GPU (compiled)" if gpu else "CPU, numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
+        return ("CUDA GPU (compiled)" if gpu
+                else "CPU, numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
     if backend == "naive":
         return "the input's device (torch ops)"
     return "CPU (NumPy)"

@@ -345,7 +345,8 @@ def test_runtime_imports_no_backend_module():
 @pytest.mark.gpu
 @GPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_inductor_trains_a_module(dtype):
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])  # the second: inductor's CUDA graphs
+def test_gpu_inductor_trains_a_module(dtype, mode):
     """torch.compile (inductor, fullgraph) of a small attention model: same losses as eager."""
     class Block(torch.nn.Module):
         def __init__(self):
@@ -364,11 +365,12 @@ def test_gpu_inductor_trains_a_module(dtype):
     for name in ("eager", "compiled"):
         torch.manual_seed(0)
         model = Block().cuda().to(dtype)
-        step = torch.compile(model, fullgraph=True) if name == "compiled" else model
+        step = torch.compile(model, fullgraph=True, mode=mode) if name == "compiled" else model
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses[name] = []
         for _ in range(5):
             opt.zero_grad(set_to_none=True)
+            torch.compiler.cudagraph_mark_step_begin()
             loss = step(x).float().square().mean()
             loss.backward()
             opt.step()

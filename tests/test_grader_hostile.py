@@ -426,3 +426,33 @@ def test_the_grade_comes_from_the_graders_process(tmp_path):
     rows = {Path(r["notebook"]).parent.name: r for r in json.loads(run.stdout)}
     assert rows["a"]["passed"] and rows["a"]["points"] == 4 and "All 2" in rows["a"]["message"]
     assert not rows["b"]["passed"] and rows["b"]["points"] == 0, rows["b"]
+
+
+# ------------------------------------------------------------------------------------------
+# The compile gate: a Triton kernel must compile for a GPU (sm_90), not only interpret
+# ------------------------------------------------------------------------------------------
+
+def _can_compile_for_cuda() -> bool:
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _can_compile_for_cuda(), reason="this Triton has no CUDA backend")
+def test_kernel_that_only_interprets_is_refused(tmp_path):
+    """`break` runs in the interpreter (it is Python) but Triton's compiler refuses it."""
+    replace = [("        cols = start + tl.arange(0, Bc)\n",
+                "        if start >= Nk:\n            break\n        cols = start + tl.arange(0, Bc)\n")]
+    result = check(TFWD, load(TFWD, replace, tmp_path))
+    assert_rejected(result, "does not compile for a GPU", "sm_90")
+    assert all(c.status == "passed" for c in result.cases)  # right in the interpreter
+
+
+@pytest.mark.skipif(not _can_compile_for_cuda(), reason="this Triton has no CUDA backend")
+def test_gate_passes_the_solutions(tmp_path):
+    from flashedu.checks.gate import triton_gate
+    for name, which in ((TFWD, "forward"), (DKDV, "dkdv"), (DQ, "dq")):
+        assert triton_gate(load(name, (), tmp_path), which) is None, name

@@ -94,6 +94,9 @@ class Exercise:
     unfilled: Callable | None = None  # (fn) -> True while it is still the exact skeleton
     inspect: Callable | None = None  # (fn) -> problem text when fn is not a kernel (or None)
     blocked: bool = True  # flashedu's references, torch softmax/SDPA off during the call
+    # (fn) -> problem text or None, run once every case has passed (it costs seconds): the
+    # Triton compile gate
+    gate: Callable | None = None
 
 
 # name -> prepare(args, *params) -> (args, collect); collect() -> evidence dict. Filled by the
@@ -151,11 +154,13 @@ def run_exercise(ex: Exercise, fn, seed: int | None = None) -> CheckResult:
     early = preflight(ex, fn)
     if early is not None:
         return _result(ex, False, early[0], early[1], [])
-    return grade_cases(ex, lambda case: execute_case(ex, fn, case))
+    return grade_cases(ex, lambda case: execute_case(ex, fn, case),
+                       (lambda: ex.gate(fn)) if ex.gate else None)
 
 
-def grade_cases(ex: Exercise, execute: Callable) -> CheckResult:
-    """Judge every case of ``ex``; ``execute(case) -> Call`` runs the learner's code."""
+def grade_cases(ex: Exercise, execute: Callable, gate: Callable | None = None) -> CheckResult:
+    """Judge every case of ``ex``; ``execute(case) -> Call`` runs the learner's code; ``gate()``
+    (problem or None) runs last, once every case passed."""
     rows, first = [], None
     stop = False
     for case in ex.cases():
@@ -169,6 +174,8 @@ def grade_cases(ex: Exercise, execute: Callable) -> CheckResult:
             first = message
         stop = stop or status == "timeout"
     seed_note = f"(inputs drawn with seed {run_seed()}: check(..., seed={run_seed()}) repeats them)"
+    if first is None and gate is not None:
+        first = gate()
     if first is None:
         return _result(ex, True, PASSED, f"All {len(rows)} cases passed. {seed_note}", rows)
     return _result(ex, False, FAILED, f"{first}\n{seed_note}", rows)

@@ -228,8 +228,14 @@ def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None) -> CheckR
             return call
         return worker.payload_to_call(answer)
 
+    def gate():
+        answer = ask({"what": "gate", "exercise": ex.name}, 300)
+        if not isinstance(answer, dict):
+            return "the grader got no answer from the notebook's kernel about compiling it"
+        return answer.get("gate")
+
     seed_used = run_seed()
-    result = grade_cases(ex, execute)
+    result = grade_cases(ex, execute, gate if ex.gate else None)
     assert run_seed() == seed_used
     return result
 

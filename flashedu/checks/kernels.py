@@ -473,13 +473,22 @@ _BUILTINS_OK = {"range", "min", "max", "abs", "float", "int", "bool", "len", "pr
 def _kernel_problem(kernel, kind: str) -> str | None:
     is_kernel, inner = _kernel_parts(kernel, kind)
     if not is_kernel:
-        want = "@cuda.jit" if kind == "numba" else "@triton.jit"
+        want = "@cuda.jit" if kind == "numba" else "@triton.jit"  # forward, dkdv, dq: Triton
         return (f"what was checked is a {type(kernel).__name__}, not a {want} kernel: define "
                 f"the kernel with {want} (a GPU could not compile anything else).")
     return _calls_problem(inner, kind, set())
 
 
+def _gate(which):
+    def gate(kernel):
+        from .gate import triton_gate
+
+        return triton_gate(kernel, which)
+    return gate
+
+
 def _kernel_parts(obj, kind):
+    kind = "numba" if kind == "numba" else "triton"
     if kind == "numba":
         names = {"FakeCUDAKernel", "CUDADispatcher", "Dispatcher"}
         inner = getattr(obj, "py_func", None) or getattr(obj, "fn", None)
@@ -493,6 +502,7 @@ def _kernel_parts(obj, kind):
 
 
 def _calls_problem(fn, kind, seen) -> str | None:
+    kind = "numba" if kind == "numba" else "triton"
     import ast
     import builtins
     import textwrap
@@ -905,15 +915,15 @@ EXERCISES = [
     Exercise("triton_forward_kernel", 4, "flash_forward_kernel", _triton_cases,
              invoke=_triton_invoke, diagnose=_diagnose_kernel, timeout=120.0,
              requires=_triton_unavailable, unfilled=_still_skeleton,
-             inspect=lambda k: _kernel_problem(k, "triton")),
+             inspect=lambda k: _kernel_problem(k, "forward"), gate=_gate("forward")),
     Exercise("triton_backward_dkdv_kernel", 4, "dkdv_kernel",
              lambda: _backward_triton_cases("dkdv"),
              invoke=_backward_invoke("dkdv"), diagnose=_diagnose_backward_kernel,
              timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton,
-             inspect=lambda k: _kernel_problem(k, "triton")),
+             inspect=lambda k: _kernel_problem(k, "dkdv"), gate=_gate("dkdv")),
     Exercise("triton_backward_dq_kernel", 3, "dq_kernel",
              lambda: _backward_triton_cases("dq"),
              invoke=_backward_invoke("dq"), diagnose=_diagnose_backward_kernel,
              timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton,
-             inspect=lambda k: _kernel_problem(k, "triton")),
+             inspect=lambda k: _kernel_problem(k, "dq"), gate=_gate("dq")),
 ]

@@ -143,6 +143,10 @@ def serve(namespace: dict, folder: str, request: str) -> None:
     ask = read(folder / request)
     ex = EXERCISES[ask["exercise"]]
     fn = namespace.get(ex.symbol)
+    if ask["what"] == "gate":
+        problem = ex.gate(fn) if ex.gate else None
+        write(folder / (request + "-reply"), {"gate": problem})
+        return
     if ask["what"] == "preflight":
         answer = preflight(ex, fn)
         write(folder / (request + "-reply"), {"preflight": list(answer) if answer else None})

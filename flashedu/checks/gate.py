@@ -3,7 +3,8 @@
 Triton's interpreter runs any Python in a kernel body; a GPU compiler refuses it. Here the
 learner's kernel (its source, the @triton.jit helpers it calls and the constants it reads) is
 compiled for an H100 (``GPUTarget("cuda", 90, 32)``, to PTX and a cubin; no GPU is needed) in a
-fresh process without the interpreter, for the launcher's signature, causal and not. A
+fresh process without the interpreter, for the launcher's signature (CAUSAL=True: one build,
+a few seconds, run only once every case has passed). A
 compilation error fails the check with Triton's message; a machine where Triton has no CUDA
 backend skips the gate (the interpreter's run still grades the values).
 """
@@ -42,7 +43,7 @@ m = importlib.util.spec_from_file_location("learner_kernel", spec["path"])
 mod = importlib.util.module_from_spec(m)
 m.loader.exec_module(mod)
 fn = getattr(mod, spec["name"])
-for causal in (False, True):
+for causal in (True,):  # the causal build holds all of the kernel but the else branches
     consts = dict(spec["constexprs"], CAUSAL=causal)
     src = ASTSource(fn=fn, signature=spec["signature"], constexprs=consts)
     try:

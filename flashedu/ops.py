@@ -125,7 +125,7 @@ def triton_forward_impl(q, k, v, is_causal, scale, mask):
     from .triton.forward import forward
 
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    config = resolve_config(q.shape[-1], q.dtype, mask)
+    config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
     return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
                    tiles=config.forward_tiles(mask), interpreted=runtime.triton_interpreted())
 
@@ -137,7 +137,7 @@ def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask):
     from .triton.backward import backward
 
     q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
-    config = resolve_config(q.shape[-1], q.dtype, mask)
+    config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
     return backward(q, k, v, out, lse, dout.contiguous(), is_causal=is_causal, scale=scale,
                     block_mask=mask, config=config, interpreted=runtime.triton_interpreted())
 

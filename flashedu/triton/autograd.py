@@ -17,9 +17,12 @@ from . import sparse
 from .config import KernelConfig, kernel_config
 
 
-def resolve_config(d: int, dtype, block_mask) -> KernelConfig:
-    """The tile table entry for (d, dtype), with every tile shrunk to divide the mask's block."""
-    config = kernel_config(d, dtype == torch.float32, runtime.triton_interpreted())
+def resolve_config(d: int, dtype, block_mask, device=None) -> KernelConfig:
+    """The tile table entry for (d, dtype) on ``device`` (None: the current CUDA device), with
+    every tile shrunk to divide the mask's block."""
+    interpreted = runtime.triton_interpreted()
+    config = (kernel_config(d, dtype == torch.float32, interpreted) if device is None
+              else kernel_config(d, dtype == torch.float32, interpreted, device=device))
     if block_mask is None:
         return config
 

@@ -83,13 +83,13 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                   scale,
                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                   H, GROUP, Nq, Nk, d,
                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past. dK and dV
-    have K's and V's strides."""
+    """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
     col_ok = cols[:, None] < Nk
@@ -147,9 +147,9 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                                         stride_qn, stride_dn, start_m, cols, dims, Nq, d,
                                         qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC)
     out_ok = col_ok & dim_ok
-    tl.store(dK + b * stride_kb + h_kv * stride_kh + cols[:, None] * stride_kn + dims[None, :],
+    tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
              (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
-    tl.store(dV + b * stride_vb + h_kv * stride_vh + cols[:, None] * stride_vn + dims[None, :],
+    tl.store(dV + b * stride_dvb + h_kv * stride_dvh + cols[:, None] * stride_dvn + dims[None, :],
              dV_j.to(dV.dtype.element_ty), mask=out_ok)
 
 
@@ -182,13 +182,13 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
 def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scale, scale,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                stride_dqb, stride_dqh, stride_dqn,
                 stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                 H, GROUP, Nq, Nk, d,
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward. dQ has
-    Q's strides."""
+    """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
     dims = tl.arange(0, HEAD_DIM)
@@ -236,18 +236,20 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
                             DOT_PREC)
-    tl.store(dQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + dims[None, :],
+    tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
 
 
 @triton.jit
 def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM, KV_FULL, KV_IDX,
-                    qk_scale,
+                    qk_scale, scale,
                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                    stride_dqb, stride_dqh, stride_dqn,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                     stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                     stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh, stride_kvidxr,
-                    H, Hkv, Nq, Nk, d,
+                    H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                     SPARSE_MASK1: tl.constexpr, SPARSE_MASK2: tl.constexpr,
@@ -256,16 +258,10 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
-    kind gets its own launch, tiles and warps (a dQ-only launch starts at program Tc).
-    dQ, dK, dV have the strides of Q, K, V."""
+    kind gets its own launch, tiles and warps (``first_pid`` then says where a launch starts)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand float64 scalars
-    scale = qk_scale * 0.6931471805599453  # scale = qk_scale / log2(e)
-    GROUP = H // Hkv
-    Tc = tl.cdiv(Nk, Bc1)
-    Tr = tl.cdiv(Nq, Br2)
-    pid = tl.program_id(0)
-    if not DKDV:
-        pid += Tc
+    scale = tl.cast(scale, tl.float32)
+    pid = first_pid + tl.program_id(0)
     bh_kv = tl.program_id(1)
     b = bh_kv // Hkv
     h_kv = bh_kv % Hkv
@@ -275,6 +271,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           qk_scale, scale, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                           stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh,
                           stride_dn,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                           H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
                           SPARSE_MASK1, EVEN_D, DOT_PREC)
@@ -286,6 +283,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         qk_scale, scale,
                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
+                        stride_dqb, stride_dqh, stride_dqn,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
                         SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC)
@@ -315,8 +313,8 @@ def _preprocess_consts(rows, d):
 
 @functools.lru_cache(maxsize=1024)
 def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, config, interpreted):
-    """The constexprs of backward_kernel (both launches) and each launch's (grid's first
-    dimension, constexprs and options): computed once per configuration."""
+    """Each launch of backward_kernel: its first program, its dK/dV programs and its
+    constexprs and options, computed once per configuration."""
     from . import sparse
     from .config import padded_head_dim
 
@@ -329,12 +327,14 @@ def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, config, interpreted):
                   EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(dtype))
     Tc, Tr = -(-Nk // t1.Bc), -(-Nq // t2.Br)
 
-    def part(programs, tiles, **which):
-        return programs, {**common, **which, **({} if interpreted else tiles.launch())}
+    def part(first_pid, programs, tiles, **which):
+        return first_pid, programs, {**common, **which, **({} if interpreted else tiles.launch())}
 
-    if config.fused_backward:  # programs per (batch, K/V head); GROUP * Tr is filled in later
-        return (part(Tc, t1, DKDV=True, DQ=True),)
-    return part(Tc, t1, DKDV=True, DQ=False), part(0, t2, DKDV=False, DQ=True)
+    # (first program, programs per (batch, K/V head) before the dQ ones, constexprs): the
+    # GROUP * Tr dQ programs are added at launch
+    if config.fused_backward:
+        return (part(0, Tc, t1, DKDV=True, DQ=True),)
+    return part(0, Tc, t1, DKDV=True, DQ=False), part(Tc, 0, t2, DKDV=False, DQ=True)
 
 
 _SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> configs that fit
@@ -371,16 +371,17 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
 
             q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
             kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
+        GROUP, Tc, Tr = H // Hkv, -(-Nk // t1.Bc), -(-Nq // t2.Br)
         args = (q, k, v, do, lse2, D, dq, dk, dv, *q_lists[:3], *kv_lists[:3], scale * LOG2E,
-                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-                sd[0], sd[1], sd[2], *q_lists[3], *kv_lists[3], H, Hkv, Nq, Nk, d)
-        dq_programs = (H // Hkv) * -(-Nq // t2.Br)
+                scale, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+                sd[0], sd[1], sd[2], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+                *q_lists[3], *kv_lists[3], H, Hkv, GROUP, Nq, Nk, d)
         launches = _launch_consts(Nq, Nk, d, q.dtype, is_causal, block_mask is not None, config,
                                   interpreted)
         try:
-            for programs, consts in launches:
-                programs = programs + dq_programs if consts["DQ"] else programs
-                fast.run(backward_kernel, (programs, B * Hkv), args, consts)
+            for first_pid, programs, consts in launches:
+                programs += GROUP * Tr if consts["DQ"] else 0
+                fast.run(backward_kernel, (programs, B * Hkv), (*args, first_pid, Tc, Tr), consts)
             break
         except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
             from .config import smaller

@@ -52,9 +52,9 @@ class CausalSelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         if callable(self.backend):
             return call_attention_fn(self.backend, q, k, v, p)
-        if self.backend == "triton":  # torch.compile traces into the Triton kernels
-            return attention(q, k, v, is_causal=True, dropout_p=p, backend="triton")
-        return _opaque_attention(q, k, v, p, self.backend)
+        if self.backend == "numba":  # no torch.library operator: compile steps around it
+            return _opaque_attention(q, k, v, p, self.backend)
+        return attention(q, k, v, is_causal=True, dropout_p=p, backend=self.backend)
 
 
 def call_attention_fn(fn, q, k, v, dropout_p):
@@ -76,10 +76,10 @@ def call_attention_fn(fn, q, k, v, dropout_p):
     return out
 
 
-# With compile_model=True, torch.compile traces into flashedu's kernels. The Triton ones it
-# compiles along with the model (on the H100 a compiled 40-step run gave SDPA's loss to the last
-# digit: docs/bench/speed.md); the NumPy and numba ones cannot be traced, so they stay an opaque
-# call that compile steps around.
+# With compile_model=True, torch.compile traces through flashedu.attention: the naive backend
+# is plain torch ops, the Triton and NumPy kernels are torch.library operators (flashedu.ops)
+# that compile keeps as calls. The numba kernel has no operator, so it stays an opaque call
+# that compile steps around.
 @torch.compiler.disable
 def _opaque_attention(q, k, v, dropout_p, backend):
     return attention(q, k, v, is_causal=True, dropout_p=dropout_p, backend=backend)

@@ -144,6 +144,11 @@ def _check_source(name, replace, tmp_path):
 
 @pytest.mark.parametrize("name, mistake, replace, words", WRONG, ids=[f"{w[0]}: {w[1]}" for w in WRONG])
 def test_wrong_kernel_is_rejected(name, mistake, replace, words, tmp_path):
+    from flashedu import runtime
+    if "outside its tensors" in words and not runtime.triton_interpreted():
+        pytest.skip("loads are counted in Triton's interpreter only (on a GPU: compute-sanitizer)")
+    if "negative index" in words and not runtime.numba_simulated():
+        pytest.skip("negative indices are seen in numba's simulator only")
     assert_rejected(_check_source(name, replace, tmp_path), *words)
 
 

@@ -335,6 +335,10 @@ def test_tile_table_by_name_and_environment(monkeypatch):
 
     assert config.table("sm90", False) is config.GPU_16BIT
     assert config.table("sm89", True) == config.table("sm86", True)  # both 99 KB a block
+    if not torch.cuda.is_available():  # reading the tables without a GPU
+        assert config.kernel_config(100, False, False) is config.GPU_16BIT[128]
+        monkeypatch.setenv(config.TABLE_ENV, "sm75")
+        assert config.kernel_config(64, True, False) == config.table("sm75", True)[64]
     with pytest.raises(ValueError, match="sm80"):
         config.table("sm99", False)
     t = config.Tiles(64, 32, 4, 3)

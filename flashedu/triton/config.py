@@ -193,11 +193,14 @@ def _device_config(index: int, D: int, is_fp32: bool) -> KernelConfig:
 
 def kernel_config(d: int, is_fp32: bool, interpreted: bool, device=None) -> KernelConfig:
     """The tile table entry for head dim d: small tiles under the interpreter; on a GPU the
-    table of ``device`` (None: the current CUDA device)."""
+    table of ``device`` (None: the current CUDA device); without a CUDA GPU (reading the
+    tables) the H100's, or the one FLASHEDU_TILE_TABLE names."""
     if interpreted:
         return INTERPRETER
     import torch
 
+    if not torch.cuda.is_available():  # reading the tables without a GPU: the tuned one
+        return table(os.environ.get(TABLE_ENV) or "sm90", bool(is_fp32))[padded_head_dim(d)]
     index = torch.cuda.current_device() if device is None else torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()

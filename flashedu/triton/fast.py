@@ -1,4 +1,6 @@
-"""Hopper's fast paths for the forward kernel, and the fallback when a Triton cannot build them.
+"""How the kernels are launched: compiled kernels started again without Triton's dispatch
+(``run``, below), and Hopper's fast paths for the forward kernel with the fallback when a Triton
+cannot build them.
 
 - TMA: tiles fetched by the copy engine through tensor descriptors that the kernels make
   (``tl.make_tensor_descriptor``). Needs compute capability >= 9, 16-byte aligned base and

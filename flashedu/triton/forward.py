@@ -216,7 +216,8 @@ def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, tiles, interpreted):
 
     HEAD_DIM = padded_head_dim(d)
     return dict(Br=tiles.Br, Bc=tiles.Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal,
-                SPARSE=sparse_, SPARSE_MASK=sparse.needs_mask(is_causal, Nq, Nk, tiles.Br, tiles.Bc),
+                SPARSE=sparse_,
+                SPARSE_MASK=sparse.needs_mask(is_causal, Nq, Nk, tiles.Br, tiles.Bc),
                 EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(dtype),
                 **({} if interpreted else tiles.launch()))
 

@@ -23,6 +23,7 @@ import ctypes
 import importlib
 import sys
 import types
+import warnings
 import os
 import threading
 import time
@@ -93,6 +94,9 @@ def call_limited(fn, args=(), kwargs=None, *, timeout: float, measure_memory: bo
         rss_before = _reset_peak_rss()
     worker = threading.Thread(target=work, name="flashedu-check", daemon=True)
     start = time.perf_counter()
+    quiet = warnings.catch_warnings()  # the simulator's threads do not see errstate above
+    quiet.__enter__()
+    warnings.simplefilter("ignore", RuntimeWarning)
     worker.start()
     try:
         worker.join(timeout)
@@ -100,6 +104,7 @@ def call_limited(fn, args=(), kwargs=None, *, timeout: float, measure_memory: bo
         _stop(worker, before)
         raise
     finally:
+        quiet.__exit__(None, None, None)
         call.seconds = time.perf_counter() - start
         if measure_memory:
             call.peak_bytes = max(0, tracemalloc.get_traced_memory()[1] - baseline)

@@ -150,7 +150,7 @@ def make_forward(provider: str, case: Case, q, k, v):
         return lambda: other_triton.attention(q, k, v, is_causal=case.causal, scale=scale,
                                               block_mask=other_mask, dropout_p=0.0)
     if provider == "naive":
-        return lambda: naive_attention_torch(q, k, v, is_causal=case.causal)
+        return lambda: naive_attention_torch(q, k, v, is_causal=case.causal, upcast=False)
     if provider.startswith("sdpa-"):
         backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION,
                    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -27,7 +27,7 @@ DELEGATED = {
 
 
 # `flashedu check`'s options that take a value (the rest of its arguments are notebooks).
-CHECK_VALUE_OPTIONS = ("--timeout", "--kernel", "--jobs")
+CHECK_VALUE_OPTIONS = ("--timeout", "--kernel", "--jobs", "--json", "--budget", "--seed")
 
 
 def writable_file(path: str) -> str:

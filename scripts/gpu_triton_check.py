@@ -89,7 +89,7 @@ def check(case) -> list[str]:
                                                              bm.seq_lens, bm.is_causal)
             kwh = dict(is_causal=causal, block_mask=bmh)
             ref = reference_attention(qs, ks, vs, **kwh)
-            plain = naive_attention_torch(qs, ks, vs, **kwh)
+            plain = naive_attention_torch(qs, ks, vs, upcast=False, **kwh)
             g_ref = torch.autograd.grad(ref, (qs, ks, vs), dout[sl].double())
             g_plain = torch.autograd.grad(plain, (qs, ks, vs), dout[sl])
             mine = (out[sl], grads[0][sl], grads[1][kv], grads[2][kv])
@@ -104,7 +104,7 @@ def check(case) -> list[str]:
         qd = q.detach().requires_grad_()
         ref = reference_attention(qd, ke, ve, **{**kw, "enable_gqa": False})
         g = torch.autograd.grad(ref, (ke, ve), dout.double())
-        plain = naive_attention_torch(qd, ke, ve, **{**kw, "enable_gqa": False})
+        plain = naive_attention_torch(qd, ke, ve, upcast=False, **{**kw, "enable_gqa": False})
         gp = torch.autograd.grad(plain, (ke, ve), dout)
         for n, mine, r, p in zip(("dk", "dv"), grads[1:], g, gp):
             r = r.unflatten(1, (Hkv, group)).sum(2)

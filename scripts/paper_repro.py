@@ -345,7 +345,7 @@ def attention_fn(provider: str):
     from flashedu.reference import naive_attention_torch
 
     if provider == "naive":
-        return naive_attention_torch
+        return lambda q, k, v: naive_attention_torch(q, k, v, upcast=False)
     if provider == "flashedu":
         return lambda q, k, v: flashedu.attention(q, k, v, backend="triton")
     if provider == "sdpa-flash":

@@ -50,7 +50,7 @@ def _check_forward(backend, q, k, v, **kw):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all(), "output has NaN/inf"
     ref = reference_attention(q, k, v, enable_gqa=True, **kw)
-    plain = naive_attention_torch(q, k, v, enable_gqa=True, **kw)
+    plain = naive_attention_torch(q, k, v, enable_gqa=True, upcast=False, **kw)
     err, base = _err(out, ref), _err(plain, ref)
     assert err <= 2 * base + FLOOR[q.dtype], f"forward error {err:.3g} vs PyTorch's {base:.3g}"
     return out
@@ -61,7 +61,8 @@ def _check_backward(backend, q, k, v, **kw):
     grads = torch.autograd.grad(
         flashedu.attention(q, k, v, backend=backend, enable_gqa=True, **kw), (q, k, v), dout)
     ref = torch.autograd.grad(reference_attention(q, k, v, enable_gqa=True, **kw), (q, k, v), dout)
-    plain = torch.autograd.grad(naive_attention_torch(q, k, v, enable_gqa=True, **kw), (q, k, v), dout)
+    plain = torch.autograd.grad(naive_attention_torch(q, k, v, enable_gqa=True, upcast=False, **kw),
+                                (q, k, v), dout)
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, plain):
         assert g.shape == r.shape and torch.isfinite(g).all(), f"{name} bad shape or NaN"
         err, base = _err(g, r), _err(p, r)

@@ -40,7 +40,7 @@ def _check(q, k, v, **kw):
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
     ref = reference_attention(q, k, v, **kw)
     ref = (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
-    plain = naive_attention_torch(q, k, v, **kw)
+    plain = naive_attention_torch(q, k, v, upcast=False, **kw)
     plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
     for n, (g, r, p) in enumerate(zip(got, ref, plain)):
         factor = 2 if n == 0 else 3
@@ -230,7 +230,7 @@ def test_ablation_variants_match_the_reference(causal, dtype):
     cfg = kernel_config(24, dtype == torch.float32, flashedu.runtime.triton_interpreted())
     kw = dict(is_causal=causal, scale=24 ** -0.5, interpreted=True)
     ref = reference_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    plain = naive_attention_torch(q, k, v, is_causal=causal, enable_gqa=True)
+    plain = naive_attention_torch(q, k, v, is_causal=causal, enable_gqa=True, upcast=False)
     tol = 2 * _err(plain, ref) + 2 * FLOOR[dtype]
     O, L = forward(q, k, v, block_mask=None, tiles=cfg.forward, **kw)
     same, _ = ablations.forward(q, k, v, tiles=cfg.forward, **kw)
@@ -245,7 +245,7 @@ def test_ablation_variants_match_the_reference(causal, dtype):
                                                         enable_gqa=True), (qr, kr, vr), do.double())
     qp, kp, vp = (x.clone().requires_grad_() for x in (q, k, v))
     grads_plain = torch.autograd.grad(naive_attention_torch(qp, kp, vp, is_causal=causal,
-                                                            enable_gqa=True), (qp, kp, vp), do)
+                                                            enable_gqa=True, upcast=False), (qp, kp, vp), do)
     atomic = ablations.atomic_dq_backward(q, k, v, O, L, do, config=cfg, **kw)
     shipped = backward(q, k, v, O, L, do, block_mask=None, config=cfg, **kw)
     for name, a, s, r, p in zip("dq dk dv".split(), atomic, shipped, grads_ref, grads_plain):

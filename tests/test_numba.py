@@ -70,10 +70,18 @@ def test_block_mask_not_aligned_to_tiles_and_fully_masked_rows():
 
 
 def test_through_flashedu_attention_casts_back():
-    q, k, v = (randn(1, 2, 24, 8).to(torch.float64) for _ in range(3))
+    """Half-precision inputs are computed in float32 and come back in their own dtype."""
+    q, k, v = (randn(1, 2, 24, 8).to(torch.float16) for _ in range(3))
     out = flashedu.attention(q, k, v, is_causal=True, backend="numba")
-    assert out.dtype == torch.float64
-    torch.testing.assert_close(out, reference(q, k, v, True)[0], atol=2e-6, rtol=1e-5)
+    assert out.dtype == torch.float16
+    want = reference(q.double(), k.double(), v.double(), True)[0]
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_float64_is_refused_rather_than_rounded():
+    q = randn(1, 1, 8, 8).to(torch.float64)
+    with pytest.raises(TypeError, match="float32"):
+        flashedu.attention(q, q, q, backend="numba")
 
 
 def test_without_barriers_the_result_is_wrong():

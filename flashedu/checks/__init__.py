@@ -14,7 +14,7 @@ A check never raises for anything the learner's code does: errors, wrong shapes,
 loops (time limit) all become a failed result with a message and a hint. Unfilled exercises
 (the placeholder ``# YOUR CODE HERE`` / ``raise NotImplementedError()`` still in place) report
 "not implemented yet"; a NotImplementedError that a finished function raises is an error like
-any other. Inputs are drawn fresh for each check; the message names the seed. During a check,
+any other. Inputs are drawn fresh for each check; the message names the random seed. During a check,
 flashedu's references, ``flashedu.attention`` and torch's softmax and attention are off.
 """
 
@@ -30,7 +30,7 @@ EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in _NUMPY_EXERCISES + _KERN
 
 def check(name: str, fn, seed: int | None = None) -> CheckResult:
     """Grade ``fn`` as exercise ``name``; see the module docstring. ``seed`` repeats the inputs
-    of an earlier check (its message names the seed)."""
+    of an earlier check (its message names the random seed)."""
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
     try:

@@ -44,7 +44,7 @@ _SEED = threading.local()  # each grading thread (flashedu check --jobs) its own
 
 
 def run_seed() -> int:
-    """The seed of the inputs of the check being built (fresh for every check)."""
+    """The random seed of the inputs of the check being built (fresh for every check)."""
     return getattr(_SEED, "value", 0)
 
 

@@ -38,11 +38,13 @@ def tolerance(dtype, naive_in_dtype, ref, floor_scale: float = 1.0) -> float:
     """Allowed error for one output: NAIVE_FACTOR x the error of correct computations in this
     dtype (naive attention, or a list of correct variants: the worst of them), or the floor of
     this dtype (times ``floor_scale``), whichever is larger."""
-    floor = FLOOR[np.dtype(dtype)] * floor_scale
+    from ..tolerance import allowed_error
+
     candidates = naive_in_dtype if isinstance(naive_in_dtype, list) else [naive_in_dtype]
     errors = [error(c, ref) for c in candidates if c is not None]
     errors = [e for e in errors if math.isfinite(e)]
-    return max([floor] + [NAIVE_FACTOR * e for e in errors])
+    return allowed_error(np.dtype(dtype), max(errors, default=0.0), factor=NAIVE_FACTOR,
+                         floor_scale=floor_scale, floor_is_minimum=True)
 
 
 def bad_rows(got, ref, tol) -> np.ndarray:

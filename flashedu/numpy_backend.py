@@ -27,10 +27,12 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
                          block_mask=block_mask)
 
 
-def forward(q, k, v, *, is_causal, scale, block_mask):
+def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None):
     """(O, L) for every (batch, head): L is the natural-log logsumexp (B, H, Nq) in the
-    computing dtype (float64 for float64 inputs, else float32), on q's device."""
+    computing dtype (float64 for float64 inputs, else float32), on q's device.
+    ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) (``flashedu.dropout``)."""
     blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
+    seed, offset = _rng(dropout_p, rng)
     qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
     B, H, Nq, d = qn.shape
     group = H // kn.shape[1]
@@ -40,13 +42,17 @@ def forward(q, k, v, *, is_causal, scale, block_mask):
         for h in range(H):
             O[b, h], L[b, h] = tiled.flash_forward(
                 qn[b, h], kn[b, h // group], vn[b, h // group], Br, Bc, is_causal, scale,
-                block_mask=None if blocks is None else blocks[b, h])
+                block_mask=None if blocks is None else blocks[b, h],
+                dropout_p=dropout_p, seed=seed, offset=offset, bh=b * H + h)
     return _to_torch(O, q), torch.from_numpy(L).to(q.device)
 
 
-def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask):
-    """(dQ, dK, dV) from the forward's (O, L), one head at a time (Algorithm 4 of the paper)."""
+def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask, dropout_p=0.0,
+             rng=None):
+    """(dQ, dK, dV) from the forward's (O, L), one head at a time (Algorithm 4 of the paper);
+    with dropout, the forward's ``rng`` regenerates its mask."""
     blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
+    seed, offset = _rng(dropout_p, rng)
     qn, kn, vn, on, dOn = (_to_numpy(t) for t in (q, k, v, out, d_out))
     Ln = lse.detach().cpu().numpy()
     B, H = qn.shape[:2]
@@ -59,11 +65,21 @@ def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask):
             dq, dk, dv = tiled.flash_backward(
                 qn[b, h], kn[b, h // group], vn[b, h // group], on[b, h], dOn[b, h],
                 Ln[b, h], Br, Bc, is_causal, scale,
-                block_mask=None if blocks is None else blocks[b, h])
+                block_mask=None if blocks is None else blocks[b, h],
+                dropout_p=dropout_p, seed=seed, offset=offset, bh=b * H + h)
             dQ[b, h] = dq
             dK[b, h // group] += dk
             dV[b, h // group] += dv
     return _to_torch(dQ, q), _to_torch(dK, k), _to_torch(dV, v)
+
+
+def _rng(dropout_p, rng):
+    """(seed, offset) as ints for the NumPy loops; (0, 0) without dropout."""
+    if dropout_p == 0:
+        return 0, 0
+    from .dropout import rng_values
+
+    return rng_values(rng)
 
 
 def _tiling(block_mask, B, H):

@@ -144,7 +144,8 @@ def visible_mask_torch(Nq, Nk, *, is_causal=False, block_mask=None, device="cpu"
 
 
 def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=None,
-                          dropout_p=0.0, enable_gqa=False, return_lse=False, upcast=True):
+                          dropout_p=0.0, enable_gqa=False, return_lse=False, upcast=True,
+                          dropout_rng=None):
     """Standard attention on (B, H, N, d) tensors with torch ops; differentiable.
 
     ``upcast=True`` (the "naive" backend): float16 and bfloat16 inputs are computed in float32
@@ -153,15 +154,21 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     the differences between large logits (bfloat16 keeps 8 bits). ``upcast=False`` computes in
     the input dtype, as a plain PyTorch implementation would: the baseline of the tolerance rule
     (a kernel may miss by a few times what plain attention in its dtype misses). The lse, when
-    returned, stays in the compute dtype. Rows with no visible key give zeros. Dropout uses
-    torch's RNG (seed it with torch.manual_seed).
+    returned, stays in the compute dtype. Rows with no visible key give zeros.
+
+    Dropout (``dropout_p`` > 0, applied whenever it is > 0, also under torch.no_grad(), as
+    SDPA does) drops the entries that :mod:`flashedu.dropout`'s stream drops, the numpy and
+    triton backends' mask: ``dropout_rng`` = tensor([seed, offset]), drawn from torch's
+    generator of q's device when None (so torch.manual_seed repeats it). Kept entries of P
+    are scaled by 1 / (1 - p); the lse is that of the undropped scores.
     """
     import torch
 
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         out = naive_attention_torch(q.float(), k.float(), v.float(), is_causal=is_causal,
                                     scale=scale, block_mask=block_mask, dropout_p=dropout_p,
-                                    enable_gqa=enable_gqa, return_lse=return_lse, upcast=False)
+                                    enable_gqa=enable_gqa, return_lse=return_lse, upcast=False,
+                                    dropout_rng=dropout_rng)
         if return_lse:
             return out[0].to(q.dtype), out[1]
         return out.to(q.dtype)
@@ -177,8 +184,13 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     P = torch.exp(S - m)
     l = P.sum(dim=-1, keepdim=True)
     P = P / torch.where(l == 0, torch.ones_like(l), l)
-    if dropout_p > 0:
-        P = torch.nn.functional.dropout(P, p=dropout_p)
+    if dropout_p > 0:  # the paper's Z: one stream for every backend (flashedu.dropout)
+        from .dropout import draw_rng, keep_mask_torch
+
+        rng = draw_rng(q.device) if dropout_rng is None else dropout_rng.to(q.device)
+        heads = math.prod(P.shape[:-2])
+        Z = keep_mask_torch(rng, 1, heads, Nq, Nk, dropout_p).view(P.shape)
+        P = torch.where(Z, P * (1.0 / (1.0 - dropout_p)), torch.zeros_like(P))
     out = P @ v
     if return_lse:
         return out, (m + torch.log(l)).squeeze(-1)

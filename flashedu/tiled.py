@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from . import dropout as _dropout
 from .trace import NO_TRACE
 
 ORDERS = ("q_outer", "kv_outer")
@@ -73,6 +74,29 @@ class TileMask:
         return np.where(cols <= rows, S_ij, -np.inf)
 
 
+class TileDropout:
+    """Dropout on P (the paper's Algorithm 2, line 11, and Algorithm 4, line 13), tile by tile.
+
+    ``tile(i, j, shape)`` is Z_ij / (1 - p): 1 / (1 - p) where entry (row, col) is kept, 0
+    where it is dropped, from :mod:`flashedu.dropout`'s stream for head ``bh`` (the same on
+    every backend, for any tiling). Never stored: the backward calls ``tile`` again. With p = 0
+    it is the number 1 (nothing dropped, nothing rescaled).
+    """
+
+    def __init__(self, p=0.0, seed=0, offset=0, bh=0, Br=1, Bc=1):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+        self.p, self.seed, self.offset, self.bh, self.Br, self.Bc = p, seed, offset, bh, Br, Bc
+
+    def tile(self, i: int, j: int, shape, dtype=np.float64):
+        if self.p == 0:
+            return 1.0
+        rows = np.arange(i * self.Br, i * self.Br + shape[0])
+        cols = np.arange(j * self.Bc, j * self.Bc + shape[1])
+        Z_ij = _dropout.keep_tile(self.seed, self.offset, self.bh, rows, cols, self.p)
+        return np.where(Z_ij, dtype(1.0 / (1.0 - self.p)), dtype(0.0))
+
+
 def _check(Q, K, V, block_q, block_k, scale):
     """Validate the single-head inputs; return them as arrays of one float dtype, and scale."""
     arrays = []
@@ -103,12 +127,16 @@ def _check(Q, K, V, block_q, block_k, scale):
 
 
 def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
-                  order="q_outer", block_mask=None, trace=None):
+                  order="q_outer", block_mask=None, trace=None, dropout_p=0.0, seed=0,
+                  offset=0, bh=0):
     """FlashAttention forward for one head. Returns (O (Nq, d), L (Nq,)).
 
     ``order`` is "q_outer" (FlashAttention-2) or "kv_outer" (the paper's Algorithm 1).
     ``block_mask`` is an optional (Tr, Tc) bool array of tiles to compute; ``trace`` an optional
     :class:`flashedu.trace.Trace` that records every HBM transfer.
+    ``dropout_p`` > 0: the paper's Algorithm 2. Each P_ij is multiplied by Z_ij / (1 - p)
+    before P_ij V_j (Z_ij from :mod:`flashedu.dropout`'s stream of (seed, offset, head bh));
+    l_i and L still sum the undropped P_ij, so the backward can rebuild them.
     """
     Q, K, V, scale = _check(Q, K, V, block_q, block_k, scale)
     (Nq, d), Nk = Q.shape, K.shape[0]
@@ -123,14 +151,15 @@ def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
     if trace is not None:
         trace.info.update(kernel="forward", order=order, Nq=Nq, Nk=Nk, d=d, Br=block_q,
                           Bc=block_k, Tr=Tr, Tc=Tc, itemsize=Q.itemsize, causal=causal)
+    drop = TileDropout(dropout_p, seed, offset, bh, block_q, block_k)
     if order == "q_outer":
-        return _forward_q_outer(Q, K, V, block_q, block_k, scale, mask, tr)
+        return _forward_q_outer(Q, K, V, block_q, block_k, scale, mask, tr, drop)
     if order == "kv_outer":
-        return _forward_kv_outer(Q, K, V, block_q, block_k, scale, mask, tr)
+        return _forward_kv_outer(Q, K, V, block_q, block_k, scale, mask, tr, drop)
     raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
 
 
-def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr):
+def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout()):
     """FlashAttention-2 order: one Q tile stays in SRAM while all K/V tiles stream past."""
     Nq, Nk = Q.shape[0], K.shape[0]
     O = np.empty_like(Q)
@@ -153,7 +182,8 @@ def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr):
             P_ij = _exp_minus(S_ij, m_new[:, None])
             alpha = _exp_minus(m_i, m_new)  # rescales what was accumulated under the old max
             l_i = alpha * l_i + P_ij.sum(axis=1)
-            O_i = alpha[:, None] * O_i + P_ij @ V_j
+            Z_ij = drop.tile(i, j, P_ij.shape, Q.dtype.type)  # 1 without dropout
+            O_i = alpha[:, None] * O_i + (Z_ij * P_ij) @ V_j
             m_i = m_new
             tr.compute(i, j, S_ij=S_ij, O_i=O_i, l_i=l_i, m_i=m_i)  # all on chip, never in HBM
         seen = l_i > 0  # False only for a row that sees no key at all
@@ -168,7 +198,7 @@ def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr):
     return O, L
 
 
-def _forward_kv_outer(Q, K, V, Br, Bc, scale, mask, tr):
+def _forward_kv_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout()):
     """The paper's Algorithm 1: K_j, V_j loaded once; O_i, l_i, m_i updated in HBM each pass."""
     Nq, Nk = Q.shape[0], K.shape[0]
     O = np.zeros_like(Q)  # line 2: O, l, m initialized in HBM
@@ -194,10 +224,11 @@ def _forward_kv_outer(Q, K, V, Br, Bc, scale, mask, tr):
             m_ij = S_ij.max(axis=1)
             P_ij = _exp_minus(S_ij, m_ij[:, None])
             l_ij = P_ij.sum(axis=1)
+            Z_ij = drop.tile(i, j, P_ij.shape, Q.dtype.type)  # 1 without dropout
             m_new = np.maximum(m_i, m_ij)
             l_new = _exp_minus(m_i, m_new) * l_i + _exp_minus(m_ij, m_new) * l_ij
             acc = (l_i * _exp_minus(m_i, m_new))[:, None] * O_i \
-                + _exp_minus(m_ij, m_new)[:, None] * (P_ij @ V_j)
+                + _exp_minus(m_ij, m_new)[:, None] * ((Z_ij * P_ij) @ V_j)
             O[rows] = acc / np.where(l_new > 0, l_new, 1)[:, None]
             l[rows], m[rows] = l_new, m_new
             tr.compute(i, j, S_ij=S_ij)
@@ -232,7 +263,7 @@ def block_sparse_forward(Q, K, V, block_mask, block_q, block_k, scale=None, *,
 
 
 def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None, *,
-                   block_mask=None, trace=None):
+                   block_mask=None, trace=None, dropout_p=0.0, seed=0, offset=0, bh=0):
     """FlashAttention backward for one head: recompute P_ij from L, never store P.
 
     With D_i = rowsum(dO_i * O_i) (a preprocess), for each tile pair:
@@ -244,6 +275,11 @@ def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None
         dK_j += scale * dS_ij^T Q_i
     K/V tiles are the outer loop, so dK_j, dV_j stay in SRAM; dQ_i is read and written back.
     Returns (dQ, dK, dV).
+
+    With ``dropout_p`` > 0 (the paper's Algorithm 4, the same seed, offset and bh as the
+    forward) the forward's mask is regenerated, Z_ij scaled by 1 / (1 - p):
+        dV_j += (Z_ij * P_ij)^T dO_i,   dP_ij = Z_ij * (dO_i V_j^T)
+    and D_i = rowsum(dO_i * O_i) still equals rowsum(P_ij * dP_ij) summed over j.
     """
     Q, K, V, scale = _check(Q, K, V, block_q, block_k, scale)
     dtype = Q.dtype
@@ -259,6 +295,7 @@ def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None
         if block_mask.shape != (Tr, Tc):
             raise ValueError(f"block_mask must have shape (Tr, Tc) = {(Tr, Tc)}, got {block_mask.shape}")
     mask = TileMask(Nq, Nk, block_q, block_k, causal, block_mask)
+    drop = TileDropout(dropout_p, seed, offset, bh, block_q, block_k)
     tr = NO_TRACE if trace is None else trace
     if trace is not None:
         trace.info.update(kernel="backward", order="kv_outer", Nq=Nq, Nk=Nk, d=d, Br=block_q,
@@ -297,8 +334,9 @@ def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None
             dQ_i = tr.load("dQ", i, dQ[rows])
             S_ij = mask.apply(i, j, scale * (Q_i @ K_j.T))
             P_ij = _exp_minus(S_ij, L_i[:, None])  # recomputed, exactly normalized
-            dV_j += P_ij.T @ dO_i
-            dP_ij = dO_i @ V_j.T
+            Z_ij = drop.tile(i, j, P_ij.shape, dtype.type)  # the forward's mask, regenerated
+            dV_j += (Z_ij * P_ij).T @ dO_i
+            dP_ij = Z_ij * (dO_i @ V_j.T)
             dS_ij = P_ij * (dP_ij - D_i[:, None])
             dQ[rows] = dQ_i + scale * (dS_ij @ K_j)
             dK_j += scale * (dS_ij.T @ Q_i)

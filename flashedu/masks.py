@@ -10,6 +10,18 @@ The blocks are stored as a (B, H, Tr, Tc) array where B and H may be 1 (broadcas
 heads). Kernels read the same mask as lists: for each Q tile row, the K/V tiles to visit
 (``kv_indices``), and for the backward's dK/dV pass, its transpose (``q_indices``).
 
+Element-level rules come from a **mask mod** (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``,
+see :mod:`flashedu.mods`): :meth:`BlockMask.from_mask_mod` evaluates it tile by tile and sorts the
+tiles into three kinds, as FlexAttention's ``create_block_mask`` does:
+
+- **empty**: no visible pair; ``blocks`` is False there and the kernel skips the tile;
+- **full**: every pair visible (``full`` is True); the kernel computes the tile unmasked;
+- **partial**: some pairs visible; the kernel applies the mask mod element-wise
+  (``partial_tiles()`` lists them, ``tile_masks()`` gives their element masks).
+
+The mask keeps its mod (``block_mask.mask_mod``) through ``expand``, pickling, ``to_flex`` and
+``from_flex``.
+
 A BlockMask is a value: immutable (its ``blocks`` array is read-only, also after pickling or
 copying), equal to another with the same tiles, block size, lengths and causal flag, and
 hashable consistently with that equality (it can key a dict of compiled kernels).
@@ -22,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import mods as _mods
 
 INT32_MAX = 2**31 - 1
 
@@ -64,6 +77,11 @@ class BlockMask:
     block_size: tuple[int, int]  # (Br, Bc)
     seq_lens: tuple[int, int]  # (Nq, Nk)
     is_causal: bool = False  # also mask inside the tiles, top-left aligned (as SDPA's flag)
+    # the element-level rule inside the selected tiles (a flashedu.mods mask mod or a user's
+    # function); None: every pair of a selected tile is visible (besides is_causal)
+    mask_mod: object = None
+    # bool like blocks: tiles where every pair is visible (computed from is_causal if None)
+    full_blocks: object = None
 
     def __post_init__(self):
         Br, Bc = _pair(self.block_size, "block_size")
@@ -84,6 +102,26 @@ class BlockMask:
                 f"{(Nq, Nk)} and block_size {(Br, Bc)}, got {blocks.shape[-2:]}")
         blocks = np.array(blocks, order="C")  # our own copy: the caller's array stays writeable
         blocks.setflags(write=False)
+        if self.mask_mod is not None and not callable(self.mask_mod):
+            raise TypeError(f"mask_mod must be callable as mask_mod(b, h, q_idx, kv_idx) or None, "
+                            f"got {type(self.mask_mod).__name__}")
+        full = self.full_blocks
+        if full is None:
+            full = blocks & _diagonal_free(blocks.shape[-2:], (Br, Bc), (Nq, Nk), is_causal)
+            if self.mask_mod is not None and not (is_causal and _mods.is_causal_top_left(self.mask_mod)):
+                full = np.zeros_like(blocks)  # unknown: every selected tile is partial
+        full = np.asarray(full)
+        if full.ndim == 2:
+            full = full[None, None]
+        if full.dtype != np.bool_ or full.shape != blocks.shape:
+            raise ValueError(f"full_blocks must be a bool array of blocks' shape {blocks.shape}, "
+                             f"got {full.dtype} {full.shape}")
+        full = np.array(full & blocks, order="C")
+        full.setflags(write=False)
+        object.__setattr__(self, "full_blocks", full)
+        # tiles where blocks and is_causal alone already give the exact pairs (no mod needed)
+        plain = self.mask_mod is None or (is_causal and _mods.is_causal_top_left(self.mask_mod))
+        object.__setattr__(self, "_exact", blocks if plain else full)
         object.__setattr__(self, "blocks", blocks)
         object.__setattr__(self, "block_size", (Br, Bc))
         object.__setattr__(self, "seq_lens", (Nq, Nk))
@@ -92,18 +130,27 @@ class BlockMask:
     # ----- a value: pickles through the constructor, equal by content ---------------------
     def __reduce__(self):
         # Rebuilt through __init__, so the unpickled blocks are validated and read-only again.
-        return (BlockMask, (self.blocks, self.block_size, self.seq_lens, self.is_causal))
+        # (A mask mod that is a lambda or a local function cannot be pickled, as any function.)
+        return (_rebuild, ((self.blocks, self.block_size, self.seq_lens, self.is_causal,
+                            self.mask_mod, self.full_blocks), self._exact))
+
+    def _mod_key(self):
+        """The mod as far as it matters: a top-left causal mod adds nothing to is_causal."""
+        if self.mask_mod is None or (self.is_causal and _mods.is_causal_top_left(self.mask_mod)):
+            return None
+        return self.mask_mod
 
     def __eq__(self, other):
         if not isinstance(other, BlockMask):
             return NotImplemented
         return (self.block_size == other.block_size and self.seq_lens == other.seq_lens
                 and self.is_causal == other.is_causal and self.blocks.shape == other.blocks.shape
-                and bool((self.blocks == other.blocks).all()))
+                and bool((self.blocks == other.blocks).all())
+                and self._mod_key() == other._mod_key())
 
     def __hash__(self):
         return hash((self.block_size, self.seq_lens, self.is_causal, self.blocks.shape,
-                     self.blocks.tobytes()))
+                     self.blocks.tobytes(), self._mod_key()))
 
     # ----- constructors -------------------------------------------------------------------
     @classmethod
@@ -127,11 +174,18 @@ class BlockMask:
         j = np.arange(math.ceil(Nk / Bc))[None, :]
         # tile (i, j) holds a visible element iff its first key j*Bc <= its last query.
         last_q = np.minimum((i + 1) * Br, Nq) - 1
-        return cls(j * Bc <= last_q, (Br, Bc), (Nq, Nk), is_causal=True)
+        return cls(j * Bc <= last_q, (Br, Bc), (Nq, Nk), is_causal=True,
+                   mask_mod=_mods.causal())
 
     @classmethod
     def sliding_window(cls, seq_lens, block_size=(128, 128), window=256, causal=True) -> BlockMask:
-        """Tiles within ``window`` keys of the query (behind it; ahead too when not causal)."""
+        """Exactly the pairs within ``window`` positions of the query: query i sees key j iff
+        i - window <= j <= i (causal), or |i - j| <= window (``causal=False``).
+
+        That is ``window + 1`` keys for a causal query: the mask mod is
+        ``flashedu.mods.sliding_window(window + 1)`` (Mistral's convention counts the query's
+        own key in the window). Tiles cut by the band's edges are partial: their pairs are
+        masked element-wise, never rounded to whole tiles."""
         Nq, Nk = _pair(seq_lens, "seq_lens")
         Br, Bc = _pair(block_size, "block_size")
         if not _is_int(window):
@@ -140,12 +194,50 @@ class BlockMask:
             raise ValueError(f"window must be a positive int, got {window!r}")
         window = min(int(window), Nq + Nk)  # any wider window sees the same pairs
         causal = _flag(causal, "causal")
-        i = np.arange(math.ceil(Nq / Br))[:, None]
-        j = np.arange(math.ceil(Nk / Bc))[None, :]
-        q_lo, q_hi = i * Br, np.minimum((i + 1) * Br, Nq) - 1
-        k_lo, k_hi = j * Bc, np.minimum((j + 1) * Bc, Nk) - 1
-        near = (k_hi >= q_lo - window) & (k_lo <= q_hi + (0 if causal else window))
-        return cls(near, (Br, Bc), (Nq, Nk), is_causal=causal)
+        mod = _mods.sliding_window(window + 1, lookahead=0 if causal else window)
+        return cls.from_mask_mod(mod, 1, 1, Nq, Nk, (Br, Bc))
+
+    @classmethod
+    def from_mask_mod(cls, mask_mod, B, H, Nq, Nk, block_size=(128, 128)) -> BlockMask:
+        """The block mask a mask mod implies (FlexAttention's ``create_block_mask``).
+
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (see :mod:`flashedu.mods`); B, H: the batch
+        and head counts it depends on, or None (or 1) when it is the same for all. The mod is
+        evaluated tile by tile (a few rows of tiles at a time, never the whole Nq x Nk grid at
+        once): empty tiles are skipped, full ones run unmasked, partial ones apply the mod
+        element-wise. A mod that never shows a later key (causal, sliding_window, ... and
+        combinations) sets ``is_causal``, so kernels also skip the tiles above the diagonal."""
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable as mask_mod(b, h, q_idx, kv_idx), got "
+                            f"{type(mask_mod).__name__}")
+        B = _count(B, "B")
+        H = _count(H, "H")
+        Nq, Nk = _pair((Nq, Nk), "seq_lens")
+        Br, Bc = _pair(block_size, "block_size")
+        mod = _mods.bind(mask_mod, (Nq, Nk))
+        is_causal = _mods.implies_causal(mod)
+        Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
+        shape = (B, H, Tr, Tc)
+        any_, all_, exact = (np.zeros(shape, bool) for _ in range(3))
+        cols = np.arange(Tc * Bc)
+        per_chunk = max(1, (1 << 22) // (B * H * Br * Tc * Bc))  # tile rows per evaluation
+        for i0 in range(0, Tr, per_chunk):
+            i1 = min(Tr, i0 + per_chunk)
+            rows = np.arange(i0 * Br, i1 * Br)
+            m = _mods.evaluate_mask_mod(mod, range(B), range(H), rows, cols,
+                                        seq_lens=(Nq, Nk)).cpu().numpy()
+            valid = (rows < Nq)[:, None] & (cols < Nk)[None, :]
+            tiles = (B, H, i1 - i0, Br, Tc, Bc)
+            any_[:, :, i0:i1] = m.reshape(tiles).any(axis=(3, 5))
+            all_[:, :, i0:i1] = (m | ~valid).reshape(tiles).all(axis=(3, 5))
+            if is_causal:  # where the tile grid plus the causal diagonal already say it all
+                rule = valid & (cols[None, :] <= rows[:, None])
+                exact[:, :, i0:i1] = ((m == rule) | ~valid).reshape(tiles).all(axis=(3, 5))
+            else:
+                exact[:, :, i0:i1] = all_[:, :, i0:i1]
+        mask = cls(any_, (Br, Bc), (Nq, Nk), is_causal, mask_mod=mod, full_blocks=all_ & any_)
+        object.__setattr__(mask, "_exact", np.array(exact & any_ | ~any_, order="C"))
+        return mask
 
     # ----- views --------------------------------------------------------------------------
     @property
@@ -162,23 +254,85 @@ class BlockMask:
         """The (B, H, Tr, Tc) bool tile grid (a copy)."""
         return self.blocks.copy()
 
+    @property
+    def full(self) -> np.ndarray:
+        """(B, H, Tr, Tc) bool: tiles whose every pair is visible (computed without a mask)."""
+        return self.full_blocks
+
+    @property
+    def partial(self) -> np.ndarray:
+        """(B, H, Tr, Tc) bool: selected tiles that are not full (masked element-wise)."""
+        return self.blocks & ~self.full_blocks
+
+    @property
+    def needs_mask_mod(self) -> bool:
+        """True when some selected tile needs the mask mod element-wise: the tile grid and the
+        causal flag alone (all a kernel without mask mods reads) would show too many pairs."""
+        return bool((self.blocks & ~self._exact).any())
+
+    def partial_tiles(self) -> np.ndarray:
+        """(n, 4) int64 rows (b, h, i, j) of the partial tiles, in (b, h, i, j) order; b or h is
+        0 when the mask is shared over batch or heads."""
+        return np.argwhere(self.partial).astype(np.int64)
+
+    def tile_masks(self, tiles=None):
+        """Element masks of tiles: a bool tensor (n, Br, Bc), True where query Q_i[r] sees key
+        K_j[c] (mask mod, causal flag and the sequence ends together). ``tiles``: (n, 4) rows
+        (b, h, i, j), by default :meth:`partial_tiles`. Only these tiles are evaluated."""
+        import torch
+
+        tiles = self.partial_tiles() if tiles is None else np.asarray(tiles, dtype=np.int64)
+        if tiles.ndim != 2 or tiles.shape[1] != 4:
+            raise ValueError(f"tiles must be an (n, 4) array of (b, h, i, j), got {tiles.shape}")
+        Br, Bc = self.block_size
+        t = torch.as_tensor(tiles).view(-1, 4, 1, 1)
+        b, h = t[:, 0], t[:, 1]
+        q = t[:, 2] * Br + torch.arange(Br).view(1, Br, 1)
+        kv = t[:, 3] * Bc + torch.arange(Bc).view(1, 1, Bc)
+        return self._rule(b, h, q, kv)
+
+    def _rule(self, b, h, q, kv):
+        """Visible pairs at broadcast indices: tiles, causal flag, mask mod, sequence ends."""
+        import torch
+
+        Br, Bc = self.block_size
+        Nq, Nk = self.seq_lens
+        grid = torch.from_numpy(np.ascontiguousarray(self.blocks).copy())
+        per_b, per_h = int(grid.shape[0] > 1), int(grid.shape[1] > 1)
+        inside = (q < Nq) & (kv < Nk)
+        out = grid[b * per_b, h * per_h, (q // Br).clamp(max=grid.shape[2] - 1),
+                   (kv // Bc).clamp(max=grid.shape[3] - 1)] & inside
+        if self.is_causal:
+            out = out & (kv <= q)
+        if self.mask_mod is not None:
+            out = out & _mods.evaluate_mask_mod(self.mask_mod, b, h, q, kv, seq_lens=(Nq, Nk))
+        return out
+
     def element_mask(self) -> np.ndarray:
-        """The (B, H, Nq, Nk) bool mask of visible (query, key) pairs, for references and tests."""
+        """The (B, H, Nq, Nk) bool mask of visible (query, key) pairs, for references and tests
+        (it holds Nq x Nk booleans: kernels never build it)."""
         Br, Bc = self.block_size
         Nq, Nk = self.seq_lens
         dense = self.blocks.repeat(Br, axis=-2).repeat(Bc, axis=-1)[..., :Nq, :Nk]
         if self.is_causal:
             dense = dense & np.tri(Nq, Nk, dtype=bool)
+        if self.mask_mod is not None:
+            b, h = dense.shape[:2]
+            dense = dense & _mods.evaluate_mask_mod(self.mask_mod, range(b), range(h), range(Nq),
+                                                    range(Nk), seq_lens=(Nq, Nk)).cpu().numpy()
         return dense
 
     def expand(self, B: int, H: int) -> BlockMask:
-        """Broadcast to an explicit batch and head count."""
+        """Broadcast to an explicit batch and head count (the mask mod comes along)."""
         b, h = self.blocks.shape[:2]
         if b not in (1, B) or h not in (1, H):
             raise ValueError(
                 f"block_mask has blocks for (B, H) = {(b, h)}, which does not broadcast to {(B, H)}")
-        blocks = np.broadcast_to(self.blocks, (B, H) + self.shape)
-        return BlockMask(blocks, self.block_size, self.seq_lens, self.is_causal)
+        shape = (B, H) + self.shape
+        mask = BlockMask(np.broadcast_to(self.blocks, shape), self.block_size, self.seq_lens,
+                         self.is_causal, self.mask_mod, np.broadcast_to(self.full_blocks, shape))
+        object.__setattr__(mask, "_exact", np.broadcast_to(self._exact, shape))
+        return mask
 
     def kv_indices(self) -> tuple[np.ndarray, np.ndarray]:
         """Per Q tile, the K/V tiles to visit: (kv_num_blocks (B,H,Tr), kv_indices (B,H,Tr,Tc)).
@@ -192,56 +346,55 @@ class BlockMask:
         return _lists(np.swapaxes(self.blocks, -1, -2))
 
     def __repr__(self) -> str:
+        mod = "" if self.mask_mod is None else f", mask_mod={getattr(self.mask_mod, '__qualname__', self.mask_mod)!r}"
         return (f"BlockMask(tiles={self.blocks.shape}, block_size={self.block_size}, "
-                f"seq_lens={self.seq_lens}, is_causal={self.is_causal}, density={self.density:.3f})")
+                f"seq_lens={self.seq_lens}, is_causal={self.is_causal}, density={self.density:.3f}"
+                f"{mod})")
 
     # ----- FlexAttention ------------------------------------------------------------------
     def to_flex(self, device="cpu"):
         """A ``torch.nn.attention.flex_attention.BlockMask`` with the same visible pairs.
 
-        Tiles cut by the causal diagonal become FlexAttention's partial blocks (a causal
-        mask_mod runs on them); the other selected tiles are its full blocks."""
+        Our full tiles become its full blocks, our partial tiles its partial blocks; its
+        ``mask_mod`` is the whole element rule (tiles, causal flag and our mask mod), since
+        eager FlexAttention applies the mask_mod alone. ``from_flex`` of the result gives this
+        mask back, mod included."""
         import torch
         from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
 
         Br, Bc = self.block_size
         Nq, Nk = self.seq_lens
-        full = self.blocks.copy()
-        partial = np.zeros_like(full)
-        if self.is_causal:
-            i = np.arange(self.shape[0])[:, None]
-            j = np.arange(self.shape[1])[None, :]
-            all_visible = (j + 1) * Bc - 1 <= i * Br  # last key <= first query
-            partial = full & ~all_visible
-            full = full & all_visible
 
         def as_torch(blocks):
             num, idx = _lists(blocks)
             return (torch.as_tensor(num, dtype=torch.int32, device=device),
                     torch.as_tensor(idx, dtype=torch.int32, device=device))
 
-        # The mask_mod repeats the tile pattern element-wise: compiled FlexAttention skips by
-        # the block lists alone, but its eager (math) path applies only the mask_mod.
         tiles = torch.as_tensor(self.blocks.copy(), device=device)
         per_b, per_h = int(tiles.shape[0] > 1), int(tiles.shape[1] > 1)
-        is_causal = self.is_causal
+        is_causal, own = self.is_causal, self.mask_mod
 
         def mask_mod(b, h, q_idx, kv_idx):
             visible = tiles[b * per_b, h * per_h, q_idx // Br, kv_idx // Bc]
-            return visible & (q_idx >= kv_idx) if is_causal else visible
+            if is_causal:
+                visible = visible & (q_idx >= kv_idx)
+            return visible if own is None else visible & own(b, h, q_idx, kv_idx)
 
-        kv_num, kv_idx = as_torch(partial)
-        full_num, full_idx = as_torch(full)
+        mask_mod.flashedu_block_mask = self  # from_flex gives this mask back
+        kv_num, kv_idx = as_torch(self.partial)
+        full_num, full_idx = as_torch(self.full_blocks)
         return FlexBlockMask.from_kv_blocks(
             kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(Br, Bc), mask_mod=mask_mod,
             seq_lengths=(Nq, Nk))
 
     @classmethod
     def from_flex(cls, flex_mask, is_causal=False) -> BlockMask:
-        """From a FlexAttention BlockMask: its partial and full blocks become our tiles.
+        """From a FlexAttention BlockMask: its partial and full blocks become our tiles and its
+        ``mask_mod`` our mask mod (applied on the partial tiles, as FlexAttention does).
 
-        FlexAttention keeps the element-level rule in a ``mask_mod`` we cannot inspect; pass
-        ``is_causal=True`` when that rule is the causal one."""
+        ``is_causal=True`` adds the causal rule on top (it was needed when the mod was
+        dropped; now it only lets kernels skip and mask the diagonal natively). A mask_mod
+        that cannot be evaluated on broadcast index tensors is refused, saying why."""
         needed = ("BLOCK_SIZE", "seq_lengths", "kv_num_blocks", "kv_indices", "full_kv_num_blocks",
                   "full_kv_indices")
         if not all(hasattr(flex_mask, a) for a in needed):
@@ -249,13 +402,66 @@ class BlockMask:
                             f"(from create_block_mask), got {type(flex_mask).__name__}; for a "
                             "bool tile grid use BlockMask.from_dense")
         is_causal = _flag(is_causal, "is_causal")
+        mod = getattr(flex_mask, "mask_mod", None)
+        ours = getattr(mod, "flashedu_block_mask", None)
+        if isinstance(ours, BlockMask):  # made by to_flex: the exact original
+            if is_causal and not ours.is_causal:
+                return cls.from_dense(ours.blocks, ours.block_size, ours.seq_lens, True) \
+                    if ours.mask_mod is None else _with(ours, is_causal=True)
+            return ours
         Br, Bc = flex_mask.BLOCK_SIZE
         Nq, Nk = flex_mask.seq_lengths
-        blocks = _from_lists(flex_mask.kv_num_blocks, flex_mask.kv_indices, flex_mask)
-        if flex_mask.full_kv_num_blocks is not None:
-            blocks |= _from_lists(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, flex_mask)
         Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
-        return cls(blocks[..., :Tr, :Tc], (Br, Bc), (Nq, Nk), is_causal)
+        blocks = _from_lists(flex_mask.kv_num_blocks, flex_mask.kv_indices, flex_mask)
+        full = np.zeros_like(blocks)
+        if flex_mask.full_kv_num_blocks is not None:
+            full = _from_lists(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, flex_mask)
+            blocks |= full
+        blocks, full = blocks[..., :Tr, :Tc], full[..., :Tr, :Tc]
+        if mod is None or getattr(mod, "__name__", "") == "noop_mask":
+            mod = None
+        if is_causal:  # a full block of theirs is cut by our diagonal
+            full = full & _diagonal_free((Tr, Tc), (Br, Bc), (Nq, Nk), True)
+        mask = cls(blocks, (Br, Bc), (Nq, Nk), is_causal, mask_mod=mod, full_blocks=full)
+        if mod is not None:
+            try:  # FlexAttention calls mods under vmap; we call them on broadcast tensors
+                mask.tile_masks(mask.partial_tiles()[:1])
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"from_flex cannot carry this FlexAttention mask_mod: {exc}") from None
+        return mask
+
+
+def _with(mask: BlockMask, **changes) -> BlockMask:
+    args = dict(blocks=mask.blocks, block_size=mask.block_size, seq_lens=mask.seq_lens,
+                is_causal=mask.is_causal, mask_mod=mask.mask_mod, full_blocks=None)
+    args.update(changes)
+    return BlockMask(**args)
+
+
+def _rebuild(args, exact) -> BlockMask:
+    mask = BlockMask(*args)
+    object.__setattr__(mask, "_exact", exact)
+    return mask
+
+
+def _count(n, name: str) -> int:
+    """B or H of from_mask_mod: None (the mod is the same for all) or a positive int."""
+    if n is None:
+        return 1
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {n!r}")
+    return int(n)
+
+
+def _diagonal_free(shape, block_size, seq_lens, is_causal) -> np.ndarray:
+    """(Tr, Tc) bool: tiles the causal diagonal leaves whole (all True when not causal)."""
+    Tr, Tc = shape
+    if not is_causal:
+        return np.ones(shape, bool)
+    (Br, Bc), (Nq, Nk) = block_size, seq_lens
+    i = np.arange(Tr)[:, None]
+    j = np.arange(Tc)[None, :]
+    return np.minimum((j + 1) * Bc, Nk) - 1 <= i * Br  # last key <= first query
 
 
 def _as_bool_blocks(blocks) -> np.ndarray:

@@ -145,7 +145,7 @@ def visible_mask_torch(Nq, Nk, *, is_causal=False, block_mask=None, device="cpu"
 
 def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=None,
                           dropout_p=0.0, enable_gqa=False, return_lse=False, upcast=True,
-                          dropout_rng=None):
+                          dropout_rng=None, attn_mask=None, score_mod=None):
     """Standard attention on (B, H, N, d) tensors with torch ops; differentiable.
 
     ``upcast=True`` (the "naive" backend): float16 and bfloat16 inputs are computed in float32
@@ -161,14 +161,23 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     triton backends' mask: ``dropout_rng`` = tensor([seed, offset]), drawn from torch's
     generator of q's device when None (so torch.manual_seed repeats it). Kept entries of P
     are scaled by 1 / (1 - p); the lse is that of the undropped scores.
+
+    The element rules, in order: S = scale * q k^T; ``score_mod(S, b, h, q_idx, kv_idx)`` (on
+    the whole (B, H, Nq, Nk) matrix with broadcast index tensors, see :mod:`flashedu.mods`); a
+    float ``attn_mask`` is added; then a pair is masked (-inf) unless the causal flag, the block
+    mask (tiles and mask mod) and a bool ``attn_mask`` all let it through. Autograd
+    differentiates through all of it, the score mod and a float attn_mask included.
     """
     import torch
 
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.float()
         out = naive_attention_torch(q.float(), k.float(), v.float(), is_causal=is_causal,
                                     scale=scale, block_mask=block_mask, dropout_p=dropout_p,
                                     enable_gqa=enable_gqa, return_lse=return_lse, upcast=False,
-                                    dropout_rng=dropout_rng)
+                                    dropout_rng=dropout_rng, attn_mask=attn_mask,
+                                    score_mod=score_mod)
         if return_lse:
             return out[0].to(q.dtype), out[1]
         return out.to(q.dtype)
@@ -176,7 +185,17 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     k, v = expand_kv_heads(k, H), expand_kv_heads(v, H)
     S = (q @ k.transpose(-2, -1)) * scale
+    if score_mod is not None:
+        from .mods import apply_score_mod, bind
+
+        b, h, i, j = score_indices(S.shape, S.device)
+        S = apply_score_mod(bind(score_mod, (Nq, Nk)), S, b, h, i, j)
     mask = visible_mask_torch(Nq, Nk, is_causal=is_causal, block_mask=block_mask, device=q.device)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask if mask is None else mask & attn_mask
+        else:
+            S = S + attn_mask.to(S.dtype)
     if mask is not None:
         S = S.masked_fill(~mask, float("-inf"))
     m = S.amax(dim=-1, keepdim=True)
@@ -197,8 +216,23 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     return out
 
 
+def score_indices(shape, device="cpu"):
+    """(b, h, q_idx, kv_idx) index tensors that broadcast to ``shape`` (B, H, Nq, Nk):
+    (B, 1, 1, 1), (1, H, 1, 1), (1, 1, Nq, 1), (1, 1, 1, Nk), as mods receive them."""
+    import torch
+
+    B, H, Nq, Nk = shape
+    return (torch.arange(B, device=device).view(B, 1, 1, 1),
+            torch.arange(H, device=device).view(1, H, 1, 1),
+            torch.arange(Nq, device=device).view(1, 1, Nq, 1),
+            torch.arange(Nk, device=device).view(1, 1, 1, Nk))
+
+
 def reference_attention(q, k, v, **kwargs):
     """float64 ground truth of :func:`naive_attention_torch`, returned in float64."""
     import torch
 
+    mask = kwargs.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        kwargs["attn_mask"] = mask.to(torch.float64)
     return naive_attention_torch(*(t.to(torch.float64) for t in (q, k, v)), **kwargs)

@@ -66,7 +66,7 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "naive": Backend("naive", _naive, True, True, "any"),
-    "numpy": Backend("numpy", _numpy, True, False, "cpu"),
+    "numpy": Backend("numpy", _numpy, True, True, "cpu"),
     "numba": Backend("numba", _numba, False, False, "gpu"),
     "triton": Backend("triton", _triton, True, False, "gpu"),
 }

@@ -21,10 +21,8 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
     """Backend entry point (inputs already checked by flashedu.attention)."""
     from . import ops
 
-    if dropout_p > 0:
-        raise NotImplementedError("the numpy backend has no dropout")
     return ops.attention("numpy", q, k, v, is_causal=is_causal, scale=scale,
-                         block_mask=block_mask)
+                         block_mask=block_mask, dropout_p=dropout_p)
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None):

@@ -5,10 +5,12 @@ rest of PyTorch: ``torch.compile(fullgraph=True)`` puts it in the graph as one n
 implementation gives the output shapes without running it), meta and fake tensors get shapes,
 CUDA graphs capture forward and backward, and ``torch.func.vmap`` folds its batch into B.
 
-    torch.ops.flashedu.triton_forward(q, k, v, is_causal, scale, blocks, block_r, block_c)
-        -> (out, lse)                       the Triton kernels (flashedu.triton)
+    torch.ops.flashedu.triton_forward(q, k, v, is_causal, scale, blocks, block_r, block_c,
+                                      dropout_p=0.0, rng=None) -> (out, lse)
+                                        the Triton kernels (flashedu.triton)
     torch.ops.flashedu.triton_backward(q, k, v, out, lse, dout, is_causal, scale,
-                                       blocks, block_r, block_c) -> (dq, dk, dv)
+                                       blocks, block_r, block_c, dropout_p=0.0, rng=None)
+                                        -> (dq, dk, dv)
     torch.ops.flashedu.numpy_forward / numpy_backward: the same, by flashedu.tiled (NumPy)
 
 q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d), H a multiple of Hkv. ``lse`` is what the backward
@@ -19,6 +21,12 @@ A :class:`flashedu.BlockMask` is not a tensor, so the operators take its tile gr
 (bool (b, h, Tr, Tc), b and h 1 or B and H, or None without a mask) and its block size;
 ``is_causal`` already includes the mask's own flag. The operator rebuilds the mask from them
 (cached: a training loop passes the same grid every step).
+
+Dropout (the paper's Algorithms 2 and 4): ``dropout_p`` and ``rng``, an int64 tensor
+[seed, offset] drawn by :func:`flashedu.dropout.draw_rng` from torch's generator of the inputs'
+device, are operator arguments: torch.compile sees them, and a CUDA graph that captures a
+call captures the draw too (a new mask at every replay, as torch's own dropout under graphs).
+The forward saves ``rng`` for the backward, which regenerates the mask from it.
 
 The derivative is the kernels' backward. Its own derivative (a second backward, after
 ``create_graph=True``) is not implemented: asking for one raises a RuntimeError, never a
@@ -43,17 +51,26 @@ from torch import Tensor
 SECOND_ORDER_BACKENDS = ("naive",)
 
 
-def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mask):
+def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mask,
+              dropout_p: float = 0.0):
     """The output of ``torch.ops.flashedu.<backend>_forward``: what the backends call.
 
     A plain eager call (real tensors, no compile, no transform, no dispatch mode) skips the
     operator's trips through the dispatcher (tens of microseconds a call, forward and
     backward) and runs the same implementation under :class:`_EagerAttention`, which gives
-    the same values, gradients and errors."""
+    the same values, gradients and errors. ``dropout_p`` > 0 draws the call's RNG state
+    (seed, offset) from torch's generator of q's device."""
+    rng = None
+    if dropout_p > 0:
+        from .dropout import draw_rng
+
+        rng = draw_rng(q.device)
     if _plain_eager(q, k, v):
-        return _EagerAttention.apply(backend, q, k, v, is_causal, scale, block_mask)
+        return _EagerAttention.apply(backend, q, k, v, is_causal, scale, block_mask, dropout_p,
+                                     rng)
     try:
-        out, _ = FORWARD_OPS[backend](q, k, v, is_causal, scale, *mask_args(block_mask))
+        out, _ = FORWARD_OPS[backend](q, k, v, is_causal, scale, *mask_args(block_mask),
+                                      dropout_p, rng)
     except RuntimeError:
         if any(torch._C._functorch.is_gradtrackingtensor(t) for t in (q, k, v)):
             raise RuntimeError(
@@ -118,7 +135,12 @@ def _kernel_layout(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def triton_forward_impl(q, k, v, is_causal, scale, mask):
+def _dropout_kwargs(dropout_p, rng):
+    """The launch code's dropout arguments: none without dropout (the kernels as before)."""
+    return {} if dropout_p == 0 else {"dropout_p": dropout_p, "rng": rng}
+
+
+def triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None):
     """The Triton forward; lse is the base-2 logsumexp, +inf for an empty row."""
     from . import runtime
     from .triton.autograd import resolve_config
@@ -127,10 +149,12 @@ def triton_forward_impl(q, k, v, is_causal, scale, mask):
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
     return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
-                   tiles=config.forward_tiles(mask), interpreted=runtime.triton_interpreted())
+                   tiles=config.forward_tiles(mask), interpreted=runtime.triton_interpreted(),
+                   **_dropout_kwargs(dropout_p, rng))
 
 
-def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask):
+def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p=0.0,
+                         rng=None):
     """The Triton backward (Algorithm 4 of the paper, FlashAttention-2 order)."""
     from . import runtime
     from .triton.autograd import resolve_config
@@ -139,21 +163,25 @@ def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask):
     q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
     config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
     return backward(q, k, v, out, lse, dout.contiguous(), is_causal=is_causal, scale=scale,
-                    block_mask=mask, config=config, interpreted=runtime.triton_interpreted())
+                    block_mask=mask, config=config, interpreted=runtime.triton_interpreted(),
+                    **_dropout_kwargs(dropout_p, rng))
 
 
-def numpy_forward_impl(q, k, v, is_causal, scale, mask):
+def numpy_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None):
     """flashedu.tiled.flash_forward per head; lse natural-log, -inf for an empty row."""
     from .numpy_backend import forward
 
-    return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask)
+    return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
+                   **_dropout_kwargs(dropout_p, rng))
 
 
-def numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask):
+def numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p=0.0,
+                        rng=None):
     """flashedu.tiled.flash_backward per head."""
     from .numpy_backend import backward
 
-    return backward(q, k, v, out, lse, dout, is_causal=is_causal, scale=scale, block_mask=mask)
+    return backward(q, k, v, out, lse, dout, is_causal=is_causal, scale=scale, block_mask=mask,
+                    **_dropout_kwargs(dropout_p, rng))
 
 
 IMPLS = {"triton": (triton_forward_impl, triton_backward_impl),
@@ -166,9 +194,10 @@ IMPLS = {"triton": (triton_forward_impl, triton_backward_impl),
 
 @torch.library.custom_op("flashedu::triton_forward", mutates_args=())
 def triton_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
-                   blocks: Optional[Tensor], block_r: int, block_c: int) -> tuple[Tensor, Tensor]:
+                   blocks: Optional[Tensor], block_r: int, block_c: int,
+                   dropout_p: float = 0.0, rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return triton_forward_impl(q, k, v, is_causal, scale, mask)
+    return triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p, rng)
 
 
 def _triton_outputs_like(*tensors):
@@ -185,7 +214,7 @@ def _triton_outputs_like(*tensors):
 
 
 @triton_forward.register_fake
-def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
+def _(q, k, v, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0, rng=None):
     out, = _triton_outputs_like(q)
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -193,13 +222,15 @@ def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
 @torch.library.custom_op("flashedu::triton_backward", mutates_args=())
 def triton_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                     is_causal: bool, scale: float, blocks: Optional[Tensor], block_r: int,
-                    block_c: int) -> tuple[Tensor, Tensor, Tensor]:
+                    block_c: int, dropout_p: float = 0.0,
+                    rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask)
+    return triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p, rng)
 
 
 @triton_backward.register_fake
-def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c):
+def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0,
+      rng=None):
     return _triton_outputs_like(q, k, v)
 
 
@@ -209,13 +240,14 @@ def _numpy_lse_dtype(dtype):
 
 @torch.library.custom_op("flashedu::numpy_forward", mutates_args=())
 def numpy_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
-                  blocks: Optional[Tensor], block_r: int, block_c: int) -> tuple[Tensor, Tensor]:
+                  blocks: Optional[Tensor], block_r: int, block_c: int,
+                  dropout_p: float = 0.0, rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return numpy_forward_impl(q, k, v, is_causal, scale, mask)
+    return numpy_forward_impl(q, k, v, is_causal, scale, mask, dropout_p, rng)
 
 
 @numpy_forward.register_fake
-def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
+def _(q, k, v, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0, rng=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:3], dtype=_numpy_lse_dtype(q.dtype)))
 
@@ -223,13 +255,15 @@ def _(q, k, v, is_causal, scale, blocks, block_r, block_c):
 @torch.library.custom_op("flashedu::numpy_backward", mutates_args=())
 def numpy_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                    is_causal: bool, scale: float, blocks: Optional[Tensor], block_r: int,
-                   block_c: int) -> tuple[Tensor, Tensor, Tensor]:
+                   block_c: int, dropout_p: float = 0.0,
+                   rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask)
+    return numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p, rng)
 
 
 @numpy_backward.register_fake
-def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c):
+def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0,
+      rng=None):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -238,23 +272,24 @@ BACKWARD_OPS = {"triton": triton_backward, "numpy": numpy_backward}
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd: the forward saves (q, k, v, out, lse); the backward operator consumes them
+# Autograd: the forward saves (q, k, v, out, lse, rng); the backward operator consumes them
 # ---------------------------------------------------------------------------------------------
 
 def _register_autograd(forward_op, backward_op, backend: str):
     def setup_context(ctx, inputs, output):
-        q, k, v, is_causal, scale, blocks, block_r, block_c = inputs
+        q, k, v, is_causal, scale, blocks, block_r, block_c, dropout_p, rng = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)  # handed to the backward only, never differentiated
-        ctx.save_for_backward(q, k, v, out, lse, blocks)
-        ctx.params = (is_causal, scale, block_r, block_c)
+        # rng (two int64) is all the backward needs to regenerate the dropout mask
+        ctx.save_for_backward(q, k, v, out, lse, blocks, rng)
+        ctx.params = (is_causal, scale, block_r, block_c, dropout_p)
 
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, blocks = ctx.saved_tensors
-        is_causal, scale, block_r, block_c = ctx.params
+        q, k, v, out, lse, blocks, rng = ctx.saved_tensors
+        is_causal, scale, block_r, block_c, dropout_p = ctx.params
         dq, dk, dv = backward_op(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r,
-                                 block_c)
-        return dq, dk, dv, None, None, None, None, None
+                                 block_c, dropout_p, rng)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 
@@ -294,23 +329,27 @@ def _register_vmap(forward_op, backward_op, backend: str):
         if in_dims[tensor_args] is not None:
             raise RuntimeError(f"torch.func.vmap over a block mask is not supported by "
                                f"flashedu.attention(backend={backend!r}): map q, k, v only")
+        if len(in_dims) > tensor_args + 4 and in_dims[tensor_args + 4] is not None:
+            raise RuntimeError(f"torch.func.vmap over the dropout RNG state is not supported "
+                               f"by flashedu.attention(backend={backend!r}): map q, k, v only")
 
-    def forward_vmap(info, in_dims, q, k, v, is_causal, scale, blocks, block_r, block_c):
+    def forward_vmap(info, in_dims, q, k, v, is_causal, scale, blocks, block_r, block_c,
+                     dropout_p=0.0, rng=None):
         check(in_dims, 5)
         n = info.batch_size
         q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
         out, lse = forward_op(q, k, v, is_causal, scale, _fold_blocks(blocks, n), block_r,
-                              block_c)
+                              block_c, dropout_p, rng)
         return (out.unflatten(0, (n, -1)), lse.unflatten(0, (n, -1))), (0, 0)
 
     def backward_vmap(info, in_dims, q, k, v, out, lse, dout, is_causal, scale, blocks,
-                      block_r, block_c):
+                      block_r, block_c, dropout_p=0.0, rng=None):
         check(in_dims, 8)
         n = info.batch_size
         q, k, v, out, lse, dout = (_fold(t, d, n) for t, d in
                                    zip((q, k, v, out, lse, dout), in_dims[:6]))
         grads = backward_op(q, k, v, out, lse, dout, is_causal, scale, _fold_blocks(blocks, n),
-                            block_r, block_c)
+                            block_r, block_c, dropout_p, rng)
         return tuple(g.unflatten(0, (n, -1)) for g in grads), (0, 0, 0)
 
     forward_op.register_vmap(forward_vmap)
@@ -327,19 +366,20 @@ _register_vmap(numpy_forward, numpy_backward, "numpy")
 
 class _EagerAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, backend, q, k, v, is_causal, scale, block_mask):
-        out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = (backend, is_causal, scale, block_mask)
+    def forward(ctx, backend, q, k, v, is_causal, scale, block_mask, dropout_p, rng):
+        out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask, dropout_p, rng)
+        ctx.save_for_backward(q, k, v, out, lse, rng)
+        ctx.params = (backend, is_causal, scale, block_mask, dropout_p)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        backend, is_causal, scale, block_mask = ctx.params
+        q, k, v, out, lse, rng = ctx.saved_tensors
+        backend, is_causal, scale, block_mask, dropout_p = ctx.params
         if torch.is_grad_enabled():  # create_graph=True: the operator, whose derivative says no
             grads = BACKWARD_OPS[backend](q, k, v, out, lse, dout, is_causal, scale,
-                                          *mask_args(block_mask))
+                                          *mask_args(block_mask), dropout_p, rng)
         else:
-            grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask)
-        return (None, *grads, None, None, None)
+            grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask,
+                                      dropout_p, rng)
+        return (None, *grads, None, None, None, None, None)

@@ -1,76 +1,251 @@
 """Ring attention: one sequence spread over several processes (GPUs), exact, with autograd.
 
-Each of the P ranks of a ``torch.distributed`` group holds a contiguous shard of the sequence:
-rank r has queries, keys and values of positions [r*n, (r+1)*n), shapes (B, H, n, d). Its output
-rows need every key, so the K/V shards travel around the ring: at step t rank r holds the shard
-of rank (r - t) mod P, computes a partial (O, L) of its queries against it, and merges that into
-its running result with the merge rule (``flashedu.merge``). Meanwhile the next shard is already
-on its way (isend to r+1, irecv from r-1), so the transfer hides behind the compute.
-After P steps every query has met every key; no rank ever holds more than two K/V shards.
+Each of the P ranks of a ``torch.distributed`` group holds a shard of n = N/P positions of the
+sequence: its queries, keys and values, shapes (B, H, n, d). Its output rows need every key, so
+the keys and values travel around the ring (isend to r+1, irecv from r-1) and every rank merges
+the partial (O, L) of its queries against each visiting block into its running result with the
+merge rule of ``flashedu.merge``. The next block is posted before the current one is computed,
+so the transfer hides behind the compute.
 
-Backward: the saved logsumexp L and output O of the *whole* row make each K/V shard's gradient
+Layouts (``layout=``, the same for causal and full attention):
+
+- ``"zigzag"`` (default): the sequence is cut into 2P chunks of c = N/(2P) positions and rank r
+  holds chunks r and 2P-1-r (one early, one late). With a causal mask every rank then computes
+  the same number of tiles (each key chunk is seen by as many early as late queries); with
+  contiguous shards rank P-1 computes P blocks and rank 0 one. :func:`zigzag_shard` and
+  :func:`zigzag_unshard` move a whole sequence in and out of this order.
+- ``"contiguous"``: rank r holds positions [r*n, (r+1)*n) (balanced only without a mask).
+For full (non-causal) attention the layout changes nothing in the arithmetic: every query sees
+every key, whatever the order.
+
+Memory. What travels is not a rank's whole K/V shard but **tiles** of ``tile`` positions (a
+divisor of the chunk length): the ring runs P*m micro-steps (m = n/tile), tile p of every shard
+going once around before tile p+1 starts. A rank holds at most two K/V tiles (the one it computes
+on and sends on, and the one arriving), so the ring's own buffers shrink with the tile, not with
+the shard. The forward keeps one float32 (O, L) accumulator for its own rows and saves only its
+own O and L for the backward. The backward sends each K/V tile around once more with its dK, dV
+accumulator (float32, tile-sized): every rank adds its queries' share and passes it on; after P
+hops the accumulator is home, complete. dQ is accumulated in place. :func:`ring_memory` gives the
+bytes in a closed form, and the tests check it against what the ring really holds.
+
+Backward: the saved logsumexp L and output O of the *whole* row make each K/V tile's gradient
 independent of the others (P_ij = exp(S_ij - L_i), D_i = rowsum(dO_i * O_i), as in the
-FlashAttention backward). So the K/V shards go around the ring once more, each with its dK, dV
-accumulators: every rank adds its queries' contribution, passes them on, and after P steps the
-accumulators are back home, complete.
+FlashAttention backward), which is why the tiles may travel in any order.
 
-Causal: rank r's queries never see keys of ranks > r, so those steps compute nothing (they still
-pass the shard along: the ring stays simple). The step with its own shard is causal inside.
-Rank P-1 does the most work (P steps); zigzag sharding would balance that, but the shards here
-are contiguous as the caller gives them.
-
-The local step (one shard of queries against one shard of keys) is two functions,
-:func:`block_forward` and :func:`block_backward`: torch math (the naive attention, recomputed
-from L) anywhere, or the package's Triton kernels on a CUDA GPU.
+The local step (some query rows against one K/V tile) is two functions, :func:`block_forward`
+and :func:`block_backward`: torch math anywhere, or the package's Triton kernels on a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from .merge import merge
+from .merge import merge_into
 from .reference import expand_kv_heads, naive_attention_torch
 
 LOCAL_KINDS = ("auto", "torch", "triton")
+LAYOUTS = ("zigzag", "contiguous")
+DQ_ACCUMULATE = ("float32", "input")
 
 
-def ring_attention(q, k, v, is_causal=False, group=None, scale=None, local="auto"):
+def ring_attention(q, k, v, is_causal=False, group=None, scale=None, local="auto", *,
+                   layout="zigzag", tile=None, call_rows=None, dq_accumulate="float32"):
     """This rank's output shard of attention over the whole (sharded) sequence.
 
-    q: (B, H, n, d), k, v: (B, Hkv, n, d), every rank the same shapes (rank r holds positions
-    [r*n, (r+1)*n)). H may be a multiple of Hkv (grouped-query attention). ``is_causal``: top-left
-    over the whole sequence (global query i sees global keys j <= i). ``group``: the process
-    group (default: the world). ``local``: the per-step kernel, "torch", "triton" (CUDA only),
-    or "auto" (triton on a CUDA GPU, else torch). Differentiable with respect to q, k, v.
+    q: (B, H, n, d), k, v: (B, Hkv, n, d), every rank the same shapes, holding the positions that
+    ``layout`` gives it (``zigzag_shard(x, rank, P)`` for "zigzag", the default; positions
+    [r*n, (r+1)*n) for "contiguous"). H may be a multiple of Hkv (grouped-query attention).
+    ``is_causal``: top-left over the whole sequence (global query i sees global keys j <= i).
+    ``group``: the process group (default: the world); P is its size. ``local``: the per-step
+    kernel, "torch", "triton" (CUDA only) or "auto" (triton on a CUDA GPU, else torch).
+    ``tile``: positions per travelling K/V tile, a divisor of the chunk length (n/2 for zigzag,
+    n for contiguous); default: the largest divisor <= 2048. ``call_rows``: query rows per kernel
+    call (a multiple of ``tile``; default 4 tiles): bounds the per-call temporaries.
+    ``dq_accumulate``: "float32" (default) sums dQ's P*m contributions in float32; "input" sums
+    them in place in q's dtype (no float32 copy of dQ: less memory, more rounding in 16 bits).
+    Differentiable with respect to q, k, v.
     """
-    _check(q, k, v, is_causal, scale, local)
+    _check(q, k, v, is_causal, scale, local, layout, dq_accumulate)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention needs torch.distributed: call "
                            "torch.distributed.init_process_group first (gloo on CPU, nccl on GPU)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     local = _resolve_local(local, q)
-    return RingAttention.apply(q, k, v, is_causal, scale, group, local)
+    ring = Ring(group)
+    plan = Plan(q.shape[2], ring.size, layout, tile, call_rows)
+    return RingAttention.apply(q, k, v, is_causal, scale, ring, local, plan, dq_accumulate)
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, group, local):
-        ring = Ring(group)
-        out, L = ring_forward(ring, q, k, v, is_causal, scale, local)
-        ctx.save_for_backward(q, k, v, out, L)
-        ctx.params = (ring, is_causal, scale, local)
+    def forward(ctx, q, k, v, is_causal, scale, ring, local, plan, dq_accumulate):
+        out, L = ring_forward(ring, q, k, v, is_causal, scale, local, plan)
+        ctx.save_for_backward(q, k, v, out, L)  # this rank's rows only: O and L of n positions
+        ctx.params = (ring, is_causal, scale, local, plan, dq_accumulate)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, L = ctx.saved_tensors
-        ring, is_causal, scale, local = ctx.params
+        ring, is_causal, scale, local, plan, dq_accumulate = ctx.params
         dq, dk, dv = ring_backward(ring, q, k, v, out, L, dout.contiguous(), is_causal, scale,
-                                   local)
-        return dq, dk, dv, None, None, None, None
+                                   local, plan, dq_accumulate=dq_accumulate)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------
+# Layouts: which global positions a rank holds.
+# ----------------------------------------------------------------------------------------
+
+
+def zigzag_chunks(rank: int, world: int) -> tuple[int, int]:
+    """The two chunks (of 2*world) that rank holds in the zigzag layout: one early, one late."""
+    return rank, 2 * world - 1 - rank
+
+
+def _check_divisible(N, world, dim):
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if N % (2 * world):
+        raise ValueError(
+            f"x: the zigzag layout cuts the sequence (dim {dim}, length {N}) into 2*world = "
+            f"{2 * world} equal chunks; {N} is not a multiple of {2 * world}. Pad it first with "
+            f"pad_sequence(x, {2 * world}, dim={dim}): with is_causal=True padding at the end is "
+            f"exact (no real query sees a later position; drop the padded rows afterwards). "
+            f"Without a mask padded keys would be attended to, so pad only causal attention.")
+
+
+def zigzag_shard(x, rank: int, world: int, dim: int = 2):
+    """Rank's shard of a whole sequence in the zigzag order: chunks ``rank`` and
+    ``2*world-1-rank`` of ``x`` (cut into 2*world equal chunks along ``dim``), concatenated.
+    Raises ValueError when the length is not a multiple of 2*world (see :func:`pad_sequence`)."""
+    N = x.shape[dim]
+    _check_divisible(N, world, dim)
+    c = N // (2 * world)
+    a, b = zigzag_chunks(rank, world)
+    return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim=dim)
+
+
+def zigzag_unshard(shards, dim: int = 2):
+    """The whole sequence from every rank's zigzag shard (rank order): the inverse of
+    :func:`zigzag_shard`."""
+    world = len(shards)
+    n = shards[0].shape[dim]
+    if n % 2 or any(s.shape[dim] != n for s in shards):
+        raise ValueError(f"shards: every zigzag shard holds two chunks of equal length along dim "
+                         f"{dim}; got lengths {[s.shape[dim] for s in shards]}")
+    c = n // 2
+    chunks = [None] * (2 * world)
+    for r, s in enumerate(shards):
+        a, b = zigzag_chunks(r, world)
+        chunks[a], chunks[b] = s.narrow(dim, 0, c), s.narrow(dim, c, c)
+    return torch.cat(chunks, dim=dim)
+
+
+def shard(x, rank: int, world: int, layout: str = "zigzag", dim: int = 2):
+    """Rank's shard of the whole sequence ``x`` in ``layout`` ("zigzag" or "contiguous")."""
+    if layout == "zigzag":
+        return zigzag_shard(x, rank, world, dim)
+    N = x.shape[dim]
+    if N % world:
+        raise ValueError(f"x: length {N} along dim {dim} is not a multiple of world={world}")
+    return x.narrow(dim, rank * (N // world), N // world)
+
+
+def unshard(shards, layout: str = "zigzag", dim: int = 2):
+    """The whole sequence from every rank's shard: the inverse of :func:`shard`."""
+    return zigzag_unshard(shards, dim) if layout == "zigzag" else torch.cat(list(shards), dim)
+
+
+def pad_sequence(x, multiple: int, dim: int = 2):
+    """``x`` with zeros appended along ``dim`` up to a multiple of ``multiple`` (e.g. 2*world for
+    the zigzag layout). Exact for causal attention only: a padded key sits after every real
+    query, so no real query sees it; the padded query rows are garbage-free (they see real keys)
+    but are not part of the answer: drop them after unsharding."""
+    N = x.shape[dim]
+    extra = -N % multiple
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def shard_positions(N: int, rank: int, world: int, layout: str = "zigzag"):
+    """The global positions (LongTensor of n) that rank's rows hold, in local order."""
+    return shard(torch.arange(N), rank, world, layout, dim=0)
+
+
+class Plan:
+    """How a rank's n rows are cut: the layout's segments (global start of each run of
+    consecutive positions) and, inside them, the tiles that travel and the query calls.
+
+    Every rank has the same local tile structure; only the global positions differ. In both
+    layouts a rank's local order is the global order, so the query tiles that see the whole of
+    a K/V tile under a causal mask are a suffix of the local rows.
+    """
+
+    def __init__(self, n: int, world: int, layout: str = "zigzag", tile=None, call_rows=None):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.n, self.world, self.layout = n, world, layout
+        if layout == "zigzag" and n % 2:
+            raise ValueError(f"q: a zigzag shard holds two chunks of equal length, so its length "
+                             f"n must be even, got n={n} (shard the sequence with zigzag_shard)")
+        chunk = n // 2 if layout == "zigzag" else n
+        if tile is None:
+            tile = max(t for t in range(1, min(chunk, 2048) + 1) if chunk % t == 0)
+        if not isinstance(tile, int) or tile < 1 or chunk % tile:
+            raise ValueError(f"tile must be a positive divisor of the chunk length {chunk} "
+                             f"(n={n}, layout={layout!r}), got {tile!r}")
+        self.tile, self.chunk = tile, chunk
+        self.m = n // tile  # tiles per shard
+        call_rows = 4 * tile if call_rows is None else call_rows
+        if not isinstance(call_rows, int) or call_rows < tile or call_rows % tile:
+            raise ValueError(f"call_rows must be a positive multiple of tile={tile}, "
+                             f"got {call_rows!r}")
+        self.tiles_per_call = call_rows // tile
+        self.call_rows = min(call_rows, n)
+
+    def global_start(self, rank: int, p: int) -> int:
+        """Global position of the first row of tile p of rank's shard."""
+        a = p * self.tile  # local start
+        if self.layout == "contiguous":
+            return rank * self.n + a
+        first, second = zigzag_chunks(rank, self.world)
+        chunk = first if a < self.chunk else second
+        return chunk * self.chunk + a % self.chunk
+
+    def calls(self, rank: int, src: int, p: int, is_causal: bool):
+        """The kernel calls of rank's queries against tile p of shard ``src``:
+        [(first row, end row, causal inside)], local rows, at most ``call_rows`` each."""
+        tiles = range(self.m)
+        if is_causal:
+            k0 = self.global_start(src, p)
+            full = [i for i in tiles if self.global_start(rank, i) > k0]
+            diagonal = [(i * self.tile, (i + 1) * self.tile, True)
+                        for i in tiles if self.global_start(rank, i) == k0]
+        else:
+            full, diagonal = list(tiles), []
+        out = list(diagonal)
+        for j in range(0, len(full), self.tiles_per_call):
+            group = full[j:j + self.tiles_per_call]  # consecutive: a suffix of the tiles
+            out.append((group[0] * self.tile, (group[-1] + 1) * self.tile, False))
+        return out
+
+    def work(self, rank: int, is_causal: bool) -> float:
+        """Query-key pairs rank computes over the whole ring, in units of tile^2 (a causal
+        diagonal tile counts 1/2): the load-balance measure."""
+        total = 0.0
+        for p in range(self.m):
+            for src in range(self.world):
+                for a, b, causal in self.calls(rank, src, p, is_causal):
+                    total += 0.5 if causal else (b - a) / self.tile
+        return total
 
 
 # ----------------------------------------------------------------------------------------
@@ -91,19 +266,26 @@ class Ring:
         self.prev = glob((self.rank - 1) % self.size)
 
     def source(self, t: int) -> int:
-        """Whose K/V shard this rank holds at step t."""
+        """Whose K/V this rank holds at ring step t."""
         return (self.rank - t) % self.size
+
+    def post(self, send=(), recv=(), tag: int = 0):
+        """Start sending the tensors ``send`` to the next rank and receiving into the buffers
+        ``recv`` from the previous one; the i-th tensor of each travels with tag ``tag + i``.
+        Every rank posts the same pattern in the same order (NCCL matches by order, gloo by tag).
+        Returns a handle: :func:`wait_all` on it before reading ``recv`` or reusing ``send``."""
+        ops = [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i)
+               for i, t in enumerate(recv)]
+        ops += [dist.P2POp(dist.isend, t, self.next, self.group, tag + i)
+                for i, t in enumerate(send)]
+        # keep the ops (and so the tensors) alive until the requests are waited on
+        return (dist.batch_isend_irecv(ops) if ops else [], ops)
 
     def start_exchange(self, tensors, tag: int = 0):
         """Send ``tensors`` to the next rank and receive the same shapes from the previous one.
-        Returns (requests, received): wait on the requests before reading ``received``."""
+        Returns (handle, received)."""
         received = [torch.empty_like(t) for t in tensors]
-        ops = []
-        for i, (t, r) in enumerate(zip(tensors, received)):
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag + i))
-            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, tag + i))
-        # keep the ops (and so the buffers being sent) alive until the requests are waited on
-        return (dist.batch_isend_irecv(ops), ops), received
+        return self.post([t.contiguous() for t in tensors], received, tag), received
 
 
 def wait_all(requests):
@@ -113,70 +295,268 @@ def wait_all(requests):
 
 
 def visible(is_causal: bool, src: int, rank: int) -> tuple[bool, bool]:
-    """(does rank's shard of queries see any key of shard src, is that block causal inside)."""
+    """Contiguous layout, whole shards: (does rank's shard of queries see any key of shard src,
+    is that block causal inside)."""
     if not is_causal:
         return True, False
     return src <= rank, src == rank
 
 
+KV_TAG, ACC_TAG = 0, 2  # tags of the K/V tiles (0, 1) and of their dK, dV accumulators (2, 3)
+
+
+class Ledger:
+    """Bytes of the tensors the ring holds, live and at their peak (for the memory formula).
+
+    ``take(kind, t)`` counts t until the tensor object dies (a weak reference sees it go), so
+    holding a buffer longer than needed shows up in the peak."""
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+        self.peak_by_kind: dict = {}
+        self._by_kind: dict = {}
+
+    def take(self, kind: str, t):
+        nbytes = t.numel() * t.element_size()
+        self.live += nbytes
+        self._by_kind[kind] = self._by_kind.get(kind, 0) + nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_by_kind = dict(self._by_kind)
+        weakref.finalize(t, self._release, kind, nbytes)
+        return t
+
+    def _release(self, kind, nbytes):
+        self.live -= nbytes
+        self._by_kind[kind] -= nbytes
+
+
+class _NoLedger:
+    @staticmethod
+    def take(kind, t):
+        return t
+
+
 # ----------------------------------------------------------------------------------------
-# Forward and backward around the ring.
+# Forward and backward around the ring, tile by tile.
 # ----------------------------------------------------------------------------------------
 
 
-def ring_forward(ring: Ring, q, k, v, is_causal, scale, local):
+def _schedule(plan, ring):
+    """The micro-steps in order: (tile p, ring step t). Tile p of every shard goes once around
+    (t = 0..P-1: rank r holds tile p of shard r - t) before tile p+1 starts."""
+    return [(p, t) for p in range(plan.m) for t in range(ring.size)]
+
+
+def _own_tile(x, plan, p, ledger):
+    return ledger.take("kv", x[:, :, p * plan.tile:(p + 1) * plan.tile].contiguous()
+                       if plan.m > 1 else x.clone())
+
+
+def ring_forward(ring, q, k, v, is_causal, scale, local, plan=None, ledger=None):
     """(out, L): this rank's output shard (q's dtype) and its logsumexp (float32 or float64)."""
+    plan = plan or Plan(q.shape[2], ring.size, "contiguous", q.shape[2])
+    ledger = ledger or _NoLedger
     acc = accumulate_dtype(q.dtype)
-    O = torch.zeros(q.shape, dtype=acc, device=q.device)
-    L = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    K_j, V_j = k.contiguous(), v.contiguous()
-    for t in range(ring.size):
-        last = t == ring.size - 1
-        if not last:  # start moving the shard we hold now; compute on it meanwhile
-            requests, (K_next, V_next) = ring.start_exchange((K_j, V_j), tag=0)
-        sees, diagonal = visible(is_causal, ring.source(t), ring.rank)
-        if sees:
-            O_t, L_t = block_forward(q, K_j, V_j, causal=diagonal, scale=scale, local=local)
-            O, L = merge(O, L, O_t.to(acc), L_t.to(acc))
-        if not last:
+    O = ledger.take("acc", torch.zeros(q.shape, dtype=acc, device=q.device))
+    L = ledger.take("acc", torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device))
+    steps = _schedule(plan, ring)
+    K_j = V_j = None
+    for i, (p, t) in enumerate(steps):
+        if t == 0:  # a new tile starts its round at home
+            K_j, V_j = _own_tile(k, plan, p, ledger), _own_tile(v, plan, p, ledger)
+        passing = t < ring.size - 1  # the next rank needs this tile at its next micro-step
+        if passing:  # start moving the tile we hold; compute on it meanwhile
+            K_next = ledger.take("kv", torch.empty_like(K_j))
+            V_next = ledger.take("kv", torch.empty_like(V_j))
+            requests = ring.post((K_j, V_j), (K_next, V_next), tag=KV_TAG)
+        for a, b, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
+            O_t, L_t = block_forward(q[:, :, a:b], K_j, V_j, causal=causal, scale=scale,
+                                     local=local)
+            ledger.take("call", O_t), ledger.take("call", L_t)
+            merge_into(O[:, :, a:b], L[:, :, a:b], O_t, L_t)
+            del O_t, L_t
+        if passing:
             wait_all(requests)
+            del requests
             K_j, V_j = K_next, V_next
-    return O.to(q.dtype), L
-
-
-def ring_backward(ring: Ring, q, k, v, out, L, dout, is_causal, scale, local):
-    """(dq, dk, dv) of this rank's shards. The dK, dV accumulators ride along with K/V."""
-    acc = accumulate_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    K_j, V_j = k.contiguous(), v.contiguous()
-    grad_requests = grads = None  # the dK, dV exchange in flight (none before step 0)
-    for t in range(ring.size):
-        last = t == ring.size - 1
-        if not last:
-            kv_requests, (K_next, V_next) = ring.start_exchange((K_j, V_j), tag=0)
-        sees, diagonal = visible(is_causal, ring.source(t), ring.rank)
-        if sees:
-            dq_t, dk_t, dv_t = block_backward(q, K_j, V_j, out, L, dout, causal=diagonal,
-                                              scale=scale, local=local)
-            dq += dq_t.to(acc)
-        # the accumulators of the shard we hold: from the previous rank (or fresh at step 0)
-        if grad_requests is None:
-            dK_j = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dV_j = torch.zeros(v.shape, dtype=acc, device=v.device)
+            del K_next, V_next
         else:
-            wait_all(grad_requests)
-            dK_j, dV_j = grads
-        if sees:
-            dK_j += dk_t.to(acc)
-            dV_j += dv_t.to(acc)
-        # pass them on: rank r+1 holds this shard next; after the last step r+1 is its owner
-        grad_requests, grads = ring.start_exchange((dK_j, dV_j), tag=2)
-        if not last:
-            wait_all(kv_requests)
+            K_j = V_j = None
+    out = O.to(q.dtype)
+    return out, L
+
+
+def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=None, ledger=None,
+                  dq_accumulate="float32"):
+    """(dq, dk, dv) of this rank's shards.
+
+    At micro-step (p, t) rank r holds K/V tile p of shard s = r - t. It computes its queries'
+    share of that tile's dK, dV into a float32 ``partial`` (and adds its dQ share in place),
+    then takes the tile's accumulator from the previous rank (sent while it computed), adds the
+    partial and sends it on. After P hops the accumulator reaches s again, complete. Every
+    micro-step therefore receives the accumulator its predecessor finished one micro-step
+    earlier: the one of the tile it now holds, or (after a tile's last hop) its own finished one.
+    """
+    plan = plan or Plan(q.shape[2], ring.size, "contiguous", q.shape[2])
+    ledger = ledger or _NoLedger
+    acc = accumulate_dtype(q.dtype)
+    dq_dtype = acc if dq_accumulate == "float32" else q.dtype
+    dq = torch.zeros(q.shape, dtype=dq_dtype, device=q.device)
+    if dq_dtype != q.dtype:
+        ledger.take("acc", dq)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)  # filled tile by tile as they come home
+    steps = _schedule(plan, ring)
+    T = plan.tile
+    tile_shape = (k.shape[0], k.shape[1], T, k.shape[3])
+    K_j = V_j = None
+    incoming = outgoing = None  # (handle, dK, dV) of accumulators in flight
+    for i, (p, t) in enumerate(steps):
+        if t == 0:
+            K_j, V_j = _own_tile(k, plan, p, ledger), _own_tile(v, plan, p, ledger)
+        passing = t < ring.size - 1
+        receiving = i > 0 and ring.size > 1
+        if receiving:  # the accumulator the previous rank finished at micro-step i-1
+            dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
+            dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
+        if passing:
+            K_next = ledger.take("kv", torch.empty_like(K_j))
+            V_next = ledger.take("kv", torch.empty_like(V_j))
+        # post in this order on every rank: accumulator in, then the K/V tile on
+        acc_requests = ring.post((), (dK_in, dV_in), tag=ACC_TAG) if receiving else None
+        requests = ring.post((K_j, V_j), (K_next, V_next), tag=KV_TAG) if passing else None
+        # this rank's share of the tile's gradients
+        dK_p = ledger.take("grad", torch.zeros(tile_shape, dtype=acc, device=k.device))
+        dV_p = ledger.take("grad", torch.zeros(tile_shape, dtype=acc, device=k.device))
+        for a, b, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
+            dq_t, dk_t, dv_t = block_backward(q[:, :, a:b], K_j, V_j, out[:, :, a:b],
+                                              L[:, :, a:b], dout[:, :, a:b], causal=causal,
+                                              scale=scale, local=local)
+            for g in (dq_t, dk_t, dv_t):
+                ledger.take("call", g)
+            dq[:, :, a:b] += dq_t
+            dK_p += dk_t
+            dV_p += dv_t
+            del dq_t, dk_t, dv_t
+        if acc_requests is not None:  # the accumulator the previous rank finished
+            wait_all(acc_requests)
+        del acc_requests
+        if outgoing is not None:  # the accumulator sent at the previous micro-step has left
+            wait_all(outgoing)
+            outgoing = None
+        if receiving:
+            p_prev, t_prev = steps[i - 1]
+            if t_prev == ring.size - 1:  # our own tile p_prev, home after its last hop
+                rows = slice(p_prev * T, (p_prev + 1) * T)
+                dk[:, :, rows] = dK_in
+                dv[:, :, rows] = dV_in
+            else:  # the accumulator of the tile we hold: add our share
+                dK_p += dK_in
+                dV_p += dV_in
+            del dK_in, dV_in
+        if ring.size == 1:  # a ring of one: the tile is home already
+            rows = slice(p * T, (p + 1) * T)
+            dk[:, :, rows], dv[:, :, rows] = dK_p, dV_p
+        else:  # on to the next rank (home after P hops)
+            outgoing = ring.post((dK_p, dV_p), (), tag=ACC_TAG)
+        del dK_p, dV_p
+        if passing:
+            wait_all(requests)  # the K/V tile of the next micro-step
+            del requests
             K_j, V_j = K_next, V_next
-    wait_all(grad_requests)
-    dK, dV = grads  # our own shard's gradients, home after a full turn
-    return dq.to(q.dtype), dK.to(k.dtype), dV.to(v.dtype)
+            del K_next, V_next
+        else:
+            K_j = V_j = None
+    if ring.size == 1:
+        return dq.to(q.dtype), dk, dv
+    # the last micro-step's accumulator: our own last tile, finished by the previous rank
+    dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
+    dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
+    wait_all(ring.post((), (dK_in, dV_in), tag=ACC_TAG))
+    wait_all(outgoing)
+    rows = slice((plan.m - 1) * T, plan.m * T)
+    dk[:, :, rows] = dK_in
+    dv[:, :, rows] = dV_in
+    return dq.to(q.dtype), dk, dv
+
+
+# ----------------------------------------------------------------------------------------
+# The memory formula: bytes the ring holds, per rank, from N, P, H, d and the dtype.
+# ----------------------------------------------------------------------------------------
+
+
+def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=False,
+                layout="zigzag", tile=None, call_rows=None, local="triton",
+                dq_accumulate="float32", rank=None):
+    """Peak bytes per rank, in closed form per micro-step (the tests check it against a
+    :class:`Ledger` of a real run). With n = N/P, T = tile, C = the rows of the largest call,
+    e = bytes of dtype, a = bytes of the accumulator (4, or 8 for float64), o = bytes of the
+    local kernel's outputs (e for triton, a for torch):
+
+    - forward ring:  B H n (d+1) a                  (float32 O and L of this rank's rows)
+                   + 2 or 4 K/V tiles of B Hkv T d e (the one held, and the one arriving)
+                   + B H C (d o + 4)                (one call's O_t, L_t)
+    - backward ring: 2 or 4 K/V tiles + up to 3 pairs of dK, dV tiles B Hkv T d a (this rank's
+                     share, the arriving accumulator, the one leaving) + one call's
+                     dQ_t (B H C d o), dK_t, dV_t (B Hkv T d o) + dQ's float32 copy
+                     (B H n d a) when dq_accumulate="float32" and e < a.
+    - caller: q, dout, out, dq (B H n d e each), k, v, dk, dv (B Hkv n d e each), L (B H n a).
+    - scratch (triton, not held by the ring): a contiguous copy of a call's query rows and the
+      row statistics D, lse (B H C (d e + 8)).
+    ``per_gpu`` = caller + scratch + the larger of the backward ring and (at its end) dQ's
+    float32 copy beside its output: what torch.cuda.max_memory_allocated should show around a
+    forward + backward (besides what the communication library allocates).
+    Returns a dict of bytes: forward, backward, caller, scratch, per_gpu, and one_gpu (the same
+    caller tensors for all N positions, as one GPU running the whole sequence holds them).
+    ``rank``: one rank's numbers, or None for the largest over the ranks (a causal mask gives
+    ranks different calls).
+    """
+    Hkv = H if Hkv is None else Hkv
+    if N % P:
+        raise ValueError(f"N={N} is not a multiple of P={P}")
+    n = N // P
+    plan = Plan(n, P, layout, tile, call_rows)
+    e = torch.empty((), dtype=dtype).element_size()
+    a = 8 if dtype == torch.float64 else 4
+    o = e if local == "triton" else a
+    lo = 4 if local == "triton" else a
+    T = plan.tile
+    kv_tile = B * Hkv * T * d * e
+    g_tile = B * Hkv * T * d * a
+    ranks = range(P) if rank is None else [rank]
+    fwd = bwd = 0
+    for r in ranks:
+        steps = _schedule(plan, _RankOnly(r, P))
+        for i, (p, t) in enumerate(steps):
+            passing = t < P - 1
+            kv = (2 + 2 * passing) * kv_tile
+            rows = [b - a_ for a_, b, _ in plan.calls(r, (r - t) % P, p, is_causal)]
+            C = max(rows, default=0)
+            call_f = B * H * C * (d * o + lo) if rows else 0
+            fwd = max(fwd, B * H * n * (d + 1) * a + kv + call_f)
+            receiving = i > 0 and P > 1
+            grads = 2 * g_tile * (1 + 2 * receiving)
+            call_b = (B * H * C * d * o + 2 * B * Hkv * T * d * o) if rows else 0
+            bwd = max(bwd, kv + grads + call_b)
+    dq_copy = B * H * n * d * a if (dq_accumulate == "float32" and e < a) else 0
+    bwd += dq_copy
+    q_like, kv_like = B * H * n * d * e, B * Hkv * n * d * e
+    caller = 4 * q_like + 4 * kv_like + B * H * n * a
+    C_all = max(b - a_ for r in range(P) for p in range(plan.m) for t in range(P)
+                for a_, b, _ in plan.calls(r, (r - t) % P, p, is_causal) or [(0, 0, 0)])
+    scratch = B * H * C_all * (d * e + 8) if local == "triton" else 0
+    end = caller + dq_copy  # the last moment: dQ's float32 copy beside the dQ it becomes
+    per_gpu = max(caller + scratch + bwd, end)
+    one = (4 * B * H * N * d + 4 * B * Hkv * N * d) * e + B * H * N * 4
+    return {"forward": fwd, "backward": bwd, "caller": caller, "scratch": scratch,
+            "per_gpu": per_gpu, "one_gpu": one, "tile": T, "call_rows": plan.call_rows,
+            "tiles_per_shard": plan.m}
+
+
+class _RankOnly:
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
 
 
 # ----------------------------------------------------------------------------------------
@@ -196,46 +576,53 @@ class ThreadRing:
 
     source = Ring.source
 
+    def post(self, send=(), recv=(), tag: int = 0):
+        for i, t in enumerate(send):
+            self.mailboxes[(self.rank + 1) % self.size][tag + i].put(t.clone())
+        # the handle keeps the sent tensors, as a real send's buffer is busy until waited on
+        return ([_MailboxReceive(self.mailboxes[self.rank][tag + i], buf)
+                 for i, buf in enumerate(recv)], list(send))
+
     def start_exchange(self, tensors, tag: int = 0):
-        self.mailboxes[(self.rank + 1) % self.size][tag].put([t.clone() for t in tensors])
         received = [torch.empty_like(t) for t in tensors]
-        return ([_MailboxReceive(self.mailboxes[self.rank][tag], received)], None), received
+        return self.post(tensors, received, tag), received
 
 
 class _MailboxReceive:
-    def __init__(self, box, received):
-        self.box, self.received = box, received
+    def __init__(self, box, buf):
+        self.box, self.buf = box, buf
 
     def wait(self):
-        for buf, t in zip(self.received, self.box.get(timeout=60)):
-            buf.copy_(t)
+        self.buf.copy_(self.box.get(timeout=60))
 
 
-def simulate_ring(q, k, v, world, is_causal=False, scale=None, dout=None, local="torch"):
+def simulate_ring(q, k, v, world, is_causal=False, scale=None, dout=None, local="torch", *,
+                  layout="zigzag", tile=None, call_rows=None, ledgers=None):
     """Ring attention over the full (B, H, N, d) q, k, v with ``world`` thread-ranks.
 
-    Shards the sequence, runs ring_forward (and ring_backward when ``dout`` is given) on every
-    rank, and concatenates the shards: returns out, or (out, dq, dk, dv).
+    Shards the sequence in ``layout``, runs ring_forward (and ring_backward when ``dout`` is
+    given) on every rank, and puts the shards back in order: returns out, or (out, dq, dk, dv).
+    ``ledgers``: a list that receives each rank's (forward, backward) :class:`Ledger`.
     """
     import queue
     import threading
 
-    N = q.shape[2]
-    if N % world:
-        raise ValueError(f"q: the sequence length N={N} must be a multiple of world={world}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    n = N // world
-    mailboxes = [{tag: queue.Queue() for tag in (0, 1, 2, 3)} for _ in range(world)]
+    parts = [[shard(t, r, world, layout).contiguous() for r in range(world)]
+             for t in (q, k, v) + (() if dout is None else (dout,))]
+    plan = Plan(parts[0][0].shape[2], world, layout, tile, call_rows)
+    mailboxes = [{tag: queue.Queue() for tag in range(4)} for _ in range(world)]
     results, errors = [None] * world, []
+    books = [(Ledger(), Ledger()) for _ in range(world)]
 
     def rank_main(r):
         try:
             ring = ThreadRing(r, world, mailboxes)
-            q_r, k_r, v_r = (t[:, :, r * n:(r + 1) * n].contiguous() for t in (q, k, v))
-            out, L = ring_forward(ring, q_r, k_r, v_r, is_causal, scale, local)
+            q_r, k_r, v_r = (p[r] for p in parts[:3])
+            out, L = ring_forward(ring, q_r, k_r, v_r, is_causal, scale, local, plan, books[r][0])
             grads = () if dout is None else ring_backward(
-                ring, q_r, k_r, v_r, out, L, dout[:, :, r * n:(r + 1) * n].contiguous(),
-                is_causal, scale, local)
+                ring, q_r, k_r, v_r, out, L, parts[3][r], is_causal, scale, local, plan,
+                books[r][1])
             results[r] = (out, *grads)
         except Exception as e:  # noqa: BLE001  (re-raised below, in the caller's thread)
             errors.append(e)
@@ -247,12 +634,14 @@ def simulate_ring(q, k, v, world, is_causal=False, scale=None, dout=None, local=
         t.join()
     if errors:
         raise errors[0]
-    joined = [torch.cat(parts, dim=2) for parts in zip(*results)]
+    if ledgers is not None:
+        ledgers.extend(books)
+    joined = [unshard(list(ps), layout) for ps in zip(*results)]
     return joined[0] if dout is None else tuple(joined)
 
 
 # ----------------------------------------------------------------------------------------
-# The local step: one shard of queries against one shard of keys. Swap in a faster kernel here.
+# The local step: some query rows against one K/V tile. Swap in a faster kernel here.
 # ----------------------------------------------------------------------------------------
 
 
@@ -305,12 +694,12 @@ def _block_backward_triton(q, k, v, out, L, dout, causal, scale):
     from .triton.backward import backward
     from .triton.forward import LOG2E
 
-    # the Triton backward takes the base-2 logsumexp, +inf for a row that sees no key
+    # the Triton backward takes the base-2 logsumexp, +inf for a row that sees no key; q, out
+    # and dout may be row slices of this rank's tensors (the kernels take strides)
     lse2 = torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E).contiguous()
     config = resolve_config(q.shape[-1], q.dtype, None)
-    return backward(q.contiguous(), k, v, out.contiguous(), lse2, dout, is_causal=causal,
-                    scale=scale, block_mask=None, config=config,
-                    interpreted=runtime.triton_interpreted())
+    return backward(q, k, v, out, lse2, dout, is_causal=causal, scale=scale, block_mask=None,
+                    config=config, interpreted=runtime.triton_interpreted())
 
 
 def accumulate_dtype(dtype):
@@ -327,7 +716,7 @@ def _resolve_local(local, q):
     return local
 
 
-def _check(q, k, v, is_causal, scale, local):
+def _check(q, k, v, is_causal, scale, local, layout, dq_accumulate):
     from .api import _check_scale, _check_tensors
 
     _check_tensors(q, k, v, enable_gqa=True)
@@ -339,3 +728,7 @@ def _check(q, k, v, is_causal, scale, local):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if local not in LOCAL_KINDS:
         raise ValueError(f"local must be one of {LOCAL_KINDS}, got {local!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if dq_accumulate not in DQ_ACCUMULATE:
+        raise ValueError(f"dq_accumulate must be one of {DQ_ACCUMULATE}, got {dq_accumulate!r}")

@@ -87,3 +87,19 @@ def _merge_stacked_torch(O, L):
     L_out = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(s_safe))
     O_out = (w.unsqueeze(-1) * O).sum(dim=0) / s_safe.unsqueeze(-1)
     return O_out.to(O.dtype), L_out.to(L.dtype)
+
+
+def merge_into(O, L, O_b, L_b):
+    """Merge the part (O_b, L_b) into the running (O, L) **in place** (torch tensors, no autograd).
+
+    The same rule as :func:`merge`, written for a running accumulator that must not be copied
+    (ring attention keeps one per GPU): L' = logaddexp(L, L_b), O' = e^{L - L'} O + e^{L_b - L'} O_b.
+    O and L may be views (row slices) of larger tensors; O_b may have another dtype than O.
+    """
+    import torch
+
+    L_new = torch.logaddexp(L, L_b)  # -inf where neither part saw a key
+    m = torch.where(torch.isneginf(L_new), torch.zeros_like(L_new), L_new)
+    O.mul_(torch.exp(L - m).unsqueeze(-1))  # an empty part has e^{-inf} = 0: no NaN anywhere
+    O.addcmul_(O_b, torch.exp(L_b.to(L.dtype) - m).unsqueeze(-1))
+    L.copy_(L_new)

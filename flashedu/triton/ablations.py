@@ -27,6 +27,7 @@ from .backward import preprocess
 from .config import padded_head_dim
 from .forward import (LOG2E, _forward_step, _store_output, dot_precision, forward_launch,
                       interpreter_fp32, load_tile, outputs_like)
+from .tiles import full_tile, kv_tiles, masked_tile
 
 # --- forward: natural exp, and one masked loop ---------------------------------------------
 
@@ -85,7 +86,7 @@ def forward_variant_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                            H, GROUP, Nq, Nk, d,
                            Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                            IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
-                           SPARSE_MASK: tl.constexpr, EVEN_D: tl.constexpr,
+                           MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                            DOT_PREC: tl.constexpr, NATURAL_EXP: tl.constexpr,
                            MASK_EVERY_TILE: tl.constexpr):
     """forward_kernel's dense path (same arguments) with the two switches. Both False: the
@@ -107,22 +108,24 @@ def forward_variant_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    if IS_CAUSAL:
-        end = tl.minimum(Nk, (i + 1) * Br)
-        full_end = tl.minimum(i * Br + 1, Nk) // Bc * Bc
-    else:
-        end = Nk
-        full_end = Nk // Bc * Bc
-    if MASK_EVERY_TILE:  # no unmasked loop: every tile pays for the mask
-        full_end = 0
-    for start_n in range(0, full_end, Bc):
-        O_i, l_i, m_i = _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n,
+    num, num_full, u0, a0, na, b0, idx_row = kv_tiles(
+        i, b, h, KV_NUM, KV_FULL, KV_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
+        stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
+    if MASK_EVERY_TILE:  # no unmasked run: every tile pays for the mask
+        num_full = 0
+        a0 = 0
+        na = num
+    for t in range(0, num_full):
+        j = full_tile(t, u0, idx_row, SPARSE)
+        O_i, l_i, m_i = _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, j * Bc,
                               rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
                               DOT_PREC, NATURAL_EXP)
-    for start_n in range(full_end, end, Bc):
-        O_i, l_i, m_i = _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n,
-                              rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
-                              DOT_PREC, NATURAL_EXP)
+    if MASKED or MASK_EVERY_TILE:
+        for t in range(num_full, num):
+            j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
+            O_i, l_i, m_i = _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
+                                  j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
+                                  EVEN_D, DOT_PREC, NATURAL_EXP)
     if NATURAL_EXP:  # m_i in natural-log units: L_i = m_i + ln(l_i), stored in base 2
         m_i = m_i * 1.4426950408889634
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,

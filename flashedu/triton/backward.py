@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .forward import LOG2E, dot_precision, load_tile
+from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
 
 
 @triton.jit
@@ -87,7 +88,7 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                   stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                   H, GROUP, Nq, Nk, d,
                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
@@ -100,51 +101,27 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                     + dims[None, :], col_ok, dim_ok, True, not EVEN_D)
     dK_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
     dV_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
-    # Q tiles [lo, diag_end) cross the causal diagonal (masked), [diag_end, full_end) are
-    # wholly visible, [full_end, Nq) is the ragged last tile (rows masked).
-    full_end = Nq // Br * Br
-    if IS_CAUSAL:
-        lo = (j * Bc) // Br * Br  # rows before the tile's first key see none of it
-        diag_end = tl.minimum(tl.cdiv(j * Bc + Bc - 1, Br) * Br, tl.cdiv(Nq, Br) * Br)
-    else:
-        lo = 0
-        diag_end = 0
     for g in range(0, GROUP):  # the query heads that read this K/V head
         h = h_kv * GROUP + g
         Q_head = Q + b * stride_qb + h * stride_qh
         dO_head = dO + b * stride_db + h * stride_dh
         L_head = L + (b * H + h) * Nq
         D_head = D + (b * H + h) * Nq
-        if SPARSE:  # the listed Q tiles: num_full without element masks, then the rest
-            num = tl.load(Q_NUM + b * stride_numb + h * stride_numh + j)
-            num_full = tl.load(Q_FULL + b * stride_numb + h * stride_numh + j)
-            idx_row = Q_IDX + b * stride_idxb + h * stride_idxh + j * stride_idxr
-            if not SPARSE_MASK:  # no listed tile needs a mask: the masked loop is not built
-                num_full = num
-            for t in range(0, num_full):
-                i = tl.load(idx_row + t)
+        # the Q tiles that see tile j (tiles.py): unmasked first, then the causal diagonal
+        # and the ragged edge
+        num, num_full, u0, a0, na, b0, idx_row = q_tiles(
+            j, b, h, Q_NUM, Q_FULL, Q_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
+            stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
+        for t in range(0, num_full):
+            i = full_tile(t, u0, idx_row, SPARSE)
+            dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
+                                    stride_qn, stride_dn, i * Br, cols, dims, Nq, d, qk_scale,
+                                    Br, IS_CAUSAL, False, EVEN_D, DOT_PREC)
+        if MASKED:
+            for t in range(num_full, num):
+                i = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, False, EVEN_D, DOT_PREC)
-            if SPARSE_MASK:
-                for t in range(num_full, num):
-                    i = tl.load(idx_row + t)
-                    dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head,
-                                            D_head, stride_qn, stride_dn, i * Br, cols, dims,
-                                            Nq, d, qk_scale, Br, IS_CAUSAL, True, EVEN_D,
-                                            DOT_PREC)
-        else:
-            for start_m in range(lo, diag_end, Br):
-                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC)
-            for start_m in range(diag_end, full_end, Br):
-                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, False, EVEN_D, DOT_PREC)
-            for start_m in range(tl.maximum(diag_end, full_end), Nq, Br):
-                dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_qn, stride_dn, start_m, cols, dims, Nq, d,
                                         qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC)
     out_ok = col_ok & dim_ok
     tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
@@ -186,7 +163,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                 H, GROUP, Nq, Nk, d,
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
@@ -204,37 +181,19 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
     K_head = K + b * stride_kb + h_kv * stride_kh
     V_head = V + b * stride_vb + h_kv * stride_vh
     dQ_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    if SPARSE:  # as the forward: the listed tiles without element masks, then the rest
-        num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
-        num_full = tl.load(KV_FULL + b * stride_numb + h * stride_numh + i)
-        idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
-        if not SPARSE_MASK:  # no listed tile needs a mask: the masked loop is not built
-            num_full = num
-        for t in range(0, num_full):
-            j = tl.load(idx_row + t)
+    # the K/V tiles this Q tile visits, exactly as in the forward
+    num, num_full, u0, a0, na, b0, idx_row = kv_tiles(
+        i, b, h, KV_NUM, KV_FULL, KV_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
+        stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
+    for t in range(0, num_full):
+        j = full_tile(t, u0, idx_row, SPARSE)
+        dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, j * Bc,
+                        rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC)
+    if MASKED:
+        for t in range(num_full, num):
+            j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
-                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
-                            DOT_PREC)
-        if SPARSE_MASK:
-            for t in range(num_full, num):
-                j = tl.load(idx_row + t)
-                dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn,
-                                stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL,
-                                True, EVEN_D, DOT_PREC)
-    else:  # the forward's split: unmasked tiles, then the diagonal and ragged ones
-        if IS_CAUSAL:
-            end = tl.minimum(Nk, (i + 1) * Br)
-            full_end = tl.minimum(i * Br + 1, Nk) // Bc * Bc
-        else:
-            end = Nk
-            full_end = Nk // Bc * Bc
-        for start_n in range(0, full_end, Bc):
-            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
-                            start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
-                            DOT_PREC)
-        for start_n in range(full_end, end, Bc):
-            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
-                            start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
+                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
                             DOT_PREC)
     tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
@@ -252,7 +211,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
-                    SPARSE_MASK1: tl.constexpr, SPARSE_MASK2: tl.constexpr,
+                    MASKED1: tl.constexpr, MASKED2: tl.constexpr,
                     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                     DKDV: tl.constexpr, DQ: tl.constexpr):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
@@ -274,7 +233,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                           H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
-                          SPARSE_MASK1, EVEN_D, DOT_PREC)
+                          MASKED1, EVEN_D, DOT_PREC)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -286,7 +245,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         stride_dqb, stride_dqh, stride_dqn,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
-                        SPARSE, SPARSE_MASK2, EVEN_D, DOT_PREC)
+                        SPARSE, MASKED2, EVEN_D, DOT_PREC)
 
 
 def preprocess(o, do, rows):
@@ -322,8 +281,8 @@ def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, config, interpreted):
     HEAD_DIM = padded_head_dim(d)
     common = dict(Br1=t1.Br, Bc1=t1.Bc, Br2=t2.Br, Bc2=t2.Bc, HEAD_DIM=HEAD_DIM,
                   IS_CAUSAL=is_causal, SPARSE=sparse_,
-                  SPARSE_MASK1=sparse.needs_mask(is_causal, Nq, Nk, t1.Br, t1.Bc),
-                  SPARSE_MASK2=sparse.needs_mask(is_causal, Nq, Nk, t2.Br, t2.Bc),
+                  MASKED1=sparse.needs_mask(is_causal, Nq, Nk, t1.Br, t1.Bc),
+                  MASKED2=sparse.needs_mask(is_causal, Nq, Nk, t2.Br, t2.Bc),
                   EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(dtype))
     Tc, Tr = -(-Nk // t1.Bc), -(-Nq // t2.Br)
 

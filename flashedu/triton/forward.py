@@ -11,7 +11,8 @@ variants of ``ablations.py``):
   m_i and L_i are kept in that base-2 scale; L_i is converted back for users.
 - masks only where needed: tiles wholly inside the visible region run without any mask; only
   the causal diagonal tiles and the ragged edge tile (Nk not a multiple of Bc) pay for one.
-  Block-sparse lists put such tiles last, after a count of the unmasked ones.
+  Dense, causal and block-sparse walk their tiles through one iterator (tiles.py) that hands
+  out the unmasked tiles first, then the masked ones.
 - on Hopper, where the tile table asks for it: K_j, V_j fetched by the copy engine (TMA)
   through tensor descriptors, and the dense loop warp-specialized (loaders and computers).
   Where Triton cannot build that, the pointer version runs instead.
@@ -23,6 +24,8 @@ import functools
 
 import triton
 import triton.language as tl
+
+from .tiles import full_tile, kv_tiles, masked_tile
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 
@@ -115,7 +118,7 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                    H, GROUP, Nq, Nk, d,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, SPARSE_MASK: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
@@ -142,43 +145,23 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    if SPARSE:
-        # The K/V tiles listed for this Q tile: the first num_full need no element mask
-        # (wholly visible and inside the tensor), the rest (causal diagonal, ragged edge) do.
-        num = tl.load(KV_NUM + b * stride_numb + h * stride_numh + i)
-        num_full = tl.load(KV_FULL + b * stride_numb + h * stride_numh + i)
-        idx_row = KV_IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
-        if not SPARSE_MASK:  # no listed tile needs a mask: one loop (an empty second one
-            num_full = num   # was measured to cost speed, so it is not compiled at all)
-        for t in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
-            j = tl.load(idx_row + t)
+    # The K/V tiles this Q tile visits (tiles.py): num_full without an element mask, then the
+    # causal diagonal and the ragged edge, from a block mask's lists or from the geometry.
+    num, num_full, u0, a0, na, b0, idx_row = kv_tiles(
+        i, b, h, KV_NUM, KV_FULL, KV_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
+        stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
+    # Warp specialization (where Triton has it for this GPU): some warps only issue the
+    # copies, the others only compute, so that loads and the softmax overlap.
+    for t in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
+        j = full_tile(t, u0, idx_row, SPARSE)
+        O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn,
+                                      j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
+                                      EVEN_D, DOT_PREC, TMA)
+    if MASKED:  # only where some tile can need a mask (an empty loop measured slower)
+        for t in range(num_full, num):
+            j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, TMA)
-        if SPARSE_MASK:
-            for t in range(num_full, num):
-                j = tl.load(idx_row + t)
-                O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
-                                              stride_vn, j * Bc, rows, dims, Nk, d, qk_scale,
-                                              Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA)
-    else:
-        # K/V tiles [0, full_end) are wholly visible: no mask. [full_end, end) are masked:
-        # the causal diagonal and the ragged last tile. Tiles past `end` are skipped.
-        if IS_CAUSAL:
-            end = tl.minimum(Nk, (i + 1) * Br)  # query rows < (i+1)*Br see keys < that
-            full_end = tl.minimum(i * Br + 1, Nk) // Bc * Bc  # last key <= first query row
-        else:
-            end = Nk
-            full_end = Nk // Bc * Bc
-        # Warp specialization (where Triton has it for this GPU): some warps only issue the
-        # copies, the others only compute, so that loads and the softmax overlap.
-        for start_n in tl.range(0, full_end, Bc, warp_specialize=WARP_SPECIALIZE):
-            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
-                                          stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, False, EVEN_D, DOT_PREC, TMA)
-        for start_n in range(full_end, end, Bc):
-            O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
-                                          stride_vn, start_n, rows, dims, Nk, d, qk_scale, Bc,
                                           IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA)
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
                   stride_qb, stride_qh, stride_qn)  # O has Q's strides (forward_launch)
@@ -217,7 +200,7 @@ def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, tiles, interpreted):
     HEAD_DIM = padded_head_dim(d)
     return dict(Br=tiles.Br, Bc=tiles.Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal,
                 SPARSE=sparse_,
-                SPARSE_MASK=sparse.needs_mask(is_causal, Nq, Nk, tiles.Br, tiles.Bc),
+                MASKED=sparse.needs_mask(is_causal, Nq, Nk, tiles.Br, tiles.Bc),
                 EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(dtype),
                 **({} if interpreted else tiles.launch()))
 

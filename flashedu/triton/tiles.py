@@ -1,0 +1,109 @@
+"""Which tiles a program visits: one iterator for dense, causal and block-sparse attention.
+
+Every kernel walks its tiles in two runs: first the tiles that need no element mask (wholly
+visible and inside both sequences), then those that do (the causal diagonal, the ragged last
+tile). A program asks once how many tiles there are of each kind, then for the t-th one:
+
+    num, num_full, u0, a0, na, b0, idx_row = kv_tiles(i, ...)
+    for t in range(0, num_full):              # no element mask
+        j = full_tile(t, u0, idx_row, SPARSE)
+    for t in range(num_full, num):            # masked
+        j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
+
+With a block mask the tiles come from its lists (``sparse.tile_lists``: for each row the
+num_full unmasked tiles first, then the rest, as FlexAttention's full and partial blocks);
+without one they follow from the geometry: the unmasked tiles form one run starting at tile
+u0, the masked ones at most two runs (na tiles from a0, then the rest from b0). This is the GPU
+twin of ``TileMask`` in ``flashedu.tiled``: the NumPy loops ask the same question per tile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kv_tiles(i, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
+             stride_idxr, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
+             IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr):
+    """The K/V tiles that Q tile i (rows i*Br ..) visits, for the forward and the dQ pass.
+
+    Dense: tiles [0, num_full) lie wholly before the first query row's diagonal and inside Nk;
+    [num_full, num) hold the diagonal or the ragged edge; tiles past the last row's diagonal
+    are not visited at all."""
+    u0 = 0
+    a0 = 0
+    na = 0
+    b0 = 0
+    idx_row = 0
+    if SPARSE:
+        num = tl.load(NUM + b * stride_numb + h * stride_numh + i)
+        num_full = tl.load(FULL + b * stride_numb + h * stride_numh + i)
+        idx_row = IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
+    else:
+        if IS_CAUSAL:
+            end = tl.minimum(Nk, (i + 1) * Br)  # query rows < (i+1)*Br see keys < that
+            num_full = tl.minimum(i * Br + 1, Nk) // Bc  # last key <= first query row
+        else:
+            end = Nk
+            num_full = Nk // Bc
+        num = tl.cdiv(end, Bc)
+        a0 = num_full
+        na = num - num_full
+    return num, num_full, u0, a0, na, b0, idx_row
+
+
+@triton.jit
+def q_tiles(j, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
+            stride_idxr, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
+            IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr):
+    """The Q tiles that see K/V tile j (keys j*Bc ..), for the dK/dV pass.
+
+    Dense: the masked ones are the tiles crossing the causal diagonal (a run from a0) and the
+    ragged last tile (from b0); the unmasked ones lie between them. Rows before the tile's first
+    key see none of it and are not visited."""
+    u0 = 0
+    a0 = 0
+    na = 0
+    b0 = 0
+    idx_row = 0
+    if SPARSE:
+        num = tl.load(NUM + b * stride_numb + h * stride_numh + j)
+        num_full = tl.load(FULL + b * stride_numb + h * stride_numh + j)
+        idx_row = IDX + b * stride_idxb + h * stride_idxh + j * stride_idxr
+    else:
+        Tr = tl.cdiv(Nq, Br)
+        full_end = Nq // Br  # tiles from full_end on hold rows past Nq
+        if IS_CAUSAL:
+            a0 = (j * Bc) // Br  # the first tile with a row that sees key j*Bc
+            # tiles from diag_end on start at or after the tile's last key: they see all of it
+            diag_end = tl.minimum(tl.cdiv(j * Bc + Bc - 1, Br), Tr)
+            na = tl.maximum(diag_end - a0, 0)
+            u0 = diag_end
+            num_full = tl.maximum(full_end - diag_end, 0)
+            b0 = tl.maximum(diag_end, full_end)
+        else:
+            num_full = full_end
+            b0 = full_end
+        num = na + num_full + (Tr - b0)
+    return num, num_full, u0, a0, na, b0, idx_row
+
+
+@triton.jit
+def full_tile(t, u0, idx_row, SPARSE: tl.constexpr):
+    """The t-th tile (t < num_full) of a program's unmasked run."""
+    if SPARSE:
+        return tl.load(idx_row + t)
+    else:
+        return u0 + t
+
+
+@triton.jit
+def masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE: tl.constexpr):
+    """The t-th tile (num_full <= t < num) of a program's masked tiles."""
+    if SPARSE:
+        return tl.load(idx_row + t)
+    else:
+        k = t - num_full
+        return tl.where(k < na, a0 + k, b0 + k - na)

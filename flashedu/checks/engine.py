@@ -230,6 +230,8 @@ def judge_case(ex: Exercise, case: Case, call: Call):
     outputs, problem, status = None, None, FAILED
     if call.timed_out:
         problem, status = _timeout_text(ex, case), "timeout"
+    elif getattr(call, "finding", None):
+        problem = call.finding
     elif call.error is not None:
         problem = f"your code raised an error:\n{error_text(call.error)}"
         if getattr(call.error, "kind", type(call.error).__name__) == "IndexError" \

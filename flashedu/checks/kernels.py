@@ -89,17 +89,130 @@ class _CountedReads(np.ndarray):
         return value
 
 
+class _RaceWatched(np.ndarray):
+    """A shared-memory array of the simulator that finds data races, as compute-sanitizer's
+    racecheck does on a GPU. Between two cuda.syncthreads() of a block (an epoch), an element
+    written by one thread and read or written by another is a race, whatever order the
+    simulator's threads happened to run in: on a GPU the order is not fixed. Each element keeps
+    the epoch and thread of its last write and of its last reads."""
+
+    def _watch(self, name):
+        n = self.size
+        self._name, self._race, self._lock = name, None, __import__("threading").Lock()
+        self._w_epoch = np.full(n, -1, dtype=np.int64)
+        self._writer = np.full(n, -1, dtype=np.int64)
+        self._r_epoch = np.full(n, -1, dtype=np.int64)
+        self._reader = np.full(n, -1, dtype=np.int64)  # -2: several threads read it
+        return self
+
+    def __getitem__(self, idx):
+        value = super().__getitem__(idx)
+        if not isinstance(value, np.ndarray):
+            self._touch(idx, False)
+        return value
+
+    def __setitem__(self, idx, value):
+        super().__setitem__(idx, value)
+        self._touch(idx, True)
+
+    def _touch(self, idx, write):
+        import threading
+
+        if getattr(self, "_w_epoch", None) is None:
+            return  # a view made by slicing: not watched
+        thread = threading.current_thread()
+        tid = getattr(thread, "thread_id", None)
+        block = getattr(thread, "blockIdx", None)
+        if tid is None or block is None:
+            return
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if len(idx) != self.ndim or not all(isinstance(i, (int, np.integer)) for i in idx):
+            return
+        flat = 0
+        for i, n in zip(idx, self.shape):
+            flat = flat * n + int(i) % n
+        epoch = ((block.x * 4096 + block.y) * 4096 + block.z) * 10**6 + \
+            getattr(thread, "_flashedu_epoch", 0)
+        with self._lock:
+            other, what = None, None
+            if self._w_epoch[flat] == epoch and self._writer[flat] != tid:
+                other, what = int(self._writer[flat]), "wrote"
+            elif write and self._r_epoch[flat] == epoch and self._reader[flat] not in (tid, -1):
+                other, what = int(self._reader[flat]), "read"
+            if other is not None and self._race is None:
+                who = f"thread {other}" if other >= 0 else "other threads"
+                where = f"{self._name}[{', '.join(str(int(i)) for i in idx)}]"
+                self._race = (f"a data race on shared memory: thread {tid} of block "
+                              f"{block.x} {'wrote' if write else 'read'} {where}, which "
+                              f"{who} {what} since the last cuda.syncthreads(). On a GPU the "
+                              "threads of a block run in no fixed order, so the value depends "
+                              "on timing.")
+            if write:
+                self._w_epoch[flat], self._writer[flat] = epoch, tid
+            elif self._r_epoch[flat] != epoch:
+                self._r_epoch[flat], self._reader[flat] = epoch, tid
+            elif self._reader[flat] != tid:
+                self._reader[flat] = -2
+
+
+@contextlib.contextmanager
+def _race_watch():
+    """In numba's simulator, every cuda.shared.array of the launch is a :class:`_RaceWatched`
+    and each cuda.syncthreads() starts a new epoch of its thread. Yields the list of watched
+    arrays."""
+    import sys
+    import threading
+    import traceback
+
+    from numba.cuda.simulator import kernel as sim_kernel, kernelapi
+
+    watched, lock = [], threading.Lock()
+    shared, sync = kernelapi.FakeCUDAShared.array, sim_kernel.BlockThread.syncthreads
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return shared(self, shape, dtype, alignment)
+        caller = traceback.extract_stack(sys._getframe())[-2]  # as the simulator keys them
+        with lock:  # the block's threads all ask at once: one array for all of them
+            res = self._allocations.get(tuple(caller[0:2]))
+            if res is None:
+                line = (caller.line or "").split("=")[0].strip()
+                name = line if line.isidentifier() else "a shared array"
+                plain = shared(kernelapi.FakeCUDAShared(0), shape, dtype)  # its dtype rules
+                res = plain.view(_RaceWatched)._watch(name)
+                watched.append(res)
+                self._allocations[tuple(caller[0:2])] = res
+        return res
+
+    def syncthreads(self):
+        sync(self)
+        self._flashedu_epoch = getattr(self, "_flashedu_epoch", 0) + 1
+
+    kernelapi.FakeCUDAShared.array, sim_kernel.BlockThread.syncthreads = array, syncthreads
+    try:
+        yield watched
+    finally:
+        kernelapi.FakeCUDAShared.array, sim_kernel.BlockThread.syncthreads = shared, sync
+
+
 def _numba_invoke(fn, case, timeout, measure):
     if not runtime.numba_simulated():
         return _numba_invoke_gpu(fn, case, timeout, measure)
-    # The simulator bounds-checks every index (IndexError) and lets us count reads.
+    # The simulator bounds-checks every index (IndexError) and lets us count reads and find
+    # races on shared memory.
     Q, K, V, causal, scale, threads = case.args
     Q, K, V = (a.view(type(f"{n}_counted", (_CountedReads,), {"reads": 0, "negative": 0}))
                for n, a in zip("QKV", (Q, K, V)))
-    call = call_limited(launch_numba_forward, (fn, Q, K, V, causal, scale, threads),
-                        timeout=timeout, measure_memory=measure)
+    with _race_watch() as watched:
+        call = call_limited(launch_numba_forward, (fn, Q, K, V, causal, scale, threads),
+                            timeout=timeout, measure_memory=measure)
     call.reads = {"K": type(K).reads, "V": type(V).reads,
                   "negative": sum(type(a).negative for a in (Q, K, V))}
+    races = [w._race for w in watched if w._race]
+    if races and not call.timed_out:
+        call.finding = (f"{races[0]} Put a cuda.syncthreads() between the threads' writes of "
+                        "a tile and the reads of it, and another before the next tile "
+                        "overwrites it (every thread of the block must reach each one).")
     return call
 
 
@@ -834,8 +947,8 @@ def _variants(case):
     s = 1.0 / math.sqrt(Q.shape[1]) if scale is None else scale
     S = s * (Q @ K.T)
 
-    def grads(P, delta=True):
-        dS = P * (dO @ V.T - ((dO * O).sum(1, keepdims=True) if delta else 0.0))
+    def grads(P, delta=True, of=O):
+        dS = P * (dO @ V.T - ((dO * of).sum(1, keepdims=True) if delta else 0.0))
         return s * dS @ K, s * dS.T @ Q, P.T @ dO
 
     visible = reference.causal_mask(*S.shape) if causal else np.ones(S.shape, dtype=bool)
@@ -843,6 +956,7 @@ def _variants(case):
     right = grads(P)
     out = {
         "without Delta_i (dS_ij = P_ij * dP_ij)": grads(P, delta=False),
+        "with Delta_i = rowsum(dO_i * Q_i)": grads(P, of=Q),
         "without the factor scale": (right[0] / s, right[1] / s, right[2]),
         "with the factor scale twice": (right[0] * s, right[1] * s, right[2]),
     }
@@ -857,6 +971,9 @@ H_VARIANT = {
     "without Delta_i (dS_ij = P_ij * dP_ij)": (
         "dS_ij = P_ij * (dP_ij - Delta_i): subtract Delta_i (loaded with the rows of the Q "
         "tile, one per row) before multiplying by P_ij."),
+    "with Delta_i = rowsum(dO_i * Q_i)": (
+        "Delta_i = rowsum(dO_i * O_i), with O the forward's output, not Q_i (the launcher "
+        "computes it from O: load it from Delta, one value per row)."),
     "without the factor scale": (
         "S_ij = scale * Q_i K_j^T, so the chain rule brings scale into dQ and dK: "
         "dQ_i += scale * dS_ij K_j, dK_j += scale * dS_ij^T Q_i."),
@@ -884,7 +1001,9 @@ def _diagnose_backward_kernel(case, wrong, outputs):
     ref = {name: case.expected[case.outputs.index(name)] for name in wrong}
     tol = {name: compare.tolerance(case.dtype, case.naive[case.outputs.index(name)], ref[name],
                                    case.floor_scale) for name in wrong}
-    for label, grads in _variants(case).items():
+    with np.errstate(all="ignore"):  # a mistake's gradients may overflow: they only compare
+        variants = _variants(case)
+    for label, grads in variants.items():
         mistake = {name: grads[pick[name]] for name in wrong}
         if all(compare.error(outputs[n], mistake[n]) <= tol[n] for n in wrong) and \
                 all(compare.error(mistake[n], ref[n]) > tol[n] for n in wrong):

@@ -52,6 +52,9 @@ class Call:
     evidence: dict = field(default_factory=dict)  # what the case's watchers saw
     reads: dict | None = None  # numba: global reads of K and V (simulator only)
     buffers: dict | None = None  # kernels: padded input and output buffers after the launch
+    # what the grader saw go wrong while the code ran (a race on shared memory), reported
+    # before the values: wrong values are only its symptom
+    finding: str | None = None
 
 
 

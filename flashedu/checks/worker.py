@@ -110,7 +110,7 @@ def call_to_payload(call) -> dict:
             "error": error, "timed_out": bool(call.timed_out), "seconds": float(call.seconds),
             "peak_bytes": call.peak_bytes, "rss_bytes": call.rss_bytes,
             "inputs_after": call.inputs_after, "evidence": call.evidence,
-            "reads": call.reads, "buffers": buffers}
+            "reads": call.reads, "buffers": buffers, "finding": call.finding}
 
 
 def payload_to_call(payload: dict):
@@ -128,6 +128,8 @@ def payload_to_call(payload: dict):
     call.inputs_after = payload.get("inputs_after")
     call.evidence = payload.get("evidence") or {}
     call.reads = payload.get("reads")
+    finding = payload.get("finding")
+    call.finding = str(finding) if finding is not None else None
     buffers = payload.get("buffers")
     if buffers is not None:
         call.buffers = {side: [tuple(entry) for entry in entries] for side, entries in buffers.items()}

@@ -80,17 +80,25 @@ def kernel_device():
 
 def git_commit(short: bool = True) -> str:
     """The commit a benchmark record names: ``$GIT_COMMIT`` when set (a copy of the tree without
-    .git, as on the GPU machine, cannot say), else ``git rev-parse`` of this checkout, else
-    "unknown". Never git's own output of a failed call."""
+    .git, as on the GPU machine, cannot say), else ``git rev-parse`` of this project's checkout,
+    else "unknown". Never git's own output of a failed call, and never the commit of another
+    repository that happens to enclose a copy of the project (git's toplevel must be the project
+    root, the folder above this package)."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
-    cmd = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
+    package = pathlib.Path(__file__).resolve().parent
+    cmd = ["git", "rev-parse", "--show-toplevel", *(["--short"] if short else []), "HEAD"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                              cwd=pathlib.Path(__file__).resolve().parent)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=package)
     except OSError:
         return "unknown"
-    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+    lines = proc.stdout.split()
+    if proc.returncode != 0 or len(lines) != 2:
+        return "unknown"
+    toplevel, commit = lines
+    if pathlib.Path(toplevel).resolve() != package.parent:
+        return "unknown"  # an enclosing repository, not this project's
+    return commit
 
 
 def _version(dist: str) -> str:

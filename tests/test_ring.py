@@ -1,25 +1,31 @@
-"""Ring attention (flashedu.distributed) on the CPU: 2 and 3 gloo processes vs one process.
+"""Ring attention (flashedu.distributed) on the CPU: 2, 3 and 4 gloo processes vs one process.
 
-Every worker builds the same full q, k, v (one seed), takes its contiguous shard, runs the ring
-forward and backward, and compares its output and gradient shards with float64 attention over the
-whole sequence. One spawn per world size runs all the cases (process start-up dominates).
+Every worker builds the same full q, k, v (one seed), takes its shard (zigzag or contiguous),
+runs the ring forward and backward, and compares its output and gradient shards with float64
+attention over the whole sequence. It also checks that the bytes the ring holds (a Ledger of
+the real run) equal the closed form of ``ring_memory``. One spawn per world size runs all the
+cases (process start-up dominates).
 """
 
 import os
 import socket
+import subprocess
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# B, H, Hkv, n (positions per rank), d, dtype, causal, local step
+# B, H, Hkv, c (positions per chunk: n = 2c a rank), d, dtype, causal, layout, tile, local
 CASES = [
-    (2, 2, 2, 8, 16, torch.float64, False, "torch"),
-    (2, 2, 2, 8, 16, torch.float64, True, "torch"),
-    (1, 4, 2, 5, 8, torch.float64, True, "torch"),  # GQA, odd shard length
-    (1, 2, 1, 6, 16, torch.float32, False, "torch"),  # MQA in float32
-    (1, 4, 2, 7, 16, torch.float32, True, "triton"),  # the GPU's local kernels, interpreted
+    (2, 2, 2, 4, 16, torch.float64, False, "zigzag", None, "torch"),
+    (2, 2, 2, 4, 16, torch.float64, True, "zigzag", 2, "torch"),
+    (1, 4, 2, 5, 8, torch.float64, True, "zigzag", 1, "torch"),  # GQA, odd chunk length
+    (1, 4, 1, 3, 8, torch.float64, False, "zigzag", 3, "torch"),  # MQA, odd chunk length
+    (1, 2, 2, 3, 8, torch.float64, True, "contiguous", 2, "torch"),  # n = 6, tiles of 2
+    (1, 2, 1, 4, 16, torch.float32, True, "zigzag", 2, "torch"),  # float32, MQA
+    (1, 4, 2, 4, 16, torch.float32, True, "zigzag", 2, "triton"),  # the GPU's kernels, interpreted
 ]
 
 
@@ -29,10 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def full_problem(case, world, seed):
-    B, H, Hkv, n, d = case[:5]
+def full_problem(B, H, Hkv, N, d, seed):
     g = torch.Generator().manual_seed(seed)  # the same on every rank
-    N = n * world
     q = torch.randn(B, H, N, d, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, Hkv, N, d, generator=g, dtype=torch.float64) for _ in range(2))
     dout = torch.randn(B, H, N, d, generator=g, dtype=torch.float64)
@@ -43,40 +47,55 @@ def worker(rank, world, port):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import flashedu  # noqa: F401  (before anything imports triton)
-    from flashedu.distributed import ring_attention
+    from flashedu import distributed as D
     from flashedu.reference import naive_attention_torch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         for seed, case in enumerate(CASES):
-            dtype, causal, local = case[5:]
+            B, H, Hkv, c, d, dtype, causal, layout, tile, local = case
             if local == "triton" and world > 2:
                 continue  # the interpreter is slow: its one case runs with 2 processes
-            q, k, v, dout = full_problem(case, world, seed)
+            N = 2 * c * world
+            q, k, v, dout = full_problem(B, H, Hkv, N, d, seed)
             ref = [t.clone().requires_grad_() for t in (q, k, v)]
-            out_ref = naive_attention_torch(*ref, is_causal=causal)
+            out_ref = naive_attention_torch(*ref, is_causal=causal, enable_gqa=True)
             grads_ref = torch.autograd.grad(out_ref, ref, dout)
 
-            n = case[3]
-            mine = slice(rank * n, (rank + 1) * n)  # this rank's contiguous shard
-            shard = [t[:, :, mine].to(dtype).requires_grad_() for t in (q, k, v)]
-            out = ring_attention(*shard, is_causal=causal, local=local)
-            grads = torch.autograd.grad(out, shard, dout[:, :, mine].to(dtype))
+            mine = [D.shard(t, rank, world, layout).to(dtype).requires_grad_()
+                    for t in (q, k, v)]
+            out = D.ring_attention(*mine, is_causal=causal, local=local, layout=layout,
+                                   tile=tile)
+            grads = torch.autograd.grad(out, mine, D.shard(dout, rank, world, layout).to(dtype))
 
             tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else \
                 {"rtol": 1e-4, "atol": 1e-5}
-            where = f"rank {rank} {case}"
-            torch.testing.assert_close(out.double(), out_ref[:, :, mine].detach(), **tol,
+            where = f"rank {rank} of {world} {case}"
+            want = D.shard(out_ref.detach(), rank, world, layout)
+            torch.testing.assert_close(out.double(), want, **tol,
                                        msg=lambda m, where=where: f"{where} out: {m}")
-            for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
-                torch.testing.assert_close(got.double(), want[:, :, mine], **tol,
-                                           msg=lambda m, w=f"{where} {name}": f"{w}: {m}")
+            for name, got, full in zip(("dq", "dk", "dv"), grads, grads_ref):
+                torch.testing.assert_close(got.double(), D.shard(full, rank, world, layout),
+                                           **tol, msg=lambda m, w=f"{where} {name}": f"{w}: {m}")
+
+            if local == "torch":  # the bytes the ring holds = the formula, on this rank
+                ring = D.Ring()
+                plan = D.Plan(2 * c, world, layout, tile)
+                books = D.Ledger(), D.Ledger()
+                x = [t.detach() for t in mine]
+                o, L = D.ring_forward(ring, *x, causal, d ** -0.5, "torch", plan, books[0])
+                D.ring_backward(ring, *x, o, L, D.shard(dout, rank, world, layout).to(dtype),
+                                causal, d ** -0.5, "torch", plan, books[1])
+                mem = D.ring_memory(N, world, H, d, dtype, B=B, Hkv=Hkv, is_causal=causal,
+                                    layout=layout, tile=tile, local="torch", rank=rank)
+                assert (books[0].peak, books[1].peak) == (mem["forward"], mem["backward"]), \
+                    (where, books[0].peak_by_kind, books[1].peak_by_kind, mem)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_matches_single_process(world):
     mp.spawn(worker, args=(world, free_port()), nprocs=world, join=True)
 
@@ -91,19 +110,145 @@ def test_ring_needs_an_initialized_group():
         ring_attention(q, q[:, :, :2], q[:, :, :2])
     with pytest.raises(ValueError, match="local"):
         ring_attention(q, q, q, local="cuda")
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(q, q, q, layout="striped")
+
+
+def test_zigzag_shard_and_unshard():
+    from flashedu import distributed as D
+
+    x = torch.arange(24).view(1, 1, 24, 1)
+    shards = [D.zigzag_shard(x, r, 3) for r in range(3)]
+    assert shards[0].flatten().tolist() == [0, 1, 2, 3, 20, 21, 22, 23]  # chunks 0 and 5
+    assert shards[2].flatten().tolist() == [8, 9, 10, 11, 12, 13, 14, 15]  # chunks 2 and 3
+    assert torch.equal(D.zigzag_unshard(shards), x)
+    assert D.shard_positions(24, 1, 3).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+    # a length that is not a multiple of 2P is refused, naming the fix
+    with pytest.raises(ValueError, match="pad_sequence"):
+        D.zigzag_shard(torch.zeros(1, 1, 25, 1), 0, 3)
+    with pytest.raises(ValueError, match="tile"):
+        D.Plan(8, 2, "zigzag", tile=3)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_odd_length_padded_is_exact_for_causal(world):
+    """N = 2P*c + 3: padded at the end, the causal ring gives the unpadded answer on the real rows."""
+    from flashedu import distributed as D
+    from flashedu.reference import naive_attention_torch
+
+    N = 2 * world * 2 + 3
+    q, k, v, dout = full_problem(1, 2, 1, N, 8, 3)
+    padded = [D.pad_sequence(t, 2 * world) for t in (q, k, v, dout)]
+    assert padded[0].shape[2] % (2 * world) == 0
+    out, dq, dk, dv = D.simulate_ring(*padded[:3], world, is_causal=True, dout=padded[3])
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = naive_attention_torch(*ref, is_causal=True, enable_gqa=True)
+    for got, want in zip((out, dq, dk, dv), (out_ref, *torch.autograd.grad(out_ref, ref, dout))):
+        torch.testing.assert_close(got[:, :, :N], want.detach(), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_thread_ring_runs_the_same_code(world, is_causal):
+def test_thread_ring_runs_the_same_code(world, layout, is_causal):
     """simulate_ring: ring_forward / ring_backward with thread ranks (what notebook 12 runs)."""
-    from flashedu.distributed import simulate_ring
+    from flashedu.distributed import ring_memory, simulate_ring
     from flashedu.reference import naive_attention_torch
 
-    q, k, v, dout = full_problem((1, 4, 2, 3, 8, torch.float64, is_causal, "torch"), world, 7)
-    out, dq, dk, dv = simulate_ring(q, k, v, world, is_causal=is_causal, dout=dout)
+    N = 2 * world * 3
+    q, k, v, dout = full_problem(1, 4, 2, N, 8, 7)
+    ledgers = []
+    out, dq, dk, dv = simulate_ring(q, k, v, world, is_causal=is_causal, dout=dout,
+                                    layout=layout, tile=3, ledgers=ledgers)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_ref = naive_attention_torch(*ref, is_causal=is_causal)
+    out_ref = naive_attention_torch(*ref, is_causal=is_causal, enable_gqa=True)
     torch.testing.assert_close(out, out_ref.detach(), rtol=1e-10, atol=1e-10)
     for got, want in zip((dq, dk, dv), torch.autograd.grad(out_ref, ref, dout)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    mem = ring_memory(N, world, 4, 8, torch.float64, Hkv=2, is_causal=is_causal, layout=layout,
+                      tile=3, local="torch")
+    assert max(f.peak for f, _ in ledgers) == mem["forward"]
+    assert max(b.peak for _, b in ledgers) == mem["backward"]
+
+
+def test_zigzag_balances_causal_work():
+    """Causal tiles computed per rank: equal under zigzag, 1..P blocks under contiguous shards."""
+    from flashedu.distributed import Plan
+
+    for P in (2, 3, 4, 8):
+        zig = [Plan(8, P, "zigzag", 2).work(r, True) for r in range(P)]
+        con = [Plan(8, P, "contiguous", 2).work(r, True) for r in range(P)]
+        assert len(set(zig)) == 1 and sum(zig) == sum(con)
+        # in tile^2 units, a shard block is 16: contiguous rank r computes r full blocks and
+        # one causal diagonal block (8); zigzag gives every rank the average, 8P
+        assert con == [16 * r + 8 for r in range(P)] and zig == [8 * P] * P
+        assert con[-1] / zig[0] == pytest.approx(2 - 1 / P)  # the slowest rank sets the time
+
+
+def test_memory_per_gpu_falls_with_p():
+    """The closed form at the GPU benchmark's size: bf16, H=16, d=128, N=128K."""
+    from flashedu.distributed import ring_memory
+
+    per_gpu = {P: ring_memory(131072, P, 16, 128, torch.bfloat16, is_causal=True)
+               for P in (1, 2, 4, 8)}
+    one = per_gpu[1]["one_gpu"]
+    fractions = [per_gpu[P]["per_gpu"] / one for P in (2, 4, 8)]
+    assert fractions == sorted(fractions, reverse=True) and fractions[-1] < 0.25
+    lean = ring_memory(131072, 2, 16, 128, torch.bfloat16, is_causal=True, dq_accumulate="input")
+    assert lean["per_gpu"] / one <= 0.6
+
+
+def test_transfer_overlaps_compute():
+    """A posted receive completes while this process computes: gloo moves the bytes in the
+    background, so wait() after the compute costs (almost) nothing."""
+    mp.spawn(overlap_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
+def overlap_worker(rank, world, port):
+    torch.set_num_threads(1)
+    from flashedu.distributed import Ring, wait_all
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        ring = Ring()
+        x = torch.randn(4 << 20)  # 16 MB
+        wait_all(ring.start_exchange([x])[0])  # warm the connection
+        dist.barrier()
+        t0 = time.perf_counter()
+        wait_all(ring.start_exchange([x])[0])
+        alone = time.perf_counter() - t0
+        dist.barrier()
+        handle, _ = ring.start_exchange([x])
+        a = torch.randn(384, 384, dtype=torch.float64)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < max(0.05, 3 * alone):
+            a = torch.tanh(a @ a)  # compute for longer than the transfer takes alone
+        t1 = time.perf_counter()
+        wait_all(handle)
+        waited = time.perf_counter() - t1
+        assert waited < 0.5 * alone + 0.005, (alone, waited)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_git_commit_is_the_projects_not_an_enclosing_repositorys(monkeypatch, tmp_path):
+    """A copy of the package inside another git repository must not report that one's commit."""
+    import shutil
+
+    from flashedu import runtime
+
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    outer = tmp_path / "outer"
+    copy = outer / "project" / "flashedu"
+    shutil.copytree(runtime.__file__.rsplit("/", 1)[0], copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "init", "-q", str(outer)], check=True, env=env)
+    subprocess.run(["git", "-C", str(outer), "add", "-A"], check=True, env=env)
+    subprocess.run(["git", "-C", str(outer), "commit", "-qm", "x"], check=True, env=env)
+    monkeypatch.setattr(runtime, "__file__", str(copy / "runtime.py"))
+    assert runtime.git_commit() == "unknown"
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    assert runtime.git_commit() == "abc1234"

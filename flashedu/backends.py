@@ -68,7 +68,7 @@ BACKENDS: dict[str, Backend] = {
     "naive": Backend("naive", _naive, True, True, "any"),
     "numpy": Backend("numpy", _numpy, True, True, "cpu"),
     "numba": Backend("numba", _numba, False, False, "gpu"),
-    "triton": Backend("triton", _triton, True, False, "gpu"),
+    "triton": Backend("triton", _triton, True, True, "gpu"),
 }
 
 

@@ -33,13 +33,9 @@ __all__ = ["attention", "forward_with_lse", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
     """Backend entry point (inputs already checked by flashedu.attention)."""
-    if dropout_p > 0:
-        raise NotImplementedError(
-            f"the triton backend has no fused dropout yet (dropout_p={dropout_p}); "
-            "use dropout_p=0.0, or backend='naive'")
     _check(q, k, v)
     return ops.attention("triton", q, k, v, is_causal=is_causal, scale=float(scale),
-                         block_mask=block_mask)
+                         block_mask=block_mask, dropout_p=dropout_p)
 
 
 def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):

@@ -26,7 +26,8 @@ import warnings
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, dot_precision, load_tile
+from .dropout import keep_tile
+from .forward import LOG2E, dot_precision, dropout_args, load_tile
 from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
 
 
@@ -51,9 +52,12 @@ def preprocess_kernel(O, dO, D, stride_ob, stride_oh, stride_on, stride_db, stri
 def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn, stride_dn,
                start_m, cols, dims, Nq, d, qk_scale,
                Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
+               seed=0, offset=0, bh=0, start_n=0, drop_t=0, drop_scale=1.0):
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
-    products land directly in dK_j and dV_j."""
+    products land directly in dK_j and dV_j. DROPOUT (the paper's Algorithm 4): the forward's
+    Z_ij regenerated from (seed, offset, bh) and the tile's position; dV_j takes the dropped
+    P_ij, dP_ij is dropped and rescaled the same way."""
     rows = start_m + tl.arange(0, Br)
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
@@ -72,8 +76,14 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     if MASK:
         if IS_CAUSAL:
             P_ijT = tl.where(cols[:, None] <= rows[None, :], P_ijT, 0.0)
-    dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
     dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+    if DROPOUT:
+        keep = tl.trans(keep_tile(seed, offset, bh, rows, start_n, drop_t, cols.shape[0]))
+        dV_j += tl.dot(tl.where(keep, P_ijT * drop_scale, 0.0).to(dO_i.dtype), dO_i,
+                       input_precision=DOT_PREC)
+        dP_ijT = tl.where(keep, dP_ijT * drop_scale, 0.0)
+    else:
+        dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     dK_j += tl.dot(dS_ijT.to(Q_i.dtype), Q_i, input_precision=DOT_PREC)
     return dK_j, dV_j
@@ -89,7 +99,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                   H, GROUP, Nq, Nk, d,
                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
-                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
+                  seed=0, offset=0, drop_t=0, drop_scale=1.0):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
@@ -116,13 +127,16 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
             i = full_tile(t, u0, idx_row, SPARSE)
             dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                     stride_qn, stride_dn, i * Br, cols, dims, Nq, d, qk_scale,
-                                    Br, IS_CAUSAL, False, EVEN_D, DOT_PREC)
+                                    Br, IS_CAUSAL, False, EVEN_D, DOT_PREC, DROPOUT, seed,
+                                    offset, b * H + h, j * Bc, drop_t, drop_scale)
         if MASKED:
             for t in range(num_full, num):
                 i = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC)
+                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC,
+                                        DROPOUT, seed, offset, b * H + h, j * Bc, drop_t,
+                                        drop_scale)
     out_ok = col_ok & dim_ok
     tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
              (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
@@ -133,8 +147,10 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
 @triton.jit
 def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, start_n, rows,
              dims, Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr,
-             MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j."""
+             MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+             DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0, drop_scale=1.0):
+    """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (DROPOUT: dP_ij
+    dropped and rescaled by the forward's Z_ij, regenerated)."""
     cols = start_n + tl.arange(0, Bc)
     col_ok = cols[:, None] < Nk
     dim_ok = dims[None, :] < d
@@ -150,6 +166,9 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
             visible = visible & (cols[None, :] <= rows[:, None])
         P_ij = tl.where(visible, P_ij, 0.0)
     dP_ij = tl.dot(dO_i, tl.trans(V_j), input_precision=DOT_PREC)
+    if DROPOUT:
+        keep = keep_tile(seed, offset, bh, rows, start_n, drop_t, Bc)
+        dP_ij = tl.where(keep, dP_ij * drop_scale, 0.0)
     dS_ij = P_ij * (dP_ij - D_i[:, None])
     dQ_i += tl.dot(dS_ij.to(K_j.dtype), K_j, input_precision=DOT_PREC)
     return dQ_i
@@ -164,7 +183,8 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 H, GROUP, Nq, Nk, d,
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
+                seed=0, offset=0, drop_t=0, drop_scale=1.0):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
@@ -188,13 +208,14 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
     for t in range(0, num_full):
         j = full_tile(t, u0, idx_row, SPARSE)
         dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, j * Bc,
-                        rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC)
+                        rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC,
+                        DROPOUT, seed, offset, bh, drop_t, drop_scale)
     if MASKED:
         for t in range(num_full, num):
             j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
-                            DOT_PREC)
+                            DOT_PREC, DROPOUT, seed, offset, bh, drop_t, drop_scale)
     tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
 
@@ -208,12 +229,12 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                     stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                     stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh, stride_kvidxr,
-                    H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr,
+                    H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr, RNG, drop_t, drop_scale,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                     MASKED1: tl.constexpr, MASKED2: tl.constexpr,
                     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                    DKDV: tl.constexpr, DQ: tl.constexpr):
+                    DKDV: tl.constexpr, DQ: tl.constexpr, DROPOUT: tl.constexpr = False):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
@@ -224,6 +245,13 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
     bh_kv = tl.program_id(1)
     b = bh_kv // Hkv
     h_kv = bh_kv % Hkv
+    if DROPOUT:  # the forward's RNG state: its mask is regenerated, never stored
+        seed = tl.load(RNG)
+        offset = tl.load(RNG + 1)
+        drop_scale = tl.cast(drop_scale, tl.float32)
+    else:
+        seed = 0
+        offset = 0
     if DKDV:
         if pid < Tc:
             _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX,
@@ -233,7 +261,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                           H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
-                          MASKED1, EVEN_D, DOT_PREC)
+                          MASKED1, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t, drop_scale)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -245,7 +273,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         stride_dqb, stride_dqh, stride_dqn,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
-                        SPARSE, MASKED2, EVEN_D, DOT_PREC)
+                        SPARSE, MASKED2, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t,
+                        drop_scale)
 
 
 def preprocess(o, do, rows):
@@ -299,8 +328,10 @@ def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, config, interpreted):
 _SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> configs that fit
 
 
-def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted):
-    """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype.
+def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
+             dropout_p=0.0, rng=None):
+    """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
+    ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask.
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
     tiles' warps and stages); otherwise two launches, each with its own."""
@@ -340,7 +371,9 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         try:
             for first_pid, programs, consts in launches:
                 programs += GROUP * Tr if consts["DQ"] else 0
-                fast.run(backward_kernel, (programs, B * Hkv), (*args, first_pid, Tc, Tr), consts)
+                fast.run(backward_kernel, (programs, B * Hkv),
+                         (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng)),
+                         {**consts, "DROPOUT": dropout_p > 0})
             break
         except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
             from .config import smaller

@@ -25,6 +25,8 @@ import functools
 import triton
 import triton.language as tl
 
+from .dropout import keep_tile
+
 from .tiles import full_tile, kv_tiles, masked_tile
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -48,11 +50,15 @@ def load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.const
 
 @triton.jit
 def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
-                  IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+                  IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+                  DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, start_n=0, drop_t=0,
+                  drop_scale=1.0):
     """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j.
 
     qk_scale is scale * log2(e), so exp2(S_ij * qk_scale) = exp(scale * S_ij): the paper's exp,
-    computed by the GPU's ex2 instruction. m_i is kept in that base-2 scale."""
+    computed by the GPU's ex2 instruction. m_i is kept in that base-2 scale.
+    DROPOUT (the paper's Algorithm 2): P_ij times Z_ij / (1 - p) after l_i took the undropped
+    P_ij, before the product with V_j; Z_ij from (seed, offset, bh) and the tile's position."""
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)  # unscaled scores, Br x Bc
     if MASK:  # keys past Nk, and (causal) keys after the query, get -inf: P_ij = 0 there
         visible = cols[None, :] < Nk
@@ -68,6 +74,9 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
     P_ij = tl.math.exp2(S_ij * qk_scale - m_use[:, None])  # one fused multiply-add, one ex2
     alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(P_ij, 1)
+    if DROPOUT:
+        keep = keep_tile(seed, offset, bh, rows, start_n, drop_t, cols.shape[0])
+        P_ij = tl.where(keep, P_ij * drop_scale, 0.0)
     # the rescaled O_i is the product's accumulator: the tensor cores add P_ij V_j into it
     O_i = tl.dot(P_ij.to(V_j.dtype), V_j, O_i * alpha[:, None], input_precision=DOT_PREC)
     return O_i, l_i, m_new
@@ -76,8 +85,10 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
 @triton.jit
 def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_n, rows, dims,
                   Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False):
-    """Load K_j, V_j (rows start_n ..), then the softmax step.
+                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False,
+                  DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0,
+                  drop_scale=1.0):
+    """Load K_j, V_j (rows start_n ..), then the softmax step (with dropout if DROPOUT).
 
     K_src, V_src: this head's K and V, as pointers, or (TMA) as tensor descriptors: the copy
     engine then fetches each tile with one instruction, no address arithmetic, and rows past
@@ -95,7 +106,7 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
         V_j = load_tile(V_src + cols[:, None] * stride_vn + dims[None, :], row_ok, dim_ok,
                         MASK, not EVEN_D)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
-                         MASK, DOT_PREC)
+                         MASK, DOT_PREC, DROPOUT, seed, offset, bh, start_n, drop_t, drop_scale)
 
 
 @triton.jit
@@ -116,11 +127,12 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
-                   H, GROUP, Nq, Nk, d,
+                   H, GROUP, Nq, Nk, d, RNG, drop_t, drop_scale,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                   TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
+                   TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+                   DROPOUT: tl.constexpr = False):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
@@ -142,6 +154,13 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         K_src = K_head
         V_src = V_head
 
+    if DROPOUT:  # the call's RNG state (flashedu.dropout.draw_rng): read on the device
+        seed = tl.load(RNG)
+        offset = tl.load(RNG + 1)
+        drop_scale = tl.cast(drop_scale, tl.float32)
+    else:
+        seed = 0
+        offset = 0
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
@@ -156,13 +175,15 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         j = full_tile(t, u0, idx_row, SPARSE)
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn,
                                       j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
-                                      EVEN_D, DOT_PREC, TMA)
+                                      EVEN_D, DOT_PREC, TMA, DROPOUT, seed, offset, bh, drop_t,
+                                      drop_scale)
     if MASKED:  # only where some tile can need a mask (an empty loop measured slower)
         for t in range(num_full, num):
             j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
-                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA)
+                                          IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA, DROPOUT, seed,
+                                          offset, bh, drop_t, drop_scale)
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
                   stride_qb, stride_qh, stride_qn)  # O has Q's strides (forward_launch)
 
@@ -240,9 +261,22 @@ def outputs_like(*tensors):
 _SHRUNK: dict = {}  # tiles whose launch ran out of resources -> the tiles that fit
 
 
-def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
+def dropout_args(dropout_p, rng):
+    """(RNG, drop_t, drop_scale) of the kernels: the [seed, offset] tensor, the keep threshold
+    round(p * 2**31) and 1 / (1 - p); (None, 0, 1.0) without dropout (DROPOUT=False: unused)."""
+    if dropout_p == 0:
+        return None, 0, 1.0
+    from ..dropout import threshold
+
+    return rng, threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+
+
+def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropout_p=0.0,
+            rng=None):
     """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
-    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key."""
+    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
+    ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) on q's device (RNG state of
+    ``flashedu.dropout``); L2 is still that of the undropped scores."""
     import torch
 
     from . import fast
@@ -256,6 +290,8 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted):
         grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
                                             qk_scale=scale * LOG2E, block_mask=block_mask,
                                             tiles=tiles, interpreted=interpreted)
+        args = (*args, *dropout_args(dropout_p, rng))
+        consts = {**consts, "DROPOUT": dropout_p > 0}
         try:
             fast.launch(forward_kernel, grid, args, consts, fast.switches(tiles, interpreted, k, v))
             break

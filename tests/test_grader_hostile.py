@@ -258,7 +258,27 @@ def _cheat_dense_torch(Q, K, V, block_q, block_k, causal=False, scale=None):
     return (p @ v / l).numpy().astype(Q.dtype), (m + torch.log(l))[:, 0].numpy().astype(Q.dtype)
 
 
+def _cheat_asarray_softmax(x, block_size):
+    """Drops the grader's watching array class with np.asarray, then takes whole rows."""
+    x = np.asarray(x)
+    m = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - np.where(np.isneginf(m), 0, m))
+    l = e.sum(axis=-1, keepdims=True)
+    return e / np.where(l == 0, 1, l)
+
+
+def _cheat_view_softmax(x, block_size):
+    """The same through a plain view and NumPy's functions (np.max, np.sum)."""
+    x = x.view(np.ndarray)
+    m = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - np.where(np.isneginf(m), 0, m))
+    l = np.sum(e, axis=-1, keepdims=True)
+    return e / np.where(l == 0, 1, l)
+
+
 CHEATS = [
+    ("online_softmax", _cheat_asarray_softmax, ["maximum over 7 columns at once", "block_size is"]),
+    ("online_softmax", _cheat_view_softmax, ["at once", "block by block"]),
     ("flash_forward", _cheat_dense_torch, ["memory", "grew"]),
     ("flash_forward", _cheat_reference, ["flashedu.reference"]),
     ("flash_forward", _cheat_tiled, ["flashedu.tiled"]),

@@ -192,11 +192,46 @@ def _covers_last_axis(ndim, axis) -> bool:
     return any(a % max(ndim, 1) == ndim - 1 for a in axes)
 
 
+# NumPy's Python-level reductions: every x.max(...), x.sum(...), np.max(...), np.sum(...),
+# np.amax(...) passes through one of these, whatever the class of the array.
+_REDUCERS = {"_amax", "_amin", "_sum", "_wrapreduction"}
+
+
 def _prepare_stream(args, block):
-    """Wrap x in a fresh watching class (where the learner's code runs)."""
+    """Wrap x in a fresh watching class (where the learner's code runs), and watch NumPy's
+    reductions in the threads the call starts: ``np.asarray(x)`` or ``x.view(np.ndarray)``
+    drops the watching class, but a max or a sum over a whole row still passes through NumPy's
+    reduction functions, seen here by a profile hook on the learner's thread."""
+    import os
+    import threading
+
     spy = type("Streamed", (_Streamed,), {"block": block, "whole_rows": []})
     x = args[0]
-    return (x.view(spy),) + tuple(args[1:]), lambda: {"whole_rows": list(spy.whole_rows)}
+    n = x.shape[-1] if x.ndim else 0
+    numpy_dir = os.path.dirname(np.__file__)
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_code.co_name not in _REDUCERS or \
+                not frame.f_code.co_filename.startswith(numpy_dir):
+            return
+        local = frame.f_locals
+        a = local.get("a", local.get("obj"))
+        if frame.f_code.co_name == "_wrapreduction" and \
+                getattr(local.get("ufunc"), "__name__", "") not in ("maximum", "minimum", "add"):
+            return
+        if isinstance(a, np.ndarray) and not isinstance(a, _Streamed) and a.ndim and \
+                a.shape[-1] == n > block and _covers_last_axis(a.ndim, local.get("axis")):
+            name = {"_amax": "maximum", "_amin": "minimum", "_sum": "add"}.get(
+                frame.f_code.co_name, getattr(local.get("ufunc"), "__name__", "reduction"))
+            spy.whole_rows.append(f"{name} over {n} columns")
+
+    threading.setprofile(profile)  # the call's thread starts after this: it is watched
+
+    def collect():
+        threading.setprofile(None)
+        return {"whole_rows": list(spy.whole_rows)}
+
+    return (x.view(spy),) + tuple(args[1:]), collect
 
 
 PREPARE["stream"] = _prepare_stream

@@ -2,15 +2,20 @@
 
 For each total sequence length N, with B = 1, H heads, head dim d, bf16:
 - one GPU: flashedu.attention(backend="triton") over all N positions (forward, forward+backward);
-- the ring: each of the P GPUs holds N/P positions, flashedu.distributed.ring_attention;
-- the transfer of one K/V shard to the next GPU alone, which the ring hides behind a step's
-  compute when compute per step >= transfer per step.
-Efficiency = t(one GPU) / (P * t(ring)): 1.0 is perfect scaling. Also the peak memory per GPU.
+- the ring: each of the P GPUs holds N/P positions in the zigzag layout (chunks r and 2P-1-r),
+  flashedu.distributed.ring_attention, once per --dq-accumulate mode ("float32": dQ summed in
+  float32; "input": in place in bf16, less memory);
+- one micro-step alone: the transfer of one K/V tile to the next GPU vs the compute of one
+  micro-step (forward and backward calls of this rank's rows against one tile): the ring hides
+  the transfer when compute >= transfer;
+- peak memory per GPU (torch.cuda.max_memory_allocated) vs one GPU, and the prediction of
+  flashedu.distributed.ring_memory.
+Efficiency = t(one GPU) / (P * t(ring)): 1.0 is perfect scaling.
 The ring's output is checked against the one-GPU output (gathered) at the first N.
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 
-    PYTHONPATH=$PWD python3 scripts/gpu_ring.py --json docs/bench/ring.json     # 2 GPUs
+    PYTHONPATH=$PWD python3 scripts/gpu_ring.py --json docs/bench/ring.json     # 2 GPUs (mp.spawn)
     PYTHONPATH=$PWD python3 scripts/gpu_ring.py --cpu                           # gloo, tiny
 """
 
@@ -71,12 +76,19 @@ class Timer:
         return sorted(samples)[len(samples) // 2]
 
 
-def inputs(N, args, device, dtype, rows=slice(None), grad=False):
+def inputs(N, args, device, dtype, rank=None, world=None, grad=False):
+    """q, k, v, dout over all N positions, or rank's zigzag shard of them (made one at a time,
+    so the whole sequence never sits on a GPU at once)."""
+    from flashedu.distributed import zigzag_shard
+
     g = torch.Generator(device=device).manual_seed(N)
     shape = (1, args.heads, N, args.d)
-    full = [torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4)]
-    q, k, v, dout = (t[:, :, rows].contiguous() for t in full)
-    del full
+    out = []
+    for _ in range(4):
+        t = torch.randn(shape, device=device, dtype=dtype, generator=g)
+        out.append(t if rank is None else zigzag_shard(t, rank, world).contiguous())
+        del t
+    q, k, v, dout = out
     return [t.requires_grad_(grad) for t in (q, k, v)] + [dout]
 
 
@@ -99,23 +111,43 @@ def single_gpu(N, causal, args, device, dtype, timer):
     return {"fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak_gb(device)}
 
 
-RING_KEYS = ("fwd_ms", "fwd_bwd_ms", "kv_transfer_ms", "peak_GB")
+RING_KEYS = ("fwd_ms", "fwd_bwd_ms", "peak_GB", "tile_transfer_ms", "step_fwd_ms",
+             "step_bwd_ms", "micro_steps")
 
 
-def ring(N, causal, args, device, dtype, timer, rank, world):
+def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
     """This rank's shard; returns its timings (the caller takes the slowest rank)."""
-    from flashedu.distributed import Ring, ring_attention, wait_all
+    from flashedu.distributed import (Plan, Ring, block_backward, block_forward, ring_attention,
+                                      wait_all, _resolve_local)
 
-    n = N // world
-    q, k, v, dout = inputs(N, args, device, dtype, slice(rank * n, (rank + 1) * n), grad=True)
-    fn = lambda q, k, v: ring_attention(q, k, v, is_causal=causal)
+    q, k, v, dout = inputs(N, args, device, dtype, rank, world, grad=True)
+    opts = dict(is_causal=causal, tile=args.tile, call_rows=args.call_rows,
+                dq_accumulate=dq_accumulate)
+    fn = lambda q, k, v: ring_attention(q, k, v, **opts)
     reset_peak(device)
     with torch.no_grad():
         fwd = timer(lambda: fn(q, k, v))
     both = timer(lambda: fwd_bwd(fn, q, k, v, dout))
-    r = Ring()
-    xfer = timer(lambda: wait_all(r.start_exchange((k.detach(), v.detach()))[0]))
-    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "kv_transfer_ms": xfer, "peak_GB": peak_gb(device)}
+    peak = peak_gb(device)
+    # one micro-step alone: a K/V tile's transfer, and the compute on one tile (all this rank's
+    # rows against it, in calls of call_rows rows, as a full-attention micro-step makes them)
+    plan, r = Plan(q.shape[2], world, "zigzag", args.tile, args.call_rows), Ring()
+    local = _resolve_local("auto", q)
+    K_t, V_t = (x.detach()[:, :, :plan.tile].contiguous() for x in (k, v))
+    xfer = timer(lambda: wait_all(r.start_exchange((K_t, V_t))[0]))
+    qd, od, Ld = q.detach(), None, None
+    with torch.no_grad():
+        calls = plan.calls(0, 0, 0, False)
+        step_f = timer(lambda: [block_forward(qd[:, :, a:b], K_t, V_t, causal=False,
+                                              scale=args.d ** -0.5, local=local)
+                                for a, b, _ in calls])
+        o_L = [block_forward(qd[:, :, a:b], K_t, V_t, causal=False, scale=args.d ** -0.5,
+                             local=local) for a, b, _ in calls]
+        step_b = timer(lambda: [block_backward(qd[:, :, a:b], K_t, V_t, o, L, dout[:, :, a:b],
+                                               causal=False, scale=args.d ** -0.5, local=local)
+                                for (a, b, _), (o, L) in zip(calls, o_L)])
+    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak, "tile_transfer_ms": xfer,
+            "step_fwd_ms": step_f, "step_bwd_ms": step_b, "micro_steps": plan.m * world}
 
 
 def check_ring(N, causal, args, device, dtype, rank, world):
@@ -123,17 +155,17 @@ def check_ring(N, causal, args, device, dtype, rank, world):
     import flashedu
     from flashedu.distributed import ring_attention
 
-    n = N // world
+    from flashedu.distributed import zigzag_shard, zigzag_unshard
+
     q, k, v, _ = inputs(N, args, device, dtype)
     backend = "triton" if device != "cpu" else "naive"
     with torch.no_grad():
-        mine = slice(rank * n, (rank + 1) * n)
-        out = ring_attention(q[:, :, mine].contiguous(), k[:, :, mine].contiguous(),
-                             v[:, :, mine].contiguous(), is_causal=causal)
+        out = ring_attention(*(zigzag_shard(t, rank, world).contiguous() for t in (q, k, v)),
+                             is_causal=causal, tile=args.tile, call_rows=args.call_rows)
         parts = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(parts, out.contiguous())
         ref = flashedu.attention(q, k, v, is_causal=causal, backend=backend)
-        return (torch.cat(parts, dim=2).float() - ref.float()).abs().max().item()
+        return (zigzag_unshard(parts).float() - ref.float()).abs().max().item()
 
 
 def reset_peak(device):
@@ -195,25 +227,30 @@ def worker(rank, world, port, args, results):
                 if rank == 0:
                     single, ok = run_guarded(single_gpu, N, causal, args, device, dtype, one_timer)
                 dist.barrier()
-                sharded, ok = {"error": "a shard does not fit"}, False
-                if agree(fits(N // world, args, device), device):  # all enter the ring, or none
-                    sharded, ok = run_guarded(ring, N, causal, args, device, dtype, ring_timer,
-                                              rank, world)
-                if not agree(ok, device):
-                    sharded.setdefault("error", "another rank failed")
-                # the same collectives on every rank, whatever happened: a fixed list of keys
-                ring_row = {k: slowest(sharded.get(k), device) for k in RING_KEYS}
-                ring_row = {k: v for k, v in ring_row.items() if v >= 0}
-                if rank == 0:
-                    row["one_gpu"] = single
-                    row["ring"] = ring_row | ({"error": sharded["error"]}
-                                              if "error" in sharded else {})
-                    if ok and "fwd_ms" in single and "fwd_ms" in ring_row:
-                        for m in ("fwd_ms", "fwd_bwd_ms"):
-                            row[f"speedup_{m[:-3]}"] = single[m] / ring_row[m]
-                            row[f"efficiency_{m[:-3]}"] = single[m] / (world * ring_row[m])
-                    rows.append(row)
-                    print_row(row)
+                for mode in args.dq_accumulate:
+                    row_m = dict(row, dq_accumulate=mode)
+                    sharded, ok = {"error": "a shard does not fit"}, False
+                    if agree(fits(N // world, args, device), device):  # all enter, or none
+                        sharded, ok = run_guarded(ring, N, causal, args, device, dtype,
+                                                  ring_timer, rank, world, mode)
+                    if not agree(ok, device):
+                        sharded.setdefault("error", "another rank failed")
+                    # the same collectives on every rank, whatever happened: fixed keys
+                    ring_row = {k: slowest(sharded.get(k), device) for k in RING_KEYS}
+                    ring_row = {k: v for k, v in ring_row.items() if v >= 0}
+                    if rank == 0:
+                        row_m["one_gpu"] = single
+                        row_m["ring"] = ring_row | ({"error": sharded["error"]}
+                                                    if "error" in sharded else {})
+                        row_m["predicted"] = predicted(N, causal, args, world, mode)
+                        if ok and "fwd_ms" in single and "fwd_ms" in ring_row:
+                            for m in ("fwd_ms", "fwd_bwd_ms"):
+                                row_m[f"speedup_{m[:-3]}"] = single[m] / ring_row[m]
+                                row_m[f"efficiency_{m[:-3]}"] = single[m] / (world * ring_row[m])
+                            if single.get("peak_GB") and ring_row.get("peak_GB"):
+                                row_m["peak_ratio"] = ring_row["peak_GB"] / single["peak_GB"]
+                        rows.append(row_m)
+                        print_row(row_m)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -234,25 +271,42 @@ def fits(n, args, device) -> bool:
     tensors (q, k, v, grads, accumulators, two K/V in flight)."""
     if device == "cpu":
         return True
-    need = 16 * n * args.heads * args.d * 4
+    need = 12 * n * args.heads * args.d * 2
     return need < torch.cuda.mem_get_info()[0]
 
 
+def predicted(N, causal, args, world, mode):
+    """The closed form of flashedu.distributed.ring_memory for this case, in GB."""
+    from flashedu.distributed import ring_memory
+
+    m = ring_memory(N, world, args.heads, args.d, DTYPES[args.dtype], is_causal=causal,
+                    tile=args.tile, call_rows=args.call_rows, dq_accumulate=mode,
+                    local="torch" if args.cpu else "triton")
+    return {"per_gpu_GB": m["per_gpu"] / 1e9, "one_gpu_GB": m["one_gpu"] / 1e9,
+            "tile": m["tile"], "call_rows": m["call_rows"]}
+
+
 def print_row(row):
-    one, r = row["one_gpu"], row["ring"]
+    one, r, pred = row["one_gpu"], row["ring"], row["predicted"]
 
-    def f(d, k):
-        return f"{d[k]:>9.2f}" if isinstance(d.get(k), (int, float)) and d[k] >= 0 else f"{'-':>9}"
+    def f(d, k, w=8, p=2):
+        return f"{d[k]:>{w}.{p}f}" if isinstance(d.get(k), (int, float)) and d[k] >= 0 \
+            else f"{'-':>{w}}"
 
-    print(f"{row['N']:>8} {row['causal']!s:>6} {f(one, 'fwd_ms')} {f(r, 'fwd_ms')} "
-          f"{f(row, 'speedup_fwd')} {f(one, 'fwd_bwd_ms')} {f(r, 'fwd_bwd_ms')} "
-          f"{f(row, 'speedup_fwd_bwd')} {f(r, 'kv_transfer_ms')} {f(one, 'peak_GB')} "
-          f"{f(r, 'peak_GB')} {one.get('error', '')} {r.get('error', '')}", flush=True)
+    print(f"{row['N']:>7} {row['causal']!s:>6} {row['dq_accumulate']:>7} "
+          f"{f(one, 'fwd_bwd_ms', 9, 1)} {f(r, 'fwd_bwd_ms', 9, 1)} {f(row, 'speedup_fwd_bwd')} "
+          f"{f(row, 'speedup_fwd')} {f(one, 'peak_GB')} {f(r, 'peak_GB')} "
+          f"{f(pred, 'per_gpu_GB')} {f(row, 'peak_ratio')} {f(r, 'tile_transfer_ms', 8, 3)} "
+          f"{f(r, 'step_fwd_ms', 8, 3)} {f(r, 'step_bwd_ms', 8, 3)} "
+          f"{one.get('error', '')} {r.get('error', '')}", flush=True)
 
 
-HEADER = (f"{'N':>8} {'causal':>6} {'1gpu fwd':>9} {'ring fwd':>9} {'speedup':>9} "
-          f"{'1gpu f+b':>9} {'ring f+b':>9} {'speedup':>9} {'kv xfer':>9} {'1gpu GB':>9} "
-          f"{'ring GB':>9}   (ms; GB = peak per GPU)")
+HEADER = (f"{'N':>7} {'causal':>6} {'dQ acc':>7} {'1gpu f+b':>9} {'ring f+b':>9} {'x f+b':>8} "
+          f"{'x fwd':>8} {'1gpu GB':>8} {'ring GB':>8} {'pred GB':>8} {'GB ratio':>8} "
+          f"{'xfer ms':>8} {'step fwd':>8} {'step bwd':>8}\n"
+          f"  (ms; x = speedup over one GPU; GB = peak per GPU, pred = ring_memory's formula; "
+          f"xfer = one K/V tile to the next GPU alone, step = one micro-step's compute alone: "
+          f"the transfer hides when step >= xfer)")
 
 
 def environment(args, world):
@@ -270,7 +324,7 @@ def environment(args, world):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536, 131072],
+    ap.add_argument("--n", type=int, nargs="+", default=[32768, 131072],
                     help="total sequence lengths (divisible by the world size)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--d", type=int, default=128)
@@ -278,6 +332,11 @@ def main(argv=None):
     ap.add_argument("--causal", type=lambda s: s == "true", nargs="+", default=[False, True],
                     help="true / false, one or both")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--tile", type=int, default=None, help="K/V tile (positions); default: "
+                    "ring_attention's (the largest divisor of the chunk <= 2048)")
+    ap.add_argument("--call-rows", type=int, default=None, help="query rows per kernel call")
+    ap.add_argument("--dq-accumulate", nargs="+", default=["float32", "input"],
+                    choices=["float32", "input"])
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-check", dest="check", action="store_false")
@@ -287,6 +346,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.cpu:
         args.n = [n for n in args.n if n <= 512] or [128, 256]
+        args.tile = args.tile or 8
         args.heads, args.d, args.dtype = 2, 16, "fp32"
     else:
         if not torch.cuda.is_available():
@@ -294,9 +354,10 @@ def main(argv=None):
         if torch.cuda.device_count() < args.world:
             sys.exit(f"gpu_ring.py needs {args.world} GPUs, this machine has "
                      f"{torch.cuda.device_count()}")
-    bad = [n for n in args.n if n % args.world]
+    bad = [n for n in args.n if n % (2 * args.world)]
     if bad:
-        sys.exit(f"--n values must be multiples of the world size {args.world}: {bad}")
+        sys.exit(f"--n values must be multiples of 2 x the world size {2 * args.world} (the "
+                 f"zigzag layout's chunks): {bad}")
     out = {"environment": environment(args, args.world)}
     print(json.dumps(out["environment"]), flush=True)
     ctx = mp.get_context("spawn")

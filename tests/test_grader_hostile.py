@@ -509,3 +509,32 @@ def test_gate_passes_the_solutions(tmp_path):
     from flashedu.checks.gate import triton_gate
     for name, which in ((TFWD, "forward"), (DKDV, "dkdv"), (DQ, "dq")):
         assert triton_gate(load(name, (), tmp_path), which) is None, name
+
+
+def _numba_gate_unavailable():
+    from flashedu.checks.gate import numba_gate_unavailable
+    return numba_gate_unavailable()
+
+
+_NUMBA_GATE = _numba_gate_unavailable()
+
+
+@pytest.mark.skipif(_NUMBA_GATE is not None, reason=f"no NVVM for numba here: {_NUMBA_GATE}")
+def test_numba_kernel_that_only_simulates_is_refused(tmp_path):
+    """A Python list in a kernel runs in the simulator; NVVM refuses it."""
+    replace = [("    valid = i < Nq\n", "    valid = i < Nq\n    spare = [0.0] * 4  # a list: Python only\n")]
+    result = check(NUMBA, load(NUMBA, replace, tmp_path))
+    assert_rejected(result, "does not compile for a GPU", "sm_90", "list(float64)")
+    assert all(c.status == "passed" for c in result.cases)  # right in the simulator
+
+
+@pytest.mark.skipif(_NUMBA_GATE is not None, reason=f"no NVVM for numba here: {_NUMBA_GATE}")
+def test_numba_gate_passes_the_solution_and_device_functions(tmp_path):
+    from flashedu.checks.gate import numba_gate
+    assert numba_gate(load(NUMBA, (), tmp_path)) is None
+    helper = [("@cuda.jit\ndef flash_forward_kernel",
+               "@cuda.jit(device=True)\ndef rescaled(x, a):\n    return x * a\n\n\n"
+               "@cuda.jit\ndef flash_forward_kernel"),
+              ("                    o[c] *= alpha\n", "                    o[c] = rescaled(o[c], alpha)\n")]
+    result = check(NUMBA, load(NUMBA, helper, tmp_path))
+    assert result.passed, str(result)

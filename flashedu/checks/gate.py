@@ -118,3 +118,135 @@ def triton_gate(kernel, which: str, timeout: float = 180.0) -> str | None:
             return ("your kernel runs in Triton's interpreter but does not compile for a GPU "
                     f"(checked for an H100, sm_90):\n{text[-1500:]}")
     return None  # compiled, or this machine cannot compile for CUDA: nothing to say
+
+
+# ------------------------------------------------------------------------------------------
+# numba: compiled to PTX for sm_90 with NVVM (the nvidia-nvvm and nvidia-cuda-nvrtc wheels)
+# ------------------------------------------------------------------------------------------
+
+# The launcher's call (flashedu.checks.kernels.launch_numba_forward):
+# kernel(Q, K, V, O, L, scale, causal) on float32 arrays, a float32 scale and a bool.
+NUMBA_SIGNATURE = "(float32[:, :], float32[:, :], float32[:, :], float32[:, :], float32[:], float32, boolean)"
+
+_NUMBA_SCRIPT = r"""
+import json, os, sys, importlib.util
+spec = json.loads(sys.argv[1])
+try:
+    from numba import cuda
+    from numba.cuda.cudadrv import nvvm
+    if not nvvm.is_available():
+        raise RuntimeError("NVVM (libnvvm) was not found")
+except Exception as exc:
+    print("GATE-SKIP:" + json.dumps(f"{type(exc).__name__}: {exc}"))
+    sys.exit(0)
+m = importlib.util.spec_from_file_location("learner_kernel", spec["path"])
+mod = importlib.util.module_from_spec(m)
+try:
+    m.loader.exec_module(mod)
+    fn = getattr(mod, spec["name"])
+    cuda.compile_ptx(getattr(fn, "py_func", fn), spec["signature"], cc=(9, 0))
+except Exception as exc:
+    text = str(exc)
+    if type(exc).__name__ in ("DynamicLibNotFoundError", "NvvmSupportError", "CudaSupportError"):
+        print("GATE-SKIP:" + json.dumps(f"{type(exc).__name__}: {text[:300]}"))
+    else:
+        lines = []
+        for t in text.splitlines():
+            if t.startswith("There are") or len(lines) == 3:
+                break
+            if t.strip():
+                lines.append(t)
+        loc = getattr(exc, "loc", None)
+        line = getattr(loc, "line", None)
+        if line:
+            code = open(spec["path"]).read().splitlines()[line - 1].strip()
+            lines.append(f"in the line: {code}")
+        print("GATE-REFUSED:" + json.dumps(f"{type(exc).__name__}: " + "\n".join(lines)))
+    sys.exit(0)
+print("GATE-OK")
+"""
+
+
+def numba_module_source(kernel) -> tuple[str, str]:
+    """(module source, kernel name): the kernel, the @cuda.jit device functions it calls
+    (recursively) and the int/float/bool constants they read, under numba / math imports."""
+    parts, consts, seen = [], {}, set()
+
+    def inner(obj):
+        fn = getattr(obj, "py_func", None)
+        return fn if inspect.isfunction(fn) and \
+            type(obj).__module__.split(".")[0] in ("numba", "numba_cuda") else None
+
+    def add(fn):
+        if fn in seen:
+            return
+        seen.add(fn)
+        env = fn.__globals__
+        for name in fn.__code__.co_names:
+            value = env.get(name)
+            if isinstance(value, (bool, int, float)):
+                consts[name] = value
+            elif inner(value) is not None:
+                add(inner(value))
+        source = textwrap.dedent(inspect.getsource(fn))
+        if fn is not kernel_fn:  # a device function: decorate it as one, whatever it said
+            lines = source.splitlines()
+            body = [line for line in lines if not line.lstrip().startswith("@")]
+            source = "@cuda.jit(device=True)\n" + "\n".join(body) + "\n"
+        else:
+            lines = source.splitlines()
+            source = "\n".join(line for line in lines if not line.lstrip().startswith("@")) + "\n"
+        parts.append(source)
+
+    kernel_fn = inner(kernel)
+    if kernel_fn is None:
+        raise TypeError("not a numba kernel")
+    add(kernel_fn)
+    head = ("import math\nimport numba\nfrom numba import *  # noqa\nfrom numba import cuda\n")
+    head += "".join(f"{k} = {v!r}\n" for k, v in consts.items())
+    return head + "\n\n".join(reversed(parts)), kernel_fn.__name__
+
+
+def numba_gate_unavailable() -> str | None:
+    """Why this machine cannot compile numba kernels for a GPU (None when it can)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    run = subprocess.run([sys.executable, "-c", "from numba.cuda.cudadrv import nvvm; "
+                          "print('NVVM', nvvm.is_available())"], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    if "NVVM True" in run.stdout:
+        return None
+    return ("numba-cuda finds no libnvvm here (pip install nvidia-nvvm nvidia-cuda-nvrtc, the "
+            "CUDA 13 wheels): " + (run.stdout + run.stderr).strip()[-300:])
+
+
+def numba_gate(kernel, timeout: float = 180.0) -> str | None:
+    """A message when the numba ``kernel`` does not compile to PTX for an H100 (sm_90), else
+    None (also when this machine cannot tell: no libnvvm). Without a GPU, numba's simulator
+    runs any Python; NVVM compiles only what a GPU can run."""
+    if os.environ.get("FLASHEDU_COMPILE_GATE", "1") == "0":
+        return None
+    try:
+        source, name = numba_module_source(kernel)
+    except (OSError, TypeError, AttributeError):
+        return None  # the kind check reports objects that are not kernels
+    with tempfile.TemporaryDirectory(prefix="flashedu-gate-") as folder:
+        path = Path(folder) / "learner_kernel.py"
+        path.write_text(source)
+        spec = {"path": str(path), "name": name, "signature": NUMBA_SIGNATURE}
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+        env["NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"] = "1"
+        try:
+            run = subprocess.run([sys.executable, "-c", _NUMBA_SCRIPT, json.dumps(spec)],
+                                 env=env, capture_output=True, text=True, timeout=timeout,
+                                 check=False, cwd=folder)
+        except subprocess.TimeoutExpired:
+            return None
+    for line in run.stdout.splitlines():
+        if line.startswith("GATE-REFUSED:"):
+            text = json.loads(line[len("GATE-REFUSED:"):])
+            return ("your kernel runs in numba's simulator but does not compile for a GPU "
+                    f"(checked for an H100, sm_90, with NVVM):\n{text[:1500]}\nInside a "
+                    "kernel only scalars, cuda.local / cuda.shared arrays, the kernel's "
+                    "array arguments, math.* and @cuda.jit(device=True) functions work: no "
+                    "lists, NumPy calls or Python objects.")
+    return None  # compiled, or this machine cannot compile for CUDA: nothing to say

@@ -594,8 +594,11 @@ def _kernel_problem(kernel, kind: str) -> str | None:
 
 def _gate(which):
     def gate(kernel):
-        from .gate import triton_gate
+        from .gate import numba_gate, triton_gate
 
+        if which == "numba":
+            # on a GPU numba has just compiled the kernel for real: nothing to add
+            return numba_gate(kernel) if runtime.numba_simulated() else None
         return triton_gate(kernel, which)
     return gate
 
@@ -1030,7 +1033,7 @@ EXERCISES = [
     Exercise("numba_forward_kernel", 3, "flash_forward_kernel", _numba_cases,
              invoke=_numba_invoke, diagnose=_diagnose_kernel, timeout=120.0,
              requires=_numba_unavailable, unfilled=_still_skeleton,
-             inspect=lambda k: _kernel_problem(k, "numba")),
+             inspect=lambda k: _kernel_problem(k, "numba"), gate=_gate("numba")),
     Exercise("triton_forward_kernel", 4, "flash_forward_kernel", _triton_cases,
              invoke=_triton_invoke, diagnose=_diagnose_kernel, timeout=120.0,
              requires=_triton_unavailable, unfilled=_still_skeleton,

@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from .backends import BACKENDS, resolve_backend
+from .backends import BACKENDS, backends_with, resolve_backend
 from .masks import BlockMask
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -21,16 +21,27 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 SCALE_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 
 
-def attention(q, k, v, *, is_causal=False, scale=None, dropout_p=0.0, block_mask=None,
-              enable_gqa=False, backend="auto"):
+def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
+              block_mask=None, score_mod=None, enable_gqa=False, return_lse=False,
+              backend="auto"):
     """Exact attention softmax(scale * q k^T) v, computed by a FlashAttention backend.
 
     q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d); returns (B, H, Nq, d) in q's dtype.
+    attn_mask: SDPA's: a bool tensor (True: the pair takes part) or a float tensor added to
+    the scores, broadcastable to (B, H, Nq, Nk); not together with is_causal (SDPA refuses that
+    too: put the causal rule in the mask, or use a block mask from flashedu.mods.causal()).
     is_causal: query i sees keys j <= i (top-left aligned, as SDPA's is_causal).
     scale: defaults to 1/sqrt(d). block_mask: a :class:`flashedu.BlockMask`; tiles it marks
-    False are skipped. enable_gqa: allow H to be a multiple of Hkv (grouped-query attention).
+    False are skipped, its mask mod masks its partial tiles element-wise
+    (:meth:`BlockMask.from_mask_mod`). score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``
+    (:mod:`flashedu.mods`), applied to scale * q k^T before attn_mask is added and the masks
+    apply. enable_gqa: allow H to be a multiple of Hkv (grouped-query attention).
+    return_lse: also return the natural-log logsumexp of each row's (modified) scores,
+    (B, H, Nq), float32 (float64 for float64 inputs), -inf for a row that sees nothing:
+    ``out, lse = attention(..., return_lse=True)``; gradients flow through it too.
     backend: "naive", "numpy", "numba", "triton", or "auto" (triton on a CUDA GPU, else numpy).
-    A query row that sees no key gives zeros.
+    A query row that sees no key gives zeros. A backend without a feature that the call uses
+    raises NotImplementedError naming the backends that have it.
 
     Accepted as SDPA accepts them: Python or NumPy bools for the flags, Python or NumPy reals for
     ``scale`` (within float32's normal range, see ``SCALE_RANGE``), and tensors that are views
@@ -45,16 +56,57 @@ def attention(q, k, v, *, is_causal=False, scale=None, dropout_p=0.0, block_mask
     q, k, v = (t.resolve_neg().resolve_conj() for t in (q, k, v))
     scale = _check_scale(scale, q.shape[-1])
     dropout_p = _check_dropout(dropout_p)
+    return_lse = _check_flag(return_lse, "return_lse")
+    extras = {}  # features a backend receives only when the call uses them
+    if attn_mask is not None:
+        extras["attn_mask"] = _check_attn_mask(attn_mask, q, k, is_causal)
+    if score_mod is not None:
+        extras["score_mod"] = _check_score_mod(score_mod, q, k)
+    if return_lse:
+        extras["return_lse"] = True
     if block_mask is not None:
         _check_block_mask(block_mask, q, k)
         is_causal = is_causal or block_mask.is_causal
+    _check_features(name, spec, extras, block_mask)
     if dropout_p > 0 and not spec.has_dropout:
         with_dropout = [n for n, s in BACKENDS.items() if s.has_dropout]
         raise NotImplementedError(
             f"backend {name!r} does not implement dropout (dropout_p={dropout_p}); "
             f"use one of {with_dropout}, or dropout_p=0.0")
     fn = spec.load()
-    return fn(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p)
+    return fn(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p,
+              **extras)
+
+
+def _check_features(name, spec, extras, block_mask) -> None:
+    """NotImplementedError, naming the backends that have it, for a feature ``name`` lacks."""
+    wanted = [f for f in ("attn_mask", "score_mod", "return_lse") if f in extras]
+    if block_mask is not None and block_mask.needs_mask_mod:
+        kind = getattr(block_mask.mask_mod, "kind", None)
+        if not spec.has_mask_mod and kind not in spec.mask_mod_kinds:
+            have = backends_with("mask_mod")
+            raise NotImplementedError(
+                f"backend {name!r} does not apply a block mask's mask mod inside its partial "
+                f"tiles (block_mask.mask_mod = {block_mask.mask_mod!r}); use one of {have}")
+    if "score_mod" in extras and not spec.has_score_mod:
+        kind = getattr(extras["score_mod"], "kind", None)
+        if kind not in spec.score_mod_kinds:
+            raise NotImplementedError(
+                f"backend {name!r} compiles only the library score mods "
+                f"{sorted(spec.score_mod_kinds)}, got {extras['score_mod']!r}; any score mod "
+                f"runs on {backends_with('score_mod')}")
+        wanted.remove("score_mod")
+    if "attn_mask" in extras and spec.has_attn_mask:
+        kind = "float" if extras["attn_mask"].is_floating_point() else "bool"
+        if kind not in spec.attn_mask_kinds:
+            have = [n for n, s in BACKENDS.items() if s.has_attn_mask and kind in s.attn_mask_kinds]
+            raise NotImplementedError(
+                f"backend {name!r} does not implement a {kind} attn_mask; use one of {have} "
+                f"(or, on {name!r}, a bool attn_mask or a mask mod)")
+    for feature in wanted:
+        if not getattr(spec, f"has_{feature}"):
+            raise NotImplementedError(f"backend {name!r} does not implement {feature}; use one "
+                                      f"of {backends_with(feature)}")
 
 
 def _check_backend(backend) -> str:
@@ -148,6 +200,47 @@ def _check_dropout(p) -> float:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     return p
+
+
+def _check_attn_mask(attn_mask, q, k, is_causal):
+    """SDPA's attn_mask: bool or float, on q's device, broadcastable to (B, H, Nq, Nk)."""
+    import torch
+
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor (bool: True takes part; float: added "
+                        f"to the scores) or None, got {type(attn_mask).__name__}")
+    if attn_mask.is_nested or attn_mask.layout != torch.strided:
+        raise TypeError("attn_mask must be a dense (strided) tensor")
+    if is_causal:
+        raise ValueError("attn_mask and is_causal=True cannot be combined (SDPA refuses them "
+                         "together too): put the causal rule into attn_mask (mask & "
+                         "torch.ones(Nq, Nk, dtype=torch.bool).tril()), or pass a block mask "
+                         "from BlockMask.from_mask_mod(flashedu.mods.causal(), ...)")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in (q.dtype, torch.float32):
+        raise TypeError(f"attn_mask must be bool, or float with q's dtype ({q.dtype}) or "
+                        f"float32, got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask must be on q's device {q.device}, got {attn_mask.device}")
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    ok = attn_mask.dim() <= 4
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(attn_mask.shape, full) == torch.Size(full)
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"attn_mask must broadcast to (B, H, Nq, Nk) = {full}, got shape "
+                         f"{tuple(attn_mask.shape)}")
+    return attn_mask.resolve_neg().resolve_conj()
+
+
+def _check_score_mod(score_mod, q, k):
+    from .mods import bind
+
+    if not callable(score_mod):
+        raise TypeError(f"score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx) "
+                        f"or None, got {type(score_mod).__name__}")
+    return bind(score_mod, (q.shape[2], k.shape[2]))
 
 
 def _check_block_mask(block_mask, q, k) -> None:

@@ -10,6 +10,15 @@ q is (B, H, Nq, d); k and v are (B, Hkv, Nk, d) with H a multiple of Hkv (groupe
 attention: query head h reads K/V head h // (H // Hkv)). ``is_causal`` already includes the block
 mask's own causal flag.
 
+Features beyond that are keyword arguments that a backend receives only when the call uses
+them, and only when its flag below says it has them (:func:`flashedu.attention` refuses the call
+otherwise, naming the backends that do): ``attn_mask`` (SDPA's, a bool or float tensor
+broadcastable to (B, H, Nq, Nk)), ``score_mod`` (a :mod:`flashedu.mods` score mod, already
+bound to (Nq, Nk)), ``return_lse=True`` (return ``(out, lse)``, lse natural-log (B, H, Nq)).
+A block mask whose partial tiles need its mask mod (``block_mask.needs_mask_mod``) goes only to
+a backend with ``has_mask_mod`` (or whose ``mask_mod_kinds`` compile that library kind). A
+backend with a feature has it forward and backward.
+
 Each backend's module is imported by a plain import inside its loader, on first use, so that
 triton and numba are imported after :mod:`flashedu.runtime` has decided how they run. A plain
 import is also what ``torch.compile`` traces through: the call from ``flashedu.attention`` to the
@@ -55,6 +64,16 @@ class Backend:
     has_backward: bool
     has_dropout: bool
     runs_on: str  # "cpu", "gpu" (emulated on CPU without one), or "any"
+    has_attn_mask: bool = False  # SDPA's attn_mask, bool and float
+    has_score_mod: bool = False  # any score mod (library and user), with its derivative
+    has_mask_mod: bool = False  # any mask mod on the partial tiles of a block mask
+    has_return_lse: bool = False  # return_lse=True
+    # library mask mods (their ``kind``) compiled natively, when has_mask_mod is False
+    mask_mod_kinds: frozenset = frozenset()
+    # library score mods (their ``kind``) compiled natively, when has_score_mod is False
+    score_mod_kinds: frozenset = frozenset()
+    # attn_mask dtypes taken ("bool", "float"), when has_attn_mask is True
+    attn_mask_kinds: frozenset = frozenset({"bool", "float"})
 
     def load(self):
         """The backend's entry point (its module is imported on the first call)."""
@@ -65,10 +84,17 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "naive": Backend("naive", _naive, True, True, "any"),
-    "numpy": Backend("numpy", _numpy, True, True, "cpu"),
+    "naive": Backend("naive", _naive, True, True, "any", has_attn_mask=True, has_score_mod=True,
+                     has_mask_mod=True, has_return_lse=True),
+    "numpy": Backend("numpy", _numpy, True, True, "cpu", has_attn_mask=True, has_score_mod=True,
+                     has_mask_mod=True, has_return_lse=True),
     "numba": Backend("numba", _numba, False, False, "gpu"),
-    "triton": Backend("triton", _triton, True, True, "gpu"),
+    # triton: any mask mod (its partial tiles' element masks are evaluated on the host), the
+    # library score mods compiled into the kernels, and bool attn_masks (as a mask mod)
+    "triton": Backend("triton", _triton, True, True, "gpu", has_attn_mask=True,
+                      has_score_mod=False, has_mask_mod=True, has_return_lse=True,
+                      score_mod_kinds=frozenset({"softcap", "alibi"}),
+                      attn_mask_kinds=frozenset({"bool"})),
 }
 
 
@@ -89,6 +115,16 @@ def resolve_backend(name: str) -> str:
     if name == "auto":
         return runtime.auto_backend()
     return name
+
+
+FEATURES = {"attn_mask": "has_attn_mask", "score_mod": "has_score_mod",
+            "mask_mod": "has_mask_mod", "return_lse": "has_return_lse"}
+
+
+def backends_with(feature: str) -> list[str]:
+    """Names of the backends that implement ``feature`` (a key of FEATURES), forward and
+    backward."""
+    return [name for name, spec in BACKENDS.items() if getattr(spec, FEATURES[feature])]
 
 
 def backends_with_backward() -> list[str]:

@@ -9,6 +9,8 @@ sees it as the operators ``torch.ops.flashedu.numpy_forward`` / ``numpy_backward
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -17,19 +19,43 @@ from . import tiled
 DEFAULT_BLOCK = (64, 64)  # (Br, Bc) when no block mask fixes the tiling
 
 
-def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
-    """Backend entry point (inputs already checked by flashedu.attention)."""
+def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
+              score_mod=None, return_lse=False):
+    """Backend entry point (inputs already checked by flashedu.attention).
+
+    A call with element-level rules (attn_mask, a score mod, a block mask whose partial tiles
+    need its mask mod) or return_lse runs :class:`_ModAttention`, an autograd.Function over
+    the same NumPy kernels (the operators of flashedu.ops carry tile grids only); torch.compile
+    then runs it eagerly, outside the graph."""
     from . import ops
 
+    if (attn_mask is not None or score_mod is not None or return_lse
+            or (block_mask is not None and block_mask.needs_mask_mod)):
+        if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "the numpy backend gives no gradient to attn_mask (it requires grad here); "
+                "use backend='naive', or pass attn_mask.detach()")
+        rng = None
+        if dropout_p > 0:
+            from .dropout import draw_rng
+
+            rng = draw_rng(q.device)
+        params = dict(is_causal=is_causal, scale=scale, block_mask=block_mask,
+                      dropout_p=dropout_p, rng=rng, attn_mask=attn_mask, score_mod=score_mod)
+        out, lse = _ModAttention.apply(q, k, v, params)
+        return (out, lse) if return_lse else out
     return ops.attention("numpy", q, k, v, is_causal=is_causal, scale=scale,
                          block_mask=block_mask, dropout_p=dropout_p)
 
 
-def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None):
+def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None, attn_mask=None,
+            score_mod=None):
     """(O, L) for every (batch, head): L is the natural-log logsumexp (B, H, Nq) in the
     computing dtype (float64 for float64 inputs, else float32), on q's device.
-    ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) (``flashedu.dropout``)."""
+    ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) (``flashedu.dropout``).
+    ``attn_mask``, ``score_mod`` and the block mask's mask mod: see :func:`_head_mods`."""
     blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
+    blocks, head_mods = _head_mods(q, k, block_mask, blocks, Br, Bc, attn_mask, score_mod)
     seed, offset = _rng(dropout_p, rng)
     qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
     B, H, Nq, d = qn.shape
@@ -41,15 +67,19 @@ def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None):
             O[b, h], L[b, h] = tiled.flash_forward(
                 qn[b, h], kn[b, h // group], vn[b, h // group], Br, Bc, is_causal, scale,
                 block_mask=None if blocks is None else blocks[b, h],
-                dropout_p=dropout_p, seed=seed, offset=offset, bh=b * H + h)
+                dropout_p=dropout_p, seed=seed, offset=offset, bh=b * H + h,
+                mods=head_mods(b, h))
     return _to_torch(O, q), torch.from_numpy(L).to(q.device)
 
 
 def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask, dropout_p=0.0,
-             rng=None):
+             rng=None, attn_mask=None, score_mod=None, d_lse=None):
     """(dQ, dK, dV) from the forward's (O, L), one head at a time (Algorithm 4 of the paper);
-    with dropout, the forward's ``rng`` regenerates its mask."""
+    with dropout, the forward's ``rng`` regenerates its mask. ``d_lse``: the gradient reaching
+    the returned logsumexp (B, H, Nq), or None."""
     blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
+    blocks, head_mods = _head_mods(q, k, block_mask, blocks, Br, Bc, attn_mask, score_mod)
+    dLn = None if d_lse is None else d_lse.detach().cpu().double().numpy()
     seed, offset = _rng(dropout_p, rng)
     qn, kn, vn, on, dOn = (_to_numpy(t) for t in (q, k, v, out, d_out))
     Ln = lse.detach().cpu().numpy()
@@ -64,7 +94,8 @@ def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask, dropout_
                 qn[b, h], kn[b, h // group], vn[b, h // group], on[b, h], dOn[b, h],
                 Ln[b, h], Br, Bc, is_causal, scale,
                 block_mask=None if blocks is None else blocks[b, h],
-                dropout_p=dropout_p, seed=seed, offset=offset, bh=b * H + h)
+                dropout_p=dropout_p, seed=seed, offset=offset, bh=b * H + h,
+                mods=head_mods(b, h), dL=None if dLn is None else dLn[b, h])
             dQ[b, h] = dq
             dK[b, h // group] += dk
             dV[b, h // group] += dv
@@ -78,6 +109,79 @@ def _rng(dropout_p, rng):
     from .dropout import rng_values
 
     return rng_values(rng)
+
+
+def _head_mods(q, k, block_mask, blocks, Br, Bc, attn_mask, score_mod):
+    """(blocks, head_mods): the tile grid to visit and a function (b, h) -> tiled.TileMods or
+    None, from the block mask's mask mod, SDPA's attn_mask and the score mod.
+
+    A bool attn_mask becomes a mask mod (and tiles where it is all False are skipped); a float
+    one a score mod that adds it, after ``score_mod`` (see flashedu.mods for the order)."""
+    from . import mods
+
+    B, H, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
+    mask_mods, score_mods = [], []
+    full = None if blocks is None else np.ones((B, H, Tr, Tc), bool)
+    if block_mask is not None and block_mask.needs_mask_mod:
+        mask_mods.append(block_mask.mask_mod)
+        full = np.broadcast_to(block_mask.full_blocks, (B, H, Tr, Tc))
+    if score_mod is not None:
+        score_mods.append(score_mod)
+    if attn_mask is not None:
+        shape = (B, H, Nq, Nk)
+        if attn_mask.dtype == torch.bool:
+            mask_mods.append(mods._DenseMask(attn_mask.detach().cpu(), shape))
+            seen, every = _tile_any_all(attn_mask.detach().cpu().expand(shape).numpy(), Br, Bc)
+            blocks = seen if blocks is None else blocks & seen
+            full = every if full is None else full & every
+        else:
+            score_mods.append(mods._Bias(attn_mask.detach().cpu(), shape))
+    if not mask_mods and not score_mods:
+        return blocks, lambda b, h: None
+    mask_mod = None if not mask_mods else (
+        mask_mods[0] if len(mask_mods) == 1 else mods.and_masks(*mask_mods))
+    s_mod = None if not score_mods else (
+        score_mods[0] if len(score_mods) == 1 else mods._Chain(score_mods))
+
+    def head_mods(b, h):
+        return tiled.TileMods(Nq, Nk, Br, Bc, b=b, h=h, mask_mod=mask_mod, score_mod=s_mod,
+                              full=None if full is None else full[b, h])
+
+    return blocks, head_mods
+
+
+def _tile_any_all(mask, Br, Bc):
+    """Per (Br x Bc) tile of a (B, H, Nq, Nk) bool array: any True, all True."""
+    B, H, Nq, Nk = mask.shape
+    Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
+    padded = np.zeros((B, H, Tr * Br, Tc * Bc), bool)
+    padded[..., :Nq, :Nk] = mask
+    valid = np.zeros((Tr * Br, Tc * Bc), bool)
+    valid[:Nq, :Nk] = True
+    tiles = (B, H, Tr, Br, Tc, Bc)
+    return (padded.reshape(tiles).any(axis=(3, 5)),
+            (padded | ~valid).reshape(tiles).all(axis=(3, 5)))
+
+
+class _ModAttention(torch.autograd.Function):
+    """(out, lse) of the NumPy kernels with element-level rules; the backward takes the
+    gradient of both (lse's through D_i - dL_i, see tiled.flash_backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, params):
+        out, lse = forward(q, k, v, **params)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = params
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dk, dv = backward(q, k, v, out, lse, d_out, d_lse=d_lse, **ctx.params)
+        return dq, dk, dv, None
 
 
 def _tiling(block_mask, B, H):

@@ -51,11 +51,17 @@ class TileMask:
 
     causal: query row r sees key column c iff c <= r (top-left aligned, as SDPA).
     blocks: optional (Tr, Tc) bool array; a False tile is skipped entirely.
+    mods: optional :class:`TileMods`, the score mod and mask mod of a FlexAttention-style call.
     """
 
-    def __init__(self, Nq, Nk, Br, Bc, causal=False, blocks=None):
+    def __init__(self, Nq, Nk, Br, Bc, causal=False, blocks=None, mods=None):
         self.Nq, self.Nk, self.Br, self.Bc, self.causal = Nq, Nk, Br, Bc, causal
         self.blocks = None if blocks is None else np.asarray(blocks, dtype=bool)
+        self.mods = mods
+
+    def chain(self, i: int, j: int, dS_ij):
+        """The score mod's derivative on tile (i, j) times dS_ij (dS_ij without a score mod)."""
+        return dS_ij if self.mods is None else self.mods.chain(i, j, dS_ij)
 
     def skip(self, i: int, j: int) -> bool:
         """True when tile (i, j) has no visible element: the kernel does not touch it."""
@@ -65,13 +71,71 @@ class TileMask:
         return self.causal and j * self.Bc > last_q
 
     def apply(self, i: int, j: int, S_ij):
-        """Set invisible scores of tile (i, j) to -inf (only tiles cut by the diagonal)."""
+        """Set invisible scores of tile (i, j) to -inf (only tiles cut by the diagonal), after
+        the score mod and the mask mod of ``mods``, when there are any."""
+        if self.mods is not None:
+            S_ij = self.mods.apply(i, j, S_ij)
         first_q, last_k = i * self.Br, min((j + 1) * self.Bc, self.Nk) - 1
         if not self.causal or last_k <= first_q:  # whole tile below the diagonal
             return S_ij
         rows = np.arange(first_q, first_q + S_ij.shape[0])[:, None]
         cols = np.arange(j * self.Bc, j * self.Bc + S_ij.shape[1])[None, :]
         return np.where(cols <= rows, S_ij, -np.inf)
+
+
+class TileMods:
+    """The element-level rules of one head (b, h), tile by tile (FlexAttention's mods).
+
+    score_mod(score, b, h, q_idx, kv_idx): applied to every computed S_ij (already scaled).
+    mask_mod(b, h, q_idx, kv_idx): evaluated only on partial tiles, those where ``full`` (a
+    (Tr, Tc) bool array, or None: no tile is known full) is False; -inf where it says False.
+    Both get torch tensors shaped as :mod:`flashedu.mods` describes: b, h (1, 1, 1, 1),
+    q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), score (1, 1, rows, cols).
+
+    In the backward (``keep_grad=True``) ``apply`` also keeps d score_mod / d S_ij of the tile,
+    and ``chain`` multiplies dS_ij by it: the chain rule through the score mod (softcap's
+    1 - tanh^2, ALiBi's 1, a user's mod differentiated by torch autograd on the tile).
+    """
+
+    def __init__(self, Nq, Nk, Br, Bc, *, b=0, h=0, mask_mod=None, full=None, score_mod=None):
+        self.Nq, self.Nk, self.Br, self.Bc, self.b, self.h = Nq, Nk, Br, Bc, b, h
+        self.mask_mod, self.full, self.score_mod = mask_mod, full, score_mod
+        self.keep_grad = False
+        self._grad = {}
+
+    def _indices(self, i, j, shape):
+        import torch
+
+        rows, cols = shape
+        return (torch.tensor(self.b).view(1, 1, 1, 1), torch.tensor(self.h).view(1, 1, 1, 1),
+                torch.arange(i * self.Br, i * self.Br + rows).view(1, 1, rows, 1),
+                torch.arange(j * self.Bc, j * self.Bc + cols).view(1, 1, 1, cols))
+
+    def apply(self, i: int, j: int, S_ij):
+        import torch
+
+        from . import mods
+
+        idx = self._indices(i, j, S_ij.shape)
+        if self.score_mod is not None:
+            S = torch.from_numpy(np.ascontiguousarray(S_ij)).view(1, 1, *S_ij.shape)
+            if self.keep_grad:
+                S, grad = mods.score_mod_and_grad(self.score_mod, S, *idx)
+                self._grad[i, j] = grad.reshape(S_ij.shape).numpy().astype(S_ij.dtype)
+            else:
+                S = mods.apply_score_mod(self.score_mod, S, *idx)
+            S_ij = S.detach().reshape(S_ij.shape).numpy().astype(S_ij.dtype, copy=False)
+        if self.mask_mod is not None and (self.full is None or not self.full[i, j]):
+            visible = mods.evaluate_mask_mod(self.mask_mod, *idx, seq_lens=(self.Nq, self.Nk))
+            S_ij = np.where(visible.reshape(S_ij.shape).numpy(), S_ij, -np.inf)
+        return S_ij
+
+    def chain(self, i: int, j: int, dS_ij):
+        """dS_ij (gradient at the modified score) -> gradient at the raw score S_ij."""
+        grad = self._grad.pop((i, j), None)
+        if grad is None:
+            return dS_ij
+        return np.where(dS_ij == 0, dS_ij, dS_ij * grad)  # 0 where masked, even if grad is not finite
 
 
 class TileDropout:
@@ -128,7 +192,7 @@ def _check(Q, K, V, block_q, block_k, scale):
 
 def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
                   order="q_outer", block_mask=None, trace=None, dropout_p=0.0, seed=0,
-                  offset=0, bh=0):
+                  offset=0, bh=0, mods=None):
     """FlashAttention forward for one head. Returns (O (Nq, d), L (Nq,)).
 
     ``order`` is "q_outer" (FlashAttention-2) or "kv_outer" (the paper's Algorithm 1).
@@ -137,6 +201,8 @@ def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
     ``dropout_p`` > 0: the paper's Algorithm 2. Each P_ij is multiplied by Z_ij / (1 - p)
     before P_ij V_j (Z_ij from :mod:`flashedu.dropout`'s stream of (seed, offset, head bh));
     l_i and L still sum the undropped P_ij, so the backward can rebuild them.
+    ``mods``: an optional :class:`TileMods` (score mod on every S_ij, mask mod on the partial
+    tiles); L is then the logsumexp of the modified scores.
     """
     Q, K, V, scale = _check(Q, K, V, block_q, block_k, scale)
     (Nq, d), Nk = Q.shape, K.shape[0]
@@ -146,7 +212,7 @@ def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
         if block_mask.dtype != np.bool_ or block_mask.shape != (Tr, Tc):
             raise ValueError(f"block_mask must be a bool array of shape (Tr, Tc) = {(Tr, Tc)}, "
                              f"got {block_mask.dtype} {block_mask.shape}")
-    mask = TileMask(Nq, Nk, block_q, block_k, causal, block_mask)
+    mask = TileMask(Nq, Nk, block_q, block_k, causal, block_mask, mods)
     tr = NO_TRACE if trace is None else trace
     if trace is not None:
         trace.info.update(kernel="forward", order=order, Nq=Nq, Nk=Nk, d=d, Br=block_q,
@@ -263,7 +329,8 @@ def block_sparse_forward(Q, K, V, block_mask, block_q, block_k, scale=None, *,
 
 
 def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None, *,
-                   block_mask=None, trace=None, dropout_p=0.0, seed=0, offset=0, bh=0):
+                   block_mask=None, trace=None, dropout_p=0.0, seed=0, offset=0, bh=0,
+                   mods=None, dL=None):
     """FlashAttention backward for one head: recompute P_ij from L, never store P.
 
     With D_i = rowsum(dO_i * O_i) (a preprocess), for each tile pair:
@@ -280,6 +347,11 @@ def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None
     forward) the forward's mask is regenerated, Z_ij scaled by 1 / (1 - p):
         dV_j += (Z_ij * P_ij)^T dO_i,   dP_ij = Z_ij * (dO_i V_j^T)
     and D_i = rowsum(dO_i * O_i) still equals rowsum(P_ij * dP_ij) summed over j.
+
+    ``mods`` (a :class:`TileMods`): S_ij is modified as in the forward, and dS_ij is carried
+    back through the score mod (times its derivative) before dQ_i and dK_j. ``dL`` (Nq,): the
+    gradient reaching the logsumexp L itself (when the caller used it); since dL_i / dS_ij =
+    P_ij, it only changes D_i into D_i - dL_i.
     """
     Q, K, V, scale = _check(Q, K, V, block_q, block_k, scale)
     dtype = Q.dtype
@@ -294,7 +366,9 @@ def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None
         block_mask = np.asarray(block_mask, dtype=bool)
         if block_mask.shape != (Tr, Tc):
             raise ValueError(f"block_mask must have shape (Tr, Tc) = {(Tr, Tc)}, got {block_mask.shape}")
-    mask = TileMask(Nq, Nk, block_q, block_k, causal, block_mask)
+    if mods is not None:
+        mods.keep_grad = True
+    mask = TileMask(Nq, Nk, block_q, block_k, causal, block_mask, mods)
     drop = TileDropout(dropout_p, seed, offset, bh, block_q, block_k)
     tr = NO_TRACE if trace is None else trace
     if trace is not None:
@@ -310,6 +384,8 @@ def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None
         D[rows] = (dO_i * O_i).sum(axis=1)
         tr.store("D", i, D[rows])
     tr.drop("dO", "O", "D")
+    if dL is not None:  # the logsumexp's own gradient: dS_ij += P_ij * dL_i
+        D = D - np.asarray(dL, dtype=dtype).reshape(Nq)
 
     dQ = np.zeros_like(Q)
     dK = np.empty_like(K)
@@ -338,6 +414,7 @@ def flash_backward(Q, K, V, O, dO, L, block_q, block_k, causal=False, scale=None
             dV_j += (Z_ij * P_ij).T @ dO_i
             dP_ij = Z_ij * (dO_i @ V_j.T)
             dS_ij = P_ij * (dP_ij - D_i[:, None])
+            dS_ij = mask.chain(i, j, dS_ij)  # through the score mod (unchanged without one)
             dQ[rows] = dQ_i + scale * (dS_ij @ K_j)
             dK_j += scale * (dS_ij.T @ Q_i)
             tr.compute(i, j, S_ij=S_ij, dS_ij=dS_ij)

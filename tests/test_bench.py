@@ -1,9 +1,34 @@
-"""The benchmark commands' arguments and tables (timings themselves need a GPU: see
-BENCHMARKS.md for the recorded runs)."""
+"""`flashedu bench` and its subcommands: arguments refused before any work, the shared core
+(shapes, FLOPs, records, tables), and each subcommand run on a tiny problem: on a CPU where it
+can run there (numpy, decode --dry-run, correctness --smoke, notebooks, paper --cpu-dry-run in
+tests/test_paper_repro.py), on a GPU for the rest (`pytest -m gpu tests/test_bench.py`; the
+recorded full-size runs are in BENCHMARKS.md)."""
 
+import json
+import os
+
+import numpy as np
 import pytest
+import torch
 
-from flashedu import bench, bench_overhead, cli
+from flashedu import bench, cli
+from flashedu.benchmarks import core, overhead
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="times a CUDA GPU; none is visible here")
+GPU_ONLY = ["overhead", "numba", "gpt", "tune", "speed", "forward", "correctness", "decode",
+            "paper"]
+
+
+def run(argv, capsys):
+    code = cli.main(["bench", *argv])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+# ----------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv", [
@@ -11,6 +36,24 @@ from flashedu import bench, bench_overhead, cli
     ["--density", "2"], ["--density", "0"], ["--density", "-0.5"], ["--causal", "maybe"],
     ["--modes", "sideways"], ["--dtype", "int8"], ["--providers", "nobody"],
     ["--providers", "baseline"], ["--baseline", "/no/such/folder"],
+    ["--json", os.path.join(__file__, "x.json")], ["--plot", "/"],
+    ["overhead", "--shapes", "huge"], ["overhead", "--iters", "0"], ["overhead", "--iters", "-3"],
+    ["overhead", "--causal", "maybe"], ["overhead", "--modes", "bwd"],
+    ["overhead", "--providers", "naive"], ["overhead", "--dtype", "float64"],
+    ["numpy", "--n", "0"], ["numpy", "--block", "x"], ["numpy", "--repeats", "-1"],
+    ["decode", "--nk", "0"], ["decode", "--d", "512"], ["decode", "--dtype", "int8"],
+    ["decode", "--heads", "6", "--kv-heads", "4"], ["decode", "--num-splits", "0"],
+    ["gpt", "--seq-lens", "512,abc"], ["gpt", "--seq-lens", "0"], ["gpt", "--methods", "flash3"],
+    ["gpt", "--steps", "0"], ["gpt", "--seq-lens", "4096", "--tokens-per-step", "1024"],
+    ["numba", "everything"], ["numba"], ["numba", "check", "--log-dir", __file__],
+    ["correctness", "--cases", "x"],
+    ["paper", "--parts", "fig9"], ["paper", "--ncu-timeout", "0"], ["paper", "--out", __file__],
+    ["paper"],
+    ["tune", "--d", "0"], ["tune", "--causal", "2"], ["tune", "--n", "-1"],
+    ["speed", "sideways"], ["speed", "regress", "--d", "96"], ["speed", "regress", "--n", "0"],
+    ["forward"], ["forward", "--prev", "/no/such/forward.py"],
+    ["forward", "--prev", __file__, "--only", "warp_drive"],
+    ["notebooks", "/no/such.ipynb"], ["notebooks", "--timeout", "0"],
 ])
 def test_bench_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -19,15 +62,12 @@ def test_bench_rejects_bad_arguments(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [
-    ["--shapes", "huge"], ["--iters", "0"], ["--iters", "-3"], ["--causal", "maybe"],
-    ["--modes", "bwd"], ["--providers", "naive"], ["--dtype", "float64"],
-])
-def test_overhead_rejects_bad_arguments(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "overhead", *argv])
-    assert exc.value.code == 2
-    assert "error" in capsys.readouterr().err
+def test_every_subcommand_has_help(capsys):
+    for name in bench.SUBCOMMANDS:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", name, "--help"])
+        assert exc.value.code == 0
+        assert f"flashedu bench {name}" in capsys.readouterr().out, name
 
 
 def test_bench_parses_good_arguments(tmp_path):
@@ -38,15 +78,83 @@ def test_bench_parses_good_arguments(tmp_path):
     (tmp_path / "__init__.py").write_text("")
     args = bench.parse_args(["--baseline", str(tmp_path)])
     assert args.providers[:2] == ["flashedu", "baseline"]
-    over = bench_overhead.parse_args(["--shapes", "gpt", "--causal", "false", "--iters", "7"])
+    over = overhead.parse_args(["--shapes", "gpt", "--causal", "false", "--iters", "7"])
     assert over.shapes == ["gpt"] and over.causal == [False] and over.iters == 7
     assert over.providers[0] == "flashedu" and set(over.modes) == {"fwd", "fwd+bwd"}
 
 
+@pytest.mark.skipif(CUDA, reason="a GPU is present: these subcommands would measure")
+@pytest.mark.parametrize("argv", [
+    ["overhead", "--shapes", "tiny"], ["numba", "check"], ["gpt", "--seq-lens", "256"],
+    ["tune", "--n", "256"], ["speed", "regress"], ["forward", "--prev", __file__],
+    ["correctness"], ["decode"], ["paper", "--out", "unused"],
+])
+def test_gpu_only_subcommands_say_so_without_a_gpu(argv, capsys):
+    code, text = run(argv, capsys)
+    assert code == 1 and "needs a CUDA GPU" in text
+    assert not os.path.exists("unused")
+
+
+# ----------------------------------------------------------------------------------------
+# The core
+# ----------------------------------------------------------------------------------------
+
+
+def test_shape_and_flop_rule():
+    assert core.batch_heads(8192, 64) == (2, 32) and core.batch_heads(32768, 256) == (1, 8)
+    B, H = core.batch_heads(4096, 128)
+    assert B * 4096 == core.TOKENS and H * 128 == core.WIDTH
+    f = core.attention_flops(2, 3, 100, 50, 16)
+    assert f == 4 * 2 * 3 * 100 * 50 * 16
+    assert core.attention_flops(2, 3, 100, 50, 16, causal=True, mode="bwd") == f * 0.5 * 2.5
+    assert core.attention_flops(2, 3, 100, 50, 16, mode="fwd+bwd", density=0.25) == f * 3.5 / 4
+    assert core.flops(8192, 64, causal=True) == core.attention_flops(2, 32, 8192, 8192, 64,
+                                                                     causal=True)
+    assert core.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    case = bench.Case(2048, 64, True, "bwd", 0.5, "bfloat16")
+    assert (case.B, case.H) == core.batch_heads(2048, 64)
+    assert case.flops() == core.attention_flops(case.B, case.H, 2048, 2048, 64, causal=True,
+                                                mode="bwd", density=0.5)
+
+
+def test_environment_records_where_it_ran(monkeypatch):
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    env = core.environment(["numpy", "--n", "64"], extra=1)
+    assert env["commit"] == "abc1234" and env["command"] == "flashedu bench numpy --n 64"
+    assert env["extra"] == 1 and env["torch"] == torch.__version__ and env["triton"]
+    assert env["device"] == (torch.cuda.get_device_name(0) if CUDA else env["device"])
+    assert env["date"].startswith("20") and "T" in env["date"]
+    monkeypatch.delenv("GIT_COMMIT")
+    assert core.environment("python3 x.py")["commit"] not in ("", "abc1234")
+
+
+def test_json_table_and_output_types(tmp_path):
+    path = tmp_path / "deeper" / "out.json"
+    core.write_json(str(path), {"a": np.float32(0.5), "b": np.int64(3), "c": torch.tensor(2.0),
+                                "d": object})
+    data = json.loads(path.read_text())
+    assert data["a"] == 0.5 and data["b"] == 3 and data["c"] == 2.0 and "object" in data["d"]
+    text = core.format_table(["name", "ms"], [["a", 1.5], ["longer", 10]])
+    lines = text.splitlines()
+    assert lines[0] == "  name   ms" and set(lines[1]) == {"-", " "} and lines[3].endswith("10")
+    assert core.output_file(str(tmp_path / "new" / "x.json"))
+    with pytest.raises(Exception, match="folder, not a file"):
+        core.output_file(str(tmp_path))
+    with pytest.raises(Exception, match="is a file"):
+        core.output_dir(__file__)
+
+
+def test_time_ms_on_the_host():
+    calls = []
+    ms = core.time_ms(lambda: calls.append(1), host=True, cpu_repeats=3)
+    assert ms >= 0 and len(calls) == 4  # one warm-up, three timed
+    assert core.try_time_ms(lambda: 1 / 0, host=True) == float("inf")
+
+
 def test_overhead_shapes_are_the_measured_ones():
-    assert bench_overhead.SHAPES["gpt"] == (8, 12, 512, 64)
-    assert bench_overhead.SHAPES["n1024"] == (4, 32, 1024, 64)
-    assert all(n > 0 for shape in bench_overhead.SHAPES.values() for n in shape)
+    assert overhead.SHAPES["gpt"] == (8, 12, 512, 64)
+    assert overhead.SHAPES["n1024"] == (4, 32, 1024, 64)
+    assert all(n > 0 for shape in overhead.SHAPES.values() for n in shape)
 
 
 def test_overhead_table_lists_every_provider_and_the_ratio():
@@ -56,16 +164,110 @@ def test_overhead_table_lists_every_provider_and_the_ratio():
              "wall_us": 80.0, "bench_us": 25.0},
             {"shape": "gpt", "causal": True, "mode": "fwd", "provider": "flex",
              "error": "RuntimeError: no"}]
-    text = bench_overhead.table(rows, ["flashedu", "sdpa-flash", "flex"])
+    text = overhead.table(rows, ["flashedu", "sdpa-flash", "flex"])
     line = next(x for x in text.splitlines() if x.startswith("gpt causal fwd"))
     assert "60 / 20" in line and "80 / 25" in line and "RuntimeError" in line
     assert line.rstrip().endswith("0.75x")
 
 
-def test_overhead_without_gpu_says_so(capsys):
-    import torch
+# ----------------------------------------------------------------------------------------
+# Tiny runs on a CPU
+# ----------------------------------------------------------------------------------------
 
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the benchmark would time (see BENCHMARKS.md)")
-    assert cli.main(["bench", "overhead", "--shapes", "tiny"]) == 0
-    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+def test_numpy_benchmark_runs_tiny(tmp_path, capsys):
+    out = tmp_path / "numpy.json"
+    code, text = run(["numpy", "--n", "40", "--d", "8", "--block", "16", "--repeats", "1",
+                      "--json", str(out)], capsys)
+    assert code == 0 and "tiled, Q outer (FA2)" in text
+    data = json.loads(out.read_text())
+    assert {"device", "date", "commit", "command", "torch"} <= set(data)
+    assert len(data["rows"]) == 3 and all(r["max_abs_diff_vs_naive"] < 1e-5 for r in data["rows"])
+
+
+def test_decode_dry_run(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    code, text = run(["decode", "--dry-run", "--nk", "64", "--json", str(out)], capsys)
+    assert code == 0, text
+    case = json.loads(out.read_text())["cases"][0]
+    assert case["Nk"] == 64 and "error" not in case and case["max_err_split"] < 1e-4
+
+
+@pytest.mark.slow
+def test_correctness_smoke(capsys):
+    """The real-size check's two tiny cases and the ablation variants (Triton's interpreter
+    on a CPU, about 20 s)."""
+    code, text = run(["correctness", "--smoke"], capsys)
+    assert code == 0, text
+    assert "2/2 cases passed" in text and "production kernels: ok" in text
+
+
+def test_notebooks_runner_runs_a_notebook(tmp_path, capsys):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 6 * 7\nassert x == 42")])
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(nb, path)
+    bad = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 / 0")])
+    nbformat.write(bad, tmp_path / "bad.ipynb")
+    out, tar = tmp_path / "times.json", tmp_path / "executed.tar.gz"
+    code, text = run(["notebooks", str(path), str(tmp_path / "bad.ipynb"), "--json", str(out),
+                      "--executed", str(tar)], capsys)
+    assert code == 1 and "1/2 ran top to bottom" in text and "ZeroDivisionError" in text
+    rows = json.loads(out.read_text())["notebooks"]
+    assert [r["ok"] for r in rows] == [True, False] and tar.stat().st_size > 0
+
+
+def test_numba_check_case_on_the_simulator():
+    from flashedu.benchmarks import numba_gpu
+
+    result = numba_gpu.check_case(1, 2, 1, 21, 19, 6, is_causal=True, sample_rows=9,
+                                  device="cpu")
+    assert result["passed"], result
+
+
+# ----------------------------------------------------------------------------------------
+# Tiny runs on a GPU (pytest -m gpu tests/test_bench.py)
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("argv", [
+    ["--n", "1024", "--d", "64", "--modes", "fwd", "bwd", "--causal", "true", "--density",
+     "0.5", "--providers", "sdpa-flash", "flex", "--no-progress"],
+    ["overhead", "--shapes", "tiny", "--iters", "5", "--providers", "sdpa-flash", "--quiet"],
+    ["correctness", "--smoke"],
+    ["decode", "--nk", "4096", "16384", "--heads", "8", "--kv-heads", "2"],
+    ["gpt", "--n-layers", "1", "--seq-lens", "256,512", "--warmup", "1", "--steps", "1",
+     "--tokens-per-step", "2048"],
+    ["tune", "--n", "1024", "--d", "64", "--causal", "1"],
+    ["speed", "regress", "--n", "1024", "--d", "64"],
+    ["speed", "ncu-fwd"],
+    ["forward", "--prev", "flashedu/triton/forward.py", "--only", "compile", "peers"],
+    ["paper", "--quick", "--parts", "memory"],
+], ids=lambda a: " ".join(a[:2]))
+def test_gpu_subcommand_runs_small(argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    json_flag = {"gpt": "--out", "paper": "--out"}.get(argv[0], "--json")
+    target = tmp_path / ("out" if json_flag == "--out" and argv[0] == "paper" else "out.json")
+    extra = [] if argv[0] == "speed" and argv[1] == "ncu-fwd" else [json_flag, str(target)]
+    code, text = run(argv + extra, capsys)
+    assert code == 0, text[-3000:]
+    if extra:
+        path = target / "paper_repro.json" if target.suffix == "" else target
+        data = json.loads(path.read_text())
+        env = data.get("environment", data)
+        assert env["device"] and env["commit"] and env["command"].startswith("flashedu bench")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_numba_check_case_on_the_gpu():
+    from flashedu import runtime
+    from flashedu.benchmarks import numba_gpu
+
+    if runtime.numba_simulated():
+        pytest.skip("numba runs its simulator here (NUMBA_ENABLE_CUDASIM is set)")
+    result = numba_gpu.check_case(1, 2, 1, 1000, 777, 64, is_causal=True)
+    assert result["passed"], result

@@ -25,13 +25,11 @@ checkout's triton backend as ``baseline``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 
-from .bench import (EXTRA_PROVIDERS, Case, boolean, check_baseline, environment, make_forward,
-                    positive_int)
+from ..bench import EXTRA_PROVIDERS, Case, check_baseline, make_forward
+from . import core
 
 SHAPES = {  # (B, H, N, d)
     "tiny": (1, 2, 128, 64),
@@ -65,7 +63,6 @@ def step(provider: str, shape, causal: bool, mode: str, dtype):
 def measure(fn, grads, iters: int) -> dict:
     """{"wall_us", "bench_us"}: perf_counter over synchronized calls, do_bench's median."""
     import torch
-    from triton.testing import do_bench
 
     for _ in range(3):  # compile, and fill every cache on the way
         fn()
@@ -79,7 +76,7 @@ def measure(fn, grads, iters: int) -> dict:
             fn()
             torch.cuda.synchronize()
         walls.append((time.perf_counter() - start) / iters * 1e6)
-    ms = do_bench(fn, warmup=25, rep=100, grad_to_none=grads or None, return_mode="median")
+    ms = core.time_ms(fn, grad_to_none=grads or None)
     return {"wall_us": min(walls), "bench_us": ms * 1e3}
 
 
@@ -132,10 +129,9 @@ def table(rows, providers) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="flashedu bench overhead",
-                                description=__doc__.split("\n\n")[0])
+    p = core.parser("overhead", __doc__)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--causal", type=boolean, nargs="+", default=[True],
+    p.add_argument("--causal", type=core.boolean, nargs="+", default=[True],
                    help="causal values to run (true/false)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS),
@@ -143,9 +139,9 @@ def parse_args(argv):
     p.add_argument("--baseline", default=None, metavar="PATH",
                    help="another checkout's flashedu/ folder: its triton backend is timed too")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--iters", type=positive_int, default=200,
+    p.add_argument("--iters", type=core.positive_int, default=200,
                    help="synchronized calls per wall-time round")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", type=core.output_file, default=None, help="write the results here")
     p.add_argument("--quiet", action="store_true", help="no line per measurement")
     args = p.parse_args(argv)
     if "flashedu" not in args.providers:
@@ -157,25 +153,17 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from . import runtime
-
-    if not runtime.configure()["gpu"]:
-        print("flashedu bench overhead: wall time per call needs a CUDA GPU; none is visible "
-              "here, so nothing is timed.")
-        return 0
+    if not core.gpu_available():
+        return core.needs_gpu("flashedu bench overhead")
     import torch
 
-    env = environment(["overhead", *argv])
+    env = core.environment(["overhead", *argv])
     rows = run_all(args.shapes, args.causal, args.modes, args.providers,
                    getattr(torch, args.dtype), args.iters, progress=not args.quiet)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**env, "rows": rows}, f, indent=1)
+        core.write_json(args.json, {**env, "rows": rows})
     print(f"\n{env['device']}  torch {env['torch']}  triton {env['triton']}  "
           f"commit {env['commit']}  {args.dtype}")
     print(table(rows, args.providers))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -52,7 +52,7 @@ SECOND_ORDER_BACKENDS = ("naive",)
 
 
 def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mask,
-              dropout_p: float = 0.0):
+              dropout_p: float = 0.0, attn_mask=None, score_mod=None, return_lse=False):
     """The output of ``torch.ops.flashedu.<backend>_forward``: what the backends call.
 
     A plain eager call (real tensors, no compile, no transform, no dispatch mode) skips the
@@ -65,6 +65,10 @@ def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mas
         from .dropout import draw_rng
 
         rng = draw_rng(q.device)
+    mods = Mods.of(attn_mask, score_mod, block_mask)
+    if mods is not None or return_lse:  # Python objects the operators cannot carry
+        out, lse = _modded(backend, q, k, v, is_causal, scale, block_mask, dropout_p, rng, mods)
+        return (out, lse) if return_lse else out
     if _plain_eager(q, k, v):
         return _EagerAttention.apply(backend, q, k, v, is_causal, scale, block_mask, dropout_p,
                                      rng)
@@ -140,7 +144,16 @@ def _dropout_kwargs(dropout_p, rng):
     return {} if dropout_p == 0 else {"dropout_p": dropout_p, "rng": rng}
 
 
-def triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None):
+def _mods_kwargs(mods, dlse=None):
+    """The launch code's arguments for masks, score mods and an lse gradient: none when the
+    call has none (the kernels as without them)."""
+    kwargs = {} if mods is None else {"mods": mods}
+    if dlse is not None:
+        kwargs["dlse"] = dlse
+    return kwargs
+
+
+def triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None, mods=None):
     """The Triton forward; lse is the base-2 logsumexp, +inf for an empty row."""
     from . import runtime
     from .triton.autograd import resolve_config
@@ -150,11 +163,11 @@ def triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None
     config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
     return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
                    tiles=config.forward_tiles(mask), interpreted=runtime.triton_interpreted(),
-                   **_dropout_kwargs(dropout_p, rng))
+                   **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods))
 
 
 def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p=0.0,
-                         rng=None):
+                         rng=None, mods=None, dlse=None):
     """The Triton backward (Algorithm 4 of the paper, FlashAttention-2 order)."""
     from . import runtime
     from .triton.autograd import resolve_config
@@ -164,24 +177,24 @@ def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropou
     config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
     return backward(q, k, v, out, lse, dout.contiguous(), is_causal=is_causal, scale=scale,
                     block_mask=mask, config=config, interpreted=runtime.triton_interpreted(),
-                    **_dropout_kwargs(dropout_p, rng))
+                    **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods, dlse))
 
 
-def numpy_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None):
+def numpy_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None, mods=None):
     """flashedu.tiled.flash_forward per head; lse natural-log, -inf for an empty row."""
     from .numpy_backend import forward
 
     return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
-                   **_dropout_kwargs(dropout_p, rng))
+                   **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods))
 
 
 def numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p=0.0,
-                        rng=None):
+                        rng=None, mods=None, dlse=None):
     """flashedu.tiled.flash_backward per head."""
     from .numpy_backend import backward
 
     return backward(q, k, v, out, lse, dout, is_causal=is_causal, scale=scale, block_mask=mask,
-                    **_dropout_kwargs(dropout_p, rng))
+                    **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods, dlse))
 
 
 IMPLS = {"triton": (triton_forward_impl, triton_backward_impl),
@@ -383,3 +396,69 @@ class _EagerAttention(torch.autograd.Function):
             grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask,
                                       dropout_p, rng)
         return (None, *grads, None, None, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and score mods: Python objects, so the calls that use them skip the operators
+# ---------------------------------------------------------------------------------------------
+
+class Mods:
+    """What a call adds to plain attention (``flashedu.mods``): SDPA's ``attn_mask``, a
+    ``score_mod`` (bound to (Nq, Nk)), and the block mask's ``mask_mod`` when its partial tiles
+    need it. The implementations take it as ``mods=``; None means none of them.
+
+    Such calls run under :class:`_ModdedAttention` (one ``autograd.Function``) instead of the
+    operators, which take tensors only: under ``torch.compile`` they are a graph break."""
+
+    __slots__ = ("attn_mask", "score_mod", "mask_mod")
+
+    def __init__(self, attn_mask=None, score_mod=None, mask_mod=None):
+        self.attn_mask, self.score_mod, self.mask_mod = attn_mask, score_mod, mask_mod
+
+    @classmethod
+    def of(cls, attn_mask, score_mod, block_mask):
+        mask_mod = (block_mask.mask_mod if block_mask is not None and block_mask.needs_mask_mod
+                    else None)
+        if attn_mask is None and score_mod is None and mask_mod is None:
+            return None
+        return cls(attn_mask, score_mod, mask_mod)
+
+
+def _triton_lse_to_natural(lse2):
+    import math
+
+    return torch.where(torch.isinf(lse2), -torch.inf, lse2 * math.log(2.0))
+
+
+# lse as the implementations keep it -> natural log, -inf for a row that sees no key
+LSE_TO_NATURAL = {"triton": _triton_lse_to_natural, "numpy": lambda lse: lse}
+
+
+@torch.compiler.disable  # a graph break: torch.compile runs it as it is, eagerly
+def _modded(*args):
+    return _ModdedAttention.apply(*args)
+
+
+class _ModdedAttention(torch.autograd.Function):
+    """(out, lse) of a call with mods, lse in the natural log; differentiable in both:
+    d lse_i / d s_ij = P_ij, so the backward subtracts dlse_i from the row's
+    D_i = rowsum(dO_i * O_i) (the implementations take ``dlse`` and do it)."""
+
+    @staticmethod
+    def forward(ctx, backend, q, k, v, is_causal, scale, block_mask, dropout_p, rng, mods):
+        ctx.set_materialize_grads(False)  # an unused lse (or out) gets None, not zeros
+        out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask, dropout_p, rng,
+                                     mods=mods)
+        ctx.save_for_backward(q, k, v, out, lse, rng)
+        ctx.params = (backend, is_causal, scale, block_mask, dropout_p, mods)
+        return out, LSE_TO_NATURAL[backend](lse)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, rng = ctx.saved_tensors
+        backend, is_causal, scale, block_mask, dropout_p, mods = ctx.params
+        if dout is None:
+            dout = torch.zeros_like(out)
+        grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask,
+                                  dropout_p, rng, mods=mods, dlse=dlse)
+        return (None, *grads, None, None, None, None, None, None)

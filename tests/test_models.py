@@ -90,9 +90,11 @@ def test_config_attention_choices():
     # dropout on attention weights only where the backend has it: else 0, or an error if asked
     assert GPTConfig(attention_backend="naive").attention_dropout == 0.1
     assert GPTConfig(attention_backend="sdpa").attention_dropout == 0.1
-    assert GPTConfig(attention_backend="numpy").attention_dropout == 0.0
+    assert GPTConfig(attention_backend="numpy").attention_dropout == 0.1
+    assert GPTConfig(attention_backend="triton").attention_dropout == 0.1
+    assert GPTConfig(attention_backend="numba").attention_dropout == 0.0
     with pytest.raises(ValueError, match="has no dropout"):
-        GPTConfig(attention_backend="triton", attn_dropout=0.1)
+        GPTConfig(attention_backend="numba", attn_dropout=0.1)
 
 
 # --- model -------------------------------------------------------------------------------
@@ -300,14 +302,14 @@ def test_resume_with_an_attention_function(tmp_path):
 
 
 def test_attention_dropout_that_cannot_run_is_announced():
-    with pytest.warns(UserWarning, match="'numpy' has no dropout: dropout=0.1 applies to the "
+    with pytest.warns(UserWarning, match="'numba' has no dropout: dropout=0.1 applies to the "
                                          "embeddings and the residual branches, not to the attention"):
-        GPT(micro_config(attention_backend="numpy", dropout=0.1))
+        GPT(micro_config(attention_backend="numba", dropout=0.1))
     with pytest.warns(UserWarning, match="sdpa_attention' has no dropout.*dropout_p keyword"):
         GPT(micro_config(attention_backend=sdpa_attention, dropout=0.1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GPT(micro_config(attention_backend="numpy", dropout=0.1, attn_dropout=0.0))  # said
+        GPT(micro_config(attention_backend="numba", dropout=0.1, attn_dropout=0.0))  # said
         GPT(micro_config(attention_backend="naive", dropout=0.1))  # naive has dropout
         with_dropout = GPT(micro_config(dropout=0.1, attention_backend=(
             lambda q, k, v, *, is_causal, dropout_p=0.0: torch.nn.functional.scaled_dot_product_attention(

@@ -89,7 +89,8 @@ def test_compiled_graph_holds_the_operator_once(backend):
 
 @pytest.mark.parametrize("backend", ["naive", "numpy", "triton"])
 def test_compile_with_a_block_mask(backend):
-    mask = flashedu.BlockMask.sliding_window((48, 48), (16, 16), window=16)
+    band = np.tri(3, 3, dtype=bool) & ~np.tri(3, 3, -2, dtype=bool)  # a band of whole tiles
+    mask = flashedu.BlockMask.from_dense(band, block_size=(16, 16), seq_lens=(48, 48))
 
     def fn(q, k, v):
         return flashedu.attention(q, k, v, block_mask=mask, backend=backend)
@@ -97,6 +98,23 @@ def test_compile_with_a_block_mask(backend):
     q, k, v = _qkv(H=2, Hkv=2, Nq=48, Nk=48)
     want = _fwd_bwd(fn, q, k, v)
     got = _fwd_bwd(torch.compile(fn, fullgraph=True, backend="eager"), q, k, v)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _err(a, b) <= TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("backend", ["naive", "numpy", "triton"])
+def test_compile_with_a_mask_mod(backend):
+    """A mask mod is a Python function the operators cannot take: the kernels' call is a graph
+    break (ops.Mods), and the compiled function still computes the exact window."""
+    mask = flashedu.BlockMask.from_mask_mod(flashedu.mods.sliding_window(5), 1, 1, 48, 48,
+                                            block_size=(16, 16))
+
+    def fn(q, k, v):
+        return flashedu.attention(q, k, v, block_mask=mask, backend=backend)
+
+    q, k, v = _qkv(H=2, Hkv=2, Nq=48, Nk=48)
+    want = _fwd_bwd(fn, q, k, v)
+    got = _fwd_bwd(torch.compile(fn, backend="eager"), q, k, v)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert _err(a, b) <= TOL[torch.float32], name
 

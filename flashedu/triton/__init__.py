@@ -31,11 +31,48 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 __all__ = ["attention", "forward_with_lse", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 
-def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
-    """Backend entry point (inputs already checked by flashedu.attention)."""
+def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
+              score_mod=None, return_lse=False):
+    """Backend entry point (inputs already checked by flashedu.attention).
+
+    A bool ``attn_mask`` becomes a block mask whose mask mod reads it (only its partial tiles
+    are read element-wise); ``score_mod`` must be a library mod the kernels compile
+    (``mods.SCORE_MODS``)."""
     _check(q, k, v)
+    if attn_mask is not None:
+        block_mask = bool_mask_as_block_mask(attn_mask, block_mask, q.shape[2], k.shape[2])
     return ops.attention("triton", q, k, v, is_causal=is_causal, scale=float(scale),
-                         block_mask=block_mask, dropout_p=dropout_p)
+                         block_mask=block_mask, dropout_p=dropout_p, score_mod=score_mod,
+                         return_lse=return_lse)
+
+
+def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
+    """The BlockMask of SDPA's bool ``attn_mask`` (True: the pair takes part), within
+    ``block_mask`` if one is given: tiles with no True are skipped, tiles all True run
+    unmasked, the rest read the mask element-wise. Built on every call (the mask is data)."""
+    from ..masks import BlockMask
+
+    if attn_mask.is_floating_point():
+        raise NotImplementedError("the triton backend takes a bool attn_mask; a float one "
+                                  "(added to the scores) runs on backend 'numpy' or 'naive'")
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    m = m.expand(m.shape[0], m.shape[1], Nq, Nk)  # a view: no Nq x Nk copy per head
+
+    def reads_attn_mask(b, h, q_idx, kv_idx):
+        b, h, q_idx, kv_idx = (t.to(m.device) for t in (b, h, q_idx, kv_idx))
+        return m[b * (m.shape[0] > 1), h * (m.shape[1] > 1), q_idx, kv_idx].cpu()
+
+    B, H = m.shape[:2]
+    if block_mask is None:
+        return BlockMask.from_mask_mod(reads_attn_mask, B, H, Nq, Nk, block_size=(128, 128))
+    inner = block_mask.expand(max(B, block_mask.blocks.shape[0]),
+                              max(H, block_mask.blocks.shape[1]))
+
+    def both(b, h, q_idx, kv_idx):
+        return reads_attn_mask(b, h, q_idx, kv_idx) & inner.visible(b, h, q_idx, kv_idx)
+
+    return BlockMask.from_mask_mod(both, *inner.blocks.shape[:2], Nq, Nk,
+                                   block_size=block_mask.block_size)
 
 
 def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):

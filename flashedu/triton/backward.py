@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .dropout import keep_tile
 from .forward import LOG2E, dot_precision, dropout_args, load_tile
+from .mods import apply_score_mod, element_tile, score_mod_grad
 from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
 
 
@@ -53,11 +54,14 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
                start_m, cols, dims, Nq, d, qk_scale,
                Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
-               seed=0, offset=0, bh=0, start_n=0, drop_t=0, drop_scale=1.0):
+               seed=0, offset=0, bh=0, start_n=0, drop_t=0, drop_scale=1.0, E_tile=0,
+               mod_scale=1.0, cap=1.0, slope=0.0, ELEMENT: tl.constexpr = False,
+               SCORE_MOD: tl.constexpr = 0):
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
     products land directly in dK_j and dV_j. DROPOUT (the paper's Algorithm 4): the forward's
     Z_ij regenerated from (seed, offset, bh) and the tile's position; dV_j takes the dropped
-    P_ij, dP_ij is dropped and rescaled the same way."""
+    P_ij, dP_ij is dropped and rescaled the same way. SCORE_MOD and ELEMENT as in the forward;
+    dS_ij also takes the score mod's derivative."""
     rows = start_m + tl.arange(0, Br)
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
@@ -71,11 +75,17 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     else:
         L_i = tl.load(L_head + rows)
         D_i = tl.load(D_head + rows)
-    S_ijT = tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC) * qk_scale
-    P_ijT = tl.math.exp2(S_ijT - L_i[None, :])
+    S_ijT = tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC)
+    if SCORE_MOD != 0:
+        S_ijT = apply_score_mod(S_ijT, mod_scale, cap, slope, cols[:, None] - rows[None, :],
+                                SCORE_MOD)
+    P_ijT = tl.math.exp2(S_ijT * qk_scale - L_i[None, :])
     if MASK:
         if IS_CAUSAL:
             P_ijT = tl.where(cols[:, None] <= rows[None, :], P_ijT, 0.0)
+        if ELEMENT:
+            P_ijT = tl.where(element_tile(E_tile, cols.shape[0], rows.shape[0], True), P_ijT,
+                             0.0)
     dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
     if DROPOUT:
         keep = tl.trans(keep_tile(seed, offset, bh, rows, start_n, drop_t, cols.shape[0]))
@@ -85,6 +95,8 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     else:
         dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
+    if SCORE_MOD != 0:
+        dS_ijT = dS_ijT * score_mod_grad(S_ijT, cap, SCORE_MOD)
     dK_j += tl.dot(dS_ijT.to(Q_i.dtype), Q_i, input_precision=DOT_PREC)
     return dK_j, dV_j
 
@@ -100,7 +112,9 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                   Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
-                  seed=0, offset=0, drop_t=0, drop_scale=1.0):
+                  seed=0, offset=0, drop_t=0, drop_scale=1.0, ELEM=0, ELEM_BASE=0, SLOPES=0,
+                  mod_scale=1.0, cap=1.0, ELEMENT: tl.constexpr = False,
+                  SCORE_MOD: tl.constexpr = 0):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
@@ -123,20 +137,30 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
         num, num_full, u0, a0, na, b0, idx_row = q_tiles(
             j, b, h, Q_NUM, Q_FULL, Q_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
             stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
+        slope = 0.0
+        if SCORE_MOD == 2:  # ALiBi: this query head's slope
+            slope = tl.load(SLOPES + h)
         for t in range(0, num_full):
             i = full_tile(t, u0, idx_row, SPARSE)
             dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                     stride_qn, stride_dn, i * Br, cols, dims, Nq, d, qk_scale,
                                     Br, IS_CAUSAL, False, EVEN_D, DOT_PREC, DROPOUT, seed,
-                                    offset, b * H + h, j * Bc, drop_t, drop_scale)
+                                    offset, b * H + h, j * Bc, drop_t, drop_scale, 0,
+                                    mod_scale, cap, slope, False, SCORE_MOD)
         if MASKED:
+            if ELEMENT:  # where this list's element masks start (a mask mod's partial tiles)
+                e0 = tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + j) - num_full
             for t in range(num_full, num):
                 i = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
+                E_tile = 0
+                if ELEMENT:
+                    E_tile = ELEM + (e0 + t) * (Br * Bc)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
                                         qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC,
                                         DROPOUT, seed, offset, b * H + h, j * Bc, drop_t,
-                                        drop_scale)
+                                        drop_scale, E_tile, mod_scale, cap, slope, ELEMENT,
+                                        SCORE_MOD)
     out_ok = col_ok & dim_ok
     tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
              (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
@@ -148,9 +172,11 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
 def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, start_n, rows,
              dims, Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr,
              MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-             DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0, drop_scale=1.0):
+             DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0, drop_scale=1.0,
+             E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, ELEMENT: tl.constexpr = False,
+             SCORE_MOD: tl.constexpr = 0):
     """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (DROPOUT: dP_ij
-    dropped and rescaled by the forward's Z_ij, regenerated)."""
+    dropped and rescaled by the forward's Z_ij, regenerated; SCORE_MOD, ELEMENT as above)."""
     cols = start_n + tl.arange(0, Bc)
     col_ok = cols[:, None] < Nk
     dim_ok = dims[None, :] < d
@@ -158,18 +184,25 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
                     MASK, not EVEN_D)
     V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], col_ok, dim_ok,
                     MASK, not EVEN_D)
-    S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC) * qk_scale
-    P_ij = tl.math.exp2(S_ij - L_i[:, None])
+    S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)
+    if SCORE_MOD != 0:
+        S_ij = apply_score_mod(S_ij, mod_scale, cap, slope, cols[None, :] - rows[:, None],
+                               SCORE_MOD)
+    P_ij = tl.math.exp2(S_ij * qk_scale - L_i[:, None])
     if MASK:
         visible = cols[None, :] < Nk
         if IS_CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
+        if ELEMENT:
+            visible = visible & element_tile(E_tile, rows.shape[0], cols.shape[0], False)
         P_ij = tl.where(visible, P_ij, 0.0)
     dP_ij = tl.dot(dO_i, tl.trans(V_j), input_precision=DOT_PREC)
     if DROPOUT:
         keep = keep_tile(seed, offset, bh, rows, start_n, drop_t, Bc)
         dP_ij = tl.where(keep, dP_ij * drop_scale, 0.0)
     dS_ij = P_ij * (dP_ij - D_i[:, None])
+    if SCORE_MOD != 0:
+        dS_ij = dS_ij * score_mod_grad(S_ij, cap, SCORE_MOD)
     dQ_i += tl.dot(dS_ij.to(K_j.dtype), K_j, input_precision=DOT_PREC)
     return dQ_i
 
@@ -184,7 +217,9 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
-                seed=0, offset=0, drop_t=0, drop_scale=1.0):
+                seed=0, offset=0, drop_t=0, drop_scale=1.0, ELEM=0, ELEM_BASE=0, SLOPES=0,
+                mod_scale=1.0, cap=1.0, ELEMENT: tl.constexpr = False,
+                SCORE_MOD: tl.constexpr = 0):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
@@ -205,17 +240,27 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
     num, num_full, u0, a0, na, b0, idx_row = kv_tiles(
         i, b, h, KV_NUM, KV_FULL, KV_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
         stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
+    slope = 0.0
+    if SCORE_MOD == 2:  # ALiBi: this query head's slope
+        slope = tl.load(SLOPES + h)
     for t in range(0, num_full):
         j = full_tile(t, u0, idx_row, SPARSE)
         dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, j * Bc,
                         rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC,
-                        DROPOUT, seed, offset, bh, drop_t, drop_scale)
+                        DROPOUT, seed, offset, bh, drop_t, drop_scale, 0, mod_scale, cap,
+                        slope, False, SCORE_MOD)
     if MASKED:
+        if ELEMENT:  # where this row's element masks start (a mask mod's partial tiles)
+            e0 = tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + i) - num_full
         for t in range(num_full, num):
             j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
+            E_tile = 0
+            if ELEMENT:
+                E_tile = ELEM + (e0 + t) * (Br * Bc)
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
-                            DOT_PREC, DROPOUT, seed, offset, bh, drop_t, drop_scale)
+                            DOT_PREC, DROPOUT, seed, offset, bh, drop_t, drop_scale, E_tile,
+                            mod_scale, cap, slope, ELEMENT, SCORE_MOD)
     tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
 
@@ -230,11 +275,14 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                     stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh, stride_kvidxr,
                     H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr, RNG, drop_t, drop_scale,
+                    ELEM1, ELEM_BASE1, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                     MASKED1: tl.constexpr, MASKED2: tl.constexpr,
                     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                    DKDV: tl.constexpr, DQ: tl.constexpr, DROPOUT: tl.constexpr = False):
+                    DKDV: tl.constexpr, DQ: tl.constexpr, DROPOUT: tl.constexpr = False,
+                    ELEMENT1: tl.constexpr = False, ELEMENT2: tl.constexpr = False,
+                    SCORE_MOD: tl.constexpr = 0):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
@@ -252,6 +300,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
     else:
         seed = 0
         offset = 0
+    mod_scale = tl.cast(mod_scale, tl.float32)
+    cap = tl.cast(cap, tl.float32)
     if DKDV:
         if pid < Tc:
             _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX,
@@ -261,7 +311,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                           H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
-                          MASKED1, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t, drop_scale)
+                          MASKED1, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t, drop_scale,
+                          ELEM1, ELEM_BASE1, SLOPES, mod_scale, cap, ELEMENT1, SCORE_MOD)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -274,7 +325,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
                         SPARSE, MASKED2, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t,
-                        drop_scale)
+                        drop_scale, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap, ELEMENT2,
+                        SCORE_MOD)
 
 
 def preprocess(o, do, rows):
@@ -329,16 +381,20 @@ _SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> conf
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
-             dropout_p=0.0, rng=None):
+             dropout_p=0.0, rng=None, mods=None, dlse=None):
     """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
-    ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask.
+    ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask. ``mods`` as the
+    forward's; ``dlse``: the gradient of the natural-log lse, if the call returned it
+    (d lse_i / d s_ij = P_ij, so it is subtracted from D_i).
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
     tiles' warps and stages); otherwise two launches, each with its own."""
     import dataclasses
 
+    import torch
+
     from . import fast
-    from .forward import NO_LISTS, interpreter_fp32, outputs_like
+    from .forward import NO_LISTS, interpreter_fp32, mods_args, outputs_like
 
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
@@ -349,6 +405,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     if _SHRUNK:
         config = _SHRUNK.get(key, config)
     D = preprocess(o, do, config.preprocess_rows)
+    if dlse is not None:
+        D = D - dlse.to(torch.float32).reshape(D.shape)
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     sq, sk, sv, sd = q.stride(), k.stride(), v.stride(), do.stride()
@@ -362,7 +420,14 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
             kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
         GROUP, Tc, Tr = H // Hkv, -(-Nk // t1.Bc), -(-Nq // t2.Br)
-        args = (q, k, v, do, lse2, D, dq, dk, dv, *q_lists[:3], *kv_lists[:3], scale * LOG2E,
+        (E1, E_base1, SLOPES, mod_scale, cap), c1 = mods_args(mods, block_mask, scale, t1.Br,
+                                                              t1.Bc, True, q.device, is_causal)
+        (E2, E_base2, *_), c2 = mods_args(mods, block_mask, scale, t2.Br, t2.Bc, False,
+                                          q.device, is_causal)
+        mod_consts = {"ELEMENT1": c1["ELEMENT"], "ELEMENT2": c2["ELEMENT"],
+                      "SCORE_MOD": c1["SCORE_MOD"]}
+        qk_scale = LOG2E if c1["SCORE_MOD"] else scale * LOG2E
+        args = (q, k, v, do, lse2, D, dq, dk, dv, *q_lists[:3], *kv_lists[:3], qk_scale,
                 scale, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
                 sd[0], sd[1], sd[2], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
                 *q_lists[3], *kv_lists[3], H, Hkv, GROUP, Nq, Nk, d)
@@ -372,8 +437,11 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             for first_pid, programs, consts in launches:
                 programs += GROUP * Tr if consts["DQ"] else 0
                 fast.run(backward_kernel, (programs, B * Hkv),
-                         (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng)),
-                         {**consts, "DROPOUT": dropout_p > 0})
+                         (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng), E1, E_base1,
+                          E2, E_base2, SLOPES, mod_scale, cap),
+                         {**consts, "DROPOUT": dropout_p > 0, **mod_consts,
+                          "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
+                          "MASKED2": consts["MASKED2"] or c2["ELEMENT"]})
             break
         except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
             from .config import smaller

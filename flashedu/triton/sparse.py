@@ -79,8 +79,20 @@ def tile_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, device,
 
     Each row of idx lists its num tiles with the num_full tiles that need no element mask
     first, so that a kernel runs them in a loop without masks and only the rest (causal
-    diagonal, ragged edge) in a masked loop. Cached per mask object: a training loop reuses
-    one mask for many calls."""
+    diagonal, ragged edge, partial tiles of a mask mod) in a masked loop. Cached per mask
+    object: a training loop reuses one mask for many calls."""
+    return _lists(block_mask, Br, Bc, transpose, device, is_causal)[:3]
+
+
+def element_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, device,
+                  is_causal: bool = False):
+    """(E, E_base) of the same lists: when the mask's partial tiles need its mask mod, E holds
+    one uint8 element mask (Br x Bc, queries by keys) per masked tile of the lists, row after
+    row, and E_base (shaped like num) the index of each row's first one; else (None, None)."""
+    return _lists(block_mask, Br, Bc, transpose, device, is_causal)[3:]
+
+
+def _lists(block_mask, Br, Bc, transpose, device, is_causal):
     import torch
 
     per_mask = _CACHE.setdefault(block_mask, {})
@@ -89,15 +101,69 @@ def tile_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, device,
     if key not in per_mask:
         fine = refine(block_mask, Br, Bc, is_causal)
         full = fine & unmasked(fine.shape[-2:], Br, Bc, block_mask.seq_lens, is_causal)
+        partial = False  # some tile needs the mask mod element-wise
+        if block_mask.needs_mask_mod:
+            fine, full, partial = _with_mask_mod(block_mask, fine, full, Br, Bc, is_causal)
         if transpose:
             fine, full = np.swapaxes(fine, -1, -2), np.swapaxes(full, -1, -2)
         # sort key per tile: 0 listed and unmasked, 1 listed and masked, 2 not listed
         order = np.argsort(np.where(full, 0, np.where(fine, 1, 2)), axis=-1, kind="stable")
         num = fine.sum(-1).astype(np.int32)
         idx = np.where(np.arange(fine.shape[-1]) < num[..., None], order, 0).astype(np.int32)
-        per_mask[key] = tuple(torch.as_tensor(a, device=device)
-                              for a in (num, full.sum(-1).astype(np.int32), idx))
+        lists = [torch.as_tensor(a, device=device)
+                 for a in (num, full.sum(-1).astype(np.int32), idx)]
+        if not partial:
+            lists += [None, None]
+        else:
+            lists += list(_element_masks(block_mask, fine & ~full, Br, Bc, transpose, device,
+                                         is_causal))
+        per_mask[key] = tuple(lists)
     return per_mask[key]
+
+
+def _tile_rule(block_mask, tiles: np.ndarray, Br: int, Bc: int, transpose: bool,
+               is_causal: bool):
+    """Element masks (n, Br, Bc), queries by keys, of the kernel tiles (b, h, row, col) of a
+    list (row, col = i, j; or j, i for the transposed lists); ``is_causal``: the call's flag."""
+    import torch
+
+    t = torch.as_tensor(tiles, dtype=torch.int64).view(-1, 4, 1, 1)
+    i, j = (t[:, 3], t[:, 2]) if transpose else (t[:, 2], t[:, 3])
+    q = i * Br + torch.arange(Br).view(1, Br, 1)
+    kv = j * Bc + torch.arange(Bc).view(1, 1, Bc)
+    out = block_mask.visible(t[:, 0], t[:, 1], q, kv)
+    return out & (kv <= q) if is_causal else out
+
+
+def _with_mask_mod(block_mask, fine, full, Br, Bc, is_causal):
+    """The grids refined by the mask mod: a kernel tile inside a full mask block is full;
+    the others are evaluated element by element, and dropped if no pair is visible, full if
+    every pair is. Returns (fine, full, whether some tile stays partial)."""
+    mBr, mBc = block_mask.block_size
+    fine_full = block_mask.full.repeat(mBr // Br, axis=-2).repeat(mBc // Bc, axis=-1)
+    fine_full = fine_full[..., :fine.shape[-2], :fine.shape[-1]]
+    full = full & np.broadcast_to(fine_full, full.shape)
+    fine, full = np.array(np.broadcast_arrays(fine, full))
+    todo = np.argwhere(fine & ~full)
+    for start in range(0, len(todo), 4096):  # bounded host memory for long sequences
+        part = todo[start:start + 4096]
+        m = _tile_rule(block_mask, part, Br, Bc, False, is_causal).reshape(len(part), -1).cpu().numpy()
+        b, h, i, j = part.T
+        fine[b, h, i, j] = m.any(1)
+        full[b, h, i, j] = m.all(1)
+    return fine, full, bool((fine & ~full).any())
+
+
+def _element_masks(block_mask, masked, Br, Bc, transpose, device, is_causal):
+    """(E, E_base) for the masked tiles of the lists (``masked``: the listed tiles that need a
+    mask, in the lists' orientation): E (n, Br, Bc) uint8 row after row, E_base int32."""
+    import torch
+
+    tiles = np.argwhere(masked)  # (b, h, row, col): row-major, the order the kernels walk
+    E = _tile_rule(block_mask, tiles, Br, Bc, transpose, is_causal).to(torch.uint8)
+    counts = masked.sum(-1).astype(np.int64)
+    base = (np.cumsum(counts.ravel()) - counts.ravel()).reshape(counts.shape).astype(np.int32)
+    return E.contiguous().to(device), torch.as_tensor(base, device=device)
 
 
 def kernel_lists(block_mask, Br: int, Bc: int, transpose: bool, device, is_causal: bool):

@@ -1,0 +1,85 @@
+"""Mask mods and score mods inside the Triton kernels (``flashedu.mods``, FlexAttention's idea).
+
+Mask mods are not compiled: the host evaluates the block mask's rule (tile grid, causal flag,
+mask mod, sequence ends) on the partial tiles only, the ones the kernels walk in their masked
+loop, and hands them over as one uint8 tile (Br x Bc) per listed partial tile
+(``sparse.element_lists``). Full tiles run without a mask, empty ones are not visited, so the
+work and the extra memory grow with the partial tiles alone (a sliding window or documents:
+O(N) tiles, not N x N). Any mask mod a user writes works this way.
+
+Score mods are compiled: the library's ``softcap`` and ``alibi`` (their ``kind``) become
+SCORE_MOD = 1 or 2 and change S_ij inside the step, forward and backward (with the derivative
+the backward needs). A user's own score mod runs on the numpy and naive backends.
+
+With a score mod the kernels move to natural units first: s_ij = scale * S_ij, the mod, then
+the base-2 exponent s * log2(e) (``qk_scale`` = log2(e) in that case).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SCORE_MODS = {"softcap": 1, "alibi": 2}  # the library kinds compiled into the kernels
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 2 sigmoid(2x) - 1: portable across Triton versions and the interpreter
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def apply_score_mod(S_ij, mod_scale, cap, slope, kv_minus_q, SCORE_MOD: tl.constexpr):
+    """s_ij = score_mod(scale * S_ij): softcap cap * tanh(s / cap), or ALiBi s + slope * (j - i)
+    (``kv_minus_q`` = key index - query index, shaped like S_ij)."""
+    s = S_ij * mod_scale
+    if SCORE_MOD == 1:
+        s = cap * _tanh(s / cap)
+    if SCORE_MOD == 2:
+        s = s + slope * kv_minus_q.to(tl.float32)
+    return s
+
+
+@triton.jit
+def score_mod_grad(s_mod, cap, SCORE_MOD: tl.constexpr):
+    """d s_mod / d s at the modded score: 1 - tanh^2 = 1 - (s_mod / cap)^2 for softcap, 1 for
+    ALiBi (a shift)."""
+    if SCORE_MOD == 1:
+        t = s_mod / cap
+        return 1.0 - t * t
+    else:
+        return 1.0
+
+
+@triton.jit
+def element_tile(E_tile, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The bool (ROWS x COLS) element mask stored at E_tile (row-major, ROWS x COLS), or, for
+    the dK/dV pass, its transpose (stored COLS x ROWS)."""
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, COLS)
+    if TRANSPOSED:
+        return tl.load(E_tile + c[None, :] * ROWS + r[:, None]) != 0
+    else:
+        return tl.load(E_tile + r[:, None] * COLS + c[None, :]) != 0
+
+
+def score_mod_args(score_mod, scale, device):
+    """(SCORE_MOD, mod_scale, cap, SLOPES) for a launch: (0, 1.0, 1.0, None) without one."""
+    import torch
+
+    if score_mod is None:
+        return 0, 1.0, 1.0, None
+    kind = getattr(score_mod, "kind", None)
+    if kind not in SCORE_MODS:
+        raise NotImplementedError(
+            f"the triton backend compiles the library score mods {sorted(SCORE_MODS)} "
+            f"(flashedu.mods.softcap, flashedu.mods.alibi), got {score_mod!r}; a score mod of "
+            f"your own runs on backend 'numpy' or 'naive'")
+    slopes = None
+    cap = 1.0
+    if kind == "alibi":
+        slopes = score_mod.slopes.to(device=device, dtype=torch.float32).contiguous()
+    else:
+        cap = float(score_mod.cap)
+    return SCORE_MODS[kind], float(scale), cap, slopes

@@ -15,8 +15,6 @@ import copy
 import sys
 from pathlib import Path
 
-import nbformat
-
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = ("# YOUR CODE HERE", "raise NotImplementedError()")
 
@@ -61,6 +59,8 @@ def exercise_notebook(nb, name: str = "notebook"):
 
 
 def render(nb) -> str:
+    import nbformat  # here: importing it costs seconds (jsonschema), and a check needs none
+
     return nbformat.writes(nb) + "\n"
 
 
@@ -68,6 +68,8 @@ def plan(solutions: Path, exercises: Path) -> dict[Path, str]:
     """Every exercise file that should exist, with its text."""
     out = {}
     for src in sorted(solutions.glob("*.ipynb")):
+        import nbformat
+
         nb = nbformat.read(src, as_version=4)
         out[exercises / src.name] = render(exercise_notebook(nb, src.name))
     return out

@@ -239,7 +239,11 @@ class _Document(MaskMod):
     def from_lengths(cls, lengths) -> MaskMod:
         """Packed sequences: ``lengths`` [n0, n1, ...] gives ids 0 (n0 times), 1 (n1 times), ...;
         a list of such lists (one per batch entry, equal totals) gives (B, N) ids."""
-        rows = [lengths] if np.ndim(lengths) == 1 else list(lengths)
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.tolist()
+        lengths = list(lengths)
+        nested = bool(lengths) and not _is_int(lengths[0])
+        rows = [list(r) for r in lengths] if nested else [lengths]
         ids = []
         for row in rows:
             row = [int(n) if _is_int(n) else n for n in row]
@@ -249,7 +253,7 @@ class _Document(MaskMod):
         if len({len(r) for r in ids}) != 1:
             raise ValueError(f"every batch entry's lengths must add up to one N, got "
                              f"{[len(r) for r in ids]}")
-        return cls(ids[0] if np.ndim(lengths) == 1 else torch.stack(ids))
+        return cls(torch.stack(ids) if nested else ids[0])
 
     @property
     def length(self) -> int:
@@ -325,7 +329,10 @@ class _Combined(MaskMod):
         self.mods = tuple(mods)
 
     def bind(self, seq_lens):
-        return type(self)([m.bind(seq_lens) if hasattr(m, "bind") else m for m in self.mods])
+        bound = [bind(m, seq_lens) for m in self.mods]
+        if all(a is b for a, b in zip(bound, self.mods)):
+            return self
+        return type(self)(bound)
 
     def __repr__(self):
         return f"mods.{self.kind}({', '.join(map(repr, self.mods))})"
@@ -393,7 +400,7 @@ def _index(x, axis: int, name: str) -> torch.Tensor:
             raise TypeError(f"{name} must hold integer indices, got {x.dtype}")
         return x.to(torch.int64)
     if _is_int(x):
-        x = [int(x)]
+        return torch.tensor(int(x))  # a scalar: broadcasts with anything
     t = torch.as_tensor(np.asarray(x, dtype=np.int64))
     if t.dim() != 1:
         raise ValueError(f"{name} must be an int, a range, a 1-D sequence of ints or a tensor, "
@@ -410,8 +417,8 @@ def _name(fn) -> str:
 def evaluate_mask_mod(mask_mod, b, h, q_idx, kv_idx, *, seq_lens=None) -> torch.Tensor:
     """The bool tensor ``mask_mod(b, h, q_idx, kv_idx)`` over a grid of indices.
 
-    Each index is an int, a ``range``, or a 1-D sequence of ints, placed on its own axis of a
-    (nb, nh, nq, nk) grid (``evaluate_mask_mod(m, range(B), range(H), range(128, 256),
+    Each index is an int (a scalar), a ``range`` or a 1-D sequence of ints, placed on its own
+    axis of a (nb, nh, nq, nk) grid (``evaluate_mask_mod(m, range(B), range(H), range(128, 256),
     range(Nk))``: one row of tiles), or an int tensor used as given, so several tiles can be
     evaluated at once: b, h of shape (n, 1, 1), q_idx (n, Br, 1), kv_idx (n, 1, Bc) give an
     (n, Br, Bc) mask. The result is broadcast to the broadcast shape of the indices (a view).
@@ -575,7 +582,7 @@ class _Chain(ScoreMod):
         self.mods = tuple(mods)
 
     def bind(self, seq_lens):
-        return _Chain([m.bind(seq_lens) if hasattr(m, "bind") else m for m in self.mods])
+        return _Chain([bind(m, seq_lens) for m in self.mods])
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         for m in self.mods:

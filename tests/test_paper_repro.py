@@ -113,6 +113,7 @@ def test_paper_block_sizes_for_gpus(pr):
     assert m["fwd_bytes"] < m["fwdbwd_bytes"]
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_end_to_end(tmp_path):
     """The whole pipeline on CPU: providers run (Triton interpreted), ncu children re-invoke the
     script and print a fake CSV that the parent parses, tables print, the JSON is complete."""

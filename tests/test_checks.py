@@ -234,6 +234,51 @@ def test_tiling_only_q_is_rejected():
 
 
 # ------------------------------------------------------------------------------------------
+# The stepper in the forward's failure message: where the learner's kernel leaves the reference
+# ------------------------------------------------------------------------------------------
+
+STEPPER_BANK = [  # the three kinds of wrong kernel the stepper must locate
+    ("no rescale of O_i", [("O_i = alpha[:, None] * O_i +", "O_i = O_i +")],
+     ["O_i of rows", "no rescale of O_i"]),
+    ("causal diagonal hidden", [("np.arange(c0, c1)[None, :] <= rows[:, None]",
+                                 "np.arange(c0, c1)[None, :] < rows[:, None]")],
+     ["m_i of rows", "the causal mask", "causal=True"]),
+    ("last K/V tile dropped", [(FWD_LOOP, "for j in range(Nk // Bc):")],
+     ["the reference computes tile pair", "ragged K/V tile"]),
+]
+
+
+@pytest.mark.parametrize("mistake, replace, words", STEPPER_BANK, ids=[b[0] for b in STEPPER_BANK])
+def test_forward_failure_names_the_stepper_step(mistake, replace, words, tmp_path):
+    result = check("flash_forward", load("flash_forward", replace, tmp_path))
+    assert_rejected(result, "open the stepper at step", "compare_trace(flash_forward", *words)
+
+
+def test_stepper_hint_never_breaks_the_check(tmp_path, monkeypatch):
+    """A hint that raises, or hangs, leaves the check's own message; a solution gets none."""
+    import flashedu.viz.learner_trace as lt
+    from flashedu.checks import engine
+
+    wrong = load("flash_forward", STEPPER_BANK[0][1], tmp_path)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the stepper failed")
+    monkeypatch.setattr(lt, "divergence_hint", broken)
+    result = check("flash_forward", wrong)
+    assert_rejected(result, "several tiles", "rescale")
+    assert "Stepper" not in result.message and "the stepper failed" not in result.message
+
+    def slow(*args, **kwargs):
+        time.sleep(30)
+    monkeypatch.setattr(lt, "divergence_hint", slow)
+    monkeypatch.setattr(engine, "HINT_SECONDS", 0.5)
+    start = time.perf_counter()
+    result = check("flash_forward", wrong)
+    assert time.perf_counter() - start < 10 and "Stepper" not in result.message
+    assert_rejected(result, "several tiles")
+
+
+# ------------------------------------------------------------------------------------------
 # Correct implementations
 # ------------------------------------------------------------------------------------------
 

@@ -138,3 +138,5 @@ def test_a_broken_submission_is_graded_on_what_the_learner_wrote(graded):
     (row,) = graded["learner"]
     assert row["exercise"] == "flash_forward" and not row["passed"] and row["points"] == 0
     assert "several tiles" in row["message"] and "rescale" in row["message"]
+    # the stepper's line, computed in the learner's kernel from the failed case's inputs
+    assert "open the stepper at step" in row["message"], row["message"]

@@ -97,6 +97,10 @@ class Exercise:
     # (fn) -> problem text or None, run once every case has passed (it costs seconds): the
     # Triton compile gate
     gate: Callable | None = None
+    # (fn, args) -> one more line for the first failed case's message, or None (e.g. where the
+    # stepper shows the learner's kernel leaving the reference); runs where the learner's
+    # code runs, only after a case failed, and never fails a check itself
+    hint: Callable | None = None
 
 
 # name -> prepare(args, *params) -> (args, collect); collect() -> evidence dict. Filled by the
@@ -155,12 +159,32 @@ def run_exercise(ex: Exercise, fn, seed: int | None = None) -> CheckResult:
     if early is not None:
         return _result(ex, False, early[0], early[1], [])
     return grade_cases(ex, lambda case: execute_case(ex, fn, case),
-                       (lambda: ex.gate(fn)) if ex.gate else None)
+                       (lambda: ex.gate(fn)) if ex.gate else None,
+                       (lambda case: learner_hint(ex, fn, case.args)) if ex.hint else None)
 
 
-def grade_cases(ex: Exercise, execute: Callable, gate: Callable | None = None) -> CheckResult:
+def learner_hint(ex: Exercise, fn, args) -> str | None:
+    """``ex.hint(fn, args)`` on copies of the inputs, time-limited, with the shortcuts off;
+    None whatever goes wrong (a hint must never break a check)."""
+    args = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
+    try:
+        with shortcuts_blocked(ex.blocked):
+            call = call_limited(ex.hint, (fn, args), timeout=HINT_SECONDS)
+    except Exception:  # noqa: BLE001
+        return None
+    if call.timed_out or call.error is not None or not isinstance(call.value, str):
+        return None
+    return call.value[:800]
+
+
+HINT_SECONDS = 10.0
+
+
+def grade_cases(ex: Exercise, execute: Callable, gate: Callable | None = None,
+                hint: Callable | None = None) -> CheckResult:
     """Judge every case of ``ex``; ``execute(case) -> Call`` runs the learner's code; ``gate()``
-    (problem or None) runs last, once every case passed."""
+    (problem or None) runs last, once every case passed; ``hint(case)`` (text or None) adds a
+    line to the message of the first failed case."""
     rows, first = [], None
     stop = False
     for case in ex.cases():
@@ -172,6 +196,10 @@ def grade_cases(ex: Exercise, execute: Callable, gate: Callable | None = None) -
         rows.append(row)
         if row.status == FAILED and first is None:
             first = message
+            if hint is not None and status != "timeout":
+                extra = hint(case)
+                if extra:
+                    first += f"\nStepper: {extra}"
         stop = stop or status == "timeout"
     seed_note = f"(inputs drawn with seed {run_seed()}: check(..., seed={run_seed()}) repeats them)"
     if first is None and gate is not None:

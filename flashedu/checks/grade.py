@@ -188,8 +188,8 @@ def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = N
 
 def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None) -> CheckResult:
     """Grade exercise ``ex``: the learner's calls in the kernel, everything else here."""
+    from . import engine, worker
     from .engine import _result
-    from . import worker
 
     counter = iter(range(10**9))
     token = secrets.token_hex(8)
@@ -234,8 +234,14 @@ def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None) -> CheckR
             return "the grader got no answer from the notebook's kernel about compiling it"
         return answer.get("gate")
 
+    def hint(case):
+        payload = dict(worker.request_payload(ex, case), what="hint")
+        answer = ask(payload, engine.HINT_SECONDS + 30)
+        text = answer.get("hint") if isinstance(answer, dict) else None
+        return text[:800] if isinstance(text, str) else None
+
     seed_used = run_seed()
-    result = grade_cases(ex, execute, gate if ex.gate else None)
+    result = grade_cases(ex, execute, gate if ex.gate else None, hint if ex.hint else None)
     assert run_seed() == seed_used
     return result
 

@@ -679,11 +679,27 @@ def _diagnose_sparse(case, wrong, outputs):
     return _diagnose_forward(case, wrong, outputs)
 
 
+# The stepper replays a kernel in Python with a line tracer: cheap on small cases only.
+STEPPER_MAX_SCORES = 64 * 64
+
+
+def stepper_hint(fn, args) -> str | None:
+    """Where the learner's forward first leaves the reference, and the stepper call that shows
+    it (:func:`flashedu.viz.learner_trace.divergence_hint`); None on large cases, on cases with
+    an explicit scale (the stepper replays the default one) and when the traces agree."""
+    Q, K, V, Br, Bc, causal, scale = args
+    if scale is not None or Q.shape[0] * K.shape[0] > STEPPER_MAX_SCORES:
+        return None
+    from ..viz.learner_trace import divergence_hint
+
+    return divergence_hint(fn, Q, K, V, Br, Bc, causal=bool(causal))
+
+
 EXERCISES = [
     Exercise("safe_softmax", 1, "safe_softmax", _softmax_cases),
     Exercise("online_softmax", 2, "online_softmax", _online_softmax_cases),
     Exercise("flash_forward", 4, "flash_forward", _forward_cases, diagnose=_diagnose_forward,
-             timeout=30.0),
+             timeout=30.0, hint=stepper_hint),
     Exercise("flash_backward", 4, "flash_backward", _backward_cases, diagnose=_diagnose_backward,
              timeout=30.0),
     Exercise("block_sparse_forward", 3, "block_sparse_forward", _block_sparse_cases,

@@ -153,6 +153,12 @@ def serve(namespace: dict, folder: str, request: str) -> None:
         answer = preflight(ex, fn)
         write(folder / (request + "-reply"), {"preflight": list(answer) if answer else None})
         return
+    if ask["what"] == "hint":
+        from flashedu.checks.engine import learner_hint
+
+        text = learner_hint(ex, fn, tuple(ask["args"])) if ex.hint else None
+        write(folder / (request + "-reply"), {"hint": text})
+        return
     case = Case(label=ask["label"], hint="", args=tuple(ask["args"]), outputs=(), expected=(),
                 kwargs=ask["kwargs"], prepare=tuple(ask["prepare"]) if ask["prepare"] else None,
                 memory_budget=ask["memory_budget"])

@@ -2,7 +2,7 @@
 
     flashedu doctor              versions, the device, what runs where
     flashedu tour                every available backend on a small problem, checked, as a table
-    flashedu bench ...           benchmarks against peers (flashedu.bench)
+    flashedu bench ...           benchmarks against peers, and its subcommands (flashedu.bench)
     flashedu exercises ...       build exercises/ from solutions/ (flashedu.checks.build)
     flashedu check NOTEBOOK...   grade learners' notebooks (flashedu.checks.grade)
     flashedu --version           the package version
@@ -20,7 +20,8 @@ import sys
 
 # Subcommands that live in their own module, each with main(argv) -> int.
 DELEGATED = {
-    "bench": ("flashedu.bench", "benchmarks against peers (needs a GPU for timings)"),
+    "bench": ("flashedu.bench", "benchmarks against peers; `flashedu bench --help` lists the "
+              "subcommands (timings need a GPU)"),
     "exercises": ("flashedu.checks.build", "generate exercises/ from solutions/"),
     "check": ("flashedu.checks.grade", "grade notebooks and print a score table"),
 }

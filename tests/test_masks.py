@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -148,3 +150,60 @@ def test_huge_sizes_are_a_value_error_and_huge_windows_exact():
         BlockMask.causal((2**40, 20), 16)
     wide = BlockMask.sliding_window((40, 30), 8, window=10**400, causal=False)
     assert wide == BlockMask.sliding_window((40, 30), 8, window=70, causal=False) and wide.density == 1
+
+
+# ----- element-level masks: the mask mod comes along ---------------------------------------------
+def test_from_flex_keeps_the_mask_mod():
+    """A document mask through from_flex used to lose its mask_mod (outputs off by up to 0.97)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    import flashedu
+
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([20, 50, 30]))
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    fm = flex.create_block_mask(same_doc, None, None, 100, 100, device="cpu", BLOCK_SIZE=32)
+    m = BlockMask.from_flex(fm)
+    assert m.mask_mod is same_doc and m.needs_mask_mod
+    q, k, v = (torch.randn(1, 2, 100, 16, dtype=torch.float64) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        theirs = flex.flex_attention(q, k, v, block_mask=fm)
+    for backend in ("naive", "numpy"):
+        ours = flashedu.attention(q, k, v, block_mask=m, backend=backend)
+        assert (ours - theirs).abs().max() < 1e-10
+
+
+def test_sliding_window_sees_exactly_its_window():
+    """window=1 used to show the whole causal triangle inside each diagonal tile."""
+    m = BlockMask.sliding_window((8, 8), (4, 4), window=1)
+    i, j = np.arange(8)[:, None], np.arange(8)[None, :]
+    assert np.array_equal(m.element_mask()[0, 0], (j >= i - 1) & (j <= i))
+    assert m.mask_mod.window == 2 and m.is_causal and m.needs_mask_mod
+
+
+def test_from_mask_mod_in_chunks_equals_the_dense_rule():
+    from flashedu import mods
+
+    m = BlockMask.from_mask_mod(mods.sliding_window(100, "bottom_right"), None, None, 700, 2100,
+                                block_size=(64, 32))
+    i, j = np.arange(700)[:, None], np.arange(2100)[None, :]
+    want = (j > i + 1400 - 100) & (j <= i + 1400)
+    assert np.array_equal(m.element_mask()[0, 0], want)
+    Br, Bc = m.block_size
+    tiles = np.pad(want, ((0, 704 - 700), (0, 2112 - 2100))).reshape(11, Br, 66, Bc)
+    assert np.array_equal(m.blocks[0, 0], tiles.any(axis=(1, 3)))
+    assert m.density < 0.1
+
+
+def test_to_flex_from_flex_keep_a_mod_and_refuse_what_cannot_broadcast():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def scalar_only(b, h, q_idx, kv_idx):  # fine under FlexAttention's vmap, not on tensors
+        return q_idx >= kv_idx if bool(q_idx % 2 == 0) else q_idx > kv_idx
+
+    fm = BlockMask.causal((64, 64), (32, 32)).to_flex()
+    fm.mask_mod = scalar_only
+    with pytest.raises(TypeError, match="from_flex cannot carry this FlexAttention mask_mod"):
+        BlockMask.from_flex(fm)

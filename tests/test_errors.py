@@ -218,3 +218,33 @@ def test_tour_json_stores_numbers(monkeypatch, tmp_path):
 def test_huge_python_ints_are_a_value_error(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         flashedu.attention(q, k, v, **kw)
+
+
+# ----- attn_mask, score_mod, return_lse, mask mods ------------------------------------------------
+BAD_MODS = [
+    (lambda: flashedu.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True),
+     ValueError, "attn_mask and is_causal"),
+    (lambda: flashedu.attention(q, k, v, attn_mask=torch.ones(2, 8, 5)), ValueError,
+     r"attn_mask must broadcast to \(B, H, Nq, Nk\)"),
+    (lambda: flashedu.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.float16)), TypeError,
+     "attn_mask must be bool, or float"),
+    (lambda: flashedu.attention(q, k, v, attn_mask=[[True]]), TypeError, "attn_mask must be a torch.Tensor"),
+    (lambda: flashedu.attention(q, k, v, score_mod=3.0), TypeError, "score_mod must be callable"),
+    (lambda: flashedu.attention(q, k, v, return_lse="yes"), TypeError, "return_lse must be a bool"),
+    (lambda: flashedu.attention(q, k, v, block_mask=flashedu.BlockMask.from_mask_mod(
+        lambda b, h, qi, ki: qi >= ki if qi > ki else False, None, None, 8, 8, (4, 4))),
+     TypeError, "broadcast"),
+    (lambda: flashedu.mods.sliding_window(0), ValueError, "window must be a positive int"),
+    (lambda: flashedu.mods.causal("bottom"), ValueError, "alignment must be one of"),
+    (lambda: flashedu.mods.softcap(-1.0), ValueError, "cap must be a positive"),
+    (lambda: flashedu.mods.document([0.5, 1.0]), TypeError, "doc_ids must hold ints"),
+    (lambda: flashedu.mods.document.from_lengths([[2, 3], [4]]), ValueError, "add up to one N"),
+    (lambda: flashedu.BlockMask.from_mask_mod(flashedu.mods.causal(), 0, None, 8, 8), ValueError,
+     "B must be a positive int or None"),
+]
+
+
+@pytest.mark.parametrize("call, exc, match", BAD_MODS, ids=[b[2] for b in BAD_MODS])
+def test_bad_mods_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()

@@ -31,18 +31,16 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=Non
 
     if (attn_mask is not None or score_mod is not None or return_lse
             or (block_mask is not None and block_mask.needs_mask_mod)):
-        if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError(
-                "the numpy backend gives no gradient to attn_mask (it requires grad here); "
-                "use backend='naive', or pass attn_mask.detach()")
+        if score_mod is not None and torch.is_grad_enabled():
+            _check_no_captured_grad(score_mod, q)
         rng = None
         if dropout_p > 0:
             from .dropout import draw_rng
 
             rng = draw_rng(q.device)
         params = dict(is_causal=is_causal, scale=scale, block_mask=block_mask,
-                      dropout_p=dropout_p, rng=rng, attn_mask=attn_mask, score_mod=score_mod)
-        out, lse = _ModAttention.apply(q, k, v, params)
+                      dropout_p=dropout_p, rng=rng, score_mod=score_mod)
+        out, lse = _ModAttention.apply(q, k, v, attn_mask, params)
         return (out, lse) if return_lse else out
     return ops.attention("numpy", q, k, v, is_causal=is_causal, scale=scale,
                          block_mask=block_mask, dropout_p=dropout_p)
@@ -73,10 +71,12 @@ def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None, a
 
 
 def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask, dropout_p=0.0,
-             rng=None, attn_mask=None, score_mod=None, d_lse=None):
+             rng=None, attn_mask=None, score_mod=None, d_lse=None, mask_grad=False):
     """(dQ, dK, dV) from the forward's (O, L), one head at a time (Algorithm 4 of the paper);
     with dropout, the forward's ``rng`` regenerates its mask. ``d_lse``: the gradient reaching
-    the returned logsumexp (B, H, Nq), or None."""
+    the returned logsumexp (B, H, Nq), or None. ``mask_grad=True`` (a float attn_mask):
+    also the gradient of attn_mask, summed to its shape; it is dS_ij itself, the gradient at the
+    final score, since the mask is added last."""
     blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
     blocks, head_mods = _head_mods(q, k, block_mask, blocks, Br, Bc, attn_mask, score_mod)
     dLn = None if d_lse is None else d_lse.detach().cpu().double().numpy()
@@ -88,18 +88,42 @@ def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask, dropout_
     dQ = np.zeros_like(qn)
     dK = np.zeros_like(kn)  # K/V heads shared by a group accumulate its gradients
     dV = np.zeros_like(vn)
+    dM = np.zeros((B, H, qn.shape[2], kn.shape[2]), qn.dtype) if mask_grad else None
     for b in range(B):
         for h in range(H):
+            mods_bh = head_mods(b, h)
+            if mask_grad:
+                mods_bh.dbias = dM[b, h]
             dq, dk, dv = tiled.flash_backward(
                 qn[b, h], kn[b, h // group], vn[b, h // group], on[b, h], dOn[b, h],
                 Ln[b, h], Br, Bc, is_causal, scale,
                 block_mask=None if blocks is None else blocks[b, h],
                 dropout_p=dropout_p, seed=seed, offset=offset, bh=b * H + h,
-                mods=head_mods(b, h), dL=None if dLn is None else dLn[b, h])
+                mods=mods_bh, dL=None if dLn is None else dLn[b, h])
             dQ[b, h] = dq
             dK[b, h // group] += dk
             dV[b, h // group] += dv
-    return _to_torch(dQ, q), _to_torch(dK, k), _to_torch(dV, v)
+    grads = _to_torch(dQ, q), _to_torch(dK, k), _to_torch(dV, v)
+    if mask_grad:
+        return (*grads, _to_torch(dM, attn_mask).sum_to_size(attn_mask.shape))
+    return grads
+
+
+def _check_no_captured_grad(score_mod, q):
+    """The numpy backend differentiates a score mod with respect to the score only: a mod that
+    computes with tensors that require grad (a learned bias) is refused, not silently frozen."""
+    s = torch.zeros(1, 1, 1, 1, dtype=q.dtype if q.is_floating_point() else torch.float32)
+    idx = [torch.zeros(1, 1, 1, 1, dtype=torch.int64) for _ in range(4)]
+    try:
+        with torch.enable_grad():
+            out = score_mod(s, *idx)
+    except Exception:  # noqa: BLE001 - the kernel reports a failing mod with its own message
+        return
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        raise NotImplementedError(
+            "the numpy backend gives no gradient to tensors a score_mod computes with (this "
+            "one uses a tensor that requires grad); use backend='naive', whose autograd "
+            "reaches them, or detach them")
 
 
 def _rng(dropout_p, rng):
@@ -169,19 +193,21 @@ class _ModAttention(torch.autograd.Function):
     gradient of both (lse's through D_i - dL_i, see tiled.flash_backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, params):
-        out, lse = forward(q, k, v, **params)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, attn_mask, params):
+        out, lse = forward(q, k, v, attn_mask=attn_mask, **params)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
         ctx.params = params
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv = backward(q, k, v, out, lse, d_out, d_lse=d_lse, **ctx.params)
-        return dq, dk, dv, None
+        mask_grad = bool(ctx.needs_input_grad[3])  # a float attn_mask that requires grad
+        grads = backward(q, k, v, out, lse, d_out, d_lse=d_lse, attn_mask=attn_mask,
+                         mask_grad=mask_grad, **ctx.params)
+        return (*grads[:3], grads[3] if mask_grad else None, None)
 
 
 def _tiling(block_mask, B, H):

@@ -101,6 +101,7 @@ class TileMods:
         self.Nq, self.Nk, self.Br, self.Bc, self.b, self.h = Nq, Nk, Br, Bc, b, h
         self.mask_mod, self.full, self.score_mod = mask_mod, full, score_mod
         self.keep_grad = False
+        self.dbias = None  # an (Nq, Nk) array: the backward adds dS_ij into it (attn_mask's grad)
         self._grad = {}
 
     def _indices(self, i, j, shape):
@@ -132,6 +133,9 @@ class TileMods:
 
     def chain(self, i: int, j: int, dS_ij):
         """dS_ij (gradient at the modified score) -> gradient at the raw score S_ij."""
+        if self.dbias is not None:
+            rows, cols = dS_ij.shape
+            self.dbias[i * self.Br:i * self.Br + rows, j * self.Bc:j * self.Bc + cols] += dS_ij
         grad = self._grad.pop((i, j), None)
         if grad is None:
             return dS_ij

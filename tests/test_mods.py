@@ -471,3 +471,36 @@ def test_a_backend_without_a_feature_names_those_with_it(feature, kwargs):
     for name in lacking:
         with pytest.raises(NotImplementedError, match=r"'naive', 'numpy'"):
             flashedu.attention(*_small(), backend=name, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKEND_LIST)
+@pytest.mark.parametrize("shape", [(37, 29), (H, 1, 29)], ids=["NqNk", "H1Nk"])
+def test_float_attn_mask_gets_its_gradient(backend, shape):
+    """SDPA differentiates a float attn_mask (a learned bias): so does every backend that
+    takes one, summed to the mask's own (broadcast) shape."""
+    subset(backend, "NqNk" if len(shape) == 2 else str(shape))
+    needs_kind(backend, "attn_mask", "float")
+    dtype = dtype_of(backend)
+    q, k, v = qkv(37, 29, dtype)
+    bias = torch.randn(shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    bias[..., 0] = float("-inf")
+    bias.requires_grad_()
+    out = flashedu.attention(q, k, v, attn_mask=bias, enable_gqa=True, backend=backend)
+    got = torch.autograd.grad(out.double().square().sum(), bias)[0]
+    b64 = bias.detach().double().requires_grad_()
+    want_out, _ = reference(*(t.detach().double() for t in (q, k, v)), bias=b64.expand(B, H, 37, 29))
+    want = torch.autograd.grad(want_out.square().sum(), b64)[0]
+    assert got.shape == bias.shape and (got.double() - want).abs().max() <= tol(backend)[1]
+
+
+def test_numpy_refuses_a_score_mod_with_a_learned_tensor():
+    slopes = torch.ones(H, requires_grad=True)
+
+    def learned(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    q, k, v = qkv(16, 16, torch.float64)
+    with pytest.raises(NotImplementedError, match="naive"):
+        flashedu.attention(q, k, v, score_mod=learned, enable_gqa=True, backend="numpy")
+    out = flashedu.attention(q, k, v, score_mod=learned, enable_gqa=True, backend="naive")
+    assert torch.autograd.grad(out.sum(), slopes)[0].abs().sum() > 0  # naive's autograd reaches it

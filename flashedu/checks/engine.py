@@ -16,9 +16,11 @@ order, and the first problem found is the one reported:
 Running a case has two halves. :func:`execute_case` calls the learner's object and gathers what
 happened (the :class:`~.sandbox.Call`: the value, an error, the time, the memory, what the
 probes counted, the inputs after the call); :func:`judge_case` compares that with the case's
-reference. The notebook's ``check()`` runs both in one process; ``flashedu check`` runs the
-first half in the learner's kernel and the second in its own process, where the references,
-tolerances and comparisons live and the learner's code never runs (see :mod:`.grade`).
+reference. The two halves always live in two processes: the notebook's ``check()`` runs the
+first half in a child forked from the notebook before any input exists (see :mod:`.child`;
+in-process only where a fork cannot run the code), ``flashedu check`` runs it in the
+learner's kernel (see :mod:`.grade`); references, tolerances and comparisons stay on the side
+where the learner's code never runs.
 
 Inputs are drawn fresh for every check from a seed (``run_seed()``) that the message reports,
 so that a failure can be reproduced (``check(name, fn, seed=...)``) and no table of answers

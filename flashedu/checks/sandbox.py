@@ -5,10 +5,9 @@ that thread (and inside any thread it started, such as the numba simulator's one
 thread workers), which stops any loop that runs Python code. A thread stuck in one long C call
 cannot be stopped this way; it is left behind as a daemon and the check still reports the timeout.
 
-Threads rather than a subprocess here: the learner's function lives in the notebook's
-namespace (a closure, a ``@triton.jit`` or ``@cuda.jit`` object) and cannot be sent to another
-process. ``flashedu check`` keeps the trusted half of grading in its own process instead (see
-:mod:`.grade`): only this call runs in the learner's kernel.
+This runs where the learner's code runs: in the child process of the notebook's ``check()``
+(:mod:`.child`) or in the learner's kernel under ``flashedu check`` (:mod:`.grade`); the
+trusted half of grading is in another process in both cases.
 
 During the call, the answers themselves are out of reach (:func:`shortcuts_blocked`):
 flashedu's references and kernels, ``flashedu.attention``, torch's softmax and

@@ -121,8 +121,8 @@ class BlockMask:
         object.__setattr__(self, "full_blocks", full)
         # tiles where blocks and is_causal alone already give the exact pairs (no mod needed)
         plain = self.mask_mod is None or (is_causal and _mods.is_causal_top_left(self.mask_mod))
-        object.__setattr__(self, "_exact", blocks if plain else full)
         object.__setattr__(self, "blocks", blocks)
+        _set_exact(self, blocks if plain else full)
         object.__setattr__(self, "block_size", (Br, Bc))
         object.__setattr__(self, "seq_lens", (Nq, Nk))
         object.__setattr__(self, "is_causal", is_causal)
@@ -198,15 +198,20 @@ class BlockMask:
         return cls.from_mask_mod(mod, 1, 1, Nq, Nk, (Br, Bc))
 
     @classmethod
-    def from_mask_mod(cls, mask_mod, B, H, Nq, Nk, block_size=(128, 128)) -> BlockMask:
+    def from_mask_mod(cls, mask_mod, B, H, Nq, Nk, block_size=(128, 128),
+                      device="cpu") -> BlockMask:
         """The block mask a mask mod implies (FlexAttention's ``create_block_mask``).
 
         ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (see :mod:`flashedu.mods`); B, H: the batch
         and head counts it depends on, or None (or 1) when it is the same for all. The mod is
         evaluated tile by tile (a few rows of tiles at a time, never the whole Nq x Nk grid at
-        once): empty tiles are skipped, full ones run unmasked, partial ones apply the mod
-        element-wise. A mod that never shows a later key (causal, sliding_window, ... and
-        combinations) sets ``is_causal``, so kernels also skip the tiles above the diagonal."""
+        once), on ``device`` (a GPU evaluates a long sequence's mod many times faster): empty
+        tiles are skipped, full ones run unmasked, partial ones apply the mod element-wise. A
+        mod that never shows a later key (causal, sliding_window, ... and combinations) sets
+        ``is_causal``, so kernels also skip the tiles above the diagonal (and so does this
+        evaluation)."""
+        import torch
+
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be callable as mask_mod(b, h, q_idx, kv_idx), got "
                             f"{type(mask_mod).__name__}")
@@ -219,24 +224,49 @@ class BlockMask:
         Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
         shape = (B, H, Tr, Tc)
         any_, all_, exact = (np.zeros(shape, bool) for _ in range(3))
-        cols = np.arange(Tc * Bc)
+        b = torch.arange(B, device=device).view(B, 1, 1, 1)
+        h = torch.arange(H, device=device).view(1, H, 1, 1)
         per_chunk = max(1, (1 << 22) // (B * H * Br * Tc * Bc))  # tile rows per evaluation
         for i0 in range(0, Tr, per_chunk):
             i1 = min(Tr, i0 + per_chunk)
-            rows = np.arange(i0 * Br, i1 * Br)
-            m = _mods.evaluate_mask_mod(mod, range(B), range(H), rows, cols,
-                                        seq_lens=(Nq, Nk)).cpu().numpy()
-            valid = (rows < Nq)[:, None] & (cols < Nk)[None, :]
-            tiles = (B, H, i1 - i0, Br, Tc, Bc)
-            any_[:, :, i0:i1] = m.reshape(tiles).any(axis=(3, 5))
-            all_[:, :, i0:i1] = (m | ~valid).reshape(tiles).all(axis=(3, 5))
-            if is_causal:  # where the tile grid plus the causal diagonal already say it all
-                rule = valid & (cols[None, :] <= rows[:, None])
-                exact[:, :, i0:i1] = ((m == rule) | ~valid).reshape(tiles).all(axis=(3, 5))
-            else:
-                exact[:, :, i0:i1] = all_[:, :, i0:i1]
+            # a causal mod shows no key after the chunk's last query: those tiles stay empty
+            tc = min(Tc, math.ceil(i1 * Br / Bc)) if is_causal else Tc
+            rows = torch.arange(i0 * Br, i1 * Br, device=device).view(1, 1, -1, 1)
+            cols = torch.arange(tc * Bc, device=device).view(1, 1, 1, -1)
+            m = _mods.evaluate_mask_mod(mod, b, h, rows, cols, seq_lens=(Nq, Nk))
+            m = m.expand(B, H, rows.shape[2], cols.shape[3])
+            padded = i1 * Br > Nq or tc * Bc > Nk
+            valid = (rows < Nq) & (cols < Nk)
+            tiles = (B, H, i1 - i0, Br, tc, Bc)
+
+            def per_tile(x, reduce):  # NumPy's reductions are the fastest on a CPU
+                if x.device.type == "cpu":
+                    x = np.ascontiguousarray(x.numpy()).reshape(tiles)
+                    return x.any(axis=(3, 5)) if reduce == "any" else x.all(axis=(3, 5))
+                x = x.reshape(tiles)
+                return (x.amax(dim=(3, 5)) if reduce == "any" else x.amin(dim=(3, 5))).cpu().numpy()
+
+            any_[:, :, i0:i1, :tc] = per_tile(m, "any")
+            all_[:, :, i0:i1, :tc] = per_tile(m | ~valid if padded else m, "all")
+        exact = all_.copy()  # tiles where the tile grid (and causal flag) alone give the pairs
+        if is_causal:
+            # below the diagonal the causal rule shows everything: exact where full; above it
+            # nothing; a tile cut by the diagonal is exact where the mod equals the causal rule
+            i = np.arange(Tr)[:, None]
+            j = np.arange(Tc)[None, :]
+            cut = ~_diagonal_free((Tr, Tc), (Br, Bc), (Nq, Nk), True) & (j * Bc <= np.minimum(
+                (i + 1) * Br, Nq) - 1)
+            cut = np.broadcast_to(cut, shape) & any_
+            tiles = np.argwhere(cut)
+            if len(tiles):
+                t = torch.as_tensor(tiles, device=device).view(-1, 4, 1, 1)
+                q = t[:, 2] * Br + torch.arange(Br, device=device).view(1, Br, 1)
+                kv = t[:, 3] * Bc + torch.arange(Bc, device=device).view(1, 1, Bc)
+                m = _mods.evaluate_mask_mod(mod, t[:, 0], t[:, 1], q, kv, seq_lens=(Nq, Nk))
+                rule = (kv <= q) & (q < Nq) & (kv < Nk)
+                exact[tuple(tiles.T)] = (m == rule).flatten(1).all(1).cpu().numpy()
         mask = cls(any_, (Br, Bc), (Nq, Nk), is_causal, mask_mod=mod, full_blocks=all_ & any_)
-        object.__setattr__(mask, "_exact", np.array(exact & any_ | ~any_, order="C"))
+        _set_exact(mask, np.array(exact & any_ | ~any_, order="C"))
         return mask
 
     # ----- views --------------------------------------------------------------------------
@@ -268,7 +298,7 @@ class BlockMask:
     def needs_mask_mod(self) -> bool:
         """True when some selected tile needs the mask mod element-wise: the tile grid and the
         causal flag alone (all a kernel without mask mods reads) would show too many pairs."""
-        return bool((self.blocks & ~self._exact).any())
+        return self._needs_mask_mod
 
     def partial_tiles(self) -> np.ndarray:
         """(n, 4) int64 rows (b, h, i, j) of the partial tiles, in (b, h, i, j) order; b or h is
@@ -290,6 +320,11 @@ class BlockMask:
         q = t[:, 2] * Br + torch.arange(Br).view(1, Br, 1)
         kv = t[:, 3] * Bc + torch.arange(Bc).view(1, 1, Bc)
         return self._rule(b, h, q, kv)
+
+    def visible(self, b, h, q_idx, kv_idx):
+        """The bool tensor of visible pairs at broadcast index tensors (tiles, causal flag, mask
+        mod and sequence ends together): what a kernel evaluates for its partial tiles."""
+        return self._rule(b, h, q_idx, kv_idx)
 
     def _rule(self, b, h, q, kv):
         """Visible pairs at broadcast indices: tiles, causal flag, mask mod, sequence ends."""
@@ -331,7 +366,7 @@ class BlockMask:
         shape = (B, H) + self.shape
         mask = BlockMask(np.broadcast_to(self.blocks, shape), self.block_size, self.seq_lens,
                          self.is_causal, self.mask_mod, np.broadcast_to(self.full_blocks, shape))
-        object.__setattr__(mask, "_exact", np.broadcast_to(self._exact, shape))
+        _set_exact(mask, np.broadcast_to(self._exact, shape))
         return mask
 
     def kv_indices(self) -> tuple[np.ndarray, np.ndarray]:
@@ -440,7 +475,7 @@ def _with(mask: BlockMask, **changes) -> BlockMask:
 
 def _rebuild(args, exact) -> BlockMask:
     mask = BlockMask(*args)
-    object.__setattr__(mask, "_exact", exact)
+    _set_exact(mask, exact)
     return mask
 
 
@@ -496,3 +531,10 @@ def _from_lists(num, idx, flex_mask) -> np.ndarray:
     b, h, r, c = np.nonzero(take)
     blocks[b, h, r, idx[b, h, r, c]] = True
     return blocks
+
+
+def _set_exact(mask, exact) -> None:
+    """The tiles whose pairs the grid and causal flag give exactly, and whether some selected
+    tile needs the mask mod: a plain bool fixed here, so torch.compile reads it as a constant."""
+    object.__setattr__(mask, "_exact", exact)
+    object.__setattr__(mask, "_needs_mask_mod", bool((mask.blocks & ~exact).any()))

@@ -443,9 +443,10 @@ def evaluate_mask_mod(mask_mod, b, h, q_idx, kv_idx, *, seq_lens=None) -> torch.
         Nq, Nk = _seq_lens(seq_lens)
         if hasattr(mask_mod, "bind"):
             mask_mod = mask_mod.bind((Nq, Nk))
-        inside = (idx[2] < Nq) & (idx[3] < Nk)
-        idx[2] = idx[2].clamp(max=Nq - 1)
-        idx[3] = idx[3].clamp(max=Nk - 1)
+        if bool((idx[2] >= Nq).any()) or bool((idx[3] >= Nk).any()):  # the padding of a cut tile
+            inside = (idx[2] < Nq) & (idx[3] < Nk)
+            idx[2] = idx[2].clamp(max=Nq - 1)
+            idx[3] = idx[3].clamp(max=Nk - 1)
     try:
         out = mask_mod(*idx)
     except Exception as exc:  # noqa: BLE001 - any failure of a user's function gets the hint

@@ -548,6 +548,28 @@ def test_gate_passes_the_solutions(tmp_path):
         assert triton_gate(load(name, (), tmp_path), which) is None, name
 
 
+@pytest.mark.skipif(not _can_compile_for_cuda(), reason="this Triton has no CUDA backend")
+def test_flashedu_check_compiles_in_the_graders_process(tmp_path):
+    """A notebook whose kernel only interprets, and which patches the gate in its kernel, is
+    still refused: the kernel only sends its source; the grader compiles it."""
+    nb = nbformat.read(ROOT / "solutions" / "06_triton_kernel.ipynb", as_version=4)
+    for cell in nb.cells:
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "triton_forward_kernel":
+            assert "        cols = start + tl.arange(0, Bc)\n" in cell.source
+            cell.source = cell.source.replace(
+                "        cols = start + tl.arange(0, Bc)\n",
+                "        if start >= Nk:\n            break\n        cols = start + tl.arange(0, Bc)\n")
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "import flashedu.checks.gate as g\n"
+        "g.triton_gate = g.compile_triton = g.compile_spec = lambda *a, **k: None"))
+    path = tmp_path / "06_triton_kernel.ipynb"
+    nbformat.write(nb, path)
+    run, _ = _flashedu_check(path, "--json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(run.stdout)
+    assert row["points"] == 0 and "does not compile for a GPU" in row["message"], row
+
+
 def _numba_gate_unavailable():
     from flashedu.checks.gate import numba_gate_unavailable
     return numba_gate_unavailable()

@@ -84,6 +84,14 @@ def kernel_module_source(kernel) -> tuple[str, str]:
 def triton_gate(kernel, which: str, timeout: float = 180.0) -> str | None:
     """A message when ``kernel`` does not compile for a GPU, else None (also when this machine
     cannot tell)."""
+    spec = triton_gate_source(kernel, which)
+    return spec if not isinstance(spec, dict) else compile_triton(spec, timeout)
+
+
+def triton_gate_source(kernel, which: str):
+    """What the compile needs of ``kernel`` (runs where the kernel lives): a dict with the
+    module source, the kernel's name and its signature; or a problem text; or None (nothing
+    to check: the gate is off, or the source cannot be read)."""
     if os.environ.get("FLASHEDU_COMPILE_GATE", "1") == "0":
         return None
     try:
@@ -100,16 +108,25 @@ def triton_gate(kernel, which: str, timeout: float = 180.0) -> str | None:
     if sorted(params) != sorted(signature):
         return (f"your kernel's parameters are {', '.join(params)}; the launcher passes "
                 f"{', '.join(signature)}.")
-    signature = {p: signature[p] for p in params}
+    return {"kind": "triton", "source": source, "name": name,
+            "signature": {p: signature[p] for p in params}}
+
+
+def compile_triton(spec: dict, timeout: float = 180.0) -> str | None:
+    """Compile a :func:`triton_gate_source` spec for sm_90 in a fresh process; a message when
+    it does not compile. Runs anywhere (the grader's process too): the spec is plain data."""
+    if os.environ.get("FLASHEDU_COMPILE_GATE", "1") == "0":
+        return None
     with tempfile.TemporaryDirectory(prefix="flashedu-gate-") as folder:
         path = Path(folder) / "learner_kernel.py"
-        path.write_text(source)
-        spec = {"path": str(path), "name": name, "signature": signature,
-                "constexprs": {"D": 64, "Br": 64, "Bc": 32}}
+        path.write_text(str(spec["source"]))
+        job = {"path": str(path), "name": str(spec["name"]), "signature": dict(spec["signature"]),
+               "constexprs": {"D": 64, "Br": 64, "Bc": 32}}
         env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
         try:
-            run = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(spec)], env=env,
-                                 capture_output=True, text=True, timeout=timeout, check=False)
+            run = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(job)], env=env,
+                                 capture_output=True, text=True, timeout=timeout, check=False,
+                                 cwd=folder)
         except subprocess.TimeoutExpired:
             return None
     for line in run.stdout.splitlines():
@@ -223,20 +240,34 @@ def numba_gate(kernel, timeout: float = 180.0) -> str | None:
     """A message when the numba ``kernel`` does not compile to PTX for an H100 (sm_90), else
     None (also when this machine cannot tell: no libnvvm). Without a GPU, numba's simulator
     runs any Python; NVVM compiles only what a GPU can run."""
+    spec = numba_gate_source(kernel)
+    return spec if not isinstance(spec, dict) else compile_numba(spec, timeout)
+
+
+def numba_gate_source(kernel):
+    """What the compile needs of ``kernel`` (runs where the kernel lives): a dict, or None."""
     if os.environ.get("FLASHEDU_COMPILE_GATE", "1") == "0":
         return None
     try:
         source, name = numba_module_source(kernel)
     except (OSError, TypeError, AttributeError):
         return None  # the kind check reports objects that are not kernels
+    return {"kind": "numba", "source": source, "name": name, "signature": NUMBA_SIGNATURE}
+
+
+def compile_numba(spec: dict, timeout: float = 180.0) -> str | None:
+    """Compile a :func:`numba_gate_source` spec to PTX for sm_90 in a fresh process without
+    the simulator; a message when it does not compile. Runs anywhere: the spec is plain data."""
+    if os.environ.get("FLASHEDU_COMPILE_GATE", "1") == "0":
+        return None
     with tempfile.TemporaryDirectory(prefix="flashedu-gate-") as folder:
         path = Path(folder) / "learner_kernel.py"
-        path.write_text(source)
-        spec = {"path": str(path), "name": name, "signature": NUMBA_SIGNATURE}
+        path.write_text(str(spec["source"]))
+        job = {"path": str(path), "name": str(spec["name"]), "signature": NUMBA_SIGNATURE}
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
         env["NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"] = "1"
         try:
-            run = subprocess.run([sys.executable, "-c", _NUMBA_SCRIPT, json.dumps(spec)],
+            run = subprocess.run([sys.executable, "-c", _NUMBA_SCRIPT, json.dumps(job)],
                                  env=env, capture_output=True, text=True, timeout=timeout,
                                  check=False, cwd=folder)
         except subprocess.TimeoutExpired:
@@ -250,3 +281,17 @@ def numba_gate(kernel, timeout: float = 180.0) -> str | None:
                     "array arguments, math.* and @cuda.jit(device=True) functions work: no "
                     "lists, NumPy calls or Python objects.")
     return None  # compiled, or this machine cannot compile for CUDA: nothing to say
+
+
+def compile_spec(spec) -> str | None:
+    """The grader's half of ``flashedu check``'s gate: compile what the kernel sent (a spec
+    of either kind), or pass on its problem text."""
+    if isinstance(spec, str):
+        return spec[:2000]
+    if not isinstance(spec, dict) or not isinstance(spec.get("source"), str):
+        return None
+    if spec.get("kind") == "numba":
+        return compile_numba(spec)
+    if spec.get("kind") == "triton" and isinstance(spec.get("signature"), dict):
+        return compile_triton(spec)
+    return None

@@ -90,11 +90,11 @@ BACKENDS: dict[str, Backend] = {
                      has_mask_mod=True, has_return_lse=True),
     "numba": Backend("numba", _numba, False, False, "gpu"),
     # triton: any mask mod (its partial tiles' element masks are evaluated on the host), the
-    # library score mods compiled into the kernels, and bool attn_masks (as a mask mod)
+    # library score mods compiled into the kernels, attn_mask (bool: as a mask mod; float: a
+    # bias read tile by tile)
     "triton": Backend("triton", _triton, True, True, "gpu", has_attn_mask=True,
                       has_score_mod=False, has_mask_mod=True, has_return_lse=True,
-                      score_mod_kinds=frozenset({"softcap", "alibi"}),
-                      attn_mask_kinds=frozenset({"bool"})),
+                      score_mod_kinds=frozenset({"softcap", "alibi"})),
 }
 
 

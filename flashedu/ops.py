@@ -67,7 +67,8 @@ def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mas
         rng = draw_rng(q.device)
     mods = Mods.of(attn_mask, score_mod, block_mask)
     if mods is not None or return_lse:  # Python objects the operators cannot carry
-        out, lse = _modded(backend, q, k, v, is_causal, scale, block_mask, dropout_p, rng, mods)
+        out, lse = _modded(backend, q, k, v, mods and mods.attn_mask, is_causal, scale,
+                           block_mask, dropout_p, rng, mods)
         return (out, lse) if return_lse else out
     if _plain_eager(q, k, v):
         return _EagerAttention.apply(backend, q, k, v, is_causal, scale, block_mask, dropout_p,
@@ -144,12 +145,26 @@ def _dropout_kwargs(dropout_p, rng):
     return {} if dropout_p == 0 else {"dropout_p": dropout_p, "rng": rng}
 
 
-def _mods_kwargs(mods, dlse=None):
-    """The launch code's arguments for masks, score mods and an lse gradient: none when the
-    call has none (the kernels as without them)."""
+def _mods_kwargs(mods, dlse=None, mask_grad=False):
+    """The Triton launch code's arguments for masks, score mods, an lse gradient and the
+    attn_mask's gradient: none when the call has none (the kernels as without them)."""
     kwargs = {} if mods is None else {"mods": mods}
     if dlse is not None:
         kwargs["dlse"] = dlse
+    if mask_grad:
+        kwargs["mask_grad"] = True
+    return kwargs
+
+
+def _numpy_mods_kwargs(mods, dlse=None, mask_grad=False):
+    """The same for flashedu.numpy_backend (its keywords; the mask mod rides on the mask)."""
+    kwargs = {}
+    if mods is not None:
+        kwargs.update(attn_mask=mods.attn_mask, score_mod=mods.score_mod)
+    if dlse is not None:
+        kwargs["d_lse"] = dlse
+    if mask_grad:
+        kwargs["mask_grad"] = True
     return kwargs
 
 
@@ -167,7 +182,7 @@ def triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None
 
 
 def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p=0.0,
-                         rng=None, mods=None, dlse=None):
+                         rng=None, mods=None, dlse=None, mask_grad=False):
     """The Triton backward (Algorithm 4 of the paper, FlashAttention-2 order)."""
     from . import runtime
     from .triton.autograd import resolve_config
@@ -177,7 +192,7 @@ def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropou
     config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
     return backward(q, k, v, out, lse, dout.contiguous(), is_causal=is_causal, scale=scale,
                     block_mask=mask, config=config, interpreted=runtime.triton_interpreted(),
-                    **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods, dlse))
+                    **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods, dlse, mask_grad))
 
 
 def numpy_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None, mods=None):
@@ -185,16 +200,16 @@ def numpy_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None,
     from .numpy_backend import forward
 
     return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
-                   **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods))
+                   **_dropout_kwargs(dropout_p, rng), **_numpy_mods_kwargs(mods))
 
 
 def numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p=0.0,
-                        rng=None, mods=None, dlse=None):
+                        rng=None, mods=None, dlse=None, mask_grad=False):
     """flashedu.tiled.flash_backward per head."""
     from .numpy_backend import backward
 
     return backward(q, k, v, out, lse, dout, is_causal=is_causal, scale=scale, block_mask=mask,
-                    **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods, dlse))
+                    **_dropout_kwargs(dropout_p, rng), **_numpy_mods_kwargs(mods, dlse, mask_grad))
 
 
 IMPLS = {"triton": (triton_forward_impl, triton_backward_impl),
@@ -445,7 +460,8 @@ class _ModdedAttention(torch.autograd.Function):
     D_i = rowsum(dO_i * O_i) (the implementations take ``dlse`` and do it)."""
 
     @staticmethod
-    def forward(ctx, backend, q, k, v, is_causal, scale, block_mask, dropout_p, rng, mods):
+    def forward(ctx, backend, q, k, v, attn_mask, is_causal, scale, block_mask, dropout_p, rng,
+                mods):
         ctx.set_materialize_grads(False)  # an unused lse (or out) gets None, not zeros
         out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask, dropout_p, rng,
                                      mods=mods)
@@ -459,6 +475,10 @@ class _ModdedAttention(torch.autograd.Function):
         backend, is_causal, scale, block_mask, dropout_p, mods = ctx.params
         if dout is None:
             dout = torch.zeros_like(out)
+        # a float attn_mask that requires grad (a learned bias) gets dS_ij, summed to its shape
+        mask_grad = bool(mods is not None and mods.attn_mask is not None
+                         and mods.attn_mask.is_floating_point() and ctx.needs_input_grad[4])
         grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask,
-                                  dropout_p, rng, mods=mods, dlse=dlse)
-        return (None, *grads, None, None, None, None, None, None)
+                                  dropout_p, rng, mods=mods, dlse=dlse, mask_grad=mask_grad)
+        dmask = grads[3] if mask_grad else None
+        return (None, *grads[:3], dmask, None, None, None, None, None, None)

@@ -34,7 +34,7 @@ BAD = [
      ValueError, "block_mask was built for seq_lens"),
     (lambda: flashedu.attention(q, k, v, block_mask=flashedu.BlockMask.from_dense(
         np.ones((3, 1, 1, 1), bool), (8, 8), (8, 8))), ValueError, "block_mask has blocks"),
-    (lambda: flashedu.attention(q, k, v, dropout_p=0.1, backend="numpy"), NotImplementedError, "dropout"),
+    (lambda: flashedu.attention(q, k, v, dropout_p=0.1, backend="numba"), NotImplementedError, "dropout"),
 ]
 
 

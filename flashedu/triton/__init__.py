@@ -36,14 +36,15 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=Non
     """Backend entry point (inputs already checked by flashedu.attention).
 
     A bool ``attn_mask`` becomes a block mask whose mask mod reads it (only its partial tiles
-    are read element-wise); ``score_mod`` must be a library mod the kernels compile
-    (``mods.SCORE_MODS``)."""
+    are read element-wise), a float one a bias the kernels read tile by tile; ``score_mod``
+    must be a library mod the kernels compile (``mods.SCORE_MODS``)."""
     _check(q, k, v)
-    if attn_mask is not None:
+    if attn_mask is not None and not attn_mask.is_floating_point():
         block_mask = bool_mask_as_block_mask(attn_mask, block_mask, q.shape[2], k.shape[2])
+        attn_mask = None
     return ops.attention("triton", q, k, v, is_causal=is_causal, scale=float(scale),
-                         block_mask=block_mask, dropout_p=dropout_p, score_mod=score_mod,
-                         return_lse=return_lse)
+                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
+                         score_mod=score_mod, return_lse=return_lse)
 
 
 def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
@@ -52,9 +53,6 @@ def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
     unmasked, the rest read the mask element-wise. Built on every call (the mask is data)."""
     from ..masks import BlockMask
 
-    if attn_mask.is_floating_point():
-        raise NotImplementedError("the triton backend takes a bool attn_mask; a float one "
-                                  "(added to the scores) runs on backend 'numpy' or 'naive'")
     m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     m = m.expand(m.shape[0], m.shape[1], Nq, Nk)  # a view: no Nq x Nk copy per head
 

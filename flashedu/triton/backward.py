@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .dropout import keep_tile
 from .forward import LOG2E, dot_precision, dropout_args, load_tile
-from .mods import apply_score_mod, element_tile, score_mod_grad
+from .mods import element_tile, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
 
 
@@ -55,8 +55,9 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
                Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
                seed=0, offset=0, bh=0, start_n=0, drop_t=0, drop_scale=1.0, E_tile=0,
-               mod_scale=1.0, cap=1.0, slope=0.0, ELEMENT: tl.constexpr = False,
-               SCORE_MOD: tl.constexpr = 0):
+               mod_scale=1.0, cap=1.0, slope=0.0, B_head=0, stride_bq=0, stride_bk=0, Nk=0,
+               ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
+               BIAS: tl.constexpr = False):
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
     products land directly in dK_j and dV_j. DROPOUT (the paper's Algorithm 4): the forward's
     Z_ij regenerated from (seed, offset, bh) and the tile's position; dV_j takes the dropped
@@ -76,9 +77,9 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
         L_i = tl.load(L_head + rows)
         D_i = tl.load(D_head + rows)
     S_ijT = tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC)
-    if SCORE_MOD != 0:
-        S_ijT = apply_score_mod(S_ijT, mod_scale, cap, slope, cols[:, None] - rows[None, :],
-                                SCORE_MOD)
+    if SCORE_MOD != 0 or BIAS:
+        S_ijT, dsT = mod_scores(S_ijT, rows[None, :], cols[:, None], Nq, Nk, mod_scale, cap,
+                                slope, B_head, stride_bq, stride_bk, SCORE_MOD, BIAS)
     P_ijT = tl.math.exp2(S_ijT * qk_scale - L_i[None, :])
     if MASK:
         if IS_CAUSAL:
@@ -96,7 +97,7 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
         dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     if SCORE_MOD != 0:
-        dS_ijT = dS_ijT * score_mod_grad(S_ijT, cap, SCORE_MOD)
+        dS_ijT = dS_ijT * dsT
     dK_j += tl.dot(dS_ijT.to(Q_i.dtype), Q_i, input_precision=DOT_PREC)
     return dK_j, dV_j
 
@@ -113,8 +114,9 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                   IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
                   seed=0, offset=0, drop_t=0, drop_scale=1.0, ELEM=0, ELEM_BASE=0, SLOPES=0,
-                  mod_scale=1.0, cap=1.0, ELEMENT: tl.constexpr = False,
-                  SCORE_MOD: tl.constexpr = 0):
+                  mod_scale=1.0, cap=1.0, BIAS_PTR=0, stride_bb=0, stride_bh=0, stride_bq=0,
+                  stride_bk=0, ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
+                  BIAS: tl.constexpr = False):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
@@ -140,13 +142,17 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
         slope = 0.0
         if SCORE_MOD == 2:  # ALiBi: this query head's slope
             slope = tl.load(SLOPES + h)
+        B_head = 0
+        if BIAS:  # this (batch, query head)'s attn_mask
+            B_head = BIAS_PTR + b * stride_bb + h * stride_bh
         for t in range(0, num_full):
             i = full_tile(t, u0, idx_row, SPARSE)
             dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                     stride_qn, stride_dn, i * Br, cols, dims, Nq, d, qk_scale,
                                     Br, IS_CAUSAL, False, EVEN_D, DOT_PREC, DROPOUT, seed,
                                     offset, b * H + h, j * Bc, drop_t, drop_scale, 0,
-                                    mod_scale, cap, slope, False, SCORE_MOD)
+                                    mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nk,
+                                    False, SCORE_MOD, BIAS)
         if MASKED:
             if ELEMENT:  # where this list's element masks start (a mask mod's partial tiles)
                 e0 = tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + j) - num_full
@@ -159,8 +165,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                                         stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
                                         qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC,
                                         DROPOUT, seed, offset, b * H + h, j * Bc, drop_t,
-                                        drop_scale, E_tile, mod_scale, cap, slope, ELEMENT,
-                                        SCORE_MOD)
+                                        drop_scale, E_tile, mod_scale, cap, slope, B_head,
+                                        stride_bq, stride_bk, Nk, ELEMENT, SCORE_MOD, BIAS)
     out_ok = col_ok & dim_ok
     tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
              (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
@@ -173,8 +179,9 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
              dims, Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr,
              MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
              DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0, drop_scale=1.0,
-             E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, ELEMENT: tl.constexpr = False,
-             SCORE_MOD: tl.constexpr = 0):
+             E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0, stride_bq=0, stride_bk=0,
+             Nq=0, DB_head=0, ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
+             BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False):
     """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (DROPOUT: dP_ij
     dropped and rescaled by the forward's Z_ij, regenerated; SCORE_MOD, ELEMENT as above)."""
     cols = start_n + tl.arange(0, Bc)
@@ -185,9 +192,9 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
     V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], col_ok, dim_ok,
                     MASK, not EVEN_D)
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)
-    if SCORE_MOD != 0:
-        S_ij = apply_score_mod(S_ij, mod_scale, cap, slope, cols[None, :] - rows[:, None],
-                               SCORE_MOD)
+    if SCORE_MOD != 0 or BIAS:
+        S_ij, ds = mod_scores(S_ij, rows[:, None], cols[None, :], Nq, Nk, mod_scale, cap, slope,
+                              B_head, stride_bq, stride_bk, SCORE_MOD, BIAS)
     P_ij = tl.math.exp2(S_ij * qk_scale - L_i[:, None])
     if MASK:
         visible = cols[None, :] < Nk
@@ -201,8 +208,11 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
         keep = keep_tile(seed, offset, bh, rows, start_n, drop_t, Bc)
         dP_ij = tl.where(keep, dP_ij * drop_scale, 0.0)
     dS_ij = P_ij * (dP_ij - D_i[:, None])
+    if BIAS_GRAD:  # a learned attn_mask: its gradient is dS_ij itself (the bias adds to s_ij)
+        tl.store(DB_head + rows[:, None] * Nk + cols[None, :], dS_ij,
+                 mask=(rows[:, None] < Nq) & (cols[None, :] < Nk))
     if SCORE_MOD != 0:
-        dS_ij = dS_ij * score_mod_grad(S_ij, cap, SCORE_MOD)
+        dS_ij = dS_ij * ds
     dQ_i += tl.dot(dS_ij.to(K_j.dtype), K_j, input_precision=DOT_PREC)
     return dQ_i
 
@@ -218,8 +228,10 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
                 seed=0, offset=0, drop_t=0, drop_scale=1.0, ELEM=0, ELEM_BASE=0, SLOPES=0,
-                mod_scale=1.0, cap=1.0, ELEMENT: tl.constexpr = False,
-                SCORE_MOD: tl.constexpr = 0):
+                mod_scale=1.0, cap=1.0, BIAS_PTR=0, stride_bb=0, stride_bh=0, stride_bq=0,
+                stride_bk=0, DBIAS=0, ELEMENT: tl.constexpr = False,
+                SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
+                BIAS_GRAD: tl.constexpr = False):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
@@ -243,12 +255,19 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
     slope = 0.0
     if SCORE_MOD == 2:  # ALiBi: this query head's slope
         slope = tl.load(SLOPES + h)
+    B_head = 0
+    if BIAS:  # this (batch, query head)'s attn_mask
+        B_head = BIAS_PTR + b * stride_bb + h * stride_bh
+    DB_head = 0
+    if BIAS_GRAD:  # its gradient, (B, H, Nq, Nk) float32, zeros where no tile is visited
+        DB_head = DBIAS + bh.to(tl.int64) * Nq * Nk
     for t in range(0, num_full):
         j = full_tile(t, u0, idx_row, SPARSE)
         dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, j * Bc,
                         rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC,
                         DROPOUT, seed, offset, bh, drop_t, drop_scale, 0, mod_scale, cap,
-                        slope, False, SCORE_MOD)
+                        slope, B_head, stride_bq, stride_bk, Nq, DB_head, False, SCORE_MOD, BIAS,
+                        BIAS_GRAD)
     if MASKED:
         if ELEMENT:  # where this row's element masks start (a mask mod's partial tiles)
             e0 = tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + i) - num_full
@@ -260,7 +279,8 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
                             DOT_PREC, DROPOUT, seed, offset, bh, drop_t, drop_scale, E_tile,
-                            mod_scale, cap, slope, ELEMENT, SCORE_MOD)
+                            mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq, DB_head,
+                            ELEMENT, SCORE_MOD, BIAS, BIAS_GRAD)
     tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
 
@@ -276,13 +296,15 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh, stride_kvidxr,
                     H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr, RNG, drop_t, drop_scale,
                     ELEM1, ELEM_BASE1, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap,
+                    BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk, DBIAS,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                     MASKED1: tl.constexpr, MASKED2: tl.constexpr,
                     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                     DKDV: tl.constexpr, DQ: tl.constexpr, DROPOUT: tl.constexpr = False,
                     ELEMENT1: tl.constexpr = False, ELEMENT2: tl.constexpr = False,
-                    SCORE_MOD: tl.constexpr = 0):
+                    SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
+                    BIAS_GRAD: tl.constexpr = False):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
@@ -312,7 +334,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
                           H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
                           MASKED1, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t, drop_scale,
-                          ELEM1, ELEM_BASE1, SLOPES, mod_scale, cap, ELEMENT1, SCORE_MOD)
+                          ELEM1, ELEM_BASE1, SLOPES, mod_scale, cap, BIAS_PTR, stride_bb,
+                          stride_bh, stride_bq, stride_bk, ELEMENT1, SCORE_MOD, BIAS)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -325,8 +348,9 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
                         stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
                         SPARSE, MASKED2, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t,
-                        drop_scale, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap, ELEMENT2,
-                        SCORE_MOD)
+                        drop_scale, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap, BIAS_PTR,
+                        stride_bb, stride_bh, stride_bq, stride_bk, DBIAS, ELEMENT2, SCORE_MOD,
+                        BIAS, BIAS_GRAD)
 
 
 def preprocess(o, do, rows):
@@ -381,11 +405,12 @@ _SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> conf
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
-             dropout_p=0.0, rng=None, mods=None, dlse=None):
+             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False):
     """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
     ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask. ``mods`` as the
     forward's; ``dlse``: the gradient of the natural-log lse, if the call returned it
-    (d lse_i / d s_ij = P_ij, so it is subtracted from D_i).
+    (d lse_i / d s_ij = P_ij, so it is subtracted from D_i). ``mask_grad``: also return the
+    gradient of the float attn_mask in ``mods`` (dS_ij, summed to the mask's shape).
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
     tiles' warps and stages); otherwise two launches, each with its own."""
@@ -410,6 +435,9 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     sq, sk, sv, sd = q.stride(), k.stride(), v.stride(), do.stride()
+    dbias = None
+    if mask_grad:
+        dbias = torch.zeros((B, H, Nq, Nk), dtype=torch.float32, device=q.device)
     while True:
         t1, t2 = config.dkdv, config.dq
         if block_mask is None:
@@ -420,13 +448,15 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
             kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
         GROUP, Tc, Tr = H // Hkv, -(-Nk // t1.Bc), -(-Nq // t2.Br)
-        (E1, E_base1, SLOPES, mod_scale, cap), c1 = mods_args(mods, block_mask, scale, t1.Br,
-                                                              t1.Bc, True, q.device, is_causal)
-        (E2, E_base2, *_), c2 = mods_args(mods, block_mask, scale, t2.Br, t2.Bc, False,
-                                          q.device, is_causal)
+        (E1, E_base1, SLOPES, mod_scale, cap, *bias), c1 = mods_args(
+            mods, block_mask, scale, t1.Br, t1.Bc, True, q, k, is_causal)
+        (E2, E_base2, *_), c2 = mods_args(mods, block_mask, scale, t2.Br, t2.Bc, False, q, k,
+                                          is_causal)
         mod_consts = {"ELEMENT1": c1["ELEMENT"], "ELEMENT2": c2["ELEMENT"],
-                      "SCORE_MOD": c1["SCORE_MOD"]}
-        qk_scale = LOG2E if c1["SCORE_MOD"] else scale * LOG2E
+                      "SCORE_MOD": c1["SCORE_MOD"], "BIAS": c1["BIAS"],
+                      "BIAS_GRAD": mask_grad}
+        natural = c1["SCORE_MOD"] or c1["BIAS"]  # the kernels add in natural units
+        qk_scale = LOG2E if natural else scale * LOG2E
         args = (q, k, v, do, lse2, D, dq, dk, dv, *q_lists[:3], *kv_lists[:3], qk_scale,
                 scale, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
                 sd[0], sd[1], sd[2], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
@@ -438,7 +468,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                 programs += GROUP * Tr if consts["DQ"] else 0
                 fast.run(backward_kernel, (programs, B * Hkv),
                          (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng), E1, E_base1,
-                          E2, E_base2, SLOPES, mod_scale, cap),
+                          E2, E_base2, SLOPES, mod_scale, cap, *bias, dbias),
                          {**consts, "DROPOUT": dropout_p > 0, **mod_consts,
                           "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
                           "MASKED2": consts["MASKED2"] or c2["ELEMENT"]})
@@ -454,4 +484,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             warnings.warn(f"flashedu: {exc}; retrying the backward with smaller tiles "
                           f"{config.dkdv}, {config.dq}", stacklevel=2)
             _SHRUNK[key] = config
-    return tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
+    grads = tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
+    if mask_grad:
+        attn_mask = mods.attn_mask
+        return (*grads, dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype))
+    return grads

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .dropout import keep_tile
 
-from .mods import apply_score_mod, element_tile
+from .mods import element_tile, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -53,20 +53,22 @@ def load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.const
 def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
                   IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
                   DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, start_n=0, drop_t=0,
-                  drop_scale=1.0, E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0,
-                  ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0):
+                  drop_scale=1.0, E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0,
+                  stride_bq=0, stride_bk=0, Nq=0, ELEMENT: tl.constexpr = False,
+                  SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False):
     """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j.
 
     qk_scale is scale * log2(e), so exp2(S_ij * qk_scale) = exp(scale * S_ij): the paper's exp,
     computed by the GPU's ex2 instruction. m_i is kept in that base-2 scale.
     DROPOUT (the paper's Algorithm 2): P_ij times Z_ij / (1 - p) after l_i took the undropped
     P_ij, before the product with V_j; Z_ij from (seed, offset, bh) and the tile's position.
-    SCORE_MOD (mods.py): S_ij becomes score_mod(scale * S_ij), and qk_scale is log2(e).
-    ELEMENT: a masked tile also applies its element mask (a mask mod's partial tile)."""
+    SCORE_MOD, BIAS (mods.py): S_ij becomes score_mod(scale * S_ij) + attn_mask, and qk_scale
+    is log2(e). ELEMENT: a masked tile also applies its element mask (a mask mod's partial
+    tile)."""
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)  # unscaled scores, Br x Bc
-    if SCORE_MOD != 0:
-        S_ij = apply_score_mod(S_ij, mod_scale, cap, slope, cols[None, :] - rows[:, None],
-                               SCORE_MOD)
+    if SCORE_MOD != 0 or BIAS:
+        S_ij, _ = mod_scores(S_ij, rows[:, None], cols[None, :], Nq, Nk, mod_scale, cap, slope,
+                             B_head, stride_bq, stride_bk, SCORE_MOD, BIAS)
     if MASK:  # keys past Nk, and (causal) keys after the query, get -inf: P_ij = 0 there
         visible = cols[None, :] < Nk
         if IS_CAUSAL:
@@ -76,7 +78,7 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
         S_ij = tl.where(visible, S_ij, float("-inf"))
     # qk_scale > 0, so scaling commutes with the max: one multiply per row, not per score
     m_new = tl.maximum(m_i, tl.max(S_ij, 1) * qk_scale)
-    if MASK:  # a row that has seen no key yet keeps m = -inf: subtract 0, not -inf (no NaN)
+    if MASK or BIAS:  # a row that has seen no key yet keeps m = -inf: subtract 0 (no NaN)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
@@ -96,8 +98,9 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
                   Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False,
                   DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0,
-                  drop_scale=1.0, E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0,
-                  ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0):
+                  drop_scale=1.0, E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0,
+                  stride_bq=0, stride_bk=0, Nq=0, ELEMENT: tl.constexpr = False,
+                  SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False):
     """Load K_j, V_j (rows start_n ..), then the softmax step (with dropout if DROPOUT).
 
     K_src, V_src: this head's K and V, as pointers, or (TMA) as tensor descriptors: the copy
@@ -117,7 +120,8 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
                         MASK, not EVEN_D)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
                          MASK, DOT_PREC, DROPOUT, seed, offset, bh, start_n, drop_t, drop_scale,
-                         E_tile, mod_scale, cap, slope, ELEMENT, SCORE_MOD)
+                         E_tile, mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq,
+                         ELEMENT, SCORE_MOD, BIAS)
 
 
 @triton.jit
@@ -140,12 +144,13 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                    H, GROUP, Nq, Nk, d, RNG, drop_t, drop_scale,
                    ELEM, ELEM_BASE, SLOPES, mod_scale, cap,
+                   BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
                    DROPOUT: tl.constexpr = False, ELEMENT: tl.constexpr = False,
-                   SCORE_MOD: tl.constexpr = 0):
+                   SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
@@ -179,6 +184,9 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
     slope = 0.0
     if SCORE_MOD == 2:  # ALiBi: this query head's slope
         slope = tl.load(SLOPES + h)
+    B_head = 0
+    if BIAS:  # this (batch, head)'s attn_mask
+        B_head = BIAS_PTR + b * stride_bb + h * stride_bh
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
@@ -194,7 +202,8 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn,
                                       j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
                                       EVEN_D, DOT_PREC, TMA, DROPOUT, seed, offset, bh, drop_t,
-                                      drop_scale, 0, mod_scale, cap, slope, False, SCORE_MOD)
+                                      drop_scale, 0, mod_scale, cap, slope, B_head, stride_bq,
+                                      stride_bk, Nq, False, SCORE_MOD, BIAS)
     if MASKED:  # only where some tile can need a mask (an empty loop measured slower)
         if ELEMENT:  # where this row's element masks start (a mask mod's partial tiles)
             e0 = tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + i) - num_full
@@ -207,7 +216,8 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
                                           IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA, DROPOUT, seed,
                                           offset, bh, drop_t, drop_scale, E_tile, mod_scale,
-                                          cap, slope, ELEMENT, SCORE_MOD)
+                                          cap, slope, B_head, stride_bq, stride_bk, Nq, ELEMENT,
+                                          SCORE_MOD, BIAS)
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
                   stride_qb, stride_qh, stride_qn)  # O has Q's strides (forward_launch)
 
@@ -295,17 +305,21 @@ def dropout_args(dropout_p, rng):
     return rng, threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
-def mods_args(mods, block_mask, scale, Br, Bc, transpose, device, is_causal):
-    """((ELEM, ELEM_BASE, SLOPES, mod_scale, cap), {ELEMENT, SCORE_MOD}) of a launch whose
-    tiles are Br x Bc (``transpose``: the dK/dV pass's lists); unused ones without mods."""
+def mods_args(mods, block_mask, scale, Br, Bc, transpose, q, k, is_causal):
+    """((ELEM, ELEM_BASE, SLOPES, mod_scale, cap, BIAS_PTR, 4 bias strides),
+    {ELEMENT, SCORE_MOD, BIAS}) of a launch whose tiles are Br x Bc (``transpose``: the dK/dV
+    pass's lists); unused ones without mods."""
     from . import sparse
-    from .mods import score_mod_args
+    from .mods import bias_args, score_mod_args
 
-    SCORE_MOD, mod_scale, cap, SLOPES = score_mod_args(mods and mods.score_mod, scale, device)
+    SCORE_MOD, mod_scale, cap, SLOPES = score_mod_args(mods and mods.score_mod, scale, q.device)
     E = E_base = None
     if mods is not None and mods.mask_mod is not None:
-        E, E_base = sparse.element_lists(block_mask, Br, Bc, transpose, device, is_causal)
-    return (E, E_base, SLOPES, mod_scale, cap), {"ELEMENT": E is not None, "SCORE_MOD": SCORE_MOD}
+        E, E_base = sparse.element_lists(block_mask, Br, Bc, transpose, q.device, is_causal)
+    attn_mask = mods and mods.attn_mask
+    bias = bias_args(attn_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return ((E, E_base, SLOPES, mod_scale, cap, *bias),
+            {"ELEMENT": E is not None, "SCORE_MOD": SCORE_MOD, "BIAS": attn_mask is not None})
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropout_p=0.0,
@@ -327,10 +341,11 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
     tiles = _SHRUNK.get(key, tiles)
     while True:
         mod_args, mod_consts = mods_args(mods, block_mask, scale, tiles.Br, tiles.Bc, False,
-                                         q.device, is_causal)
+                                         q, k, is_causal)
+        natural = mod_consts["SCORE_MOD"] or mod_consts["BIAS"]  # kernels add in natural units
         grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
-                                            qk_scale=LOG2E if mod_consts["SCORE_MOD"] else
-                                            scale * LOG2E, block_mask=block_mask,
+                                            qk_scale=LOG2E if natural else scale * LOG2E,
+                                            block_mask=block_mask,
                                             tiles=tiles, interpreted=interpreted)
         args = (*args, *dropout_args(dropout_p, rng), *mod_args)
         consts = {**consts, "DROPOUT": dropout_p > 0, **mod_consts,

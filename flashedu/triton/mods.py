@@ -11,8 +11,11 @@ Score mods are compiled: the library's ``softcap`` and ``alibi`` (their ``kind``
 SCORE_MOD = 1 or 2 and change S_ij inside the step, forward and backward (with the derivative
 the backward needs). A user's own score mod runs on the numpy and naive backends.
 
-With a score mod the kernels move to natural units first: s_ij = scale * S_ij, the mod, then
-the base-2 exponent s * log2(e) (``qk_scale`` = log2(e) in that case).
+SDPA's float ``attn_mask`` is a bias added after the score mod (BIAS), read tile by tile with
+its own strides (0 where it broadcasts); a bool one is a mask mod (``bool_mask_as_block_mask``).
+
+With a score mod or a bias the kernels move to natural units first: s_ij = scale * S_ij, the
+mod, the bias, then the base-2 exponent s * log2(e) (``qk_scale`` = log2(e) in that case).
 """
 
 from __future__ import annotations
@@ -53,6 +56,22 @@ def score_mod_grad(s_mod, cap, SCORE_MOD: tl.constexpr):
 
 
 @triton.jit
+def mod_scores(S, q_idx, kv_idx, Nq, Nk, mod_scale, cap, slope, B_head, stride_bq, stride_bk,
+               SCORE_MOD: tl.constexpr, BIAS: tl.constexpr):
+    """(s, ds): s = score_mod(scale * S) plus, with BIAS, SDPA's float attn_mask, in natural
+    units; ds = the score mod's derivative at s (before the bias), for the backward.
+    q_idx, kv_idx: the tile's query and key indices, broadcast to S's shape (S is Br x Bc in
+    the forward and the dQ pass, its transpose in the dK/dV pass)."""
+    s = apply_score_mod(S, mod_scale, cap, slope, kv_idx - q_idx, SCORE_MOD)
+    ds = score_mod_grad(s, cap, SCORE_MOD)
+    if BIAS:  # the bias may be -inf: a pair it hides gets P = 0
+        ok = (q_idx < Nq) & (kv_idx < Nk)
+        s = s + tl.load(B_head + q_idx * stride_bq + kv_idx * stride_bk, mask=ok,
+                        other=0.0).to(tl.float32)
+    return s, ds
+
+
+@triton.jit
 def element_tile(E_tile, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The bool (ROWS x COLS) element mask stored at E_tile (row-major, ROWS x COLS), or, for
     the dK/dV pass, its transpose (stored COLS x ROWS)."""
@@ -64,12 +83,23 @@ def element_tile(E_tile, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.
         return tl.load(E_tile + r[:, None] * COLS + c[None, :]) != 0
 
 
+def bias_args(attn_mask, B, H, Nq, Nk):
+    """(BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk) of a float attn_mask broadcast
+    to (B, H, Nq, Nk) (stride 0 along broadcast dims: no copy), or (None, 0, 0, 0, 0)."""
+    if attn_mask is None:
+        return None, 0, 0, 0, 0
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    m = m.expand(B, H, Nq, Nk)
+    return (m, *m.stride())
+
+
 def score_mod_args(score_mod, scale, device):
-    """(SCORE_MOD, mod_scale, cap, SLOPES) for a launch: (0, 1.0, 1.0, None) without one."""
+    """(SCORE_MOD, mod_scale, cap, SLOPES) for a launch: (0, scale, 1.0, None) without one
+    (mod_scale is also what a bias alone needs: scores in natural units)."""
     import torch
 
     if score_mod is None:
-        return 0, 1.0, 1.0, None
+        return 0, float(scale), 1.0, None
     kind = getattr(score_mod, "kind", None)
     if kind not in SCORE_MODS:
         raise NotImplementedError(

@@ -38,6 +38,7 @@ from .. import runtime
 from . import fast
 from .config import padded_head_dim
 from .forward import LOG2E, _forward_step, dot_precision, interpreter_fp32, load_tile
+from .tiles import chunk_tiles, full_tile, masked_tile
 
 MAX_ROWS = 64  # query rows (heads x queries) one program holds in registers
 MAX_SPLITS = 128
@@ -74,19 +75,18 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
     O_i = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo = s * chunk
     hi = tl.minimum(lo + chunk, Nk)
-    # Tiles before full_end need no mask: inside the cache and (causal) visible to every row,
-    # since the first query sits at position Nk - Nq. The rest pay for one.
-    if IS_CAUSAL:
-        full_end = tl.maximum(tl.minimum(hi, Nk - Nq + 1) - lo, 0) // Bc * Bc + lo
-    else:
-        full_end = (hi - lo) // Bc * Bc + lo
-    for start_n in range(lo, full_end, Bc):
+    # this chunk's tiles (tiles.py): those every query sees whole need no mask (the first
+    # query sits at position Nk - Nq); the diagonal and the ragged edge pay for one
+    num, num_full, u0, a0, na, b0, idx_row = chunk_tiles(lo, hi, Nq, Nk, Bc, IS_CAUSAL)
+    for t in range(0, num_full):
+        j = full_tile(t, u0, idx_row, False)
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
-                                      start_n, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
+                                      j * Bc, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
                                       EVEN_D, DOT_PREC)
-    for start_n in range(full_end, hi, Bc):
+    for t in range(num_full, num):
+        j = masked_tile(t, num_full, a0, na, b0, idx_row, False)
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
-                                      start_n, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
+                                      j * Bc, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
                                       EVEN_D, DOT_PREC)
 
     # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);

@@ -15,6 +15,7 @@ num_full unmasked tiles first, then the rest, as FlexAttention's full and partia
 without one they follow from the geometry: the unmasked tiles form one run starting at tile
 u0, the masked ones at most two runs (na tiles from a0, then the rest from b0). This is the GPU
 twin of ``TileMask`` in ``flashedu.tiled``: the NumPy loops ask the same question per tile.
+Split-KV decoding (decode.py) walks one chunk of keys the same way (``chunk_tiles``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,22 @@ def q_tiles(j, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stri
             b0 = full_end
         num = na + num_full + (Tr - b0)
     return num, num_full, u0, a0, na, b0, idx_row
+
+
+@triton.jit
+def chunk_tiles(lo, hi, Nq, Nk, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The K/V tiles of keys [lo, hi) (lo a multiple of Bc) for split-KV decoding, whose
+    queries sit at the end of the cache (query n at position Nk - Nq + n, bottom-right causal):
+    unmasked the tiles every query sees whole, masked the one that holds the first query's
+    diagonal and those after it, and the ragged tile at Nk."""
+    if IS_CAUSAL:
+        seen_by_all = tl.minimum(hi, Nk - Nq + 1)  # keys < this are visible to every query
+    else:
+        seen_by_all = hi
+    num_full = tl.maximum(seen_by_all - lo, 0) // Bc
+    num = tl.cdiv(hi - lo, Bc)
+    u0 = lo // Bc
+    return num, num_full, u0, u0 + num_full, num - num_full, 0, 0
 
 
 @triton.jit

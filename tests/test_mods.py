@@ -514,3 +514,27 @@ def test_numpy_refuses_a_score_mod_with_a_learned_tensor():
         flashedu.attention(q, k, v, score_mod=learned, enable_gqa=True, backend="numpy")
     out = flashedu.attention(q, k, v, score_mod=learned, enable_gqa=True, backend="naive")
     assert torch.autograd.grad(out.sum(), slopes)[0].abs().sum() > 0  # naive's autograd reaches it
+
+
+@pytest.mark.parametrize("backend", ["numpy", "triton"])
+def test_dropout_with_mods_is_naives_dropout(backend):
+    """Dropout draws one stream for every backend: with a window, a softcap and a float mask
+    too, the same seed drops the same entries as the naive backend."""
+    subset(backend, "dropout")
+    spec = BACKENDS[backend]
+    if not spec.has_dropout:
+        pytest.skip(f"backend {backend!r} has no dropout")
+    needs_kind(backend, "score_mod", "softcap")
+    needs_kind(backend, "attn_mask", "float")
+    dtype, on = dtype_of(backend), device_of(backend)
+    bm = BlockMask.from_mask_mod(mods.sliding_window(9), None, None, 37, 37, (16, 16))
+    bias = torch.randn(37, 37, generator=torch.Generator().manual_seed(5), dtype=dtype).to(on)
+    q, k, v = qkv(37, 37, dtype, device=on)
+    results = []
+    for name in ("naive", backend):
+        torch.manual_seed(3)
+        out = flashedu.attention(q, k, v, block_mask=bm, score_mod=mods.softcap(2.0),
+                                 attn_mask=bias, dropout_p=0.3, enable_gqa=True, backend=name)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for a, b in zip(*results):
+        assert (a - b).abs().max() <= 10 * tol(backend)[1]

@@ -493,7 +493,7 @@ def _diagonal_free(shape, block_size, seq_lens, is_causal) -> np.ndarray:
     Tr, Tc = shape
     if not is_causal:
         return np.ones(shape, bool)
-    (Br, Bc), (Nq, Nk) = block_size, seq_lens
+    (Br, Bc), Nk = block_size, seq_lens[1]
     i = np.arange(Tr)[:, None]
     j = np.arange(Tc)[None, :]
     return np.minimum((j + 1) * Bc, Nk) - 1 <= i * Br  # last key <= first query

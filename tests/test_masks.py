@@ -198,7 +198,7 @@ def test_from_mask_mod_in_chunks_equals_the_dense_rule():
 
 
 def test_to_flex_from_flex_keep_a_mod_and_refuse_what_cannot_broadcast():
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    pytest.importorskip("torch.nn.attention.flex_attention")
 
     def scalar_only(b, h, q_idx, kv_idx):  # fine under FlexAttention's vmap, not on tensors
         return q_idx >= kv_idx if bool(q_idx % 2 == 0) else q_idx > kv_idx

@@ -46,6 +46,8 @@ SUBCOMMANDS = {
     "forward": ("flashedu.benchmarks.forward_variants",
                 "forward variants against an earlier forward.py (GPU)"),
     "numpy": ("flashedu.benchmarks.cpu_numpy", "NumPy FlashAttention against naive NumPy (CPU)"),
+    "mods": ("flashedu.benchmarks.mods",
+             "mask mods and score mods against FlexAttention (GPU; --dry-run on a CPU)"),
     "notebooks": ("flashedu.benchmarks.notebooks", "run the notebooks top to bottom, timed"),
 }
 

@@ -17,7 +17,7 @@ from flashedu.benchmarks import core, overhead
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="times a CUDA GPU; none is visible here")
 GPU_ONLY = ["overhead", "numba", "gpt", "tune", "speed", "forward", "correctness", "decode",
-            "paper"]
+            "paper", "mods"]
 
 
 def run(argv, capsys):
@@ -54,6 +54,8 @@ def run(argv, capsys):
     ["forward"], ["forward", "--prev", "/no/such/forward.py"],
     ["forward", "--prev", __file__, "--only", "warp_drive"],
     ["notebooks", "/no/such.ipynb"], ["notebooks", "--timeout", "0"],
+    ["mods", "--n", "0"], ["mods", "--windows", "-1"], ["mods", "--docs", "x"],
+    ["mods", "--cap", "0"], ["mods", "--d", "300"], ["mods", "--dtype", "int8"],
 ])
 def test_bench_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -191,6 +193,17 @@ def test_decode_dry_run(tmp_path, capsys):
     assert code == 0, text
     case = json.loads(out.read_text())["cases"][0]
     assert case["Nk"] == 64 and "error" not in case and case["max_err_split"] < 1e-4
+
+
+def test_mods_dry_run(tmp_path, capsys):
+    """Each mod through flashedu (Triton's interpreter) and eager FlexAttention: the same
+    output, and the visible fraction of each rule."""
+    out = tmp_path / "mods.json"
+    code, text = run(["mods", "--dry-run", "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = json.loads(out.read_text())["cases"]
+    assert {r["case"] for r in rows} == {"window", "documents", "alibi causal", "softcap causal"}
+    assert all("error" not in r and r["max_diff"] < 1e-4 and 0 < r["visible"] < 1 for r in rows)
 
 
 @pytest.mark.slow

@@ -449,8 +449,9 @@ def _triton_lse_to_natural(lse2):
 LSE_TO_NATURAL = {"triton": _triton_lse_to_natural, "numpy": lambda lse: lse}
 
 
-@torch.compiler.disable  # a graph break: torch.compile runs it as it is, eagerly
 def _modded(*args):
+    if torch.compiler.is_compiling():  # a graph break: torch.compile runs it as it is, eagerly
+        return torch.compiler.disable(_ModdedAttention.apply)(*args)
     return _ModdedAttention.apply(*args)
 
 

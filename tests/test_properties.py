@@ -99,15 +99,17 @@ def problems(draw, backend, masks=True):
     p["scale"] = draw(st.one_of(st.none(), st.floats(0.01, 2.0),
                                 st.floats(0.01, 2.0).map(np.float32)))
     p["is_causal"] = draw(st.booleans())
-    p["block_mask"] = draw(block_masks(p, caps.block_sizes)) if masks else None
+    p["block_mask"] = draw(block_masks(p, caps.block_sizes, backend)) if masks else None
     if p["block_mask"] is not None and draw(st.booleans()):
         p["is_causal"] = False  # the mask's own causal flag (or none) decides alone
     return p
 
 
 @st.composite
-def block_masks(draw, p, block_sizes):
-    kind = draw(st.sampled_from(("none", "none", "dense", "causal", "window")))
+def block_masks(draw, p, block_sizes, backend):
+    # an exact sliding window is a mask mod: only backends that apply one get it
+    window = ("window",) if flashedu.backends.BACKENDS[backend].has_mask_mod else ()
+    kind = draw(st.sampled_from(("none", "none", "dense", "causal", *window)))
     if kind == "none":
         return None
     Br, Bc = draw(st.sampled_from(block_sizes)), draw(st.sampled_from(block_sizes))
@@ -450,7 +452,8 @@ def test_scale_is_accepted_exactly_in_float32_normal_range(scale):
 
 
 @settings(max_examples=40 * X)
-@given(backend=st.sampled_from(("numpy", "triton", "numba")), p=st.floats(0.01, 0.99))
+@given(backend=st.sampled_from([n for n, b in flashedu.backends.BACKENDS.items()
+                                 if not b.has_dropout]), p=st.floats(0.01, 0.99))
 def test_dropout_elsewhere_names_the_backends_that_have_it(backend, p):
     with pytest.raises(NotImplementedError, match="naive"):
         flashedu.attention(Q, K, V, dropout_p=p, backend=backend)

@@ -87,14 +87,14 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
         if ELEMENT:
             P_ijT = tl.where(element_tile(E_tile, cols.shape[0], rows.shape[0], True), P_ijT,
                              0.0)
-    dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+    ZP_ijT = P_ijT  # what the forward multiplied V_j by: P_ij, dropped and rescaled
     if DROPOUT:
         keep = tl.trans(keep_tile(seed, offset, bh, rows, start_n, drop_t, cols.shape[0]))
-        dV_j += tl.dot(tl.where(keep, P_ijT * drop_scale, 0.0).to(dO_i.dtype), dO_i,
-                       input_precision=DOT_PREC)
+        ZP_ijT = tl.where(keep, P_ijT * drop_scale, 0.0)
+    dV_j += tl.dot(ZP_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
+    dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+    if DROPOUT:
         dP_ijT = tl.where(keep, dP_ijT * drop_scale, 0.0)
-    else:
-        dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     if SCORE_MOD != 0:
         dS_ijT = dS_ijT * dsT

@@ -28,6 +28,11 @@ device, are operator arguments: torch.compile sees them, and a CUDA graph that c
 call captures the draw too (a new mask at every replay, as torch's own dropout under graphs).
 The forward saves ``rng`` for the backward, which regenerates the mask from it.
 
+Mask mods, score mods and ``attn_mask`` (``flashedu.mods``) are Python objects or data the
+operators do not take: a call that uses them, or asks for the logsumexp, runs the same
+implementations under one ``autograd.Function`` (:class:`Mods`), a graph break under
+``torch.compile``.
+
 The derivative is the kernels' backward. Its own derivative (a second backward, after
 ``create_graph=True``) is not implemented: asking for one raises a RuntimeError, never a
 silently wrong zero. ``torch.func.grad`` is refused with a message too (the derivative is

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from .dropout import keep_tile
-
 from .mods import element_tile, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile
 

@@ -1,6 +1,6 @@
 """Tile sizes and launch settings of the Triton kernels, per head dim and dtype.
 
-One table, so that tuning is an edit here (``scripts/gpu_triton_tune.py`` measures candidates on
+One table, so that tuning is an edit here (``flashedu bench tune`` measures candidates on
 a GPU and prints the winners). Names follow the paper: a program of the forward owns one Q tile
 of ``Br`` rows and streams K/V tiles of ``Bc`` rows past it.
 
@@ -58,11 +58,11 @@ class KernelConfig:
 
 INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 
-# H100 (sm_90), 16-bit inputs, keyed by padded head dim: the fastest of scripts/gpu_triton_tune.py
+# H100 (sm_90), 16-bit inputs, keyed by padded head dim: the fastest of `flashedu bench tune`
 # at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not. d=128's backward:
-# scripts/gpu_triton_speed.py (docs/bench/speed.md): one fused launch, 2 stages, 419 TFLOPs
+# `flashedu bench speed` (docs/bench/speed.md): one fused launch, 2 stages, 419 TFLOPs
 # against 382-392 for the two launches with 3 stages; at d=64, and causal, it was not faster.
-# Forwards of d=128 and d=256: scripts/gpu_triton_fwd.py (docs/bench/speed.md): TMA and warp
+# Forwards of d=128 and d=256: `flashedu bench forward` (docs/bench/speed.md): TMA and warp
 # specialization +4-8% at d=128; 128x64 tiles 1.3-1.6x at d=256. At d=64, TMA was within noise
 # and slower for short causal sequences: left off.
 _FORWARD_128 = Tiles(128, 128, 8, 3, tma=True, warp_specialize=True)

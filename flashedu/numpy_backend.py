@@ -24,26 +24,16 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=Non
     """Backend entry point (inputs already checked by flashedu.attention).
 
     A call with element-level rules (attn_mask, a score mod, a block mask whose partial tiles
-    need its mask mod) or return_lse runs :class:`_ModAttention`, an autograd.Function over
-    the same NumPy kernels (the operators of flashedu.ops carry tile grids only); torch.compile
+    need its mask mod) or return_lse runs the same NumPy kernels under flashedu.ops' one
+    autograd.Function for such calls (the operators carry tile grids only); torch.compile
     then runs it eagerly, outside the graph."""
     from . import ops
 
-    if (attn_mask is not None or score_mod is not None or return_lse
-            or (block_mask is not None and block_mask.needs_mask_mod)):
-        if score_mod is not None and torch.is_grad_enabled():
-            _check_no_captured_grad(score_mod, q)
-        rng = None
-        if dropout_p > 0:
-            from .dropout import draw_rng
-
-            rng = draw_rng(q.device)
-        params = dict(is_causal=is_causal, scale=scale, block_mask=block_mask,
-                      dropout_p=dropout_p, rng=rng, score_mod=score_mod)
-        out, lse = _ModAttention.apply(q, k, v, attn_mask, params)
-        return (out, lse) if return_lse else out
+    if score_mod is not None and torch.is_grad_enabled():
+        _check_no_captured_grad(score_mod, q)
     return ops.attention("numpy", q, k, v, is_causal=is_causal, scale=scale,
-                         block_mask=block_mask, dropout_p=dropout_p)
+                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
+                         score_mod=score_mod, return_lse=return_lse)
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None, attn_mask=None,
@@ -186,28 +176,6 @@ def _tile_any_all(mask, Br, Bc):
     tiles = (B, H, Tr, Br, Tc, Bc)
     return (padded.reshape(tiles).any(axis=(3, 5)),
             (padded | ~valid).reshape(tiles).all(axis=(3, 5)))
-
-
-class _ModAttention(torch.autograd.Function):
-    """(out, lse) of the NumPy kernels with element-level rules; the backward takes the
-    gradient of both (lse's through D_i - dL_i, see tiled.flash_backward)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, attn_mask, params):
-        out, lse = forward(q, k, v, attn_mask=attn_mask, **params)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
-        ctx.params = params
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse, attn_mask = ctx.saved_tensors
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        mask_grad = bool(ctx.needs_input_grad[3])  # a float attn_mask that requires grad
-        grads = backward(q, k, v, out, lse, d_out, d_lse=d_lse, attn_mask=attn_mask,
-                         mask_grad=mask_grad, **ctx.params)
-        return (*grads[:3], grads[3] if mask_grad else None, None)
 
 
 def _tiling(block_mask, B, H):

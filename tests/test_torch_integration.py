@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 import flashedu
-from flashedu import ops, runtime
+from flashedu import ops, runtime, tolerance
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU "
                          "runs these paths through the interpreter in the tests above)")
 DEV = runtime.kernel_device()  # the GPU, or the CPU under Triton's interpreter
 KERNEL_BACKENDS = ("numpy", "triton")  # the torch.library operators of flashedu.ops
-TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+TOL = {dtype: tolerance.floor(dtype) for dtype in (torch.float64, torch.float32)}
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +38,7 @@ def _qkv(B=1, H=4, Hkv=2, Nq=24, Nk=40, d=16, dtype=torch.float32, device=DEV, g
     return t(H, Nq), t(Hkv, Nk), t(Hkv, Nk)
 
 
-def _err(a, b):
-    return (a.double() - b.double()).abs().max().item()
+_err = tolerance.max_error
 
 
 def _fwd_bwd(fn, q, k, v):

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashedu
+from flashedu import tolerance
 from flashedu.reference import naive_attention_torch, reference_attention
 
 pytestmark = pytest.mark.skipif(flashedu.available_backends()["triton"] is not None,
                                 reason="triton backend unavailable")
 
-FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def _qkv(B, H, Hkv, Nq, Nk, d, dtype=torch.float32):
@@ -28,8 +28,7 @@ def _qkv(B, H, Hkv, Nq, Nk, d, dtype=torch.float32):
     return q, k, v
 
 
-def _err(a, b):
-    return (a.double() - b.double()).abs().max().item()
+_err = tolerance.max_error
 
 
 def _check(q, k, v, **kw):
@@ -43,9 +42,10 @@ def _check(q, k, v, **kw):
     plain = naive_attention_torch(q, k, v, upcast=False, **kw)
     plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
     for n, (g, r, p) in enumerate(zip(got, ref, plain)):
-        factor = 2 if n == 0 else 3
+        factor = tolerance.FORWARD if n == 0 else tolerance.GRADIENT
         assert torch.isfinite(g).all()
-        assert _err(g, r) <= factor * _err(p, r) + factor * FLOOR[q.dtype], ("out dq dk dv".split()[n])
+        allowed = tolerance.allowed_error(q.dtype, _err(p, r), factor=factor, floor_scale=factor)
+        assert _err(g, r) <= allowed, ("out dq dk dv".split()[n])
     return got
 
 
@@ -229,7 +229,7 @@ def test_ablation_variants_match_the_reference(causal, dtype):
     kw = dict(is_causal=causal, scale=24 ** -0.5, interpreted=True)
     ref = reference_attention(q, k, v, is_causal=causal, enable_gqa=True)
     plain = naive_attention_torch(q, k, v, is_causal=causal, enable_gqa=True, upcast=False)
-    tol = 2 * _err(plain, ref) + 2 * FLOOR[dtype]
+    tol = tolerance.allowed_error(dtype, _err(plain, ref), floor_scale=tolerance.FORWARD)
     O, L = forward(q, k, v, block_mask=None, tiles=cfg.forward, **kw)
     same, _ = ablations.forward(q, k, v, tiles=cfg.forward, **kw)
     assert torch.equal(same, O)  # both switches off: the production code
@@ -248,7 +248,8 @@ def test_ablation_variants_match_the_reference(causal, dtype):
     shipped = backward(q, k, v, O, L, do, block_mask=None, config=cfg, **kw)
     for name, a, s, r, p in zip("dq dk dv".split(), atomic, shipped, grads_ref, grads_plain):
         assert a.dtype == dtype
-        assert _err(a, r) <= 3 * _err(p, r) + 3 * FLOOR[dtype], name
+        assert _err(a, r) <= tolerance.allowed_error(dtype, _err(p, r), factor=tolerance.GRADIENT,
+                                                     floor_scale=tolerance.GRADIENT), name
         if name != "dq":  # dK, dV: the same code in both designs
             assert torch.equal(a, s), name
 

@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 
-FLOOR = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
 NAIVE_FACTOR = 4.0
 
 

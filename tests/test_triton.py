@@ -416,3 +416,37 @@ def test_forced_tile_table(table, d, dtype, monkeypatch):
     finally:
         config.device_table_name.cache_clear()
         config._device_config.cache_clear()
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("mod, causal", [
+    (flashedu.mods.sliding_window(7), False),
+    (flashedu.mods.sliding_window(9, alignment="bottom_right"), False),
+    (flashedu.mods.prefix_lm(10), True),
+    (lambda b, h, q, kv: ((q + kv + h) % 3 != 0) | (kv == 0), False),
+])
+def test_mask_mod_lists_rebuild_the_element_rule(mod, causal, transpose):
+    """The kernels see a mask mod only through the tile lists and the partial tiles' element
+    masks: rebuilt into a dense (B, H, Nq, Nk) mask, they give exactly the mask's own rule
+    (no visible pair dropped, no hidden pair shown), and no listed tile is empty."""
+    from flashedu.triton import sparse
+
+    H, Nq, Nk, Br, Bc = 2, 45, 70, 16, 16
+    bm = flashedu.BlockMask.from_mask_mod(mod, 1, H, Nq, Nk, block_size=(32, 32))
+    want = bm.element_mask()
+    if causal:
+        want = want & np.tri(Nq, Nk, dtype=bool)
+    num, full, idx = (t.numpy() for t in sparse.tile_lists(bm, Br, Bc, transpose, "cpu", causal))
+    E, E_base = sparse.element_lists(bm, Br, Bc, transpose, "cpu", causal)
+    got = np.zeros((1, H, -(-Nq // Br) * Br, -(-Nk // Bc) * Bc), bool)
+    for h in range(H):
+        for row in range(num.shape[-1]):
+            for t in range(num[0, h, row]):
+                i, j = (idx[0, h, row, t], row) if transpose else (row, idx[0, h, row, t])
+                if t < full[0, h, row]:
+                    tile = np.ones((Br, Bc), bool)
+                else:
+                    tile = E[E_base[0, h, row] + t - full[0, h, row]].numpy().astype(bool)
+                    assert tile.any(), (h, i, j)  # an empty tile would be skipped, not listed
+                got[0, h, i * Br:(i + 1) * Br, j * Bc:(j + 1) * Bc] = tile
+    assert (got[..., :Nq, :Nk] == want).all()

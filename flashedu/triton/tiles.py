@@ -2,7 +2,7 @@
 
 Every kernel walks its tiles in two runs: first the tiles that need no element mask (wholly
 visible and inside both sequences), then those that do (the causal diagonal, the ragged last
-tile). A program asks once how many tiles there are of each kind, then for the t-th one:
+tile, the partial tiles of a mask mod, whose element masks ``mods.py`` reads). A program asks once how many tiles there are of each kind, then for the t-th one:
 
     num, num_full, u0, a0, na, b0, idx_row = kv_tiles(i, ...)
     for t in range(0, num_full):              # no element mask

@@ -26,9 +26,9 @@ import warnings
 import triton
 import triton.language as tl
 
-from .dropout import keep_tile
+from .dropout import keep_tile, rng_state
 from .forward import LOG2E, dot_precision, dropout_args, load_tile
-from .mods import element_tile, mod_scores
+from .mods import element_tile, head_mods, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
 
 
@@ -139,12 +139,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
         num, num_full, u0, a0, na, b0, idx_row = q_tiles(
             j, b, h, Q_NUM, Q_FULL, Q_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
             stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
-        slope = 0.0
-        if SCORE_MOD == 2:  # ALiBi: this query head's slope
-            slope = tl.load(SLOPES + h)
-        B_head = 0
-        if BIAS:  # this (batch, query head)'s attn_mask
-            B_head = BIAS_PTR + b * stride_bb + h * stride_bh
+        slope, B_head = head_mods(SLOPES, BIAS_PTR, b, h, stride_bb, stride_bh, SCORE_MOD,
+                                  BIAS)
         for t in range(0, num_full):
             i = full_tile(t, u0, idx_row, SPARSE)
             dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
@@ -252,12 +248,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
     num, num_full, u0, a0, na, b0, idx_row = kv_tiles(
         i, b, h, KV_NUM, KV_FULL, KV_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
         stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
-    slope = 0.0
-    if SCORE_MOD == 2:  # ALiBi: this query head's slope
-        slope = tl.load(SLOPES + h)
-    B_head = 0
-    if BIAS:  # this (batch, query head)'s attn_mask
-        B_head = BIAS_PTR + b * stride_bb + h * stride_bh
+    slope, B_head = head_mods(SLOPES, BIAS_PTR, b, h, stride_bb, stride_bh, SCORE_MOD, BIAS)
     DB_head = 0
     if BIAS_GRAD:  # its gradient, (B, H, Nq, Nk) float32, zeros where no tile is visited
         DB_head = DBIAS + bh.to(tl.int64) * Nq * Nk
@@ -315,13 +306,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
     bh_kv = tl.program_id(1)
     b = bh_kv // Hkv
     h_kv = bh_kv % Hkv
-    if DROPOUT:  # the forward's RNG state: its mask is regenerated, never stored
-        seed = tl.load(RNG)
-        offset = tl.load(RNG + 1)
-        drop_scale = tl.cast(drop_scale, tl.float32)
-    else:
-        seed = 0
-        offset = 0
+    # the forward's RNG state: its mask is regenerated, never stored
+    seed, offset, drop_scale = rng_state(RNG, drop_scale, DROPOUT)
     mod_scale = tl.cast(mod_scale, tl.float32)
     cap = tl.cast(cap, tl.float32)
     if DKDV:

@@ -25,8 +25,8 @@ import functools
 import triton
 import triton.language as tl
 
-from .dropout import keep_tile
-from .mods import element_tile, mod_scores
+from .dropout import keep_tile, rng_state
+from .mods import element_tile, head_mods, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -171,21 +171,10 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         K_src = K_head
         V_src = V_head
 
-    if DROPOUT:  # the call's RNG state (flashedu.dropout.draw_rng): read on the device
-        seed = tl.load(RNG)
-        offset = tl.load(RNG + 1)
-        drop_scale = tl.cast(drop_scale, tl.float32)
-    else:
-        seed = 0
-        offset = 0
+    seed, offset, drop_scale = rng_state(RNG, drop_scale, DROPOUT)
     mod_scale = tl.cast(mod_scale, tl.float32)
     cap = tl.cast(cap, tl.float32)
-    slope = 0.0
-    if SCORE_MOD == 2:  # ALiBi: this query head's slope
-        slope = tl.load(SLOPES + h)
-    B_head = 0
-    if BIAS:  # this (batch, head)'s attn_mask
-        B_head = BIAS_PTR + b * stride_bb + h * stride_bh
+    slope, B_head = head_mods(SLOPES, BIAS_PTR, b, h, stride_bb, stride_bh, SCORE_MOD, BIAS)
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)

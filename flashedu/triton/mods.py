@@ -56,6 +56,20 @@ def score_mod_grad(s_mod, cap, SCORE_MOD: tl.constexpr):
 
 
 @triton.jit
+def head_mods(SLOPES, BIAS_PTR, b, h, stride_bb, stride_bh, SCORE_MOD: tl.constexpr,
+              BIAS: tl.constexpr):
+    """(slope, B_head) of query head h in batch b: its ALiBi slope and where its attn_mask
+    starts (0 where the launch has neither)."""
+    slope = 0.0
+    if SCORE_MOD == 2:
+        slope = tl.load(SLOPES + h)
+    B_head = 0
+    if BIAS:
+        B_head = BIAS_PTR + b * stride_bb + h * stride_bh
+    return slope, B_head
+
+
+@triton.jit
 def mod_scores(S, q_idx, kv_idx, Nq, Nk, mod_scale, cap, slope, B_head, stride_bq, stride_bk,
                SCORE_MOD: tl.constexpr, BIAS: tl.constexpr):
     """(s, ds): s = score_mod(scale * S) plus, with BIAS, SDPA's float attn_mask, in natural

@@ -25,6 +25,16 @@ import triton.language as tl
 
 
 @triton.jit
+def listed(row, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
+           stride_idxr):
+    """(num, num_full, idx_row) of one row of a block mask's lists (``sparse.tile_lists``):
+    the row's tile count, how many of them need no element mask, and where its indices are."""
+    num = tl.load(NUM + b * stride_numb + h * stride_numh + row)
+    num_full = tl.load(FULL + b * stride_numb + h * stride_numh + row)
+    return num, num_full, IDX + b * stride_idxb + h * stride_idxh + row * stride_idxr
+
+
+@triton.jit
 def kv_tiles(i, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
              stride_idxr, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
              IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr):
@@ -39,9 +49,8 @@ def kv_tiles(i, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, str
     b0 = 0
     idx_row = 0
     if SPARSE:
-        num = tl.load(NUM + b * stride_numb + h * stride_numh + i)
-        num_full = tl.load(FULL + b * stride_numb + h * stride_numh + i)
-        idx_row = IDX + b * stride_idxb + h * stride_idxh + i * stride_idxr
+        num, num_full, idx_row = listed(i, b, h, NUM, FULL, IDX, stride_numb, stride_numh,
+                                        stride_idxb, stride_idxh, stride_idxr)
     else:
         if IS_CAUSAL:
             end = tl.minimum(Nk, (i + 1) * Br)  # query rows < (i+1)*Br see keys < that
@@ -70,9 +79,8 @@ def q_tiles(j, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stri
     b0 = 0
     idx_row = 0
     if SPARSE:
-        num = tl.load(NUM + b * stride_numb + h * stride_numh + j)
-        num_full = tl.load(FULL + b * stride_numb + h * stride_numh + j)
-        idx_row = IDX + b * stride_idxb + h * stride_idxh + j * stride_idxr
+        num, num_full, idx_row = listed(j, b, h, NUM, FULL, IDX, stride_numb, stride_numh,
+                                        stride_idxb, stride_idxh, stride_idxr)
     else:
         Tr = tl.cdiv(Nq, Br)
         full_end = Nq // Br  # tiles from full_end on hold rows past Nq

@@ -55,13 +55,13 @@ print("GATE-OK")
 """
 
 
-def kernel_module_source(kernel) -> tuple[str, str]:
-    """(module source, kernel name): the kernel, the @triton.jit helpers it calls (recursively)
-    and the int/float/bool constants they read, under triton / tl / math imports."""
+def _module_source(root, inner, render, head: str) -> str:
+    """Source of a module holding ``root``, the jitted functions it calls (recursively:
+    ``inner`` maps a global to its Python function, or None when it is not one) each as
+    ``render(fn)`` gives it, and the int/float/bool constants they read, under ``head``."""
     parts, consts, seen = [], {}, set()
 
-    def add(obj):
-        fn = getattr(obj, "fn", obj)
+    def add(fn):
         if fn in seen:
             return
         seen.add(fn)
@@ -70,15 +70,28 @@ def kernel_module_source(kernel) -> tuple[str, str]:
             value = env.get(name)
             if isinstance(value, (bool, int, float)):
                 consts[name] = value
-            elif hasattr(value, "fn") and inspect.isfunction(getattr(value, "fn", None)) and \
-                    type(value).__module__.startswith("triton"):
-                add(value)
-        parts.append(textwrap.dedent(inspect.getsource(fn)))
+            elif inner(value) is not None:
+                add(inner(value))
+        parts.append(render(fn))
 
-    add(kernel)
-    head = "import math\nimport triton\nimport triton.language as tl\nfrom triton.language import *  # noqa\n"
+    add(root)
     head += "".join(f"{k} = {v!r}\n" for k, v in consts.items())
-    return head + "\n\n".join(reversed(parts)), kernel.fn.__name__
+    return head + "\n\n".join(reversed(parts))
+
+
+def kernel_module_source(kernel) -> tuple[str, str]:
+    """(module source, kernel name): the kernel, the @triton.jit helpers it calls (recursively)
+    and the int/float/bool constants they read, under triton / tl / math imports."""
+    def inner(value):
+        fn = getattr(value, "fn", None)
+        return fn if inspect.isfunction(fn) and type(value).__module__.startswith("triton") \
+            else None
+
+    def render(fn):
+        return textwrap.dedent(inspect.getsource(fn))
+
+    head = "import math\nimport triton\nimport triton.language as tl\nfrom triton.language import *  # noqa\n"
+    return _module_source(kernel.fn, inner, render, head), kernel.fn.__name__
 
 
 def triton_gate(kernel, which: str, timeout: float = 180.0) -> str | None:
@@ -187,41 +200,22 @@ print("GATE-OK")
 def numba_module_source(kernel) -> tuple[str, str]:
     """(module source, kernel name): the kernel, the @cuda.jit device functions it calls
     (recursively) and the int/float/bool constants they read, under numba / math imports."""
-    parts, consts, seen = [], {}, set()
-
     def inner(obj):
         fn = getattr(obj, "py_func", None)
         return fn if inspect.isfunction(fn) and \
             type(obj).__module__.split(".")[0] in ("numba", "numba_cuda") else None
 
-    def add(fn):
-        if fn in seen:
-            return
-        seen.add(fn)
-        env = fn.__globals__
-        for name in fn.__code__.co_names:
-            value = env.get(name)
-            if isinstance(value, (bool, int, float)):
-                consts[name] = value
-            elif inner(value) is not None:
-                add(inner(value))
-        source = textwrap.dedent(inspect.getsource(fn))
-        if fn is not kernel_fn:  # a device function: decorate it as one, whatever it said
-            lines = source.splitlines()
-            body = [line for line in lines if not line.lstrip().startswith("@")]
-            source = "@cuda.jit(device=True)\n" + "\n".join(body) + "\n"
-        else:
-            lines = source.splitlines()
-            source = "\n".join(line for line in lines if not line.lstrip().startswith("@")) + "\n"
-        parts.append(source)
+    def render(fn):
+        lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
+        body = "\n".join(line for line in lines if not line.lstrip().startswith("@")) + "\n"
+        # a device function is decorated as one, whatever it said
+        return body if fn is kernel_fn else "@cuda.jit(device=True)\n" + body
 
     kernel_fn = inner(kernel)
     if kernel_fn is None:
         raise TypeError("not a numba kernel")
-    add(kernel_fn)
-    head = ("import math\nimport numba\nfrom numba import *  # noqa\nfrom numba import cuda\n")
-    head += "".join(f"{k} = {v!r}\n" for k, v in consts.items())
-    return head + "\n\n".join(reversed(parts)), kernel_fn.__name__
+    head = "import math\nimport numba\nfrom numba import *  # noqa\nfrom numba import cuda\n"
+    return _module_source(kernel_fn, inner, render, head), kernel_fn.__name__
 
 
 def numba_gate_unavailable() -> str | None:

@@ -81,7 +81,7 @@ def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
     _check(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     o, lse2 = ops.triton_forward(q, k, v, is_causal, scale, *ops.mask_args(block_mask))
-    return o, torch.where(torch.isinf(lse2), -torch.inf, lse2 * math.log(2.0))
+    return o, ops.LSE_TO_NATURAL["triton"](lse2)
 
 
 def _check(q, k, v):

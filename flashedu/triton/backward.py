@@ -405,7 +405,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     import torch
 
     from . import fast
-    from .forward import NO_LISTS, interpreter_fp32, mods_args, outputs_like
+    from .forward import NO_LISTS, element_args, interpreter_fp32, mods_args, outputs_like
 
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
@@ -436,9 +436,9 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         GROUP, Tc, Tr = H // Hkv, -(-Nk // t1.Bc), -(-Nq // t2.Br)
         (E1, E_base1, SLOPES, mod_scale, cap, *bias), c1 = mods_args(
             mods, block_mask, scale, t1.Br, t1.Bc, True, q, k, is_causal)
-        (E2, E_base2, *_), c2 = mods_args(mods, block_mask, scale, t2.Br, t2.Bc, False, q, k,
-                                          is_causal)
-        mod_consts = {"ELEMENT1": c1["ELEMENT"], "ELEMENT2": c2["ELEMENT"],
+        # the dQ pass's lists have their own tiles; the rest is the dK/dV pass's
+        E2, E_base2 = element_args(mods, block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
+        mod_consts = {"ELEMENT1": c1["ELEMENT"], "ELEMENT2": E2 is not None,
                       "SCORE_MOD": c1["SCORE_MOD"], "BIAS": c1["BIAS"],
                       "BIAS_GRAD": mask_grad}
         natural = c1["SCORE_MOD"] or c1["BIAS"]  # the kernels add in natural units
@@ -457,7 +457,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                           E2, E_base2, SLOPES, mod_scale, cap, *bias, dbias),
                          {**consts, "DROPOUT": dropout_p > 0, **mod_consts,
                           "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
-                          "MASKED2": consts["MASKED2"] or c2["ELEMENT"]})
+                          "MASKED2": consts["MASKED2"] or E2 is not None})
             break
         except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
             from .config import smaller

@@ -293,17 +293,24 @@ def dropout_args(dropout_p, rng):
     return rng, threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
+def element_args(mods, block_mask, Br, Bc, transpose, device, is_causal):
+    """(ELEM, ELEM_BASE): the partial tiles' element masks of lists with Br x Bc tiles, or
+    (None, None) when no mask mod needs them."""
+    from . import sparse
+
+    if mods is None or mods.mask_mod is None:
+        return None, None
+    return sparse.element_lists(block_mask, Br, Bc, transpose, device, is_causal)
+
+
 def mods_args(mods, block_mask, scale, Br, Bc, transpose, q, k, is_causal):
     """((ELEM, ELEM_BASE, SLOPES, mod_scale, cap, BIAS_PTR, 4 bias strides),
     {ELEMENT, SCORE_MOD, BIAS}) of a launch whose tiles are Br x Bc (``transpose``: the dK/dV
     pass's lists); unused ones without mods."""
-    from . import sparse
     from .mods import bias_args, score_mod_args
 
     SCORE_MOD, mod_scale, cap, SLOPES = score_mod_args(mods and mods.score_mod, scale, q.device)
-    E = E_base = None
-    if mods is not None and mods.mask_mod is not None:
-        E, E_base = sparse.element_lists(block_mask, Br, Bc, transpose, q.device, is_causal)
+    E, E_base = element_args(mods, block_mask, Br, Bc, transpose, q.device, is_causal)
     attn_mask = mods and mods.attn_mask
     bias = bias_args(attn_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return ((E, E_base, SLOPES, mod_scale, cap, *bias),

@@ -119,19 +119,6 @@ def random_block_mask(n: int, density: float, seed: int = 0):
     return BlockMask.from_dense(blocks, (MASK_BLOCK, MASK_BLOCK), (n, n))
 
 
-_FLEX = None
-
-
-def _flex():
-    global _FLEX
-    if _FLEX is None:
-        import torch
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
-
-
 def make_forward(provider: str, case: Case, q, k, v):
     """A zero-argument function computing the case's attention with ``provider``."""
     import torch.nn.functional as F
@@ -183,7 +170,9 @@ def make_forward(provider: str, case: Case, q, k, v):
         elif mask is None:  # all tiles: the same compiled kernel as the block-sparse cases
             mask = random_block_mask(case.n, 1.0)
         flex_mask = None if mask is None else mask.to_flex(device=q.device)
-        flex = _flex()
+        from .benchmarks.core import compiled_flex
+
+        flex = compiled_flex()
         return lambda: flex(q, k, v, block_mask=flex_mask)
     raise ValueError(f"provider must be one of {PROVIDERS + EXTRA_PROVIDERS}, got {provider!r}")
 

@@ -110,6 +110,25 @@ def try_time_ms(fn, **kw) -> float:
         return float("inf")
 
 
+_FLEX = []
+
+
+def compiled_flex():
+    """flex_attention compiled once per process. Every new mask or score mod is a new closure
+    and compiles again; past torch's recompile limit (8) torch would silently run the eager
+    flex_attention, which materializes the N x N scores, so the limits are raised."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not _FLEX:
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 1024)
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]
+
+
 def peak_bytes(fn) -> float:
     """Bytes allocated at the peak of one ``fn()`` over what was allocated before it (torch's
     CUDA allocator statistics)."""
@@ -178,8 +197,9 @@ def rel_err(a, b) -> float:
 
 
 def tiles_name(t) -> str:
-    """'128x64/w8/s3' (+ '/tma', '/ws') for a flashedu.triton.config.Tiles."""
+    """'128x64/w8/s3' (+ '/tma', '/ws', '/r128' for maxnreg) for a flashedu.triton.config.Tiles."""
     extra = ("/tma" if t.tma else "") + ("/ws" if t.warp_specialize else "")
+    extra += f"/r{t.maxnreg}" if getattr(t, "maxnreg", None) else ""
     return f"{t.Br}x{t.Bc}/w{t.num_warps}/s{t.num_stages}{extra}"
 
 

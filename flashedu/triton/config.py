@@ -27,9 +27,15 @@ class Tiles:
     # forward only, Hopper and newer (the forward falls back where they do not build):
     tma: bool = False  # K/V tiles fetched by the copy engine through tensor descriptors
     warp_specialize: bool = False  # with tma: Triton's warp specialization of the unmasked loop
+    # registers per thread the compiler may use (None: its choice). 128 keeps two programs of
+    # 8 warps on one SM (65536 registers); one register more and only one fits.
+    maxnreg: int | None = None
 
     def launch(self) -> dict:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 @dataclass(frozen=True)
@@ -65,14 +71,16 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 # Forwards of d=128 and d=256: `flashedu bench forward` (docs/bench/speed.md): TMA and warp
 # specialization +4-8% at d=128; 128x64 tiles 1.3-1.6x at d=256. At d=64, TMA was within noise
 # and slower for short causal sequences: left off.
+# Up to d=64, two programs of 8 warps share an SM only while each uses at most 128 registers
+# per thread; left to itself the compiler took 130-158 for the causal forward and the backward,
+# and those ran 0.83x (docs/bench/speed.md, "Registers"): maxnreg=128 holds them there.
 _FORWARD_128 = Tiles(128, 128, 8, 3, tma=True, warp_specialize=True)
+_SMALL_D = KernelConfig(Tiles(128, 64, 8, 3, maxnreg=128), Tiles(32, 128, 8, 3, maxnreg=128),
+                        Tiles(128, 64, 8, 3, maxnreg=128), fused_backward=False)
 GPU_16BIT = {
-    16: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
-                     fused_backward=False),
-    32: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
-                     fused_backward=False),
-    64: KernelConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3),
-                     fused_backward=False),
+    16: _SMALL_D,
+    32: _SMALL_D,
+    64: _SMALL_D,
     128: KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2),
                       fused_backward=True,
                       # causal: the fused launch was 4-12% slower (speed.md): the two launches

@@ -317,6 +317,25 @@ def mods_args(mods, block_mask, scale, Br, Bc, transpose, q, k, is_causal):
             {"ELEMENT": E is not None, "SCORE_MOD": SCORE_MOD, "BIAS": attn_mask is not None})
 
 
+def launch_args(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interpreted,
+                dropout_p=0.0, rng=None, mods=None):
+    """(grid, args, consts) of forward_kernel: ``forward_launch``'s, then the dropout and mods
+    arguments (unused ones, compiled out, for a plain call). ``scale`` is the softmax scale;
+    the kernel's qk_scale follows from it (log2(e) alone where a score mod or bias works in
+    natural units)."""
+    mod_args, mod_consts = mods_args(mods, block_mask, scale, tiles.Br, tiles.Bc, False, q, k,
+                                     is_causal)
+    natural = mod_consts["SCORE_MOD"] or mod_consts["BIAS"]
+    grid, args, consts = forward_launch(q, k, v, o, lse2, is_causal=is_causal,
+                                        qk_scale=LOG2E if natural else scale * LOG2E,
+                                        block_mask=block_mask, tiles=tiles,
+                                        interpreted=interpreted)
+    args = (*args, *dropout_args(dropout_p, rng), *mod_args)
+    consts = {**consts, "DROPOUT": dropout_p > 0, **mod_consts,
+              "MASKED": consts["MASKED"] or mod_consts["ELEMENT"]}
+    return grid, args, consts
+
+
 def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropout_p=0.0,
             rng=None, mods=None):
     """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
@@ -335,16 +354,10 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
     key = (tiles, q.shape[-1], q.dtype)
     tiles = _SHRUNK.get(key, tiles)
     while True:
-        mod_args, mod_consts = mods_args(mods, block_mask, scale, tiles.Br, tiles.Bc, False,
-                                         q, k, is_causal)
-        natural = mod_consts["SCORE_MOD"] or mod_consts["BIAS"]  # kernels add in natural units
-        grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
-                                            qk_scale=LOG2E if natural else scale * LOG2E,
-                                            block_mask=block_mask,
-                                            tiles=tiles, interpreted=interpreted)
-        args = (*args, *dropout_args(dropout_p, rng), *mod_args)
-        consts = {**consts, "DROPOUT": dropout_p > 0, **mod_consts,
-                  "MASKED": consts["MASKED"] or mod_consts["ELEMENT"]}
+        grid, args, consts = launch_args(q32, k32, v32, o, lse2, is_causal=is_causal,
+                                         scale=scale, block_mask=block_mask, tiles=tiles,
+                                         interpreted=interpreted, dropout_p=dropout_p, rng=rng,
+                                         mods=mods)
         try:
             fast.launch(forward_kernel, grid, args, consts, fast.switches(tiles, interpreted, k, v))
             break

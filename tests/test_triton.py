@@ -329,6 +329,22 @@ def test_safe_tables_fit_their_shared_memory(name, is_fp32):
             assert not (t.tma or t.warp_specialize) and min(t.Br, t.Bc) >= config.MIN_TILE
 
 
+def test_register_cap_of_the_small_head_dims():
+    """sm_90, d <= 64: every kernel capped at 128 registers (two 8-warp programs per SM), and the
+    cap is left out of dropout launches, whose Philox states need more."""
+    from flashedu.triton import config
+    from flashedu.triton.forward import register_cap
+
+    for D in (16, 32, 64):
+        entry = config.GPU_16BIT[D]
+        for t in (entry.forward, entry.dkdv, entry.dq):
+            assert t.num_warps == 8 and t.launch()["maxnreg"] == 128
+    assert "maxnreg" not in config.GPU_16BIT[128].forward.launch()
+    plain = {"num_warps": 8, "maxnreg": 128, "DROPOUT": False}
+    assert register_cap(plain) == plain
+    assert register_cap({**plain, "DROPOUT": True}) == {"num_warps": 8, "DROPOUT": True}
+
+
 def test_tile_table_by_name_and_environment(monkeypatch):
     from flashedu.triton import config
 

@@ -405,7 +405,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     import torch
 
     from . import fast
-    from .forward import NO_LISTS, element_args, interpreter_fp32, mods_args, outputs_like
+    from .forward import (NO_LISTS, element_args, interpreter_fp32, mods_args, outputs_like,
+                          register_cap)
 
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
@@ -455,9 +456,9 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                 fast.run(backward_kernel, (programs, B * Hkv),
                          (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng), E1, E_base1,
                           E2, E_base2, SLOPES, mod_scale, cap, *bias, dbias),
-                         {**consts, "DROPOUT": dropout_p > 0, **mod_consts,
-                          "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
-                          "MASKED2": consts["MASKED2"] or E2 is not None})
+                         register_cap({**consts, "DROPOUT": dropout_p > 0, **mod_consts,
+                                       "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
+                                       "MASKED2": consts["MASKED2"] or E2 is not None}))
             break
         except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
             from .config import smaller

@@ -73,7 +73,7 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 # and slower for short causal sequences: left off.
 # Up to d=64, two programs of 8 warps share an SM only while each uses at most 128 registers
 # per thread; left to itself the compiler took 130-158 for the causal forward and the backward,
-# and those ran 0.83x (docs/bench/speed.md, "Registers"): maxnreg=128 holds them there.
+# and those ran 0.83x (BENCHMARKS.md, "Registers"): maxnreg=128 holds them there.
 _FORWARD_128 = Tiles(128, 128, 8, 3, tma=True, warp_specialize=True)
 _SMALL_D = KernelConfig(Tiles(128, 64, 8, 3, maxnreg=128), Tiles(32, 128, 8, 3, maxnreg=128),
                         Tiles(128, 64, 8, 3, maxnreg=128), fused_backward=False)

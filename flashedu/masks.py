@@ -141,6 +141,8 @@ class BlockMask:
         return self.mask_mod
 
     def __eq__(self, other):
+        if other is self:  # the kernels' caches look a mask up on every call: no array compare
+            return True
         if not isinstance(other, BlockMask):
             return NotImplemented
         return (self.block_size == other.block_size and self.seq_lens == other.seq_lens
@@ -149,8 +151,14 @@ class BlockMask:
                 and self._mod_key() == other._mod_key())
 
     def __hash__(self):
-        return hash((self.block_size, self.seq_lens, self.is_causal, self.blocks.shape,
-                     self.blocks.tobytes(), self._mod_key()))
+        # computed once: the blocks are read-only, and hashing their bytes on every kernel
+        # call (the tile-list caches key on the mask) cost more host time than the launch
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.block_size, self.seq_lens, self.is_causal, self.blocks.shape,
+                      self.blocks.tobytes(), self._mod_key()))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     # ----- constructors -------------------------------------------------------------------
     @classmethod

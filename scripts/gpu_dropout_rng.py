@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import flashedu  # noqa: F401  (before triton: it decides whether Triton is interpreted)
 import triton
 import triton.language as tl
 

@@ -30,6 +30,8 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     attn_mask: SDPA's: a bool tensor (True: the pair takes part) or a float tensor added to
     the scores, broadcastable to (B, H, Nq, Nk); not together with is_causal (SDPA refuses that
     too: put the causal rule in the mask, or use a block mask from flashedu.mods.causal()).
+    The triton backend turns a bool mask into a block mask on every call; for a mask reused
+    across calls, pass ``block_mask=BlockMask.from_bool_mask(mask)`` built once instead.
     is_causal: query i sees keys j <= i (top-left aligned, as SDPA's is_causal).
     scale: defaults to 1/sqrt(d). block_mask: a :class:`flashedu.BlockMask`; tiles it marks
     False are skipped, its mask mod masks its partial tiles element-wise

@@ -71,7 +71,8 @@ def _flag(value, name: str) -> bool:
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """Block-level sparsity pattern of attention. Build it with a classmethod:
-    :meth:`from_dense`, :meth:`causal`, :meth:`sliding_window`, or :meth:`from_flex`."""
+    :meth:`from_dense`, :meth:`causal`, :meth:`sliding_window`, :meth:`from_mask_mod`,
+    :meth:`from_bool_mask` or :meth:`from_flex`."""
 
     blocks: np.ndarray  # bool (B, H, Tr, Tc); B, H may be 1
     block_size: tuple[int, int]  # (Br, Bc)
@@ -276,6 +277,57 @@ class BlockMask:
         mask = cls(any_, (Br, Bc), (Nq, Nk), is_causal, mask_mod=mod, full_blocks=all_ & any_)
         _set_exact(mask, np.array(exact & any_ | ~any_, order="C"))
         return mask
+
+    @classmethod
+    def from_bool_mask(cls, mask, block_size=(128, 128), seq_lens=None) -> BlockMask:
+        """The block mask of an element-level bool mask, as SDPA's ``attn_mask`` (True: the
+        pair takes part): shape (Nq, Nk) or (B, H, Nq, Nk), where B, H, Nq or Nk may be 1 to
+        broadcast (then ``seq_lens=(Nq, Nk)`` gives the lengths). Tiles with no True are
+        skipped, tiles all True run unmasked, and the rest read the mask element-wise (the mask
+        mod reads the tensor).
+
+        The same tiles as ``from_mask_mod`` with a mod that reads the mask, but the tile grid
+        comes from per-tile reductions of the mask where it lies (one pass, broadcast axes not
+        expanded), not from the mod evaluated pair by pair. Built once and reused, its tile
+        lists are built once too."""
+        import torch
+
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool torch.Tensor, got "
+                            f"{getattr(mask, 'dtype', type(mask).__name__)}")
+        if not 2 <= mask.dim() <= 4:
+            raise ValueError(f"mask must have shape (Nq, Nk) or (B, H, Nq, Nk), got "
+                             f"{tuple(mask.shape)}")
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        B0, H0, Q0, K0 = m.shape
+        Nq, Nk = (Q0, K0) if seq_lens is None else _pair(seq_lens, "seq_lens")
+        if Q0 not in (1, Nq) or K0 not in (1, Nk):
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to "
+                             f"seq_lens {(Nq, Nk)}")
+        Br, Bc = _pair(block_size, "block_size")
+        Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
+        # a broadcast axis is its own tile: its one value stands for every position
+        tr, br = (Tr, Br) if Q0 > 1 else (1, 1)
+        tc, bc = (Tc, Bc) if K0 > 1 else (1, 1)
+
+        def any_per_tile(x):  # x uint8; positions past Nq, Nk count as 0
+            if tr * br > Q0 or tc * bc > K0:
+                x = torch.nn.functional.pad(x, (0, tc * bc - K0, 0, tr * br - Q0))
+            x = x.reshape(B0, H0, tr, br, tc, bc).amax(dim=(3, 5)).bool()
+            return x.expand(B0, H0, Tr, Tc).cpu().numpy()
+
+        any_ = any_per_tile(m.to(torch.uint8))
+        all_ = ~any_per_tile((~m).to(torch.uint8))  # padding shows nothing hidden
+
+        def reads_mask(b, h, q_idx, kv_idx):  # on the indices' device, whichever it is
+            where = q_idx.device
+            b, h, q_idx, kv_idx = (t.to(m.device) for t in (b, h, q_idx, kv_idx))
+            return m[b * (B0 > 1), h * (H0 > 1), q_idx * (Q0 > 1), kv_idx * (K0 > 1)].to(where)
+
+        out = cls(any_, (Br, Bc), (Nq, Nk), False, mask_mod=reads_mask,
+                  full_blocks=all_ & any_)
+        _set_exact(out, np.array(all_ | ~any_, order="C"))
+        return out
 
     # ----- views --------------------------------------------------------------------------
     @property

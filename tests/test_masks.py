@@ -207,3 +207,41 @@ def test_to_flex_from_flex_keep_a_mod_and_refuse_what_cannot_broadcast():
     fm.mask_mod = scalar_only
     with pytest.raises(TypeError, match="from_flex cannot carry this FlexAttention mask_mod"):
         BlockMask.from_flex(fm)
+
+
+@pytest.mark.parametrize("shape, seq_lens", [
+    ((70, 50), None),                 # ragged: neither length a multiple of the tile
+    ((2, 3, 64, 96), None),           # per batch and head
+    ((2, 1, 1, 77), (45, 77)),        # a key-padding mask, broadcast over queries
+    ((1, 1, 45, 1), (45, 77)),        # broadcast over keys
+])
+def test_from_bool_mask_gives_the_tiles_of_its_mask_mod(shape, seq_lens):
+    """The per-tile reductions give the tiles from_mask_mod finds for a mod reading the mask,
+    and the mask's visible pairs are exactly the True entries."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(sum(shape))
+    mask = torch.rand(shape, generator=g) < 0.6
+    mask[..., :1, :] = False  # a row that sees nothing
+    if mask.shape[-1] > 40:
+        mask[..., :, 32:40] = False  # a tile column with no True
+    Nq, Nk = seq_lens or shape[-2:]
+    full = mask.reshape((1,) * (4 - mask.dim()) + shape).expand(-1, -1, Nq, Nk)
+    B, H = full.shape[:2]
+    fast = BlockMask.from_bool_mask(mask, block_size=(16, 32), seq_lens=seq_lens)
+
+    def reads(b, h, q, kv):
+        return full[b * (B > 1), h * (H > 1), q, kv]
+    slow = BlockMask.from_mask_mod(reads, B, H, Nq, Nk, block_size=(16, 32))
+    assert np.array_equal(fast.blocks, slow.blocks)
+    assert np.array_equal(fast.full, slow.full)
+    assert np.array_equal(fast.element_mask(), full.numpy())
+
+
+def test_from_bool_mask_refuses_what_is_not_a_bool_mask():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="bool"):
+        BlockMask.from_bool_mask(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="shape"):
+        BlockMask.from_bool_mask(torch.zeros(4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="broadcast"):
+        BlockMask.from_bool_mask(torch.zeros(3, 4, dtype=torch.bool), seq_lens=(5, 4))

@@ -53,6 +53,8 @@ def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
     unmasked, the rest read the mask element-wise. Built on every call (the mask is data)."""
     from ..masks import BlockMask
 
+    if block_mask is None:  # the tiles from per-tile reductions of the mask: one pass over it
+        return BlockMask.from_bool_mask(attn_mask, block_size=(128, 128), seq_lens=(Nq, Nk))
     m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     m = m.expand(m.shape[0], m.shape[1], Nq, Nk)  # a view: no Nq x Nk copy per head
 
@@ -62,9 +64,6 @@ def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
         return m[b * (m.shape[0] > 1), h * (m.shape[1] > 1), q_idx, kv_idx].to(where)
 
     B, H = m.shape[:2]
-    if block_mask is None:
-        return BlockMask.from_mask_mod(reads_attn_mask, B, H, Nq, Nk, block_size=(128, 128),
-                                       device=m.device)
     inner = block_mask.expand(max(B, block_mask.blocks.shape[0]),
                               max(H, block_mask.blocks.shape[1]))
 

@@ -381,22 +381,25 @@ class BlockMask:
         kv = t[:, 3] * Bc + torch.arange(Bc).view(1, 1, Bc)
         return self._rule(b, h, q, kv)
 
-    def visible(self, b, h, q_idx, kv_idx):
+    def visible(self, b, h, q_idx, kv_idx, *, selected=False):
         """The bool tensor of visible pairs at broadcast index tensors (tiles, causal flag, mask
-        mod and sequence ends together): what a kernel evaluates for its partial tiles."""
-        return self._rule(b, h, q_idx, kv_idx)
+        mod and sequence ends together): what a kernel evaluates for its partial tiles.
+        ``selected=True``: every index lies in a tile the grid selects (a kernel's listed
+        tiles), so the grid is not looked up pair by pair."""
+        return self._rule(b, h, q_idx, kv_idx, selected)
 
-    def _rule(self, b, h, q, kv):
+    def _rule(self, b, h, q, kv, selected=False):
         """Visible pairs at broadcast indices: tiles, causal flag, mask mod, sequence ends."""
         import torch
 
         Br, Bc = self.block_size
         Nq, Nk = self.seq_lens
-        grid = torch.from_numpy(np.ascontiguousarray(self.blocks).copy())
-        per_b, per_h = int(grid.shape[0] > 1), int(grid.shape[1] > 1)
-        inside = (q < Nq) & (kv < Nk)
-        out = grid[b * per_b, h * per_h, (q // Br).clamp(max=grid.shape[2] - 1),
-                   (kv // Bc).clamp(max=grid.shape[3] - 1)] & inside
+        out = (q < Nq) & (kv < Nk)
+        if not selected:
+            grid = torch.from_numpy(np.ascontiguousarray(self.blocks).copy())
+            per_b, per_h = int(grid.shape[0] > 1), int(grid.shape[1] > 1)
+            out = grid[b * per_b, h * per_h, (q // Br).clamp(max=grid.shape[2] - 1),
+                       (kv // Bc).clamp(max=grid.shape[3] - 1)] & out
         if self.is_causal:
             out = out & (kv <= q)
         if self.mask_mod is not None:

@@ -131,7 +131,7 @@ def _tile_rule(block_mask, tiles: np.ndarray, Br: int, Bc: int, transpose: bool,
     i, j = (t[:, 3], t[:, 2]) if transpose else (t[:, 2], t[:, 3])
     q = i * Br + torch.arange(Br).view(1, Br, 1)
     kv = j * Bc + torch.arange(Bc).view(1, 1, Bc)
-    out = block_mask.visible(t[:, 0], t[:, 1], q, kv)
+    out = block_mask.visible(t[:, 0], t[:, 1], q, kv, selected=True)  # listed tiles only
     return out & (kv <= q) if is_causal else out
 
 

@@ -1,9 +1,12 @@
 """Where fused dropout's time goes (GPU): forward and backward alone, p=0 against p=0.1, and
-two keep-masks that draw more entries from each Philox call (8 from 16-bit halves, 16 from
-bytes) in place of the shipped one (4 per call, 31-bit words). The variants only time the
-cost: their masks are not flashedu.dropout's stream, and their keep rates are rounded.
+variants of the p=0.1 launch:
+- keep16, keep8: keep-masks that draw more entries from each Philox call (8 from 16-bit
+  halves, 16 from bytes) in place of the shipped one (4 per call, 31-bit words). They only time
+  the cost: their masks are not flashedu.dropout's stream, and their keep rates are rounded.
+- small_tiles: the shipped mask with smaller tiles (fewer Philox states and a smaller P_ij
+  live at once): candidates for a dropout entry of the tile table.
 
-    python scripts/gpu_dropout_rng.py                 # shipped, keep16, keep8; one process each
+    python scripts/gpu_dropout_rng.py                 # every variant, one process each
 
 Shapes: N=4096, bf16, B=4, H*d=2048; d=128 causal and not, d=64 not. Each compiled kernel's
 registers and spills are printed with the times.
@@ -57,8 +60,16 @@ def one(which: str) -> dict:
     import flashedu
     from flashedu.triton import backward, fast, forward
 
-    if which != "shipped":  # the kernels read keep_tile from these modules when they compile
+    if which in ("keep16", "keep8"):  # the kernels read keep_tile from here when they compile
         forward.keep_tile = backward.keep_tile = globals()[which]
+    if which == "small_tiles":
+        from flashedu.triton import config
+        from flashedu.triton.config import KernelConfig, Tiles
+
+        config.GPU_16BIT[128] = KernelConfig(Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 2),
+                                             Tiles(64, 64, 4, 2), fused_backward=False)
+        config.GPU_16BIT[64] = KernelConfig(Tiles(64, 64, 4, 3), Tiles(32, 64, 4, 3),
+                                            Tiles(64, 64, 4, 3), fused_backward=False)
     res = {"variant": which}
     for d, causal in ((128, False), (128, True), (64, False)):
         B, H, N = 4, 2048 // d, 4096
@@ -89,7 +100,7 @@ def main() -> int:
         print("no CUDA GPU: nothing to measure (the CPU tests are tests/test_dropout.py)")
         return 0
     rows = []
-    for which in ("shipped", "keep16", "keep8"):  # a process each: kernels compile afresh
+    for which in ("shipped", "keep16", "keep8", "small_tiles"):  # a process each: kernels compile afresh
         run = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", which],
                              capture_output=True, text=True)
         line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]

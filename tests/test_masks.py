@@ -245,3 +245,16 @@ def test_from_bool_mask_refuses_what_is_not_a_bool_mask():
         BlockMask.from_bool_mask(torch.zeros(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="broadcast"):
         BlockMask.from_bool_mask(torch.zeros(3, 4, dtype=torch.bool), seq_lens=(5, 4))
+
+
+def test_bool_attn_mask_within_a_block_mask():
+    """The triton backend's bool attn_mask together with a block mask: the pairs both show."""
+    pytest.importorskip("triton")
+    from flashedu.triton import bool_mask_as_block_mask
+
+    mask = torch.rand(2, 1, 70, 50, generator=torch.Generator().manual_seed(5)) < 0.6
+    inner = BlockMask.causal((70, 50), (16, 16))
+    both = bool_mask_as_block_mask(mask, inner, 70, 50)
+    assert np.array_equal(both.element_mask(), mask.numpy() & inner.element_mask())
+    alone = bool_mask_as_block_mask(mask, None, 70, 50)
+    assert np.array_equal(alone.element_mask(), mask.numpy())

@@ -53,25 +53,18 @@ def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
     unmasked, the rest read the mask element-wise. Built on every call (the mask is data)."""
     from ..masks import BlockMask
 
-    if block_mask is None:  # the tiles from per-tile reductions of the mask: one pass over it
-        return BlockMask.from_bool_mask(attn_mask, block_size=(128, 128), seq_lens=(Nq, Nk))
-    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    m = m.expand(m.shape[0], m.shape[1], Nq, Nk)  # a view: no Nq x Nk copy per head
-
-    def reads_attn_mask(b, h, q_idx, kv_idx):  # on the indices' device, whichever it is
-        where = q_idx.device
-        b, h, q_idx, kv_idx = (t.to(m.device) for t in (b, h, q_idx, kv_idx))
-        return m[b * (m.shape[0] > 1), h * (m.shape[1] > 1), q_idx, kv_idx].to(where)
-
-    B, H = m.shape[:2]
+    own = BlockMask.from_bool_mask(attn_mask, block_size=(128, 128), seq_lens=(Nq, Nk))
+    if block_mask is None:
+        return own
+    B, H = own.blocks.shape[:2]
     inner = block_mask.expand(max(B, block_mask.blocks.shape[0]),
                               max(H, block_mask.blocks.shape[1]))
 
-    def both(b, h, q_idx, kv_idx):
-        return reads_attn_mask(b, h, q_idx, kv_idx) & inner.visible(b, h, q_idx, kv_idx)
+    def both(b, h, q_idx, kv_idx):  # own.mask_mod reads the attn_mask
+        return own.mask_mod(b, h, q_idx, kv_idx) & inner.visible(b, h, q_idx, kv_idx)
 
     return BlockMask.from_mask_mod(both, *inner.blocks.shape[:2], Nq, Nk,
-                                   block_size=block_mask.block_size, device=m.device)
+                                   block_size=block_mask.block_size, device=attn_mask.device)
 
 
 def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .dropout import keep_tile, rng_state
 from .forward import LOG2E, dot_precision, dropout_args, load_tile
-from .mods import element_tile, head_mods, mod_scores
+from .mods import element_ptr, element_start, element_tile, head_mods, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
 
 
@@ -150,13 +150,11 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                                     mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nk,
                                     False, SCORE_MOD, BIAS)
         if MASKED:
-            if ELEMENT:  # where this list's element masks start (a mask mod's partial tiles)
-                e0 = tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + j) - num_full
+            # a mask mod's partial tiles: their element masks, this list's from e0 + num_full on
+            e0 = element_start(ELEM_BASE, b, h, j, stride_numb, stride_numh, num_full, ELEMENT)
             for t in range(num_full, num):
                 i = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
-                E_tile = 0
-                if ELEMENT:
-                    E_tile = ELEM + (e0 + t) * (Br * Bc)
+                E_tile = element_ptr(ELEM, e0, t, Br * Bc, ELEMENT)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
                                         qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC,
@@ -260,13 +258,11 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                         slope, B_head, stride_bq, stride_bk, Nq, DB_head, False, SCORE_MOD, BIAS,
                         BIAS_GRAD)
     if MASKED:
-        if ELEMENT:  # where this row's element masks start (a mask mod's partial tiles)
-            e0 = tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + i) - num_full
+        # a mask mod's partial tiles: their element masks, this row's from e0 + num_full on
+        e0 = element_start(ELEM_BASE, b, h, i, stride_numb, stride_numh, num_full, ELEMENT)
         for t in range(num_full, num):
             j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
-            E_tile = 0
-            if ELEMENT:
-                E_tile = ELEM + (e0 + t) * (Br * Bc)
+            E_tile = element_ptr(ELEM, e0, t, Br * Bc, ELEMENT)
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
                             j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
                             DOT_PREC, DROPOUT, seed, offset, bh, drop_t, drop_scale, E_tile,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .dropout import keep_tile, rng_state
-from .mods import element_tile, head_mods, mod_scores
+from .mods import element_ptr, element_start, element_tile, head_mods, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -193,13 +193,11 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                                       drop_scale, 0, mod_scale, cap, slope, B_head, stride_bq,
                                       stride_bk, Nq, False, SCORE_MOD, BIAS)
     if MASKED:  # only where some tile can need a mask (an empty loop measured slower)
-        if ELEMENT:  # where this row's element masks start (a mask mod's partial tiles)
-            e0 = tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + i) - num_full
+        # a mask mod's partial tiles: their element masks, this row's from e0 + num_full on
+        e0 = element_start(ELEM_BASE, b, h, i, stride_numb, stride_numh, num_full, ELEMENT)
         for t in range(num_full, num):
             j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
-            E_tile = 0
-            if ELEMENT:
-                E_tile = ELEM + (e0 + t) * (Br * Bc)
+            E_tile = element_ptr(ELEM, e0, t, Br * Bc, ELEMENT)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
                                           IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA, DROPOUT, seed,

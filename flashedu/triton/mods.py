@@ -97,6 +97,26 @@ def element_tile(E_tile, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.
         return tl.load(E_tile + r[:, None] * COLS + c[None, :]) != 0
 
 
+@triton.jit
+def element_start(ELEM_BASE, b, h, row, stride_numb, stride_numh, num_full,
+                  ELEMENT: tl.constexpr):
+    """Where a list row's element masks start, less num_full: masked tile t (t >= num_full) has
+    its mask at index e0 + t (``sparse.element_lists``); 0 without element masks."""
+    if ELEMENT:
+        return tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + row) - num_full
+    else:
+        return 0
+
+
+@triton.jit
+def element_ptr(ELEM, e0, t, TILE: tl.constexpr, ELEMENT: tl.constexpr):
+    """The element mask of masked tile t (TILE = Br * Bc entries each), or 0 without."""
+    if ELEMENT:
+        return ELEM + (e0 + t) * TILE
+    else:
+        return 0
+
+
 def bias_args(attn_mask, B, H, Nq, Nk):
     """(BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk) of a float attn_mask broadcast
     to (B, H, Nq, Nk) (stride 0 along broadcast dims: no copy), or (None, 0, 0, 0, 0)."""

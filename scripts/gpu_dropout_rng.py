@@ -25,30 +25,29 @@ import triton.language as tl
 
 
 @triton.jit
-def keep16(seed, offset, bh, rows, start_n, threshold, Bc: tl.constexpr):
-    """8 entries per Philox call: the 16-bit halves of its four words."""
-    groups = start_n // 8 + tl.arange(0, Bc // 8)
+def _halves(seed, offset, bh, rows, groups):
+    """The 16-bit halves of one Philox call's four words per (row, group), shape
+    (rows, groups, 2, 2, 2): 8 values per call, counters as the shipped stream's."""
     zero = rows[:, None] * 0 + groups[None, :] * 0
     c3 = (offset & 0xFFFFFFFF).to(tl.uint32) + zero.to(tl.uint32)
     r0, r1, r2, r3 = tl.philox(seed, groups[None, :] + zero, rows[:, None] + zero, bh + zero,
                                c3, 7)
     a = tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16))
     b = tl.join(tl.join(r2 & 0xFFFF, r2 >> 16), tl.join(r3 & 0xFFFF, r3 >> 16))
-    r = tl.reshape(tl.join(a, b), (rows.shape[0], Bc))
-    return r.to(tl.int32) >= (threshold >> 15)
+    return tl.join(a, b)
+
+
+@triton.jit
+def keep16(seed, offset, bh, rows, start_n, threshold, Bc: tl.constexpr):
+    """8 entries per Philox call: the 16-bit halves of its four words."""
+    w = _halves(seed, offset, bh, rows, start_n // 8 + tl.arange(0, Bc // 8))
+    return tl.reshape(w, (rows.shape[0], Bc)).to(tl.int32) >= (threshold >> 15)
 
 
 @triton.jit
 def keep8(seed, offset, bh, rows, start_n, threshold, Bc: tl.constexpr):
     """16 entries per Philox call: the bytes of its four words."""
-    groups = start_n // 16 + tl.arange(0, Bc // 16)
-    zero = rows[:, None] * 0 + groups[None, :] * 0
-    c3 = (offset & 0xFFFFFFFF).to(tl.uint32) + zero.to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed, groups[None, :] + zero, rows[:, None] + zero, bh + zero,
-                               c3, 7)
-    a = tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16))
-    b = tl.join(tl.join(r2 & 0xFFFF, r2 >> 16), tl.join(r3 & 0xFFFF, r3 >> 16))
-    w = tl.join(a, b)
+    w = _halves(seed, offset, bh, rows, start_n // 16 + tl.arange(0, Bc // 16))
     r = tl.reshape(tl.join(w & 0xFF, w >> 8), (rows.shape[0], Bc))
     return r.to(tl.int32) >= (threshold >> 23)
 

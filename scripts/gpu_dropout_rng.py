@@ -99,7 +99,8 @@ def main() -> int:
         print("no CUDA GPU: nothing to measure (the CPU tests are tests/test_dropout.py)")
         return 0
     rows = []
-    for which in ("shipped", "keep16", "keep8", "small_tiles"):  # a process each: kernels compile afresh
+    # a process each: the kernels compile afresh
+    for which in ("shipped", "keep16", "keep8", "small_tiles"):
         run = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", which],
                              capture_output=True, text=True)
         line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]

@@ -110,6 +110,13 @@ def try_time_ms(fn, **kw) -> float:
         return float("inf")
 
 
+def torch_dtype(name: str):
+    """The torch dtype of a --dtype choice: "bf16", "fp16" or "fp32"."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
 _FLEX = []
 
 

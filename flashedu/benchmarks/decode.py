@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         device = "cuda"
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = core.torch_dtype(args.dtype)
     out = {"environment": core.environment(["decode", *argv]), "cases": []}
     print(core.headline(out["environment"]), flush=True)
     head = ["Nk", "plain ms", "split ms", "speedup", "splits", "plain GB/s", "split GB/s", "err"]

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         device = "cuda"
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = core.torch_dtype(args.dtype)
     out = {"environment": core.environment(["mods", *argv]), "cases": []}
     print(core.headline(out["environment"]), flush=True)
     head = ["case", "N", "param", "d", "visible", "fwd ms", "Flex fwd", "fwd vs Flex",

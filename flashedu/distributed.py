@@ -5,7 +5,8 @@ sequence: its queries, keys and values, shapes (B, H, n, d). Its output rows nee
 the keys and values travel around the ring (isend to r+1, irecv from r-1) and every rank merges
 the partial (O, L) of its queries against each visiting block into its running result with the
 merge rule of ``flashedu.merge``. The next block is posted before the current one is computed,
-so the transfer hides behind the compute.
+so the transfer hides behind the compute. With the Triton kernels the merge is done by the kernel
+itself: it starts its online softmax from the running (O, L) (:func:`block_forward_into`).
 
 Layouts (``layout=``, the same for causal and full attention):
 
@@ -359,6 +360,7 @@ def ring_forward(ring, q, k, v, is_causal, scale, local, plan=None, ledger=None)
     plan = plan or Plan(q.shape[2], ring.size, "contiguous", q.shape[2])
     ledger = ledger or _NoLedger
     acc = accumulate_dtype(q.dtype)
+    q = q.contiguous()  # O's strides, which the Triton kernel writes O with
     O = ledger.take("acc", torch.zeros(q.shape, dtype=acc, device=q.device))
     L = ledger.take("acc", torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device))
     steps = _schedule(plan, ring)
@@ -372,11 +374,8 @@ def ring_forward(ring, q, k, v, is_causal, scale, local, plan=None, ledger=None)
             V_next = ledger.take("kv", torch.empty_like(V_j))
             requests = ring.post((K_j, V_j), (K_next, V_next), tag=KV_TAG)
         for a, b, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
-            O_t, L_t = block_forward(q[:, :, a:b], K_j, V_j, causal=causal, scale=scale,
-                                     local=local)
-            ledger.take("call", O_t), ledger.take("call", L_t)
-            merge_into(O[:, :, a:b], L[:, :, a:b], O_t, L_t)
-            del O_t, L_t
+            block_forward_into(q[:, :, a:b], K_j, V_j, O[:, :, a:b], L[:, :, a:b],
+                               causal=causal, scale=scale, local=local, ledger=ledger)
         if passing:
             wait_all(requests)
             del requests
@@ -407,6 +406,9 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
     if dq_dtype != q.dtype:
         ledger.take("acc", dq)
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # filled tile by tile as they come home
+    D = None  # D_i = rowsum(dO_i O_i) is the same at every micro-step: the kernels' once
+    if local == "triton":
+        D = ledger.take("acc", _row_dot_triton(out, dout))
     steps = _schedule(plan, ring)
     T = plan.tile
     tile_shape = (k.shape[0], k.shape[1], T, k.shape[3])
@@ -432,7 +434,8 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
         for a, b, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
             dq_t, dk_t, dv_t = block_backward(q[:, :, a:b], K_j, V_j, out[:, :, a:b],
                                               L[:, :, a:b], dout[:, :, a:b], causal=causal,
-                                              scale=scale, local=local)
+                                              scale=scale, local=local,
+                                              D=None if D is None else D[:, :, a:b])
             for g in (dq_t, dk_t, dv_t):
                 ledger.take("call", g)
             dq[:, :, a:b] += dq_t
@@ -496,11 +499,13 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
 
     - forward ring:  B H n (d+1) a                  (float32 O and L of this rank's rows)
                    + 2 or 4 K/V tiles of B Hkv T d e (the one held, and the one arriving)
-                   + B H C (d o + 4)                (one call's O_t, L_t)
+                   + one call's O_t, L_t: B H C (d a + a) for torch; for triton only its
+                     base-2 L, B H C 4 (the kernel merges into O itself)
     - backward ring: 2 or 4 K/V tiles + up to 3 pairs of dK, dV tiles B Hkv T d a (this rank's
                      share, the arriving accumulator, the one leaving) + one call's
                      dQ_t (B H C d o), dK_t, dV_t (B Hkv T d o) + dQ's float32 copy
-                     (B H n d a) when dq_accumulate="float32" and e < a.
+                     (B H n d a) when dq_accumulate="float32" and e < a + (triton) the rows'
+                     D_i, B H n 4, computed once.
     - caller: q, dout, out, dq (B H n d e each), k, v, dk, dv (B Hkv n d e each), L (B H n a).
     - scratch (triton, not held by the ring): a contiguous copy of a call's query rows and the
       row statistics D, lse (B H C (d e + 8)).
@@ -533,14 +538,14 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
             kv = (2 + 2 * passing) * kv_tile
             rows = [b - a_ for a_, b, _ in plan.calls(r, (r - t) % P, p, is_causal)]
             C = max(rows, default=0)
-            call_f = B * H * C * (d * o + lo) if rows else 0
+            call_f = B * H * C * (lo if local == "triton" else d * a + a) if rows else 0
             fwd = max(fwd, B * H * n * (d + 1) * a + kv + call_f)
             receiving = i > 0 and P > 1
             grads = 2 * g_tile * (1 + 2 * receiving)
             call_b = (B * H * C * d * o + 2 * B * Hkv * T * d * o) if rows else 0
             bwd = max(bwd, kv + grads + call_b)
     dq_copy = B * H * n * d * a if (dq_accumulate == "float32" and e < a) else 0
-    bwd += dq_copy
+    bwd += dq_copy + (B * H * n * 4 if local == "triton" else 0)
     q_like, kv_like = B * H * n * d * e, B * Hkv * n * d * e
     caller = 4 * q_like + 4 * kv_like + B * H * n * a
     C_all = max(b - a_ for r in range(P) for p in range(plan.m) for t in range(P)
@@ -657,15 +662,44 @@ def block_forward(q, k, v, *, causal, scale, local="torch"):
                                  return_lse=True)
 
 
-def block_backward(q, k, v, out, L, dout, *, causal, scale, local="torch"):
+def block_forward_into(q, k, v, O, L, *, causal, scale, local="torch", ledger=None):
+    """q's attention over this K/V block merged, in place, into the running (O, L) over the
+    blocks before: O in the accumulator dtype with q's strides, L the natural-log logsumexp
+    (-inf for a row that has seen no key yet, O = 0 there).
+
+    torch computes the block's (O, L) and merges it by flashedu.merge's rule. The Triton kernel
+    starts its online softmax from (O, L) itself (``forward_into``): the merged result comes
+    out of the kernel, with no block output and no merge pass over O. ``ledger`` counts the
+    temporaries of the call."""
+    take = (ledger or _NoLedger).take
+    if local == "triton":
+        from . import runtime
+        from .ops import LSE_TO_NATURAL
+        from .triton.autograd import resolve_config
+        from .triton.forward import LOG2E, forward_into
+
+        # the kernel's logsumexp: base 2, +inf for a row that has seen no key
+        lse2 = take("call", torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E))
+        config = resolve_config(q.shape[-1], q.dtype, None, q.device)
+        forward_into(q, k, v, O, lse2, is_causal=causal, scale=scale,
+                     tiles=config.forward_tiles(None), interpreted=runtime.triton_interpreted())
+        L.copy_(LSE_TO_NATURAL["triton"](lse2))
+        return
+    O_t, L_t = block_forward(q, k, v, causal=causal, scale=scale, local=local)
+    take("call", O_t), take("call", L_t)
+    merge_into(O, L, O_t, L_t)
+
+
+def block_backward(q, k, v, out, L, dout, *, causal, scale, local="torch", D=None):
     """This K/V block's share of the gradients, recomputed from the whole row's O and L.
 
     P_ij = exp(S_ij - L_i) is the block's slice of the *global* softmax, so the paper's backward
     applies block by block: dV_j = P^T dO, dP = dO V_j^T, dS = P * (dP - D), D_i = rowsum(dO_i O_i),
     dQ = scale dS K_j, dK_j = scale dS^T Q. Returns (dq, dk, dv); dk, dv summed over GQA groups.
+    ``D`` (float32, (B, H, rows)): the rows' D_i when the caller has it, else computed here.
     """
     if local == "triton":
-        return _block_backward_triton(q, k, v, out, L, dout, causal, scale)
+        return _block_backward_triton(q, k, v, out, L, dout, causal, scale, D)
     acc = accumulate_dtype(q.dtype)
     q, k, v, out, dout, L = (t.to(acc) for t in (q, k, v, out, dout, L))
     H, Hkv = q.shape[1], k.shape[1]
@@ -677,7 +711,7 @@ def block_backward(q, k, v, out, L, dout, *, causal, scale, local="torch"):
                           float("-inf"))
     # a row that sees no key anywhere has L = -inf; L = +inf there makes its P zero, not NaN
     P = torch.exp(S - torch.where(torch.isneginf(L), float("inf"), L).unsqueeze(-1))
-    D = (dout * out).sum(-1, keepdim=True)
+    D = (dout * out).sum(-1, keepdim=True) if D is None else D.to(acc).unsqueeze(-1)
     dV = P.transpose(-1, -2) @ dout
     dS = P * (dout @ V.transpose(-1, -2) - D)
     dQ = scale * dS @ K
@@ -688,7 +722,7 @@ def block_backward(q, k, v, out, L, dout, *, causal, scale, local="torch"):
     return dQ, dK, dV
 
 
-def _block_backward_triton(q, k, v, out, L, dout, causal, scale):
+def _block_backward_triton(q, k, v, out, L, dout, causal, scale, D=None):
     from . import runtime
     from .triton.autograd import resolve_config
     from .triton.backward import backward
@@ -699,7 +733,20 @@ def _block_backward_triton(q, k, v, out, L, dout, causal, scale):
     lse2 = torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E).contiguous()
     config = resolve_config(q.shape[-1], q.dtype, None)
     return backward(q, k, v, out, lse2, dout, is_causal=causal, scale=scale, block_mask=None,
-                    config=config, interpreted=runtime.triton_interpreted())
+                    config=config, interpreted=runtime.triton_interpreted(),
+                    D=None if D is None else D.contiguous())
+
+
+def _row_dot_triton(out, dout):
+    """D = rowsum(dO * O), float32 (B, H, n), by the backward's preprocess kernel."""
+    from . import runtime
+    from .triton.autograd import resolve_config
+    from .triton.backward import preprocess
+    from .triton.forward import interpreter_fp32
+
+    config = resolve_config(out.shape[-1], out.dtype, None)
+    out, dout = interpreter_fp32(runtime.triton_interpreted(), out, dout)
+    return preprocess(out, dout, config.preprocess_rows)
 
 
 def accumulate_dtype(dtype):

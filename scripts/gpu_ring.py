@@ -117,8 +117,9 @@ RING_KEYS = ("fwd_ms", "fwd_bwd_ms", "peak_GB", "tile_transfer_ms", "step_fwd_ms
 
 def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
     """This rank's shard; returns its timings (the caller takes the slowest rank)."""
-    from flashedu.distributed import (Plan, Ring, block_backward, block_forward, ring_attention,
-                                      wait_all, _resolve_local)
+    from flashedu.distributed import (Plan, Ring, block_backward, block_forward,
+                                      block_forward_into, ring_attention, wait_all,
+                                      _resolve_local, _row_dot_triton)
 
     q, k, v, dout = inputs(N, args, device, dtype, rank, world, grad=True)
     opts = dict(is_causal=causal, tile=args.tile, call_rows=args.call_rows,
@@ -138,14 +139,22 @@ def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
     qd, od, Ld = q.detach(), None, None
     with torch.no_grad():
         calls = plan.calls(0, 0, 0, False)
-        step_f = timer(lambda: [block_forward(qd[:, :, a:b], K_t, V_t, causal=False,
-                                              scale=args.d ** -0.5, local=local)
+        # the forward micro-step as the ring runs it: each call merged into the running result
+        O_run = torch.zeros(qd.shape, dtype=torch.float32, device=qd.device)
+        L_run = torch.full(qd.shape[:-1], float("-inf"), device=qd.device)
+        step_f = timer(lambda: [block_forward_into(qd[:, :, a:b], K_t, V_t, O_run[:, :, a:b],
+                                                   L_run[:, :, a:b], causal=False,
+                                                   scale=args.d ** -0.5, local=local)
                                 for a, b, _ in calls])
         o_L = [block_forward(qd[:, :, a:b], K_t, V_t, causal=False, scale=args.d ** -0.5,
                              local=local) for a, b, _ in calls]
+        # the backward's D_i, which the ring computes once for all its micro-steps
+        Ds = [_row_dot_triton(o, dout[:, :, a:b]) if local == "triton" else None
+              for (a, b, _), (o, _L) in zip(calls, o_L)]
         step_b = timer(lambda: [block_backward(qd[:, :, a:b], K_t, V_t, o, L, dout[:, :, a:b],
-                                               causal=False, scale=args.d ** -0.5, local=local)
-                                for (a, b, _), (o, L) in zip(calls, o_L)])
+                                               causal=False, scale=args.d ** -0.5, local=local,
+                                               D=D_)
+                                for (a, b, _), (o, L), D_ in zip(calls, o_L, Ds)])
     return {"fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak, "tile_transfer_ms": xfer,
             "step_fwd_ms": step_f, "step_bwd_ms": step_b, "micro_steps": plan.m * world}
 

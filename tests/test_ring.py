@@ -79,18 +79,18 @@ def worker(rank, world, port):
                 torch.testing.assert_close(got.double(), D.shard(full, rank, world, layout),
                                            **tol, msg=lambda m, w=f"{where} {name}": f"{w}: {m}")
 
-            if local == "torch":  # the bytes the ring holds = the formula, on this rank
-                ring = D.Ring()
-                plan = D.Plan(2 * c, world, layout, tile)
-                books = D.Ledger(), D.Ledger()
-                x = [t.detach() for t in mine]
-                o, L = D.ring_forward(ring, *x, causal, d ** -0.5, "torch", plan, books[0])
-                D.ring_backward(ring, *x, o, L, D.shard(dout, rank, world, layout).to(dtype),
-                                causal, d ** -0.5, "torch", plan, books[1])
-                mem = D.ring_memory(N, world, H, d, dtype, B=B, Hkv=Hkv, is_causal=causal,
-                                    layout=layout, tile=tile, local="torch", rank=rank)
-                assert (books[0].peak, books[1].peak) == (mem["forward"], mem["backward"]), \
-                    (where, books[0].peak_by_kind, books[1].peak_by_kind, mem)
+            # the bytes the ring holds = the formula, on this rank
+            ring = D.Ring()
+            plan = D.Plan(2 * c, world, layout, tile)
+            books = D.Ledger(), D.Ledger()
+            x = [t.detach() for t in mine]
+            o, L = D.ring_forward(ring, *x, causal, d ** -0.5, local, plan, books[0])
+            D.ring_backward(ring, *x, o, L, D.shard(dout, rank, world, layout).to(dtype),
+                            causal, d ** -0.5, local, plan, books[1])
+            mem = D.ring_memory(N, world, H, d, dtype, B=B, Hkv=Hkv, is_causal=causal,
+                                layout=layout, tile=tile, local=local, rank=rank)
+            assert (books[0].peak, books[1].peak) == (mem["forward"], mem["backward"]), \
+                (where, books[0].peak_by_kind, books[1].peak_by_kind, mem)
     finally:
         dist.destroy_process_group()
 
@@ -196,6 +196,54 @@ def test_memory_per_gpu_falls_with_p():
     assert fractions == sorted(fractions, reverse=True) and fractions[-1] < 0.25
     lean = ring_memory(131072, 2, 16, 128, torch.bfloat16, is_causal=True, dq_accumulate="input")
     assert lean["per_gpu"] / one <= 0.6
+
+
+@pytest.mark.parametrize("causal_first", [False, True])
+def test_kernel_merge_equals_the_merge_rule(causal_first):
+    """block_forward_into with the Triton kernel (interpreted) resumes its online softmax from
+    the running (O, L) (from nothing seen, L = -inf, at the first call): a fold over key blocks
+    equals torch's merge and attention over all keys, for ragged and causal blocks, GQA and a
+    query row slice of a larger tensor."""
+    import flashedu  # noqa: F401  (before triton)
+    from flashedu.distributed import block_forward_into
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 30, 16, generator=g)
+    k, v = (torch.randn(1, 2, 23, 16, generator=g) for _ in range(2))
+    rows = slice(4, 26)  # the calls take a row slice, as the ring's calls do
+    state = {kind: (torch.zeros(q.shape), torch.full(q.shape[:-1], float("-inf")))
+             for kind in ("triton", "torch")}
+    blocks = [(0, 9, causal_first), (9, 10, False), (10, 23, False)]
+    for local, (O, L) in state.items():
+        for a, b, causal in blocks:
+            block_forward_into(q[:, :, rows], k[:, :, a:b], v[:, :, a:b], O[:, :, rows],
+                               L[:, :, rows], causal=causal, scale=0.25, local=local)
+    O_t, L_t = state["triton"]
+    torch.testing.assert_close(O_t, state["torch"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(L_t, state["torch"][1], rtol=1e-5, atol=1e-6)
+    if not causal_first:  # every row saw every key: the whole attention
+        K, V = (x.repeat_interleave(2, 1).double() for x in (k, v))
+        S = 0.25 * q[:, :, rows].double() @ K.transpose(-1, -2)
+        torch.testing.assert_close(O_t[:, :, rows].double(), torch.softmax(S, -1) @ V,
+                                   rtol=1e-5, atol=1e-6)
+    assert (O_t[:, :, :4] == 0).all() and (O_t[:, :, 26:] == 0).all()  # rows outside: untouched
+
+
+def test_kernel_merge_names_bad_running_results():
+    import flashedu  # noqa: F401
+    from flashedu.triton.autograd import resolve_config
+    from flashedu.triton.forward import forward_into
+
+    q = torch.randn(1, 2, 8, 16)
+    tiles = resolve_config(16, q.dtype, None, q.device).forward_tiles(None)
+    kw = dict(is_causal=False, scale=0.25, tiles=tiles, interpreted=True)
+    inf = torch.full((1, 2, 8), float("inf"))
+    with pytest.raises(TypeError, match="float32"):
+        forward_into(q, q, q, torch.zeros(q.shape, dtype=torch.float64), inf, **kw)
+    with pytest.raises(ValueError, match="strides"):
+        forward_into(q, q, q, torch.zeros(1, 8, 2, 16).transpose(1, 2), inf, **kw)
+    with pytest.raises(ValueError, match="lse2"):
+        forward_into(q, q, q, torch.zeros(q.shape), torch.full((1, 2, 9), 1.0)[..., :8], **kw)
 
 
 def test_transfer_overlaps_compute():

@@ -387,12 +387,14 @@ _SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> conf
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
-             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False):
+             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False, D=None):
     """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
     ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask. ``mods`` as the
     forward's; ``dlse``: the gradient of the natural-log lse, if the call returned it
     (d lse_i / d s_ij = P_ij, so it is subtracted from D_i). ``mask_grad``: also return the
     gradient of the float attn_mask in ``mods`` (dS_ij, summed to the mask's shape).
+    ``D``: rowsum(dO * O), float32 (B, H, Nq) contiguous, when the caller has it already (ring
+    attention computes it once for all its calls); otherwise the preprocess kernel computes it.
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
     tiles' warps and stages); otherwise two launches, each with its own."""
@@ -412,7 +414,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     key = (config, q.shape[-1], dtype)
     if _SHRUNK:
         config = _SHRUNK.get(key, config)
-    D = preprocess(o, do, config.preprocess_rows)
+    if D is None:
+        D = preprocess(o, do, config.preprocess_rows)
     if dlse is not None:
         D = D - dlse.to(torch.float32).reshape(D.shape)
     B, H, Nq, d = q.shape

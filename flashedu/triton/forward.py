@@ -124,6 +124,29 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
 
 
 @triton.jit
+def _initial_state(O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_ob, stride_oh,
+                   stride_on, Br: tl.constexpr, HEAD_DIM: tl.constexpr, RESUME: tl.constexpr):
+    """(m_i, l_i, O_i) before the first K/V tile: nothing seen (-inf, 0, 0), or, RESUME, the
+    result over earlier keys read back from O and L, so that the online softmax goes on from
+    it. That result is O = sum e^(S - L) V with sum e^(S - L) = 1, which is the state
+    m_i = L_i, l_i = 1, O_i = O: the kernel then writes the merge of old and new keys (the
+    rule of ``flashedu.merge``) without a separate merge pass. L = +inf marks a row that has
+    seen no key (its O is 0)."""
+    if RESUME:
+        L_prev = tl.load(L + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
+        seen = L_prev != float("inf")
+        m_i = tl.where(seen, L_prev, float("-inf"))
+        l_i = tl.where(seen, 1.0, 0.0)
+        O_i = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on
+                      + dims[None, :], mask=row_ok & dim_ok, other=0.0).to(tl.float32)
+    else:
+        m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([Br], dtype=tl.float32)
+        O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
+    return m_i, l_i, O_i
+
+
+@triton.jit
 def _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
                   stride_ob, stride_oh, stride_on):
     """O_i / l_i and L_i = m_i + log2(l_i), stored. A row that saw no key (l_i = 0) gets O = 0
@@ -149,7 +172,8 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
                    DROPOUT: tl.constexpr = False, ELEMENT: tl.constexpr = False,
-                   SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False):
+                   SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
+                   RESUME: tl.constexpr = False):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
@@ -175,9 +199,9 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
     mod_scale = tl.cast(mod_scale, tl.float32)
     cap = tl.cast(cap, tl.float32)
     slope, B_head = head_mods(SLOPES, BIAS_PTR, b, h, stride_bb, stride_bh, SCORE_MOD, BIAS)
-    m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([Br], dtype=tl.float32)
-    O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
+    # O has Q's strides (forward_launch)
+    m_i, l_i, O_i = _initial_state(O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_qb,
+                                   stride_qh, stride_qn, Br, HEAD_DIM, RESUME)
     # The K/V tiles this Q tile visits (tiles.py): num_full without an element mask, then the
     # causal diagonal and the ragged edge, from a block mask's lists or from the geometry.
     num, num_full, u0, a0, na, b0, idx_row = kv_tiles(
@@ -205,7 +229,7 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                                           cap, slope, B_head, stride_bq, stride_bk, Nq, ELEMENT,
                                           SCORE_MOD, BIAS)
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
-                  stride_qb, stride_qh, stride_qn)  # O has Q's strides (forward_launch)
+                  stride_qb, stride_qh, stride_qn)
 
 
 def dot_precision(dtype) -> str:
@@ -353,21 +377,55 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
     modded scores), and the block mask's mask mod on its partial tiles."""
     import torch
 
-    from . import fast
-
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
     (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    key = (tiles, q.shape[-1], q.dtype)
+    _launch(q32, k32, v32, o, lse2, (tiles, q.shape[-1], q.dtype), {}, is_causal=is_causal,
+            scale=scale, block_mask=block_mask, tiles=tiles, interpreted=interpreted,
+            dropout_p=dropout_p, rng=rng, mods=mods)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2
+
+
+def forward_into(q, k, v, o, lse2, *, is_causal, scale, tiles, interpreted):
+    """Attention of q against k, v merged, in place, into (o, lse2), the result over keys seen
+    before: the kernel starts its online softmax from that result (RESUME) instead of from
+    nothing, so no merge pass and no per-call output exist (ring attention's micro-step).
+
+    o: float32, q's shape and strides (a row slice of a larger tensor is fine); lse2: float32
+    (B, H, Nq), the base-2 logsumexp, +inf for a row that has seen no key yet (then its o is 0).
+    Start from o = 0 and lse2 = +inf; after the last call o is the normalized output."""
+    import torch
+
+    if o.dtype != torch.float32 or lse2.dtype != torch.float32:
+        raise TypeError(f"o and lse2 must be float32 running results, got {o.dtype} and "
+                        f"{lse2.dtype}")
+    if o.shape != q.shape or o.stride() != q.stride():
+        raise ValueError(f"o must have q's shape and strides, got {tuple(o.shape)} "
+                         f"{o.stride()} for q's {tuple(q.shape)} {q.stride()}")
+    if lse2.shape != q.shape[:3] or not lse2.is_contiguous():
+        raise ValueError(f"lse2 must be a contiguous (B, H, Nq) = {tuple(q.shape[:3])} tensor, "
+                         f"got {tuple(lse2.shape)} with strides {lse2.stride()}")
+    q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
+    # the interpreter's float32 copy of a 16-bit row slice is contiguous: o must match it
+    o32 = o if q32.stride() == o.stride() else o.contiguous()
+    _launch(q32, k32, v32, o32, lse2, (tiles, q.shape[-1], q.dtype), {"RESUME": True},
+            is_causal=is_causal, scale=scale, block_mask=None, tiles=tiles,
+            interpreted=interpreted)
+    if o32 is not o:
+        o.copy_(o32)
+
+
+def _launch(q, k, v, o, lse2, key, extra: dict, *, tiles, **kwargs):
+    """forward_kernel over (q, k, v) into (o, lse2), with smaller tiles after an
+    out-of-resources error (remembered under ``key`` for later calls)."""
+    from . import fast
+
     tiles = _SHRUNK.get(key, tiles)
     while True:
-        grid, args, consts = launch_args(q32, k32, v32, o, lse2, is_causal=is_causal,
-                                         scale=scale, block_mask=block_mask, tiles=tiles,
-                                         interpreted=interpreted, dropout_p=dropout_p, rng=rng,
-                                         mods=mods)
+        grid, args, consts = launch_args(q, k, v, o, lse2, tiles=tiles, **kwargs)
         try:
-            fast.launch(forward_kernel, grid, args, consts, fast.switches(tiles, interpreted, k, v))
-            break
+            fast.launch(forward_kernel, grid, args, {**consts, **extra},
+                        fast.switches(tiles, kwargs["interpreted"], k, v))
+            return
         except fast.OUT_OF_RESOURCES as exc:
             tiles = fast.shrink(key, tiles, exc, _SHRUNK)
-    return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2

@@ -49,6 +49,8 @@ SUBCOMMANDS = {
     "mods": ("flashedu.benchmarks.mods",
              "mask mods and score mods against FlexAttention (GPU; --dry-run on a CPU)"),
     "notebooks": ("flashedu.benchmarks.notebooks", "run the notebooks top to bottom, timed"),
+    "sass": ("flashedu.benchmarks.sass",
+             "registers, spills and instruction mix of the kernels for a GPU (CPU: compiles)"),
 }
 
 PROVIDERS = ("flashedu", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

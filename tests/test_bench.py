@@ -195,6 +195,28 @@ def test_decode_dry_run(tmp_path, capsys):
     assert case["Nk"] == 64 and "error" not in case and case["max_err_split"] < 1e-4
 
 
+def test_sass_compiles_the_package_launches_for_an_h100(tmp_path, capsys):
+    """The launches forward() makes, compiled for sm_90 here: the d=64 table entry's register
+    cap holds (two programs of 8 warps per SM), the tensor cores' HGMMA is used, and dropout
+    adds the Philox rounds (IMAD) to the same kernel."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.path.exists(os.path.join(tools, "nvdisasm")):
+        pytest.skip(f"this Triton has no NVIDIA tools in {tools}: nothing can compile for a GPU")
+    out = tmp_path / "sass.json"
+    code, text = run(["sass", "--d", "64", "--variants", "plain", "dropout", "--modes", "fwd",
+                      "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]
+            if r["kernel"] == "forward_kernel"}
+    plain, drop = rows["plain"], rows["dropout"]
+    assert plain["tiles"].endswith("r128") and 0 < plain["registers"] <= 128, plain["tiles"]
+    assert plain["ops"]["HGMMA"] > 0 and plain["spill_stores"] == 0
+    assert drop["ops"]["IMAD"] > plain["ops"]["IMAD"] + 100  # 7 Philox rounds per 4 entries
+    assert "forward_kernel" in text and "regs" in text
+
+
 def test_mods_dry_run(tmp_path, capsys):
     """Each mod through flashedu (Triton's interpreter) and eager FlexAttention: the same
     output, and the visible fraction of each rule."""

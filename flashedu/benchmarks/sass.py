@@ -1,0 +1,212 @@
+"""``flashedu bench sass``: registers, spills and instruction mix of the Triton kernels as a GPU
+runs them, compiled on this machine (no GPU needed).
+
+The launches are the package's own: ``forward`` and ``backward`` of ``flashedu.triton`` run on
+CPU tensors of the benchmark's shapes with their launches captured instead of run, and each
+captured kernel is compiled by Triton's NVIDIA backend (ptxas) for the target GPU, with the
+specialization Triton gives those arguments on a GPU (16-byte aligned pointers, integers
+divisible by 16 marked so, ones as constants). ``cuobjdump`` then reports registers and stack
+bytes, and ``nvdisasm`` the SASS, whose instructions are counted by opcode.
+
+What the numbers say:
+- registers: with 8 warps, more than 128 per thread leaves one program per SM instead of two
+  (notebook 10, BENCHMARKS.md "Registers"); 255 is the ceiling.
+- spills: STL/LDL instructions move registers through local memory (slow; stack > 0).
+- instructions: the count is static (a loop body counts once) but compares variants of one
+  kernel. With the tensor cores busy for a fixed time per tile, more instructions per tile
+  make a kernel issue-bound: the dropout forward's Philox rounds show up as IMAD and LOP3.
+
+    flashedu bench sass                                   # d=64 and 128, bf16, sm_90 table
+    flashedu bench sass --d 128 --variants plain dropout --modes fwd --json sass.json
+    flashedu bench sass --table sm80 --d 64              # another GPU's table and target
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from . import core
+
+VARIANTS = ("plain", "causal", "dropout", "resume")  # resume: ring attention's forward_into
+MODES = ("fwd", "bwd")
+COUNTED = ("HGMMA", "HMMA", "MUFU", "FFMA", "FMUL", "IMAD", "LOP3", "SHF", "PRMT", "SEL",
+           "STS", "LDS", "BAR")
+DROPOUT_P = 0.1
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "FLASHEDU_TILE_TABLE": args.table}
+    request = json.dumps({"d": args.d, "variants": args.variants, "modes": args.modes,
+                          "n": args.n, "table": args.table})
+    # a fresh process: this one may have imported triton as its interpreter
+    run = subprocess.run([sys.executable, "-m", __name__, "--worker", request], env=env,
+                         capture_output=True, text=True)
+    lines = [x for x in run.stdout.splitlines() if x.startswith("ROWS ")]
+    if run.returncode != 0 or not lines:
+        print(run.stdout + run.stderr, file=sys.stderr)
+        print("flashedu bench sass: the compile failed (above)", file=sys.stderr)
+        return 1
+    rows = json.loads(lines[0][5:])
+    record = core.environment(sys.argv[1:] if argv is None else ["sass", *argv],
+                              target=args.table, rows=rows)
+    print(core.headline(record))
+    headers = ["kernel", "variant", "d", "tiles", "regs", "stack B", "STL", "instrs",
+               *COUNTED]
+    print(core.format_table(headers, [
+        [r["kernel"], r["variant"], r["d"], r["tiles"], r["registers"], r["stack_bytes"],
+         r["spill_stores"], r["instructions"], *(r["ops"].get(op, 0) for op in COUNTED)]
+        for r in rows]))
+    if args.json:
+        core.write_json(args.json, record)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _parser():
+    p = core.parser("flashedu bench sass", __doc__)
+    p.add_argument("--d", type=core.head_dim, nargs="+", default=[64, 128])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--n", type=core.positive_int, default=1024,
+                   help="sequence length of the captured launches (B, H as the benchmarks')")
+    p.add_argument("--table", default="sm90", choices=["sm75", "sm80", "sm86", "sm89", "sm90"],
+                   help="the tile table, and the GPU compiled for")
+    p.add_argument("--json", type=core.output_file)
+    return p
+
+
+# ----------------------------------------------------------------------------------------
+# The worker: capture the launches, compile them, read the cubins
+# ----------------------------------------------------------------------------------------
+
+
+def _worker(request: dict) -> list[dict]:
+    rows = []
+    for d in request["d"]:
+        for variant in request["variants"]:
+            for mode in request["modes"]:
+                if variant == "resume" and mode == "bwd":
+                    continue  # forward_into has no backward of its own
+                for kernel, args, consts in _captured(d, variant, mode, request["n"]):
+                    rows.append({"d": d, "variant": variant, "mode": mode,
+                                 **_compile_stats(kernel, args, consts, request["table"])})
+    return rows
+
+
+def _captured(d: int, variant: str, mode: str, n: int):
+    """The (kernel, args, consts) the package launches for this call, in launch order."""
+    import torch
+
+    from ..triton import backward as bw
+    from ..triton import fast
+    from ..triton import forward as fw
+    from ..triton.autograd import resolve_config
+
+    launches = []
+
+    def capture(kernel, grid, args, consts, switches=None):
+        launches.append((kernel, args, {**consts, **(switches or {})}))
+
+    def sm90_switches(tiles, interpreted, *tensors):  # as on an sm_90 with aligned tensors
+        return {"TMA": bool(tiles.tma), "WARP_SPECIALIZE": bool(tiles.tma and
+                                                                tiles.warp_specialize)}
+
+    B, H = core.batch_heads(n, d)
+    q, k, v, do = (torch.empty(B, H, n, d, dtype=torch.bfloat16) for _ in range(4))
+    config = resolve_config(d, q.dtype, None, q.device)
+    kw = dict(is_causal=variant == "causal", scale=d ** -0.5, interpreted=False)
+    drop = {"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])} if variant == "dropout" else {}
+    saved = fast.run, fast.launch, fast.switches
+    fast.run, fast.launch, fast.switches = capture, capture, sm90_switches
+    try:
+        if variant == "resume":
+            o, lse2 = torch.zeros(q.shape), torch.full(q.shape[:3], float("inf"))
+            fw.forward_into(q, k, v, o, lse2, tiles=config.forward_tiles(None), **kw)
+        else:
+            o, lse2 = fw.forward(q, k, v, block_mask=None, tiles=config.forward_tiles(None),
+                                 **kw, **drop)
+        if mode == "bwd":
+            launches.clear()
+            bw.backward(q, k, v, o, lse2, do, block_mask=None, config=config, **kw, **drop)
+    finally:
+        fast.run, fast.launch, fast.switches = saved
+    return launches
+
+
+def _compile_stats(kernel, args, consts, table: str) -> dict:
+    """Compile one captured launch for the table's GPU; its registers, spills and opcodes."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import native_specialize_impl
+
+    params = kernel.params
+    names = [p.name for p in params]
+    options = {n: c for n, c in consts.items() if n not in names}
+    bound = inspect.signature(kernel.fn).bind(*args, **{n: c for n, c in consts.items()
+                                                         if n in names})
+    bound.apply_defaults()
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(params):
+        value = bound.arguments[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        signature[p.name] = kind
+        if kind == "constexpr":  # None, or an integer 1: Triton compiles it in
+            constexprs[p.name] = spec
+        elif spec == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    target = GPUTarget("cuda", int(table[2:]), 32)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options)
+    return {"kernel": kernel.fn.__name__, "tiles": _tiles_text(consts), **_cubin_stats(
+        compiled.asm["cubin"])}
+
+
+def _tiles_text(consts: dict) -> str:
+    shape = "x".join(str(consts[n]) for n in ("Br", "Bc", "Br1", "Bc1") if n in consts)
+    if "Br2" in consts and consts.get("DQ") and not consts.get("DKDV"):
+        shape = f"{consts['Br2']}x{consts['Bc2']}"
+    extra = "".join(f" {n[0]}" for n in ("TMA", "WARP_SPECIALIZE") if consts.get(n))
+    cap = f" r{consts['maxnreg']}" if consts.get("maxnreg") else ""
+    return f"{shape} w{consts.get('num_warps', 4)} s{consts.get('num_stages', 3)}{cap}{extra}"
+
+
+def _cubin_stats(cubin: bytes) -> dict:
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path],
+                              capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
+        r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+    return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+            "spill_stores": ops.get("STL", 0), "spill_loads": ops.get("LDL", 0),
+            "instructions": sum(ops.values()), "ops": dict(ops.most_common())}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        import flashedu  # noqa: F401  (TRITON_INTERPRET=0 from the parent: compiled kernels)
+
+        print("ROWS " + json.dumps(_worker(json.loads(sys.argv[2]))), flush=True)
+        sys.exit(0)
+    sys.exit(main())

@@ -50,7 +50,8 @@ def keep_tile(seed, offset, bh, rows, start_n, threshold, Bc: tl.constexpr):
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3, N_ROUNDS_C)
     # column 4q + t takes word r_t of call q: join gives [..., a, b] = r_(2a + b)
     r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (rows.shape[0], Bc))
-    return (r >> 1).to(tl.int32) >= threshold
+    # (r >> 1) >= threshold, as one unsigned compare: r >= 2 * threshold (< 2**32)
+    return r.to(tl.uint32, bitcast=True) >= tl.cast(threshold, tl.uint32) * 2
 
 
 @triton.jit

@@ -52,15 +52,16 @@ def load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.const
 def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
                   IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
                   DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, start_n=0, drop_t=0,
-                  drop_scale=1.0, E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0,
+                  E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0,
                   stride_bq=0, stride_bk=0, Nq=0, ELEMENT: tl.constexpr = False,
                   SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False):
     """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j.
 
     qk_scale is scale * log2(e), so exp2(S_ij * qk_scale) = exp(scale * S_ij): the paper's exp,
     computed by the GPU's ex2 instruction. m_i is kept in that base-2 scale.
-    DROPOUT (the paper's Algorithm 2): P_ij times Z_ij / (1 - p) after l_i took the undropped
-    P_ij, before the product with V_j; Z_ij from (seed, offset, bh) and the tile's position.
+    DROPOUT (the paper's Algorithm 2): P_ij times Z_ij after l_i took the undropped P_ij,
+    before the product with V_j; Z_ij from (seed, offset, bh) and the tile's position. The
+    1 / (1 - p) is the same for every entry: the kernel applies it once, to O_i at the end.
     SCORE_MOD, BIAS (mods.py): S_ij becomes score_mod(scale * S_ij) + attn_mask, and qk_scale
     is log2(e). ELEMENT: a masked tile also applies its element mask (a mask mod's partial
     tile)."""
@@ -86,7 +87,7 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
     l_i = l_i * alpha + tl.sum(P_ij, 1)
     if DROPOUT:
         keep = keep_tile(seed, offset, bh, rows, start_n, drop_t, cols.shape[0])
-        P_ij = tl.where(keep, P_ij * drop_scale, 0.0)
+        P_ij = tl.where(keep, P_ij, 0.0)
     # the rescaled O_i is the product's accumulator: the tensor cores add P_ij V_j into it
     O_i = tl.dot(P_ij.to(V_j.dtype), V_j, O_i * alpha[:, None], input_precision=DOT_PREC)
     return O_i, l_i, m_new
@@ -97,7 +98,7 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
                   Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False,
                   DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0,
-                  drop_scale=1.0, E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0,
+                  E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0,
                   stride_bq=0, stride_bk=0, Nq=0, ELEMENT: tl.constexpr = False,
                   SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False):
     """Load K_j, V_j (rows start_n ..), then the softmax step (with dropout if DROPOUT).
@@ -118,9 +119,9 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
         V_j = load_tile(V_src + cols[:, None] * stride_vn + dims[None, :], row_ok, dim_ok,
                         MASK, not EVEN_D)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
-                         MASK, DOT_PREC, DROPOUT, seed, offset, bh, start_n, drop_t, drop_scale,
-                         E_tile, mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq,
-                         ELEMENT, SCORE_MOD, BIAS)
+                         MASK, DOT_PREC, DROPOUT, seed, offset, bh, start_n, drop_t, E_tile,
+                         mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq, ELEMENT,
+                         SCORE_MOD, BIAS)
 
 
 @triton.jit
@@ -214,8 +215,8 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn,
                                       j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
                                       EVEN_D, DOT_PREC, TMA, DROPOUT, seed, offset, bh, drop_t,
-                                      drop_scale, 0, mod_scale, cap, slope, B_head, stride_bq,
-                                      stride_bk, Nq, False, SCORE_MOD, BIAS)
+                                      0, mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq,
+                                      False, SCORE_MOD, BIAS)
     if MASKED:  # only where some tile can need a mask (an empty loop measured slower)
         # a mask mod's partial tiles: their element masks, this row's from e0 + num_full on
         e0 = element_start(ELEM_BASE, b, h, i, stride_numb, stride_numh, num_full, ELEMENT)
@@ -225,9 +226,11 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn,
                                           stride_vn, j * Bc, rows, dims, Nk, d, qk_scale, Bc,
                                           IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA, DROPOUT, seed,
-                                          offset, bh, drop_t, drop_scale, E_tile, mod_scale,
-                                          cap, slope, B_head, stride_bq, stride_bk, Nq, ELEMENT,
-                                          SCORE_MOD, BIAS)
+                                          offset, bh, drop_t, E_tile, mod_scale, cap, slope,
+                                          B_head, stride_bq, stride_bk, Nq, ELEMENT, SCORE_MOD,
+                                          BIAS)
+    if DROPOUT:  # Algorithm 2's 1 / (1 - p), once per row instead of once per entry of P_ij
+        O_i = O_i * drop_scale
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
                   stride_qb, stride_qh, stride_qn)
 

@@ -4,6 +4,7 @@ Runs through Triton's interpreter on a CPU: small shapes, a few seconds each.
 """
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -312,21 +313,68 @@ def test_dense_launch_takes_no_placeholder_tensors():
     assert fw.forward_launch(q, k, v, o, lse2, **kw)[2] == consts
 
 
-@pytest.mark.parametrize("name", ["sm75", "sm80", "sm86", "sm89"])
-@pytest.mark.parametrize("is_fp32", [False, True])
-def test_safe_tables_fit_their_shared_memory(name, is_fp32):
-    """Every entry of another GPU's table fits that GPU's shared memory per block by the
-    estimate (or is the smallest tile there is: fp32 at d=256 on a 64 KB GPU), with no
-    Hopper-only switch."""
+@pytest.mark.parametrize("name", ["sm80", "sm86", "sm89"])
+def test_safe_tables_fit_their_shared_memory(name):
+    """Every entry of a table fitted to another GPU (16-bit inputs; the FMA tables of Turing
+    and of fp32 are checked compiled, below) fits that GPU's shared memory per block by the
+    estimate, with no Hopper-only switch."""
     from flashedu.triton import config
 
-    budget = config.SMEM_PER_BLOCK[name]
-    elem = 4 if is_fp32 else 2
-    for D, entry in config.table(name, is_fp32).items():
+    budget, elem = config.SMEM_PER_BLOCK[name], 2
+    for D, entry in config.table(name, False).items():
         for kind, t in (("forward", entry.forward), ("dkdv", entry.dkdv), ("dq", entry.dq)):
             fits = config.smem_estimate(kind, t.Br, t.Bc, t.num_stages, D, elem) <= budget
             assert fits or config.smaller(t) is None, (D, kind, t)
             assert not (t.tma or t.warp_specialize) and min(t.Br, t.Bc) >= config.MIN_TILE
+
+
+@pytest.mark.parametrize("name", ["sm80", "sm86", "sm89"])
+@pytest.mark.parametrize("is_fp32", [False, True])
+def test_fitted_tables_fit_the_registers(name, is_fp32):
+    """Each entry of a fitted table keeps within REGISTER_WORDS per thread by the count of
+    register_words (above that, ptxas spilled: the next test compiles them)."""
+    from flashedu.triton import config
+
+    elem = 4 if is_fp32 else 2
+    for D, entry in config.table(name, is_fp32).items():
+        for kind, t in (("forward", entry.forward), ("dkdv", entry.dkdv), ("dq", entry.dq)):
+            words = config.register_words(kind, t.Br, t.Bc, D, elem)
+            assert words <= config.REGISTER_WORDS * 32 * t.num_warps or config.smaller(t) is None
+
+
+# (table, dtype, head dims): each compiled for its own GPU by `flashedu bench sass`
+COMPILED_TABLES = [("sm75", "fp16", [64, 128, 256]), ("sm80", "bf16", [128, 256]),
+                   ("sm86", "fp32", [128, 256])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype,dims", COMPILED_TABLES)
+def test_tables_compile_for_their_gpu_within_its_shared_memory(name, dtype, dims, tmp_path):
+    """The forward and backward launches of another GPU's table, compiled for that GPU (no GPU
+    needed): their shared memory fits its per-block limit, which running the table on an H100
+    cannot show, and they do not spill more than a word or two (sm75 at d=256: the
+    backward's few hundred bytes, the least of the tiles tried, config.FMA_TABLE)."""
+    import json
+
+    import triton
+
+    from flashedu import cli
+    from flashedu.triton import config
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                                       "bin", "nvdisasm")):
+        pytest.skip("this Triton has no NVIDIA tools: nothing can compile for a GPU")
+    out = tmp_path / "sass.json"
+    argv = ["bench", "sass", "--table", name, "--dtype", dtype, "--variants", "plain",
+            "--d", *map(str, dims), "--json", str(out)]
+    assert cli.main(argv) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["kernel"] != "preprocess_kernel"]
+    assert len(rows) == 3 * len(dims)
+    for r in rows:
+        where = (name, dtype, r["d"], r["kernel"], r["tiles"])
+        assert r["shared_bytes"] <= config.SMEM_PER_BLOCK[name], where
+        allowed = 512 if (name, r["d"], r["kernel"]) == ("sm75", 256, "backward_kernel") else 8
+        assert r["stack_bytes"] <= allowed, (where, r["stack_bytes"])
 
 
 def test_register_cap_of_the_small_head_dims():

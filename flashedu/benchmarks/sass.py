@@ -18,7 +18,11 @@ What the numbers say:
 
     flashedu bench sass                                   # d=64 and 128, bf16, sm_90 table
     flashedu bench sass --d 128 --variants plain dropout --modes fwd --json sass.json
-    flashedu bench sass --table sm80 --d 64              # another GPU's table and target
+    flashedu bench sass --table sm75 --dtype fp16        # another GPU's table and target
+
+The shared memory column is what the compiled kernel asks for per program; a table built for a
+smaller GPU (``--table sm75``: 64 KB per block) must stay within it, which running that table on
+an H100 cannot show.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     env = {**os.environ, "TRITON_INTERPRET": "0", "FLASHEDU_TILE_TABLE": args.table}
     request = json.dumps({"d": args.d, "variants": args.variants, "modes": args.modes,
-                          "n": args.n, "table": args.table})
+                          "n": args.n, "table": args.table, "dtype": args.dtype})
     # a fresh process: this one may have imported triton as its interpreter
     run = subprocess.run([sys.executable, "-m", __name__, "--worker", request], env=env,
                          capture_output=True, text=True)
@@ -57,12 +61,17 @@ def main(argv=None) -> int:
     record = core.environment(sys.argv[1:] if argv is None else ["sass", *argv],
                               target=args.table, rows=rows)
     print(core.headline(record))
-    headers = ["kernel", "variant", "d", "tiles", "regs", "stack B", "STL", "instrs",
-               *COUNTED]
+    headers = ["kernel", "variant", "d", "tiles", "smem KB", "regs", "stack B", "STL",
+               "instrs", *COUNTED]
     print(core.format_table(headers, [
-        [r["kernel"], r["variant"], r["d"], r["tiles"], r["registers"], r["stack_bytes"],
-         r["spill_stores"], r["instructions"], *(r["ops"].get(op, 0) for op in COUNTED)]
-        for r in rows]))
+        [r["kernel"], r["variant"], r["d"], r["tiles"], f"{r['shared_bytes'] / 1024:.0f}",
+         r["registers"], r["stack_bytes"], r["spill_stores"], r["instructions"],
+         *(r["ops"].get(op, 0) for op in COUNTED)] for r in rows]))
+    from ..triton.config import SMEM_PER_BLOCK
+
+    over = [r for r in rows if r["shared_bytes"] > SMEM_PER_BLOCK[args.table]]
+    print(f"shared memory: {len(rows) - len(over)} of {len(rows)} kernels within the "
+          f"{SMEM_PER_BLOCK[args.table] // 1024} KB per block of {args.table}")
     if args.json:
         core.write_json(args.json, record)
         print(f"wrote {args.json}")
@@ -78,6 +87,8 @@ def _parser():
                    help="sequence length of the captured launches (B, H as the benchmarks')")
     p.add_argument("--table", default="sm90", choices=["sm75", "sm80", "sm86", "sm89", "sm90"],
                    help="the tile table, and the GPU compiled for")
+    p.add_argument("--dtype", default="bf16", choices=["fp16", "bf16", "fp32"],
+                   help="the inputs' dtype (sm75 has no bfloat16 tensor cores: fp16)")
     p.add_argument("--json", type=core.output_file)
     return p
 
@@ -94,13 +105,14 @@ def _worker(request: dict) -> list[dict]:
             for mode in request["modes"]:
                 if variant == "resume" and mode == "bwd":
                     continue  # forward_into has no backward of its own
-                for kernel, args, consts in _captured(d, variant, mode, request["n"]):
+                for kernel, args, consts in _captured(d, variant, mode, request["n"],
+                                                      request["dtype"]):
                     rows.append({"d": d, "variant": variant, "mode": mode,
                                  **_compile_stats(kernel, args, consts, request["table"])})
     return rows
 
 
-def _captured(d: int, variant: str, mode: str, n: int):
+def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     """The (kernel, args, consts) the package launches for this call, in launch order."""
     import torch
 
@@ -119,7 +131,7 @@ def _captured(d: int, variant: str, mode: str, n: int):
                                                                 tiles.warp_specialize)}
 
     B, H = core.batch_heads(n, d)
-    q, k, v, do = (torch.empty(B, H, n, d, dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = (torch.empty(B, H, n, d, dtype=core.torch_dtype(dtype)) for _ in range(4))
     config = resolve_config(d, q.dtype, None, q.device)
     kw = dict(is_causal=variant == "causal", scale=d ** -0.5, interpreted=False)
     drop = {"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])} if variant == "dropout" else {}
@@ -170,8 +182,8 @@ def _compile_stats(kernel, args, consts, table: str) -> dict:
     target = GPUTarget("cuda", int(table[2:]), 32)
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                               options=options)
-    return {"kernel": kernel.fn.__name__, "tiles": _tiles_text(consts), **_cubin_stats(
-        compiled.asm["cubin"])}
+    return {"kernel": kernel.fn.__name__, "tiles": _tiles_text(consts),
+            "shared_bytes": compiled.metadata.shared, **_cubin_stats(compiled.asm["cubin"])}
 
 
 def _tiles_text(consts: dict) -> str:

@@ -117,6 +117,13 @@ def padded_head_dim(d: int) -> int:
 # memory: its own tile (Q_i, or K_j and V_j), the streamed tiles times the pipeline stages,
 # and the P_ij / dS_ij operand of the second product. Should Triton still need more than the
 # device has, the launch retries with smaller tiles (``smaller``).
+#
+# Registers bound the tiles too: a program keeps its accumulators (float32) and its own tiles
+# in registers, and past 255 per thread ptxas spills to local memory. Compiled for sm_80 and
+# sm_86 (``flashedu bench sass``), programs needing up to 224 words per thread by the count
+# of ``register_words`` compiled without spills; 256-288 spilled a little; the 4-warp dK/dV
+# program of d=128 with Bc=128 (448 words) spilled 6 KB per thread. So each candidate takes
+# the fewest warps (4 or 8) that bring it within REGISTER_WORDS, or is passed over.
 
 SMEM_PER_BLOCK = {  # bytes a block may use, by compute capability (CUDA programming guide)
     "sm75": 64 * 1024, "sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024,
@@ -124,7 +131,7 @@ SMEM_PER_BLOCK = {  # bytes a block may use, by compute capability (CUDA program
 }
 TABLE_ENV = "FLASHEDU_TILE_TABLE"  # e.g. sm80: use that GPU's table on this one (testing)
 
-# (Br, Bc, num_stages), largest first; warps: 8 for 128-row tiles at d >= 128, else 4.
+# (Br, Bc, num_stages), largest first; warps: the fewest that fit the registers.
 _FORWARD_CANDIDATES = [(128, 64, 3), (128, 64, 2), (64, 64, 2), (64, 32, 2), (32, 32, 2),
                        (32, 32, 1), (16, 32, 1), (16, 16, 1)]
 _DKDV_CANDIDATES = [(32, 128, 2), (32, 64, 2), (16, 64, 2), (16, 32, 2), (16, 32, 1),
@@ -145,11 +152,31 @@ def smem_estimate(kind: str, Br: int, Bc: int, stages: int, D: int, elem: int) -
     raise ValueError(f"kind must be forward, dkdv or dq, got {kind!r}")
 
 
+REGISTER_WORDS = 224  # per thread, see above
+
+
+def register_words(kind: str, Br: int, Bc: int, D: int, elem: int) -> int:
+    """32-bit words one program keeps in registers: its float32 accumulators and score tiles,
+    and the tiles it loads once (``elem`` bytes each): "forward" O_i, S_ij and Q_i; "dkdv"
+    dK_j, dV_j, S_ij^T and dS_ij^T, K_j and V_j; "dq" dQ_i, S_ij and dS_ij, Q_i and dO_i."""
+    if kind == "forward":
+        return Br * D + Br * Bc + Br * D * elem // 4
+    if kind == "dkdv":
+        return 2 * Bc * D + 2 * Br * Bc + 2 * Bc * D * elem // 4
+    if kind == "dq":
+        return Br * D + 2 * Br * Bc + 2 * Br * D * elem // 4
+    raise ValueError(f"kind must be forward, dkdv or dq, got {kind!r}")
+
+
 def _fit(kind, candidates, D, elem, budget) -> Tiles:
+    """The first candidate whose shared memory fits ``budget`` and whose registers fit
+    REGISTER_WORDS per thread with 4 or 8 warps (the fewer)."""
     for Br, Bc, stages in candidates:
-        if smem_estimate(kind, Br, Bc, stages, D, elem) <= budget:
-            warps = 8 if kind != "dkdv" and Br >= 128 and D >= 128 else 4
-            return Tiles(Br, Bc, warps, stages)
+        if smem_estimate(kind, Br, Bc, stages, D, elem) > budget:
+            continue
+        for warps in (4, 8):
+            if register_words(kind, Br, Bc, D, elem) <= REGISTER_WORDS * 32 * warps:
+                return Tiles(Br, Bc, warps, stages)
     Br, Bc, stages = candidates[-1]
     return Tiles(Br, Bc, 4, stages)
 
@@ -164,10 +191,36 @@ def safe_table(smem_bytes: int, elem: int) -> dict:
             for D in (16, 32, 64, 128, 256)}
 
 
+# Where Triton computes tl.dot with float32 FMAs instead of tensor cores (checked in the
+# compiled PTX of Triton 3.9): on Turing (sm_75: a T4, an RTX 20xx) for every dtype, and on
+# every GPU for float32 inputs (the exact "ieee" product). An FMA product holds both operands
+# in registers, so the shared-memory fit above leaves tiles that spill 0.4-6 KB per thread.
+# These tiles are per head dim the largest that compiled for sm_75 without spills, fp16 and
+# fp32 (`flashedu bench sass --table sm75 --dtype fp16`), 8 warps where that made the
+# difference; at d=256 the 16-bit backward still spills 0.2-0.3 KB, the least of the tiles
+# tried, and the fp32 dK/dV program needs 65 KB, more than Turing's 64 (its launch fails with
+# Triton's out-of-resources error). Compiled, not timed: no Turing GPU was at hand.
+FMA_TABLE = {D: KernelConfig(Tiles(*f), Tiles(*kv), Tiles(*q), fused_backward=False)
+             for D, (f, kv, q) in {
+                 16: ((64, 32, 4, 2), (16, 64, 4, 2), (64, 32, 4, 2)),
+                 32: ((64, 32, 4, 2), (16, 32, 4, 2), (64, 32, 4, 2)),
+                 64: ((32, 32, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2)),
+                 128: ((32, 32, 8, 2), (16, 16, 8, 2), (16, 16, 8, 2)),
+                 256: ((16, 32, 8, 2), (16, 16, 8, 1), (16, 16, 8, 1)),
+             }.items()}
+# Turing's 64 KB: the fp32 forward of d=256 on 16 x 16 tiles (48 KB; 16 x 32 needs 80)
+FMA_TABLE_SM75_FP32 = {**FMA_TABLE, 256: replace(FMA_TABLE[256],
+                                                 forward=Tiles(16, 16, 8, 1))}
+
+
 def table(name: str, is_fp32: bool) -> dict:
     """The tile table of a GPU named by its compute capability ("sm90", "sm80", ...)."""
     if name == "sm90":
         return GPU_FP32 if is_fp32 else GPU_16BIT
+    if name == "sm75" and is_fp32:
+        return FMA_TABLE_SM75_FP32
+    if name == "sm75" or is_fp32:
+        return FMA_TABLE
     if name not in SMEM_PER_BLOCK:
         raise ValueError(f"{TABLE_ENV}: tables exist for {sorted(SMEM_PER_BLOCK)}, got {name!r}")
     return safe_table(SMEM_PER_BLOCK[name], 4 if is_fp32 else 2)

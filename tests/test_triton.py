@@ -344,7 +344,7 @@ def test_fitted_tables_fit_the_registers(name, is_fp32):
 
 # (table, dtype, head dims): each compiled for its own GPU by `flashedu bench sass`
 COMPILED_TABLES = [("sm75", "fp16", [64, 128, 256]), ("sm80", "bf16", [128, 256]),
-                   ("sm86", "fp32", [128, 256])]
+                   ("sm86", "fp32", [128, 256]), ("sm90", "fp32", [128])]
 
 
 @pytest.mark.slow

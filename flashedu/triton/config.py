@@ -90,18 +90,6 @@ GPU_16BIT = {
                       fused_backward=False),  # backward untuned
 }
 
-# fp32 tiles take twice the shared memory: halve them.
-GPU_FP32 = {
-    dim: KernelConfig(*tiles, fused_backward=False) for dim, tiles in {
-        16: (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
-        32: (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
-        64: (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
-        128: (Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
-        256: (Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(32, 16, 4, 1)),
-    }.items()
-}
-
-
 def padded_head_dim(d: int) -> int:
     """The power of two >= d (and >= 16) that the kernels hold in registers; loads mask the rest."""
     return max(MIN_TILE, 1 << (d - 1).bit_length())
@@ -194,7 +182,8 @@ def safe_table(smem_bytes: int, elem: int) -> dict:
 # Where Triton computes tl.dot with float32 FMAs instead of tensor cores (checked in the
 # compiled PTX of Triton 3.9): on Turing (sm_75: a T4, an RTX 20xx) for every dtype, and on
 # every GPU for float32 inputs (the exact "ieee" product). An FMA product holds both operands
-# in registers, so the shared-memory fit above leaves tiles that spill 0.4-6 KB per thread.
+# in registers, so the shared-memory fit above leaves tiles that spill 0.4-6 KB per thread
+# (and the halved 16-bit tiles that fp32 had on the H100 spilled up to 13 KB at d=128).
 # These tiles are per head dim the largest that compiled for sm_75 without spills, fp16 and
 # fp32 (`flashedu bench sass --table sm75 --dtype fp16`), 8 warps where that made the
 # difference; at d=256 the 16-bit backward still spills 0.2-0.3 KB, the least of the tiles
@@ -216,7 +205,7 @@ FMA_TABLE_SM75_FP32 = {**FMA_TABLE, 256: replace(FMA_TABLE[256],
 def table(name: str, is_fp32: bool) -> dict:
     """The tile table of a GPU named by its compute capability ("sm90", "sm80", ...)."""
     if name == "sm90":
-        return GPU_FP32 if is_fp32 else GPU_16BIT
+        return FMA_TABLE if is_fp32 else GPU_16BIT
     if name == "sm75" and is_fp32:
         return FMA_TABLE_SM75_FP32
     if name == "sm75" or is_fp32:

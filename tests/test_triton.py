@@ -457,6 +457,30 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     assert all(_err(a, b) < 1e-5 for a, b in zip(grads, ref))
     assert list(bw._SHRUNK.values())[0].dkdv == Tiles(16, 16, 4, 1)
 
+    # a variant that shrank (here dropout, which needs more shared memory) keeps its smaller
+    # tiles to itself: the plain kernel of the same configuration keeps its own
+    monkeypatch.setattr(fw, "_SHRUNK", {})
+    monkeypatch.setattr(fast, "launch", lambda kernel, grid, args, consts, switches: (
+        picky_launch(kernel, grid, args, consts, switches) if consts["DROPOUT"]
+        else real_launch(kernel, grid, args, consts, switches)))
+    rng = torch.tensor([1, 2], device=q.device)
+    with pytest.warns(UserWarning, match="smaller tiles"):
+        fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), dropout_p=0.1, rng=rng, **kw)
+    tried.clear()
+    fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    assert tried == [] and len(fw._SHRUNK) == 1  # the plain launch was not shrunk
+
+
+def test_dropout_forward_has_its_own_tiles_where_the_forward_s_do_not_fit():
+    """sm_90, d=128: 3 stages with dropout need more shared memory than the H100 has
+    (compiled: 240 KB of 227), so a dropout call takes the 2-stage tiles."""
+    from flashedu.triton import config
+
+    entry = config.GPU_16BIT[128]
+    assert entry.forward_tiles(None, True) == dataclasses.replace(entry.forward, num_stages=2)
+    assert entry.forward_tiles(None) == entry.forward
+    assert config.GPU_16BIT[64].forward_tiles(None, True) == config.GPU_16BIT[64].forward
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),

@@ -54,11 +54,13 @@ class KernelConfig:
     # Tiles of the block-sparse forward. None: the forward's, without TMA and warp
     # specialization (on the block-sparse loops TMA alone measured 3-9% slower, speed.md).
     sparse_forward: Tiles | None = None
+    # Tiles of the forward with dropout, where the forward's do not fit it: None, the forward's.
+    dropout_forward: Tiles | None = None
 
-    def forward_tiles(self, block_mask) -> Tiles:
-        """The forward's tiles for a call with (or without) a block mask."""
+    def forward_tiles(self, block_mask, dropout: bool = False) -> Tiles:
+        """The forward's tiles for a call with (or without) a block mask, and dropout."""
         if block_mask is None:
-            return self.forward
+            return (dropout and self.dropout_forward) or self.forward
         return self.sparse_forward or replace(self.forward, tma=False, warp_specialize=False)
 
 
@@ -85,7 +87,10 @@ GPU_16BIT = {
                       fused_backward=True,
                       # causal: the fused launch was 4-12% slower (speed.md): the two launches
                       causal_backward=KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3),
-                                                   Tiles(128, 64, 8, 3), fused_backward=False)),
+                                                   Tiles(128, 64, 8, 3), fused_backward=False),
+                      # dropout's forward needs 240 KB of shared memory with 3 stages, more
+                      # than the H100's 227 (compiled, `flashedu bench sass`): 2 stages, 176 KB
+                      dropout_forward=replace(_FORWARD_128, num_stages=2)),
     256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2),
                       fused_backward=False),  # backward untuned
 }

@@ -383,9 +383,12 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
     (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    _launch(q32, k32, v32, o, lse2, (tiles, q.shape[-1], q.dtype), {}, is_causal=is_causal,
-            scale=scale, block_mask=block_mask, tiles=tiles, interpreted=interpreted,
-            dropout_p=dropout_p, rng=rng, mods=mods)
+    # the tiles a launch shrank to are remembered per kernel variant (dropout and mods need
+    # more shared memory than the plain kernel: their shrinking must not shrink its tiles)
+    key = (tiles, q.shape[-1], q.dtype, dropout_p > 0, mods is not None)
+    _launch(q32, k32, v32, o, lse2, key, {}, is_causal=is_causal, scale=scale,
+            block_mask=block_mask, tiles=tiles, interpreted=interpreted, dropout_p=dropout_p,
+            rng=rng, mods=mods)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2
 
 
@@ -411,7 +414,7 @@ def forward_into(q, k, v, o, lse2, *, is_causal, scale, tiles, interpreted):
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
     # the interpreter's float32 copy of a 16-bit row slice is contiguous: o must match it
     o32 = o if q32.stride() == o.stride() else o.contiguous()
-    _launch(q32, k32, v32, o32, lse2, (tiles, q.shape[-1], q.dtype), {"RESUME": True},
+    _launch(q32, k32, v32, o32, lse2, (tiles, q.shape[-1], q.dtype, "resume"), {"RESUME": True},
             is_causal=is_causal, scale=scale, block_mask=None, tiles=tiles,
             interpreted=interpreted)
     if o32 is not o:

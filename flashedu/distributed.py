@@ -674,10 +674,12 @@ def block_forward_into(q, k, v, O, L, *, causal, scale, local="torch", ledger=No
     take = (ledger or _NoLedger).take
     if local == "triton":
         from . import runtime
+        from . import triton as flashedu_triton
         from .ops import LSE_TO_NATURAL
         from .triton.autograd import resolve_config
         from .triton.forward import LOG2E, forward_into
 
+        flashedu_triton._check(q, k, v)  # the dtypes, head dims and devices it takes
         # the kernel's logsumexp: base 2, +inf for a row that has seen no key
         lse2 = take("call", torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E))
         config = resolve_config(q.shape[-1], q.dtype, None, q.device)

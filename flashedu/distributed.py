@@ -273,12 +273,21 @@ class Ring:
     def post(self, send=(), recv=(), tag: int = 0):
         """Start sending the tensors ``send`` to the next rank and receiving into the buffers
         ``recv`` from the previous one; the i-th tensor of each travels with tag ``tag + i``.
-        Every rank posts the same pattern in the same order (NCCL matches by order, gloo by tag).
         Returns a handle: :func:`wait_all` on it before reading ``recv`` or reusing ``send``."""
-        ops = [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i)
-               for i, t in enumerate(recv)]
-        ops += [dist.P2POp(dist.isend, t, self.next, self.group, tag + i)
-                for i, t in enumerate(send)]
+        return self.post_tagged([(t, tag + i) for i, t in enumerate(send)],
+                                [(t, tag + i) for i, t in enumerate(recv)])
+
+    def post_tagged(self, send=(), recv=()):
+        """:meth:`post` with a tag for each tensor: ``send`` and ``recv`` are [(tensor, tag)].
+
+        One call is one group of NCCL operations, whose sends and receives progress together.
+        Every rank posts the same pattern in the same order (NCCL matches a pair's operations
+        by order, gloo by tag). Transfers that must overlap belong in one call: separate calls
+        run one after the other on the NCCL stream of a pair of ranks, and two ranks that each
+        send a large tensor ahead of the receive the other is waiting for both stall once the
+        tensors outgrow NCCL's buffers."""
+        ops = [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t, tag in recv]
+        ops += [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t, tag in send]
         # keep the ops (and so the tensors) alive until the requests are waited on
         return (dist.batch_isend_irecv(ops) if ops else [], ops)
 
@@ -413,21 +422,26 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
     T = plan.tile
     tile_shape = (k.shape[0], k.shape[1], T, k.shape[3])
     K_j = V_j = None
-    incoming = outgoing = None  # (handle, dK, dV) of accumulators in flight
+    pending = ()  # the accumulator (dK, dV) finished at the previous micro-step, not yet sent
     for i, (p, t) in enumerate(steps):
         if t == 0:
             K_j, V_j = _own_tile(k, plan, p, ledger), _own_tile(v, plan, p, ledger)
         passing = t < ring.size - 1
         receiving = i > 0 and ring.size > 1
-        if receiving:  # the accumulator the previous rank finished at micro-step i-1
-            dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
-            dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
-        if passing:
+        send, recv = [], []
+        if passing:  # the K/V tile on to the next rank, the next one from the previous rank
             K_next = ledger.take("kv", torch.empty_like(K_j))
             V_next = ledger.take("kv", torch.empty_like(V_j))
-        # post in this order on every rank: accumulator in, then the K/V tile on
-        acc_requests = ring.post((), (dK_in, dV_in), tag=ACC_TAG) if receiving else None
-        requests = ring.post((K_j, V_j), (K_next, V_next), tag=KV_TAG) if passing else None
+            send += [(K_j, KV_TAG), (V_j, KV_TAG + 1)]
+            recv += [(K_next, KV_TAG), (V_next, KV_TAG + 1)]
+        if receiving:  # our last accumulator on; the one the previous rank finished, in
+            dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
+            dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
+            send += [(pending[0], ACC_TAG), (pending[1], ACC_TAG + 1)]
+            recv += [(dK_in, ACC_TAG), (dV_in, ACC_TAG + 1)]
+        # all of a micro-step's transfers in one group, in the same order on every rank
+        requests = ring.post_tagged(send, recv)
+        del send, recv
         # this rank's share of the tile's gradients
         dK_p = ledger.take("grad", torch.zeros(tile_shape, dtype=acc, device=k.device))
         dV_p = ledger.take("grad", torch.zeros(tile_shape, dtype=acc, device=k.device))
@@ -442,12 +456,9 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
             dK_p += dk_t
             dV_p += dv_t
             del dq_t, dk_t, dv_t
-        if acc_requests is not None:  # the accumulator the previous rank finished
-            wait_all(acc_requests)
-        del acc_requests
-        if outgoing is not None:  # the accumulator sent at the previous micro-step has left
-            wait_all(outgoing)
-            outgoing = None
+        wait_all(requests)  # the next K/V tile and the accumulator are in, ours has left
+        del requests
+        pending = ()
         if receiving:
             p_prev, t_prev = steps[i - 1]
             if t_prev == ring.size - 1:  # our own tile p_prev, home after its last hop
@@ -461,23 +472,22 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
         if ring.size == 1:  # a ring of one: the tile is home already
             rows = slice(p * T, (p + 1) * T)
             dk[:, :, rows], dv[:, :, rows] = dK_p, dV_p
-        else:  # on to the next rank (home after P hops)
-            outgoing = ring.post((dK_p, dV_p), (), tag=ACC_TAG)
+        else:  # on to the next rank with the next micro-step's transfers (home after P hops)
+            pending = (dK_p, dV_p)
         del dK_p, dV_p
         if passing:
-            wait_all(requests)  # the K/V tile of the next micro-step
-            del requests
             K_j, V_j = K_next, V_next
             del K_next, V_next
         else:
             K_j = V_j = None
     if ring.size == 1:
         return dq.to(q.dtype), dk, dv
-    # the last micro-step's accumulator: our own last tile, finished by the previous rank
+    # our last accumulator on, and our own last tile's home from the previous rank
     dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
     dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
-    wait_all(ring.post((), (dK_in, dV_in), tag=ACC_TAG))
-    wait_all(outgoing)
+    wait_all(ring.post_tagged([(pending[0], ACC_TAG), (pending[1], ACC_TAG + 1)],
+                              [(dK_in, ACC_TAG), (dV_in, ACC_TAG + 1)]))
+    del pending
     rows = slice((plan.m - 1) * T, plan.m * T)
     dk[:, :, rows] = dK_in
     dv[:, :, rows] = dV_in
@@ -581,12 +591,14 @@ class ThreadRing:
 
     source = Ring.source
 
-    def post(self, send=(), recv=(), tag: int = 0):
-        for i, t in enumerate(send):
-            self.mailboxes[(self.rank + 1) % self.size][tag + i].put(t.clone())
+    post = Ring.post
+
+    def post_tagged(self, send=(), recv=()):
+        for t, tag in send:
+            self.mailboxes[(self.rank + 1) % self.size][tag].put(t.clone())
         # the handle keeps the sent tensors, as a real send's buffer is busy until waited on
-        return ([_MailboxReceive(self.mailboxes[self.rank][tag + i], buf)
-                 for i, buf in enumerate(recv)], list(send))
+        return ([_MailboxReceive(self.mailboxes[self.rank][tag], buf) for buf, tag in recv],
+                [t for t, _ in send])
 
     def start_exchange(self, tensors, tag: int = 0):
         received = [torch.empty_like(t) for t in tensors]

@@ -171,6 +171,30 @@ def test_thread_ring_runs_the_same_code(world, layout, is_causal):
     assert max(b.peak for _, b in ledgers) == mem["backward"]
 
 
+def test_each_micro_step_posts_one_group(monkeypatch):
+    """Every micro-step's transfers (K/V tile on, accumulators on and in) leave in one group.
+    NCCL runs separate groups of a pair of ranks one after the other: had each rank posted its
+    finished accumulator in a group of its own ahead of the receive the other rank waits on,
+    the two would stall once the tensors outgrow NCCL's buffers."""
+    from flashedu import distributed as D
+
+    posts = {}
+    real = D.ThreadRing.post_tagged
+
+    def counting(self, send=(), recv=()):
+        posts[self.rank] = posts.get(self.rank, 0) + 1
+        return real(self, send, recv)
+
+    monkeypatch.setattr(D.ThreadRing, "post_tagged", counting)
+    world, N, tile = 2, 12, 3
+    q, k, v, dout = full_problem(1, 2, 2, N, 8, 3)
+    D.simulate_ring(q, k, v, world, dout=dout, tile=tile)
+    m = N // world // tile  # tiles per shard; micro-steps: m * world
+    forward = m * (world - 1)  # the K/V tile moves on at all but a tile's last micro-step
+    backward = m * world + 1  # one group a micro-step, and the last accumulator home
+    assert posts == {r: forward + backward for r in range(world)}
+
+
 def test_zigzag_balances_causal_work():
     """Causal tiles computed per rank: equal under zigzag, 1..P blocks under contiguous shards."""
     from flashedu.distributed import Plan

@@ -46,18 +46,16 @@ DROPOUT_P = 0.1
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "FLASHEDU_TILE_TABLE": args.table}
-    request = json.dumps({"d": args.d, "variants": args.variants, "modes": args.modes,
-                          "n": args.n, "table": args.table, "dtype": args.dtype})
-    # a fresh process: this one may have imported triton as its interpreter
-    run = subprocess.run([sys.executable, "-m", __name__, "--worker", request], env=env,
-                         capture_output=True, text=True)
-    lines = [x for x in run.stdout.splitlines() if x.startswith("ROWS ")]
-    if run.returncode != 0 or not lines:
-        print(run.stdout + run.stderr, file=sys.stderr)
-        print("flashedu bench sass: the compile failed (above)", file=sys.stderr)
+    if not can_compile():
+        print("flashedu bench sass: this Triton has no NVIDIA backend tools (ptxas, cuobjdump, "
+              "nvdisasm): nothing can be compiled for a GPU here", file=sys.stderr)
         return 1
-    rows = json.loads(lines[0][5:])
+    try:
+        rows = kernel_stats(args.d, args.variants, args.modes, n=args.n, table=args.table,
+                            dtype=args.dtype)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     record = core.environment(sys.argv[1:] if argv is None else ["sass", *argv],
                               target=args.table, rows=rows)
     print(core.headline(record))
@@ -76,6 +74,34 @@ def main(argv=None) -> int:
         core.write_json(args.json, record)
         print(f"wrote {args.json}")
     return 0
+
+
+def can_compile() -> bool:
+    """True where Triton has its NVIDIA backend's tools (ptxas, cuobjdump, nvdisasm)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump",
+                                                                 "nvdisasm"))
+
+
+def kernel_stats(d, variants, modes, *, n=1024, table="sm90", dtype="bf16") -> list[dict]:
+    """One dict per compiled launch (kernel, variant, d, mode, tiles, shared_bytes, registers,
+    stack_bytes, spill_stores, spill_loads, instructions, ops: {opcode: count}), for head dims
+    ``d``, VARIANTS ``variants`` and MODES ``modes``; compiled in a fresh process (this one may
+    run Triton as its interpreter). Raises RuntimeError with the compiler's output if it fails."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "FLASHEDU_TILE_TABLE": table}
+    request = json.dumps({"d": list(d), "variants": list(variants), "modes": list(modes),
+                          "n": n, "table": table, "dtype": dtype})
+    run = subprocess.run([sys.executable, "-m", __name__, "--worker", request], env=env,
+                         capture_output=True, text=True)
+    lines = [x for x in run.stdout.splitlines() if x.startswith("ROWS ")]
+    if run.returncode != 0 or not lines:
+        raise RuntimeError(f"{run.stdout}{run.stderr}\nflashedu bench sass: the compile failed "
+                           f"(above)")
+    return json.loads(lines[0][5:])
 
 
 def _parser():

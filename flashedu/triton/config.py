@@ -209,15 +209,15 @@ FMA_TABLE_SM75_FP32 = {**FMA_TABLE, 256: replace(FMA_TABLE[256],
 
 def table(name: str, is_fp32: bool) -> dict:
     """The tile table of a GPU named by its compute capability ("sm90", "sm80", ...)."""
+    if name not in SMEM_PER_BLOCK:
+        raise ValueError(f"{TABLE_ENV}: tables exist for {sorted(SMEM_PER_BLOCK)}, got {name!r}")
     if name == "sm90":
         return FMA_TABLE if is_fp32 else GPU_16BIT
     if name == "sm75" and is_fp32:
         return FMA_TABLE_SM75_FP32
     if name == "sm75" or is_fp32:
         return FMA_TABLE
-    if name not in SMEM_PER_BLOCK:
-        raise ValueError(f"{TABLE_ENV}: tables exist for {sorted(SMEM_PER_BLOCK)}, got {name!r}")
-    return safe_table(SMEM_PER_BLOCK[name], 4 if is_fp32 else 2)
+    return safe_table(SMEM_PER_BLOCK[name], 2)
 
 
 @functools.lru_cache(maxsize=None)

@@ -342,15 +342,15 @@ def test_fitted_tables_fit_the_registers(name):
 
 # (table, dtype, head dims): each compiled for its own GPU by `flashedu bench sass`
 COMPILED_TABLES = [("sm75", "fp16", [64, 128, 256]), ("sm80", "bf16", [128, 256]),
-                   ("sm86", "fp32", [128, 256]), ("sm90", "fp32", [128])]
+                   ("sm86", "fp32", [128, 256]), ("sm90", "fp32", [128]), ("sm90", "bf16", [256])]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dtype,dims", COMPILED_TABLES)
 def test_tables_compile_for_their_gpu_within_its_shared_memory(name, dtype, dims, tmp_path):
-    """The forward and backward launches of another GPU's table, compiled for that GPU (no GPU
-    needed): their shared memory fits its per-block limit, which running the table on an H100
-    cannot show, and they do not spill more than a word or two (sm75 at d=256: the
+    """The forward and backward launches of a GPU's table, compiled for that GPU (no GPU
+    needed): their shared memory fits its per-block limit, which running another GPU's table on
+    an H100 cannot show, and they do not spill more than a word or two (sm75 at d=256: the
     backward's few hundred bytes, the least of the tiles tried, config.FMA_TABLE)."""
     import json
 

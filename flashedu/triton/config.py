@@ -91,8 +91,12 @@ GPU_16BIT = {
                       # dropout's forward needs 240 KB of shared memory with 3 stages, more
                       # than the H100's 227 (compiled, `flashedu bench sass`): 2 stages, 176 KB
                       dropout_forward=replace(_FORWARD_128, num_stages=2)),
-    256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2),
-                      fused_backward=False),  # backward untuned
+    # d=256's backward is not tuned by measurement: its dK/dV program with 32 x 64 tiles and
+    # 4 warps compiled with 1 KB of spills per thread (394 spill stores in its loop); 16 x 64
+    # with 8 warps compiles without spills and on the tensor cores' HGMMA (`flashedu bench
+    # sass`; compiled, not timed)
+    256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(16, 64, 8, 2), Tiles(64, 32, 4, 2),
+                      fused_backward=False),
 }
 
 def padded_head_dim(d: int) -> int:

@@ -253,6 +253,35 @@ def test_kernel_merge_equals_the_merge_rule(causal_first):
     assert (O_t[:, :, :4] == 0).all() and (O_t[:, :, 26:] == 0).all()  # rows outside: untouched
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the compiled kernel's merge needs a CUDA GPU (the test above runs it "
+                           "in the interpreter)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_merge_on_the_gpu(dtype):
+    """The compiled forward_into (the H100's tiles, TMA at d=128) against torch's merge of the
+    same blocks, on a row slice of a larger q, GQA, ragged and causal blocks."""
+    from flashedu.distributed import block_forward_into
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(2, 4, 700, 128, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(2, 2, 900, 128, device="cuda", dtype=dtype, generator=g)
+            for _ in range(2))
+    rows = slice(100, 612)
+    state = {kind: (torch.zeros(q.shape, device="cuda"),
+                    torch.full(q.shape[:-1], float("-inf"), device="cuda"))
+             for kind in ("triton", "torch")}
+    for local, (O, L) in state.items():
+        for a, b, causal in [(0, 512, True), (512, 700, False), (700, 900, False)]:
+            block_forward_into(q[:, :, rows], k[:, :, a:b], v[:, :, a:b], O[:, :, rows],
+                               L[:, :, rows], causal=causal, scale=0.088, local=local)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4,
+                                                                          "atol": 1e-4}
+    torch.testing.assert_close(state["triton"][0], state["torch"][0], **tol)
+    torch.testing.assert_close(state["triton"][1], state["torch"][1], **tol)
+    assert (state["triton"][0][:, :, :100] == 0).all()
+
+
 def test_kernel_merge_names_bad_running_results():
     import flashedu  # noqa: F401
     from flashedu.triton.autograd import resolve_config

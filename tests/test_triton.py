@@ -479,6 +479,18 @@ def test_dropout_forward_has_its_own_tiles_where_the_forward_s_do_not_fit():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches on a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dropout_launches_fit_without_a_retry(d, recwarn):
+    """Forward and backward with dropout launch on their table's tiles, without the retry with
+    smaller tiles (which warns): the table fits dropout's shared memory."""
+    q, k, v = (torch.randn(2, 4, 512, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    flashedu.attention(q, k, v, dropout_p=0.1, backend="triton").sum().backward()
+    assert not [w for w in recwarn if "smaller tiles" in str(w.message)]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="forcing another GPU's tile table on this one needs a CUDA GPU")
 @pytest.mark.parametrize("table", ["sm75", "sm80", "sm86", "sm90"])  # sm89: sm86's

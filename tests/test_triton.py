@@ -476,6 +476,9 @@ def test_dropout_forward_has_its_own_tiles_where_the_forward_s_do_not_fit():
     assert entry.forward_tiles(None, True) == dataclasses.replace(entry.forward, num_stages=2)
     assert entry.forward_tiles(None) == entry.forward
     assert config.GPU_16BIT[64].forward_tiles(None, True) == config.GPU_16BIT[64].forward
+    mask = flashedu.BlockMask.causal(256)  # block-sparse: the same stages, no TMA
+    assert entry.forward_tiles(mask, True) == dataclasses.replace(
+        entry.forward, num_stages=2, tma=False, warp_specialize=False)
 
 
 @pytest.mark.gpu

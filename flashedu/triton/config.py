@@ -59,9 +59,10 @@ class KernelConfig:
 
     def forward_tiles(self, block_mask, dropout: bool = False) -> Tiles:
         """The forward's tiles for a call with (or without) a block mask, and dropout."""
+        tiles = (dropout and self.dropout_forward) or self.forward
         if block_mask is None:
-            return (dropout and self.dropout_forward) or self.forward
-        return self.sparse_forward or replace(self.forward, tma=False, warp_specialize=False)
+            return tiles
+        return self.sparse_forward or replace(tiles, tma=False, warp_specialize=False)
 
 
 INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)

@@ -689,11 +689,10 @@ def block_forward_into(q, k, v, O, L, *, causal, scale, local="torch", ledger=No
         from . import triton as flashedu_triton
         from .ops import LSE_TO_NATURAL
         from .triton.autograd import resolve_config
-        from .triton.forward import LOG2E, forward_into
+        from .triton.forward import forward_into
 
         flashedu_triton._check(q, k, v)  # the dtypes, head dims and devices it takes
-        # the kernel's logsumexp: base 2, +inf for a row that has seen no key
-        lse2 = take("call", torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E))
+        lse2 = take("call", _kernel_lse2(L))
         config = resolve_config(q.shape[-1], q.dtype, None, q.device)
         forward_into(q, k, v, O, lse2, is_causal=causal, scale=scale,
                      tiles=config.forward_tiles(None), interpreted=runtime.triton_interpreted())
@@ -736,16 +735,22 @@ def block_backward(q, k, v, out, L, dout, *, causal, scale, local="torch", D=Non
     return dQ, dK, dV
 
 
+def _kernel_lse2(L):
+    """The Triton kernels' logsumexp of the natural-log L: base 2, +inf for a row that has seen
+    no key (-inf in L), float32, contiguous (L may be a row slice)."""
+    from .triton.forward import LOG2E
+
+    return torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E).contiguous()
+
+
 def _block_backward_triton(q, k, v, out, L, dout, causal, scale, D=None):
     from . import runtime
     from .triton.autograd import resolve_config
     from .triton.backward import backward
-    from .triton.forward import LOG2E
 
-    # the Triton backward takes the base-2 logsumexp, +inf for a row that sees no key; q, out
-    # and dout may be row slices of this rank's tensors (the kernels take strides)
-    lse2 = torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E).contiguous()
-    config = resolve_config(q.shape[-1], q.dtype, None)
+    # q, out and dout may be row slices of this rank's tensors (the kernels take strides)
+    lse2 = _kernel_lse2(L)
+    config = resolve_config(q.shape[-1], q.dtype, None, q.device)
     return backward(q, k, v, out, lse2, dout, is_causal=causal, scale=scale, block_mask=None,
                     config=config, interpreted=runtime.triton_interpreted(),
                     D=None if D is None else D.contiguous())
@@ -758,7 +763,7 @@ def _row_dot_triton(out, dout):
     from .triton.backward import preprocess
     from .triton.forward import interpreter_fp32
 
-    config = resolve_config(out.shape[-1], out.dtype, None)
+    config = resolve_config(out.shape[-1], out.dtype, None, out.device)
     out, dout = interpreter_fp32(runtime.triton_interpreted(), out, dout)
     return preprocess(out, dout, config.preprocess_rows)
 

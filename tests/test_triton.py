@@ -271,6 +271,17 @@ def test_launch_key_holds_what_triton_specializes_on():
     assert _arg_key(x) != _arg_key(x.half())
 
 
+def test_inlined_launch_key_equals_the_per_argument_one():
+    """``_key`` tests ints, None and plain tensors inline; every argument still gets exactly
+    what ``_arg_key`` gives it (a Parameter, a float, a bool through the general path)."""
+    from flashedu.triton.fast import _arg_key, _key
+
+    x = torch.zeros(64)
+    args = (x, x[1:], x.half(), torch.nn.Parameter(torch.ones(8)), 7, 2 ** 40, None, 0.5, True)
+    assert _key(args) == tuple(_arg_key(a) for a in args)
+    assert _key((x, 16)) != _key((x[1:], 16)) and _key((x, 16)) != _key((x, 17))
+
+
 def test_launch_hooks_send_launches_through_triton(monkeypatch):
     """A profiler's launch hook (a non-empty HookChain) needs Triton's own launch path."""
     import triton

@@ -361,8 +361,10 @@ COMPILED_TABLES = [("sm75", "fp16", [64, 128, 256]), ("sm80", "bf16", [128, 256]
 def test_tables_compile_for_their_gpu_within_its_shared_memory(name, dtype, dims, tmp_path):
     """The forward and backward launches of a GPU's table, compiled for that GPU (no GPU
     needed): their shared memory fits its per-block limit, which running another GPU's table on
-    an H100 cannot show, and they do not spill more than a word or two (sm75 at d=256: the
-    backward's few hundred bytes, the least of the tiles tried, config.FMA_TABLE)."""
+    an H100 cannot show, and they do not spill more than a word or two. Two measured
+    exceptions: sm75 at d=256, the backward's few hundred bytes, the least of the tiles tried
+    (config.FMA_TABLE); sm90 at d=256, the dK/dV program's 272 bytes, whose 64 x 64 tiles ran
+    1.8x the spill-free 16 x 64 on the H100 (config.GPU_16BIT)."""
     import json
 
     from flashedu import cli
@@ -380,7 +382,8 @@ def test_tables_compile_for_their_gpu_within_its_shared_memory(name, dtype, dims
     for r in rows:
         where = (name, dtype, r["d"], r["kernel"], r["tiles"])
         assert r["shared_bytes"] <= config.SMEM_PER_BLOCK[name], where
-        allowed = 512 if (name, r["d"], r["kernel"]) == ("sm75", 256, "backward_kernel") else 8
+        spilling = {("sm75", 256, "backward_kernel"), ("sm90", 256, "backward_kernel")}
+        allowed = 512 if (name, r["d"], r["kernel"]) in spilling else 8
         assert r["stack_bytes"] <= allowed, (where, r["stack_bytes"])
 
 

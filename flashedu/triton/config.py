@@ -92,11 +92,10 @@ GPU_16BIT = {
                       # dropout's forward needs 240 KB of shared memory with 3 stages, more
                       # than the H100's 227 (compiled, `flashedu bench sass`): 2 stages, 176 KB
                       dropout_forward=replace(_FORWARD_128, num_stages=2)),
-    # d=256's backward is not tuned by measurement: its dK/dV program with 32 x 64 tiles and
-    # 4 warps compiled with 1 KB of spills per thread (394 spill stores in its loop); 16 x 64
-    # with 8 warps compiles without spills and on the tensor cores' HGMMA (`flashedu bench
-    # sass`; compiled, not timed)
-    256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(16, 64, 8, 2), Tiles(64, 32, 4, 2),
+    # d=256's backward, timed tile by tile (docs/bench/d256_backward_h100.json): the dK/dV
+    # program on 64 x 64 tiles spills 272 bytes a thread and still runs 1.8x the spill-free
+    # 16 x 64 (it reads each K/V tile once for 64 query rows, not 16); dQ on 128 x 32, 8 warps
+    256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2),
                       fused_backward=False),
 }
 

@@ -137,6 +137,25 @@ def test_block_mask_keeps_the_tuned_backward_settings(monkeypatch):
             assert 64 % t.Br == 0 and 64 % t.Bc == 0, t
 
 
+@pytest.mark.parametrize("d", [128, 256])
+def test_block_mask_fits_the_dropout_tiles_too(monkeypatch, d):
+    """A call with dropout and a block mask runs on dropout's own tiles (the H100's d=128
+    forward: 128 x 128, 2 stages; d=256's backward: a 2-stage dQ): those are fitted to the
+    mask's block too, or a 64-row block would be read as 128-row tiles."""
+    from flashedu.triton import autograd, config
+
+    tuned = config.GPU_16BIT[d]
+    assert tuned.dropout_forward or tuned.dropout_backward
+    monkeypatch.setattr(autograd, "kernel_config", lambda d, is_fp32, interpreted: tuned)
+    mask = flashedu.BlockMask.causal((256, 256), (64, 32))
+    fitted = autograd.resolve_config(d, torch.bfloat16, mask)
+    tiles = [fitted.forward_tiles(mask, dropout=True)]
+    if fitted.dropout_backward is not None:
+        tiles += [fitted.dropout_backward.dkdv, fitted.dropout_backward.dq]
+    for t in tiles:
+        assert 64 % t.Br == 0 and 32 % t.Bc == 0, t
+
+
 @settings(max_examples=60, deadline=None)
 @given(Nq=st.integers(1, 200), Nk=st.integers(1, 200), causal=st.booleans(),
        transpose=st.booleans(), seed=st.integers(0, 2**16))
@@ -387,6 +406,29 @@ def test_tables_compile_for_their_gpu_within_its_shared_memory(name, dtype, dims
         assert r["stack_bytes"] <= allowed, (where, r["stack_bytes"])
 
 
+@pytest.mark.slow
+def test_dropout_kernels_compile_within_the_h100_shared_memory(tmp_path):
+    """Dropout's Philox states take shared memory too: the forward and backward launches with
+    dropout, compiled for sm_90 at the head dims whose tables have dropout entries, fit 227 KB
+    (the dQ program of d=256 with 3 stages needed 228 KB and had to be retried on the H100)."""
+    import json
+
+    from flashedu import cli
+    from flashedu.benchmarks import sass
+    from flashedu.triton import config
+
+    if not sass.can_compile():
+        pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
+    out = tmp_path / "sass.json"
+    argv = ["bench", "sass", "--table", "sm90", "--dtype", "bf16", "--variants", "dropout",
+            "--d", "128", "256", "--json", str(out)]
+    assert cli.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["d"] for r in rows} == {128, 256}
+    for r in rows:
+        assert r["shared_bytes"] <= config.SMEM_PER_BLOCK["sm90"], (r["d"], r["kernel"], r["tiles"])
+
+
 def test_register_cap_of_the_small_head_dims():
     """sm_90, d <= 64: every kernel capped at 128 registers (two 8-warp programs per SM), and the
     cap is left out of dropout launches, whose Philox states need more."""
@@ -493,6 +535,39 @@ def test_dropout_forward_has_its_own_tiles_where_the_forward_s_do_not_fit():
     mask = flashedu.BlockMask.causal(256)  # block-sparse: the same stages, no TMA
     assert entry.forward_tiles(mask, True) == dataclasses.replace(
         entry.forward, num_stages=2, tma=False, warp_specialize=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches on a CUDA GPU")
+@pytest.mark.parametrize("d", [128, 256])
+def test_dropout_with_a_block_mask_on_the_tuned_tiles(d):
+    """Dropout and a block mask of 64-row blocks at the head dims whose tables have tiles of
+    their own for dropout (larger than 64): the same values and gradients as the float64
+    reference with the same dropout stream."""
+    from flashedu.dropout import draw_rng
+
+    torch.manual_seed(d)
+    q, k, v = _qkv(1, 2, 2, 256, 256, d, torch.bfloat16)
+    blocks = torch.rand(1, 2, 4, 4) < 0.6
+    blocks[..., 0, 0] = True
+    mask = flashedu.BlockMask.from_dense(blocks.numpy(), block_size=(64, 64), seq_lens=(256, 256))
+    torch.manual_seed(5)
+    rng = draw_rng(q.device)
+    torch.manual_seed(5)
+    out = flashedu.attention(q, k, v, block_mask=mask, dropout_p=0.2, backend="triton")
+    dout = torch.randn_like(out)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    kw = dict(block_mask=mask, dropout_p=0.2, dropout_rng=rng)
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention_torch(*ins, **kw)
+    ref = (ref, *torch.autograd.grad(ref, ins, dout.double()))
+    plain = naive_attention_torch(q, k, v, upcast=False, **kw)  # bf16 attention's own error
+    plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
+    assert ref[0].abs().max() > 0
+    for n, (g, r, p) in enumerate(zip(got, ref, plain)):
+        factor = tolerance.FORWARD if n == 0 else tolerance.GRADIENT
+        allowed = tolerance.allowed_error(q.dtype, _err(p, r), factor=factor, floor_scale=factor)
+        assert _err(g, r) <= allowed, "out dq dk dv".split()[n]
 
 
 @pytest.mark.gpu

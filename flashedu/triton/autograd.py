@@ -35,6 +35,8 @@ def resolve_config(d: int, dtype, block_mask, device=None) -> KernelConfig:
             return None
         return dataclasses.replace(c, forward=fit(c.forward), dkdv=fit(c.dkdv), dq=fit(c.dq),
                                    causal_backward=fit_all(c.causal_backward),
-                                   sparse_forward=c.sparse_forward and fit(c.sparse_forward))
+                                   sparse_forward=c.sparse_forward and fit(c.sparse_forward),
+                                   dropout_forward=c.dropout_forward and fit(c.dropout_forward),
+                                   dropout_backward=fit_all(c.dropout_backward))
 
     return fit_all(config)

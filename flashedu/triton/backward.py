@@ -411,6 +411,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
     if is_causal and config.causal_backward is not None:
         config = config.causal_backward
+    if dropout_p > 0 and config.dropout_backward is not None:
+        config = config.dropout_backward
     key = (config, q.shape[-1], dtype, dropout_p > 0, mods is not None)  # per kernel variant
     if _SHRUNK:
         config = _SHRUNK.get(key, config)

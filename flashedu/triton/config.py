@@ -56,6 +56,8 @@ class KernelConfig:
     sparse_forward: Tiles | None = None
     # Tiles of the forward with dropout, where the forward's do not fit it: None, the forward's.
     dropout_forward: Tiles | None = None
+    # The backward with dropout, where the backward's tiles do not fit it: None, the backward's.
+    dropout_backward: "KernelConfig | None" = None
 
     def forward_tiles(self, block_mask, dropout: bool = False) -> Tiles:
         """The forward's tiles for a call with (or without) a block mask, and dropout."""
@@ -97,7 +99,11 @@ GPU_16BIT = {
     # 16 x 64 (each K/V tile it holds meets 64 query rows a step, not 16); dQ on 128 x 32 with
     # 8 warps and 3 stages (224 KB of the H100's 227), 3-6% ahead of 2 stages
     256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 3),
-                      fused_backward=False),
+                      fused_backward=False,
+                      # dropout's dQ program needs 228 KB with 3 stages (`flashedu bench sass`)
+                      dropout_backward=KernelConfig(Tiles(128, 64, 8, 2, tma=True),
+                                                    Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2),
+                                                    fused_backward=False)),
 }
 
 def padded_head_dim(d: int) -> int:

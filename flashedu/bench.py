@@ -145,16 +145,12 @@ def make_forward(provider: str, case: Case, q, k, v):
             finally:
                 fast.FAST_LAUNCH = True
         return dispatched
-    if provider == "baseline":  # the other checkout's triton backend entry, called directly
-        import importlib
-
+    if provider == "baseline":  # the other checkout, through its public API as "flashedu"
         other = baseline_package()
-        other_triton = importlib.import_module(other.__name__ + ".triton")
         other_mask = None if mask is None else other.BlockMask.from_dense(
             mask.blocks, mask.block_size, mask.seq_lens)
-        scale = q.shape[-1] ** -0.5
-        return lambda: other_triton.attention(q, k, v, is_causal=case.causal, scale=scale,
-                                              block_mask=other_mask, dropout_p=0.0)
+        return lambda: other.attention(q, k, v, is_causal=case.causal, block_mask=other_mask,
+                                       backend="triton")
     if provider == "naive":
         return lambda: naive_attention_torch(q, k, v, is_causal=case.causal, upcast=False)
     if provider.startswith("sdpa-"):

@@ -85,6 +85,27 @@ def test_bench_parses_good_arguments(tmp_path):
     assert over.providers[0] == "flashedu" and set(over.modes) == {"fwd", "fwd+bwd"}
 
 
+def test_baseline_provider_calls_the_other_checkout_as_flashedu_is_called(monkeypatch,
+                                                                          tmp_path):
+    """``baseline`` goes through the other checkout's public ``attention`` (checks included),
+    as the ``flashedu`` provider does: the columns differ only by the code between them."""
+    import sys
+
+    import torch
+
+    (tmp_path / "__init__.py").write_text(  # a stand-in checkout that records its calls
+        "CALLS = []\nBlockMask = None\n"
+        "def attention(q, k, v, **kw):\n    CALLS.append(kw)\n    return q\n")
+    monkeypatch.setattr(bench, "_BASELINE", {"path": None, "module": None})
+    monkeypatch.setitem(sys.modules, "flashedu_baseline", None)  # restored afterwards
+    bench.set_baseline(str(tmp_path))
+    case = bench.Case(48, 16, True, "fwd", None, "float32")
+    q, k, v = (torch.randn(1, 2, 48, 16) for _ in range(3))
+    assert bench.make_forward("baseline", case, q, k, v)() is q
+    assert bench.baseline_package().CALLS == [
+        {"is_causal": True, "block_mask": None, "backend": "triton"}]
+
+
 @pytest.mark.skipif(CUDA, reason="a GPU is present: these subcommands would measure")
 @pytest.mark.parametrize("argv", [
     ["overhead", "--shapes", "tiny"], ["numba", "check"], ["gpt", "--seq-lens", "256"],

@@ -20,7 +20,8 @@ course's GPT), n1024 (4, 32, 1024, 64) and n1024-d128 (4, 16, 1024, 128).
 
 ``flashedu-dispatch`` is flashedu with every launch through Triton's own dispatch (the
 compiled-kernel cache of ``flashedu.triton.fast`` off); ``--baseline PATH`` adds another
-checkout's triton backend as ``baseline``.
+checkout's ``flashedu.attention(..., backend="triton")`` as ``baseline``: the same entry as
+``flashedu``, so the two columns differ only by the code between them.
 """
 
 from __future__ import annotations

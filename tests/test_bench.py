@@ -6,6 +6,7 @@ recorded full-size runs are in BENCHMARKS.md)."""
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -182,15 +183,26 @@ def test_overhead_shapes_are_the_measured_ones():
 
 def test_overhead_table_lists_every_provider_and_the_ratio():
     rows = [{"shape": "gpt", "causal": True, "mode": "fwd", "provider": "flashedu",
-             "wall_us": 60.0, "bench_us": 20.0},
+             "host_us": 50.0, "wall_us": 60.0, "bench_us": 20.0},
             {"shape": "gpt", "causal": True, "mode": "fwd", "provider": "sdpa-flash",
-             "wall_us": 80.0, "bench_us": 25.0},
+             "host_us": 30.0, "wall_us": 80.0, "bench_us": 25.0},
             {"shape": "gpt", "causal": True, "mode": "fwd", "provider": "flex",
              "error": "RuntimeError: no"}]
     text = overhead.table(rows, ["flashedu", "sdpa-flash", "flex"])
     line = next(x for x in text.splitlines() if x.startswith("gpt causal fwd"))
-    assert "60 / 20" in line and "80 / 25" in line and "RuntimeError" in line
+    assert "50 / 60 / 20" in line and "30 / 80 / 25" in line and "RuntimeError" in line
     assert line.rstrip().endswith("0.75x")
+
+
+def test_overhead_measures_host_time_without_waiting_for_the_gpu(monkeypatch):
+    """host: the calls alone (queued, never waited for inside the clock); wall: each call
+    waits for its result. A stand-in GPU whose synchronize takes 2 ms shows the difference."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: time.sleep(0.002))
+    monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None: 0.01)
+    got = overhead.measure(lambda: None, [], iters=5)
+    assert got["host_us"] < 1000 < 2000 <= got["wall_us"] and got["bench_us"] == 10.0
 
 
 # ----------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ checks, allocations, and each launch's dispatch. This benchmark times one call t
 flashedu's triton backend and its peers (SDPA's flash and cuDNN backends, selected explicitly
 with ``sdpa_kernel``, and FlexAttention), in one process:
 
+- host: ``time.perf_counter`` around many calls with no synchronization (the Python and
+  driver time a call costs the CPU: what the GPU waits for when the host falls behind);
 - wall: ``time.perf_counter`` around many calls, each followed by ``torch.cuda.synchronize()``
   (what a training step that waits for its result pays per call);
 - do_bench: the median of ``triton.testing.do_bench`` (launches queued back to back: the GPU
@@ -62,23 +64,31 @@ def step(provider: str, shape, causal: bool, mode: str, dtype):
 
 
 def measure(fn, grads, iters: int) -> dict:
-    """{"wall_us", "bench_us"}: perf_counter over synchronized calls, do_bench's median."""
+    """{"host_us", "wall_us", "bench_us"}: perf_counter over unsynchronized calls and over
+    synchronized calls (each the best of three rounds: another process's burst hits one at
+    most), do_bench's median."""
     import torch
 
     for _ in range(3):  # compile, and fill every cache on the way
         fn()
     torch.cuda.synchronize()
-    walls = []
-    for _ in range(3):  # the best of three rounds: another process's burst hits one at most
+
+    def per_call_us(sync: bool) -> float:
         start = time.perf_counter()
         for _ in range(iters):
             for t in grads:
                 t.grad = None
             fn()
-            torch.cuda.synchronize()
-        walls.append((time.perf_counter() - start) / iters * 1e6)
+            if sync:
+                torch.cuda.synchronize()
+        spent = time.perf_counter() - start
+        torch.cuda.synchronize()  # the queued work finishes outside the host clock
+        return spent / iters * 1e6
+
+    host = min(per_call_us(False) for _ in range(3))
+    wall = min(per_call_us(True) for _ in range(3))
     ms = core.time_ms(fn, grad_to_none=grads or None)
-    return {"wall_us": min(walls), "bench_us": ms * 1e3}
+    return {"host_us": host, "wall_us": wall, "bench_us": ms * 1e3}
 
 
 def run_all(shapes, causals, modes, providers, dtype, iters, progress=True) -> list[dict]:
@@ -100,7 +110,8 @@ def run_all(shapes, causals, modes, providers, dtype, iters, progress=True) -> l
                         torch.cuda.empty_cache()
                     rows.append(row)
                     if progress:
-                        got = (f"wall {row['wall_us']:.0f} us, do_bench {row['bench_us']:.0f} us"
+                        got = (f"host {row['host_us']:.0f} us, wall {row['wall_us']:.0f} us, "
+                               f"do_bench {row['bench_us']:.0f} us"
                                if "wall_us" in row else row["error"])
                         print(f"  {name} {'causal' if causal else 'dense'} {mode} {provider}: "
                               f"{got}", file=sys.stderr, flush=True)
@@ -108,10 +119,11 @@ def run_all(shapes, causals, modes, providers, dtype, iters, progress=True) -> l
 
 
 def table(rows, providers) -> str:
-    """One line per (shape, causal, mode): each provider's wall / do_bench microseconds, and
-    flashedu's wall time over SDPA-flash's (< 1: flashedu's calls are cheaper)."""
+    """One line per (shape, causal, mode): each provider's host / wall / do_bench
+    microseconds, and flashedu's wall time over SDPA-flash's (< 1: flashedu's calls are
+    cheaper)."""
     head = f"{'case':<26}" + "".join(f"{p:>20}" for p in providers) + f"{'wall vs sdpa-flash':>20}"
-    lines = ["cells: wall us per call / do_bench us", head, "-" * len(head)]
+    lines = ["cells: host / wall / do_bench, us per call", head, "-" * len(head)]
     cases = {}
     for r in rows:
         cases.setdefault((r["shape"], r["causal"], r["mode"]), {})[r["provider"]] = r
@@ -119,8 +131,8 @@ def table(rows, providers) -> str:
         line = f"{shape + (' causal ' if causal else ' dense ') + mode:<26}"
         for p in providers:
             r = by.get(p, {})
-            cell = (f"{r['wall_us']:.0f} / {r['bench_us']:.0f}" if "wall_us" in r
-                    else r.get("error", "")[:18])
+            cell = (f"{r['host_us']:.0f} / {r['wall_us']:.0f} / {r['bench_us']:.0f}"
+                    if "wall_us" in r else r.get("error", "")[:18])
             line += f"{cell:>20}"
         me, fa2 = by.get("flashedu", {}), by.get("sdpa-flash", {})
         ratio = f"{me['wall_us'] / fa2['wall_us']:.2f}x" if "wall_us" in me and "wall_us" in fa2 \

@@ -150,8 +150,8 @@ def _arg_key(a):
 
 def _key(args) -> tuple:
     """The arguments' part of the cache key. A kernel takes some 50-80 arguments, mostly ints
-    (strides, sizes), so the common kinds are tested inline rather than through _arg_key: a
-    Python call per argument was 40% of the backward's host time."""
+    (strides, sizes), so the common kinds are tested inline rather than by a call each (233 of
+    the 695 Python calls of a forward+backward)."""
     return tuple([a if type(a) is int or a is None
                   else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is Tensor
                   else _arg_key(a) for a in args])
@@ -183,7 +183,7 @@ def run(kernel, grid, args, consts: dict):
     global FAST_LAUNCH
     if not _direct_ok(kernel):
         return kernel[grid](*args, **consts)
-    device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its checks
+    device = torch.cuda.current_device()
     try:
         key = (kernel, device, tuple(consts.items()), _key(args))
     except _Unkeyable:

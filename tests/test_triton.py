@@ -408,9 +408,10 @@ def test_tables_compile_for_their_gpu_within_its_shared_memory(name, dtype, dims
 
 @pytest.mark.slow
 def test_dropout_kernels_compile_within_the_h100_shared_memory(tmp_path):
-    """Dropout's Philox states take shared memory too: the forward and backward launches with
-    dropout, compiled for sm_90 at the head dims whose tables have dropout entries, fit 227 KB
-    (the dQ program of d=256 with 3 stages needed 228 KB and had to be retried on the H100)."""
+    """Dropout takes shared memory too (the keep mask moves from the random numbers' layout to
+    P_ij's through it): the forward and backward launches with dropout, compiled for sm_90 at
+    the head dims whose tables have dropout entries, fit 227 KB (the dQ program of d=256 with
+    3 stages needed 228 KB and had to be retried on the H100)."""
     import json
 
     from flashedu import cli

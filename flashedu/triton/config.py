@@ -57,6 +57,7 @@ class KernelConfig:
     # Tiles of the forward with dropout, where the forward's do not fit it: None, the forward's.
     dropout_forward: Tiles | None = None
     # The backward with dropout, where the backward's tiles do not fit it: None, the backward's.
+    # A dropout call takes it, causal or not (it replaces causal_backward too).
     dropout_backward: "KernelConfig | None" = None
 
     def forward_tiles(self, block_mask, dropout: bool = False) -> Tiles:

@@ -1,6 +1,7 @@
 """Fused dropout on a GPU: real-size correctness, its cost, and the GPT trained with it.
 
-    python scripts/gpu_dropout.py            # all three parts, prints a table, writes JSON
+    python scripts/gpu_dropout.py                      # all three parts; gpu_dropout.json
+    python scripts/gpu_dropout.py --json out/drop.json  # the record elsewhere
 
 1. correctness at N=4096, d=128, bf16, causal and not: the mask the Triton forward applies
    (read through the output: q = 0 makes P uniform, V one-hot on 128 keys) equals
@@ -23,8 +24,14 @@ import numpy as np
 import flashedu  # noqa: F401  (before triton)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
     import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="gpu_dropout.json", help="where the record goes")
+    args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to measure (the CPU tests are tests/test_dropout.py)")
@@ -144,9 +151,9 @@ def main() -> int:
     print(f"GPT, attention dropout 0.1: final loss triton {curves['triton'][-1]:.3f}, "
           f"SDPA math {curves['sdpa'][-1]:.3f}; largest gap over the last 16 steps {gap:.3f}")
     ok &= gap < 0.15 and all(map(math.isfinite, curves["triton"]))
-    with open("gpu_dropout.json", "w") as f:
+    with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
-    print("ALL OK" if ok else "SOME CHECK FAILED", "(gpu_dropout.json)")
+    print("ALL OK" if ok else "SOME CHECK FAILED", f"({args.json})")
     return 0 if ok else 1
 
 

@@ -639,3 +639,56 @@ def test_mask_mod_lists_rebuild_the_element_rule(mod, causal, transpose):
                     assert tile.any(), (h, i, j)  # an empty tile would be skipped, not listed
                 got[0, h, i * Br:(i + 1) * Br, j * Bc:(j + 1) * Bc] = tile
     assert (got[..., :Nq, :Nk] == want).all()
+
+
+# --- the H100's tuned tiles, run in the interpreter ------------------------------------------
+
+TUNED_CASES = {  # (kwargs of flashedu.attention, B, H, Hkv, Nq, Nk)
+    "causal ragged gqa": (dict(is_causal=True, enable_gqa=True), 1, 4, 2, 150, 130),
+    "block mask": (dict(block_mask="64"), 1, 2, 2, 256, 256),
+    "dropout": (dict(dropout_p=0.2, is_causal=True), 1, 2, 2, 136, 136),
+    "dropout block mask": (dict(dropout_p=0.2, block_mask="64"), 1, 2, 2, 256, 256),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not flashedu.runtime.triton_interpreted(),
+                    reason="on a GPU the tuned tiles run compiled (test_forced_tile_table)")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", list(TUNED_CASES))
+def test_tuned_gpu_tiles_in_the_interpreter(monkeypatch, d, case):
+    """The H100's table (large tiles, their causal, dropout and sparse entries, fitted to a
+    block mask) runs in the interpreter here: every entry's bookkeeping is checked on any
+    machine, not only where a GPU runs it. Output and gradients against float64, with the
+    same dropout stream where the call drops."""
+    from flashedu.dropout import draw_rng
+    from flashedu.triton import autograd, config
+
+    monkeypatch.setattr(autograd, "kernel_config",
+                        lambda d, is_fp32, interpreted, device=None:
+                        config.GPU_16BIT[config.padded_head_dim(d)])
+    kw, B, H, Hkv, Nq, Nk = TUNED_CASES[case]
+    kw = dict(kw)
+    torch.manual_seed(d)
+    q, k, v = _qkv(B, H, Hkv, Nq, Nk, d, torch.bfloat16)
+    if kw.get("block_mask"):
+        blocks = np.random.default_rng(d).random((B, H, Nq // 64, Nk // 64)) < 0.6
+        blocks[..., 0] = True
+        kw["block_mask"] = flashedu.BlockMask.from_dense(blocks, block_size=(64, 64),
+                                                         seq_lens=(Nq, Nk))
+    torch.manual_seed(3)
+    rng = draw_rng(q.device)
+    torch.manual_seed(3)
+    out = flashedu.attention(q, k, v, backend="triton", **kw)
+    dout = torch.randn_like(out)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    ref_kw = {**kw, "dropout_rng": rng} if kw.get("dropout_p") else kw
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention_torch(*ins, **ref_kw)
+    ref = (ref, *torch.autograd.grad(ref, ins, dout.double()))
+    plain = naive_attention_torch(q, k, v, upcast=False, **ref_kw)
+    plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
+    for n, (g, r, p) in enumerate(zip(got, ref, plain)):
+        factor = tolerance.FORWARD if n == 0 else tolerance.GRADIENT
+        allowed = tolerance.allowed_error(q.dtype, _err(p, r), factor=factor, floor_scale=factor)
+        assert _err(g, r) <= allowed, "out dq dk dv".split()[n]

@@ -41,12 +41,40 @@ def _check(q, k, v, **kw):
     ref = (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
     plain = naive_attention_torch(q, k, v, upcast=False, **kw)
     plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
+    _assert_within_tolerance(got, ref, plain, q.dtype)
+    return got
+
+
+def _assert_within_tolerance(got, ref, plain, dtype):
+    """(out, dq, dk, dv) of the kernel against the float64 reference, each allowed what plain
+    attention in ``dtype`` (``plain``) errs by, times flash-attention's factor."""
     for n, (g, r, p) in enumerate(zip(got, ref, plain)):
         factor = tolerance.FORWARD if n == 0 else tolerance.GRADIENT
         assert torch.isfinite(g).all()
-        allowed = tolerance.allowed_error(q.dtype, _err(p, r), factor=factor, floor_scale=factor)
+        allowed = tolerance.allowed_error(dtype, _err(p, r), factor=factor, floor_scale=factor)
         assert _err(g, r) <= allowed, ("out dq dk dv".split()[n])
-    return got
+
+
+def _check_with_dropout_stream(q, k, v, **kw):
+    """:func:`_check` for calls that may drop: the references are naive attention drawing the
+    call's own dropout stream (the rng the call draws after the same torch.manual_seed).
+    Returns the float64 reference (out, dq, dk, dv)."""
+    from flashedu.dropout import draw_rng
+
+    torch.manual_seed(3)
+    rng = draw_rng(q.device)
+    torch.manual_seed(3)
+    out = flashedu.attention(q, k, v, backend="triton", **kw)
+    dout = torch.randn_like(out)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    ref_kw = {**kw, "dropout_rng": rng} if kw.get("dropout_p") else kw
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention_torch(*ins, **ref_kw)
+    ref = (ref, *torch.autograd.grad(ref, ins, dout.double()))
+    plain = naive_attention_torch(q, k, v, upcast=False, **ref_kw)
+    plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
+    _assert_within_tolerance(got, ref, plain, q.dtype)
+    return ref
 
 
 @pytest.mark.parametrize("d", [40, 80, 96])
@@ -545,30 +573,13 @@ def test_dropout_with_a_block_mask_on_the_tuned_tiles(d):
     """Dropout and a block mask of 64-row blocks at the head dims whose tables have tiles of
     their own for dropout (larger than 64): the same values and gradients as the float64
     reference with the same dropout stream."""
-    from flashedu.dropout import draw_rng
-
     torch.manual_seed(d)
     q, k, v = _qkv(1, 2, 2, 256, 256, d, torch.bfloat16)
     blocks = torch.rand(1, 2, 4, 4) < 0.6
     blocks[..., 0, 0] = True
     mask = flashedu.BlockMask.from_dense(blocks.numpy(), block_size=(64, 64), seq_lens=(256, 256))
-    torch.manual_seed(5)
-    rng = draw_rng(q.device)
-    torch.manual_seed(5)
-    out = flashedu.attention(q, k, v, block_mask=mask, dropout_p=0.2, backend="triton")
-    dout = torch.randn_like(out)
-    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
-    kw = dict(block_mask=mask, dropout_p=0.2, dropout_rng=rng)
-    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = naive_attention_torch(*ins, **kw)
-    ref = (ref, *torch.autograd.grad(ref, ins, dout.double()))
-    plain = naive_attention_torch(q, k, v, upcast=False, **kw)  # bf16 attention's own error
-    plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
+    ref = _check_with_dropout_stream(q, k, v, block_mask=mask, dropout_p=0.2)
     assert ref[0].abs().max() > 0
-    for n, (g, r, p) in enumerate(zip(got, ref, plain)):
-        factor = tolerance.FORWARD if n == 0 else tolerance.GRADIENT
-        allowed = tolerance.allowed_error(q.dtype, _err(p, r), factor=factor, floor_scale=factor)
-        assert _err(g, r) <= allowed, "out dq dk dv".split()[n]
 
 
 @pytest.mark.gpu
@@ -661,7 +672,6 @@ def test_tuned_gpu_tiles_in_the_interpreter(monkeypatch, d, case):
     block mask) runs in the interpreter here: every entry's bookkeeping is checked on any
     machine, not only where a GPU runs it. Output and gradients against float64, with the
     same dropout stream where the call drops."""
-    from flashedu.dropout import draw_rng
     from flashedu.triton import autograd, config
 
     monkeypatch.setattr(autograd, "kernel_config",
@@ -676,19 +686,4 @@ def test_tuned_gpu_tiles_in_the_interpreter(monkeypatch, d, case):
         blocks[..., 0] = True
         kw["block_mask"] = flashedu.BlockMask.from_dense(blocks, block_size=(64, 64),
                                                          seq_lens=(Nq, Nk))
-    torch.manual_seed(3)
-    rng = draw_rng(q.device)
-    torch.manual_seed(3)
-    out = flashedu.attention(q, k, v, backend="triton", **kw)
-    dout = torch.randn_like(out)
-    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
-    ref_kw = {**kw, "dropout_rng": rng} if kw.get("dropout_p") else kw
-    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = naive_attention_torch(*ins, **ref_kw)
-    ref = (ref, *torch.autograd.grad(ref, ins, dout.double()))
-    plain = naive_attention_torch(q, k, v, upcast=False, **ref_kw)
-    plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
-    for n, (g, r, p) in enumerate(zip(got, ref, plain)):
-        factor = tolerance.FORWARD if n == 0 else tolerance.GRADIENT
-        allowed = tolerance.allowed_error(q.dtype, _err(p, r), factor=factor, floor_scale=factor)
-        assert _err(g, r) <= allowed, "out dq dk dv".split()[n]
+    _check_with_dropout_stream(q, k, v, **kw)

@@ -79,12 +79,18 @@ def main(argv=None) -> int:
 def can_compile() -> bool:
     """True where Triton has its NVIDIA backend's tools (ptxas, cuobjdump, nvdisasm)."""
     try:
-        import triton
+        tools = _tools_dir()
     except ImportError:
         return False
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     return all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump",
                                                                  "nvdisasm"))
+
+
+def _tools_dir() -> str:
+    """Where Triton keeps its NVIDIA backend's binaries."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def kernel_stats(d, variants, modes, *, n=1024, table="sm90", dtype="bf16") -> list[dict]:
@@ -222,9 +228,7 @@ def _tiles_text(consts: dict) -> str:
 
 
 def _cubin_stats(cubin: bytes) -> dict:
-    import triton
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tools = _tools_dir()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:

@@ -81,6 +81,12 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 # per thread; left to itself the compiler took 130-158 for the causal forward and the backward,
 # and those ran 0.83x (BENCHMARKS.md, "Registers"): maxnreg=128 holds them there.
 _FORWARD_128 = Tiles(128, 128, 8, 3, tma=True, warp_specialize=True)
+# d=256's backward, timed tile by tile (docs/bench/d256_backward_h100.json): the dK/dV program
+# on 64 x 64 tiles spills 272 bytes a thread and still runs 1.8x the spill-free 16 x 64 (each
+# K/V tile it holds meets 64 query rows a step, not 16); dQ on 128 x 32 with 8 warps and 3
+# stages (224 KB of the H100's 227), 3-6% ahead of 2 stages
+_D256 = KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 3),
+                     fused_backward=False)
 _SMALL_D = KernelConfig(Tiles(128, 64, 8, 3, maxnreg=128), Tiles(32, 128, 8, 3, maxnreg=128),
                         Tiles(128, 64, 8, 3, maxnreg=128), fused_backward=False)
 GPU_16BIT = {
@@ -95,17 +101,10 @@ GPU_16BIT = {
                       # dropout's forward needs 240 KB of shared memory with 3 stages, more
                       # than the H100's 227 (compiled, `flashedu bench sass`): 2 stages, 176 KB
                       dropout_forward=replace(_FORWARD_128, num_stages=2)),
-    # d=256's backward, timed tile by tile (docs/bench/d256_backward_h100.json): the dK/dV
-    # program on 64 x 64 tiles spills 272 bytes a thread and still runs 1.8x the spill-free
-    # 16 x 64 (each K/V tile it holds meets 64 query rows a step, not 16); dQ on 128 x 32 with
-    # 8 warps and 3 stages (224 KB of the H100's 227), 3-6% ahead of 2 stages
-    256: KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 3),
-                      fused_backward=False,
-                      # dropout's dQ program needs 228 KB with 3 stages (`flashedu bench sass`)
-                      dropout_backward=KernelConfig(Tiles(128, 64, 8, 2, tma=True),
-                                                    Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2),
-                                                    fused_backward=False)),
+    # dropout's dQ program needs 228 KB with 3 stages (`flashedu bench sass`): 2 stages
+    256: replace(_D256, dropout_backward=replace(_D256, dq=replace(_D256.dq, num_stages=2))),
 }
+
 
 def padded_head_dim(d: int) -> int:
     """The power of two >= d (and >= 16) that the kernels hold in registers; loads mask the rest."""

@@ -32,6 +32,8 @@ from .benchmarks.core import TOKENS, WIDTH, boolean, density, head_dim, positive
 # `flashedu bench NAME ...`: each a module with main(argv) -> exit status.
 SUBCOMMANDS = {
     "overhead": ("flashedu.benchmarks.overhead", "wall time per call at small sizes (GPU)"),
+    "host": ("flashedu.benchmarks.host",
+             "the Python host code per call, launches stubbed (CPU or GPU machine)"),
     "correctness": ("flashedu.benchmarks.correctness",
                     "the triton backend against float64 at real sizes (GPU; --smoke on a CPU)"),
     "numba": ("flashedu.benchmarks.numba_gpu",

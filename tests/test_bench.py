@@ -249,6 +249,20 @@ def test_sass_compiles_the_package_launches_for_an_h100(tmp_path, capsys):
     assert "forward_kernel" in text and "regs" in text
 
 
+def test_host_times_the_call_path_with_and_without_plans(tmp_path, capsys):
+    """The host code of the triton backend, launches stubbed, in a fresh process: a row per
+    shape, mode and variant, each a positive time, and the table's ratio column."""
+    out = tmp_path / "host.json"
+    code, text = run(["host", "--shapes", "tiny", "--iters", "3", "--rounds", "2",
+                      "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["mode"], r["variant"]) for r in rows} == {
+        (m, v) for m in ("fwd", "fwd+bwd") for v in ("plans", "no plans", "floor")}
+    assert all(r["shape"] == "tiny" and r["us"] > 0 for r in rows)
+    assert "no plans / plans" in text and text.count("tiny") == 2
+
+
 def test_mods_dry_run(tmp_path, capsys):
     """Each mod through flashedu (Triton's interpreter) and eager FlexAttention: the same
     output, and the visible fraction of each rule."""

@@ -304,6 +304,140 @@ def test_ablation_variants_match_the_reference(causal, dtype):
 # --- launching: cached compiled kernels, tile tables per GPU, retry with smaller tiles ------
 
 
+def _grads(q, k, v, dout, **kw):
+    """(out, dq, dk, dv) of one triton call."""
+    out = flashedu.attention(q, k, v, backend="triton", enable_gqa=True, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def test_a_repeated_call_repeats_its_launch_plan(monkeypatch):
+    """The second call laid out as the first adds no plan and starts the first call's launches
+    with its own tensors: right for new values, and when the first call passed one tensor as
+    q, k and v (each argument slot is filled by position, not by which tensor sat there)."""
+    from flashedu.triton import fast
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    x = torch.randn(1, 2, 45, 16, requires_grad=True)
+    dout = torch.randn(1, 2, 45, 16)
+    _grads(x, x, x, dout, is_causal=True)  # self-attention on one tensor: the plans' first call
+    plans = dict(fast.PLANS)
+    assert len(plans) == 2  # forward and backward
+    q, k, v = _qkv(1, 2, 2, 45, 45, 16)
+    got = _grads(q, k, v, dout, is_causal=True)
+    assert fast.PLANS == plans  # repeated, not rebuilt
+    ref = reference_attention(q, k, v, is_causal=True)
+    ref = (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
+    assert all(_err(g, r) < 1e-5 for g, r in zip(got, ref))
+
+
+@pytest.mark.parametrize("change", ["strides", "alignment", "causal", "scale", "gqa",
+                                    "block_mask", "dropout"])
+def test_a_call_laid_out_differently_gets_its_own_plan(monkeypatch, change):
+    """Anything a launch's arguments or Triton's specialization read gives a new plan, and
+    both calls are right against the float64 reference."""
+    from flashedu import BlockMask
+    from flashedu.triton import fast
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    base = dict(is_causal=False, scale=0.25)
+    dout = torch.randn(1, 4, 40, 16)
+    q, k, v = _qkv(1, 4, 4, 40, 40, 16)
+    _grads(q, k, v, dout, **base)
+    before = len(fast.PLANS)
+    kw = dict(base)
+    if change == "strides":  # (B, N, H, d) memory seen as (B, H, N, d)
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                   for t in (q, k, v))
+    elif change == "alignment":  # one float in: the base is 4-byte aligned, not 16-byte
+        q = torch.randn(1 + 4 * 40 * 16)[1:].reshape(1, 4, 40, 16).requires_grad_()
+    elif change == "causal":
+        kw["is_causal"] = True
+    elif change == "scale":
+        kw["scale"] = 0.3
+    elif change == "gqa":
+        k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
+    elif change == "block_mask":
+        kw["block_mask"] = BlockMask.from_dense(np.tril(np.ones((2, 2), dtype=bool)),
+                                                block_size=(32, 32), seq_lens=(40, 40))
+    elif change == "dropout":
+        kw["dropout_p"] = 0.25
+    if change == "dropout":
+        _check_with_dropout_stream(q, k, v, enable_gqa=True, **kw)
+    else:
+        got = _grads(q, k, v, dout, **kw)
+        ref = reference_attention(q, k, v, enable_gqa=True, **kw)
+        ref = (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
+        assert all(_err(g, r) < 1e-5 for g, r in zip(got, ref))
+    assert len(fast.PLANS) == before + 2
+
+
+def test_a_repeated_dropout_call_draws_a_new_mask(monkeypatch):
+    """The RNG state is one of the call's own tensors: a plan repeated with a new one drops
+    other entries, and with the same one the same entries as a call that built its plan."""
+    from flashedu.dropout import draw_rng
+    from flashedu.triton import fast
+    from flashedu.triton import forward as fw
+    from flashedu.triton.config import INTERPRETER
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    q, k, v = (t.detach() for t in _qkv(1, 2, 2, 40, 40, 16))
+    kw = dict(is_causal=False, scale=0.25, block_mask=None, tiles=INTERPRETER.forward,
+              interpreted=True, dropout_p=0.3)
+    rng1, rng2 = draw_rng(q.device), draw_rng(q.device)
+    first, _ = fw.forward(q, k, v, rng=rng1, **kw)
+    second, _ = fw.forward(q, k, v, rng=rng2, **kw)  # repeated with a new state
+    assert len(fast.PLANS) == 1 and not torch.equal(first, second)
+    fast.PLANS.clear()
+    assert torch.equal(fw.forward(q, k, v, rng=rng2, **kw)[0], second)
+
+
+def test_a_plan_keeps_no_tensor_of_its_call(monkeypatch):
+    """A plan holds what its launches need, never the call's tensors (they would stay alive,
+    with their memory, as long as the plan)."""
+    import gc
+    import weakref
+
+    from flashedu.triton import fast
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16)
+    out = flashedu.attention(q, k, v, backend="triton")
+    out.sum().backward()
+    refs = [weakref.ref(t) for t in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert len(fast.PLANS) == 2 and all(r() is None for r in refs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="compiled kernels started directly from a plan need a CUDA GPU")
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(dropout_p=0.2), dict(block_mask=1)])
+def test_plans_start_compiled_kernels_directly(monkeypatch, kw):
+    """On a GPU a repeated call starts the compiled kernels that its plan kept, with the new
+    call's tensors: forward and backward right against the float64 reference each time."""
+    from flashedu import BlockMask
+    from flashedu.triton import fast
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    if "block_mask" in kw:
+        tiles = np.random.default_rng(0).random((8, 8)) < 0.5
+        np.fill_diagonal(tiles, True)  # block-level only: a mask mod's call takes no plan
+        kw = dict(block_mask=BlockMask.from_dense(tiles, block_size=(128, 128),
+                                                  seq_lens=(1000, 1000)))
+    for step in range(3):
+        q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        if "dropout_p" in kw:
+            _check_with_dropout_stream(q, k, v, **kw)
+        else:
+            _check(q, k, v, **kw)
+        assert len(fast.PLANS) == 2
+    assert all(launch.hit is not None for plan in fast.PLANS.values()
+               for launch in ((plan,) if isinstance(plan, fast.Launch) else
+                              (plan[0], *plan[1])))
+
+
 def test_launch_key_holds_what_triton_specializes_on():
     """Two calls share a compiled kernel only if Triton would give them the same one: the key
     holds each int's value (finer than Triton's width and divisibility by 16), and each
@@ -510,11 +644,11 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     real_launch, real_run = fast.launch, fast.run
     tried = []
 
-    def picky_launch(kernel, grid, args, consts, switches):
+    def picky_launch(kernel, grid, args, consts, switches, slots):
         tried.append((consts["Br"], consts["Bc"]))
         if consts["Br"] * consts["Bc"] > 16 * 16:
             raise fast.OUT_OF_RESOURCES(300000, 232448, "shared memory")
-        return real_launch(kernel, grid, args, consts, switches)
+        return real_launch(kernel, grid, args, consts, switches, slots)
 
     def picky_run(kernel, grid, args, consts):
         if kernel is bw.backward_kernel and consts["Br1"] * consts["Bc1"] > 16 * 16:
@@ -525,13 +659,17 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     monkeypatch.setattr(fast, "run", picky_run)
     monkeypatch.setattr(fw, "_SHRUNK", {})
     monkeypatch.setattr(bw, "_SHRUNK", {})
+    monkeypatch.setattr(fast, "PLANS", {})
     with pytest.warns(UserWarning, match="smaller tiles"):
         o, lse2 = fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
     assert tried == [(32, 16), (32, 16), (16, 16)]  # one stage fewer, then Br halved
     assert _err(o, reference_attention(q, k, v, is_causal=True, scale=0.25)) < 1e-5
     tried.clear()
     fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
-    assert tried == [(16, 16)]  # remembered
+    assert tried == []  # the same call again: its plan repeats the launch that fitted
+    fast.PLANS.clear()
+    fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    assert tried == [(16, 16)]  # remembered for the configuration too
     config = dataclasses.replace(INTERPRETER, dkdv=Tiles(16, 32, 4, 1))
     with pytest.warns(UserWarning, match="smaller tiles"):
         grads = bw.backward(q, k, v, o, lse2, do, config=config, **kw)
@@ -541,10 +679,11 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     # a variant that shrank (here dropout, which needs more shared memory) keeps its smaller
     # tiles to itself: the plain kernel of the same configuration keeps its own
     monkeypatch.setattr(fw, "_SHRUNK", {})
-    monkeypatch.setattr(fast, "launch", lambda kernel, grid, args, consts, switches: (
-        picky_launch(kernel, grid, args, consts, switches) if consts["DROPOUT"]
-        else real_launch(kernel, grid, args, consts, switches)))
+    monkeypatch.setattr(fast, "launch", lambda kernel, grid, args, consts, switches, slots: (
+        picky_launch(kernel, grid, args, consts, switches, slots) if consts["DROPOUT"]
+        else real_launch(kernel, grid, args, consts, switches, slots)))
     rng = torch.tensor([1, 2], device=q.device)
+    fast.PLANS.clear()
     with pytest.warns(UserWarning, match="smaller tiles"):
         fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), dropout_p=0.1, rng=rng, **kw)
     tried.clear()

@@ -101,7 +101,7 @@ def kernel_stats(d, variants, modes, *, n=1024, table="sm90", dtype="bf16") -> l
     env = {**os.environ, "TRITON_INTERPRET": "0", "FLASHEDU_TILE_TABLE": table}
     request = json.dumps({"d": list(d), "variants": list(variants), "modes": list(modes),
                           "n": n, "table": table, "dtype": dtype})
-    run = subprocess.run([sys.executable, "-m", __name__, "--worker", request], env=env,
+    run = subprocess.run([sys.executable, "-P", "-m", __name__, "--worker", request], env=env,
                          capture_output=True, text=True)
     lines = [x for x in run.stdout.splitlines() if x.startswith("ROWS ")]
     if run.returncode != 0 or not lines:
@@ -155,7 +155,7 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
 
     launches = []
 
-    def capture(kernel, grid, args, consts, switches=None):
+    def capture(kernel, grid, args, consts, switches=None, slots=()):
         launches.append((kernel, args, {**consts, **(switches or {})}))
 
     def sm90_switches(tiles, interpreted, *tensors):  # as on an sm_90 with aligned tensors

@@ -7,7 +7,8 @@
                  link of forward and backward is flashedu.ops (torch.library operators)
     sparse.py    BlockMask -> per-tile index lists (kv_indices, q_indices)
     config.py    tile sizes per head dim
-    fast.py      Hopper's copy engine (TMA) and warp specialization, with a fallback
+    fast.py      launching: compiled kernels started directly, a plan of each call's
+                 launches, Hopper's copy engine (TMA) and warp specialization
     ablations.py slower variants, only to be measured against the kernels (notebook 10)
 
 On a machine without a CUDA GPU the same kernels run in Triton's interpreter on CPU tensors

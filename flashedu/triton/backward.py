@@ -20,14 +20,18 @@ exchange every output tile has exactly one program writing it. The atomic design
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
+import torch
 import triton
 import triton.language as tl
 
+from . import fast
 from .dropout import keep_tile, rng_state
-from .forward import LOG2E, dot_precision, dropout_args, load_tile
+from .forward import (LOG2E, NO_LISTS, dot_precision, dropout_args, element_args,
+                      interpreter_fp32, load_tile, mods_args, outputs_like, register_cap)
 from .mods import element_ptr, element_start, element_tile, head_mods, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
 
@@ -337,17 +341,18 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
 
 def preprocess(o, do, rows):
     """D = rowsum(dO * O), float32 (B, H, Nq)."""
-    import torch
-
-    from . import fast
-
-    B, H, Nq, d = o.shape
-    D = torch.empty((B, H, Nq), dtype=torch.float32, device=o.device)
-    so, sd = o.stride(), do.stride()
-    fast.run(preprocess_kernel, (-(-Nq // rows), B * H),
-             (o, do, D, so[0], so[1], so[2], sd[0], sd[1], sd[2], H, Nq, d),
-             _preprocess_consts(rows, d))
+    D = torch.empty(o.shape[:3], dtype=torch.float32, device=o.device)
+    fast.run(preprocess_kernel, *_preprocess_launch(o, do, D, rows))
     return D
+
+
+def _preprocess_launch(o, do, D, rows):
+    """(grid, args, consts) of preprocess_kernel: (o, do, D) lead the arguments."""
+    B, H, Nq, d = o.shape
+    so, sd = o.stride(), do.stride()
+    return ((-(-Nq // rows), B * H),
+            (o, do, D, so[0], so[1], so[2], sd[0], sd[1], sd[2], H, Nq, d),
+            _preprocess_consts(rows, d))
 
 
 @functools.lru_cache(maxsize=64)
@@ -398,14 +403,6 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
     tiles' warps and stages); otherwise two launches, each with its own."""
-    import dataclasses
-
-    import torch
-
-    from . import fast
-    from .forward import (NO_LISTS, element_args, interpreter_fp32, mods_args, outputs_like,
-                          register_cap)
-
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
@@ -413,15 +410,39 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         config = config.causal_backward
     if dropout_p > 0 and config.dropout_backward is not None:
         config = config.dropout_backward
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    own_D = D is None
+    if own_D:
+        D = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    # the call's own tensors, in the order the kernel takes them first (rng after them)
+    live = (q, k, v, do, lse2, D, dq, dk, dv) + ((rng,) if dropout_p > 0 else ())
+    # a call laid out as an earlier one repeats its launches (fast.PLANS); mods, an lse
+    # gradient and the mask's gradient take the general path
+    plan_key = None
+    if mods is None and dlse is None and not mask_grad:
+        inputs = (q, k, v, o, do, lse2, *live[9:]) if own_D else (q, k, v, o, do, lse2, D,
+                                                                    *live[9:])
+        plan_key = fast.signature(inputs, id(backward_kernel), own_D, config, is_causal, scale,
+                                  block_mask, interpreted, dropout_p)
+        plan = fast.PLANS.get(plan_key)
+        if plan is not None:
+            first, launches = plan
+            if first is not None:
+                first.start(o, do, D)
+            for launch in launches:
+                launch.start(*live)
+            return tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
     key = (config, q.shape[-1], dtype, dropout_p > 0, mods is not None)  # per kernel variant
     if _SHRUNK:
         config = _SHRUNK.get(key, config)
-    if D is None:
-        D = preprocess(o, do, config.preprocess_rows)
+    first = None
+    if own_D:
+        first = _preprocess_launch(o, do, D, config.preprocess_rows)
+        fast.run(preprocess_kernel, *first)
+        first = fast.Launch(preprocess_kernel, *first, (0, 1, 2)) if plan_key is not None else None
     if dlse is not None:
         D = D - dlse.to(torch.float32).reshape(D.shape)
-    B, H, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
     sq, sk, sv, sd = q.stride(), k.stride(), v.stride(), do.stride()
     dbias = None
     if mask_grad:
@@ -449,17 +470,22 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                 scale, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
                 sd[0], sd[1], sd[2], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
                 *q_lists[3], *kv_lists[3], H, Hkv, GROUP, Nq, Nk, d)
-        launches = _launch_consts(Nq, Nk, d, q.dtype, is_causal, block_mask is not None, config,
-                                  interpreted)
+        # live's positions: the first nine arguments, and rng after (first_pid, Tc, Tr)
+        slots = tuple(range(9)) + ((len(args) + 3,) if dropout_p > 0 else ())
+        launches = []
         try:
-            for first_pid, programs, consts in launches:
+            for first_pid, programs, consts in _launch_consts(
+                    Nq, Nk, d, q.dtype, is_causal, block_mask is not None, config, interpreted):
                 programs += GROUP * Tr if consts["DQ"] else 0
-                fast.run(backward_kernel, (programs, B * Hkv),
-                         (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng), E1, E_base1,
-                          E2, E_base2, SLOPES, mod_scale, cap, *bias, dbias),
-                         register_cap({**consts, "DROPOUT": dropout_p > 0, **mod_consts,
-                                       "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
-                                       "MASKED2": consts["MASKED2"] or E2 is not None}))
+                grid = (programs, B * Hkv)
+                args_i = (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng), E1, E_base1,
+                          E2, E_base2, SLOPES, mod_scale, cap, *bias, dbias)
+                consts_i = register_cap({**consts, "DROPOUT": dropout_p > 0, **mod_consts,
+                                         "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
+                                         "MASKED2": consts["MASKED2"] or E2 is not None})
+                fast.run(backward_kernel, grid, args_i, consts_i)
+                if plan_key is not None:
+                    launches.append(fast.Launch(backward_kernel, grid, args_i, consts_i, slots))
             break
         except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
             from .config import smaller
@@ -472,6 +498,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             warnings.warn(f"flashedu: {exc}; retrying the backward with smaller tiles "
                           f"{config.dkdv}, {config.dq}", stacklevel=2)
             _SHRUNK[key] = config
+    if plan_key is not None:
+        fast.remember(plan_key, (first, launches))
     grads = tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
     if mask_grad:
         attn_mask = mods.attn_mask

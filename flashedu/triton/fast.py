@@ -1,5 +1,6 @@
 """How the kernels are launched: compiled kernels started again without Triton's dispatch
-(``run``, below), and Hopper's fast paths for the forward kernel with the fallback when a Triton
+(``run``, below), a call's launches kept as a plan for the next call laid out alike
+(``PLANS``), and Hopper's fast paths for the forward kernel with the fallback when a Triton
 cannot build them.
 
 - TMA: tiles fetched by the copy engine through tensor descriptors that the kernels make
@@ -68,25 +69,30 @@ def switches(tiles, interpreted: bool, *tensors) -> dict:
     return {"TMA": bool(tiles.tma), "WARP_SPECIALIZE": bool(tiles.tma and tiles.warp_specialize)}
 
 
-def launch(kernel, grid, args, consts: dict, fast: dict):
-    """kernel[grid](*args, **consts, **fast), or the pointer version where fast does not build."""
-    if fast == OFF:  # the common case pays for no bookkeeping
-        return run(kernel, grid, args, {**consts, **fast})
-    key = (kernel, tuple(consts.items()), args[0].dtype)
-    if key in _NO_FAST:
-        return run(kernel, grid, args, {**consts, **OFF})
-    if fast["TMA"]:
-        ensure_allocator()
+def launch(kernel, grid, args, consts: dict, fast: dict, slots: tuple = ()) -> Launch:
+    """kernel[grid](*args, **consts, **fast), or the pointer version where fast does not build.
+    Returns the launch made, to be repeated with the call's own tensors in ``slots``."""
+    used = {**consts, **fast}
+    if fast != OFF:  # the common case pays for no bookkeeping
+        key = (kernel, tuple(consts.items()), args[0].dtype)
+        if key in _NO_FAST:
+            used = {**consts, **OFF}
+        elif fast["TMA"]:
+            ensure_allocator()
     try:
-        return run(kernel, grid, args, {**consts, **fast})
+        run(kernel, grid, args, used)
     except OUT_OF_RESOURCES:
         raise  # the caller retries with smaller tiles
     except Exception as exc:  # noqa: BLE001 - only the TMA / warp-specialized build may fail
+        if not (used["TMA"] or used["WARP_SPECIALIZE"]):
+            raise
         warnings.warn(f"flashedu: the TMA / warp-specialized kernel did not build on this "
                       f"Triton ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                       f"using the pointer version for these settings", stacklevel=3)
         _NO_FAST.add(key)
-        return run(kernel, grid, args, {**consts, **OFF})
+        used = {**consts, **OFF}
+        run(kernel, grid, args, used)
+    return Launch(kernel, grid, args, used, slots)
 
 
 _ALLOCATOR_CHECKED = False
@@ -180,7 +186,6 @@ def _direct_ok(kernel) -> bool:
 def run(kernel, grid, args, consts: dict):
     """``kernel[grid](*args, **consts)``; repeated launches skip Triton's dispatch.
     Returns the CompiledKernel (None under the interpreter)."""
-    global FAST_LAUNCH
     if not _direct_ok(kernel):
         return kernel[grid](*args, **consts)
     device = torch.cuda.current_device()
@@ -198,6 +203,13 @@ def run(kernel, grid, args, consts: dict):
         _COMPILED[key] = (compiled, tuple(consts[n] if n in consts else defaults[n]
                                           for n in names))
         return compiled
+    return _start(kernel, hit, grid, args, consts, device)
+
+
+def _start(kernel, hit, grid, args, consts: dict, device):
+    """Start ``hit`` = (CompiledKernel, its trailing constexpr values) directly, as the end of
+    Triton's ``JITFunction.run`` does."""
+    global FAST_LAUNCH
     compiled, tail = hit
     try:
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
@@ -206,11 +218,82 @@ def run(kernel, grid, args, consts: dict):
     except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs: its own path
         warnings.warn(f"flashedu: launching a compiled kernel directly failed on this Triton "
                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); using "
-                      f"Triton's dispatch from now on", stacklevel=3)
+                      f"Triton's dispatch from now on", stacklevel=4)
         FAST_LAUNCH = False
         _COMPILED.clear()
         return kernel[grid](*args, **consts)
     return compiled
+
+
+# ------------------------------------------------------------------------------------------
+# Launch plans: a call's launches, worked out once per call signature
+# ------------------------------------------------------------------------------------------
+#
+# A training loop calls attention with tensors of one layout step after step. Everything its
+# launches need besides the tensors themselves (the tile table entry, the grid, the strides
+# and sizes, the constexprs, a block mask's tile lists, the compiled kernel) follows from the
+# tensors' shapes, strides, dtype, device and alignment and from the call's options. The
+# first call with a signature keeps its launches (``Launch``); later ones allocate their
+# outputs and start them again with their own tensors. `flashedu bench host` times it: the
+# host code of the course GPT's forward+backward went from about 240 to about 140 us on a
+# 2-core CPU (BENCHMARKS.md, "Launch plans").
+
+PLANS: dict = {}  # call signature -> what the call launched (each launch code's own shape)
+_MAX_PLANS = 1024  # signatures kept before the plans start over (shapes that change every call)
+
+
+def signature(tensors, *options) -> tuple:
+    """A plan's key: the options, the device, then each input's shape, strides, dtype and
+    16-byte alignment (what the launches' arguments and Triton's specialization read). A
+    call's outputs are not in it: they are fresh allocations laid out as the inputs say, and
+    allocators align them to far more than 16 bytes."""
+    return (*options, tensors[0].device,
+            *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def remember(key, plan):
+    """Keep ``plan`` under ``key`` (None: a launch that cannot be repeated; nothing kept)."""
+    if plan is None:
+        return
+    if len(PLANS) >= _MAX_PLANS:
+        PLANS.clear()
+    PLANS[key] = plan
+
+
+class Launch:
+    """A launch made once, to be made again with other tensors of the same layout.
+
+    ``slots`` are the positions of the call's own tensors among the arguments; ``start``
+    puts new ones there (in that order) and starts the kernel again: the compiled kernel
+    directly where ``run`` would, else ``run`` itself (the interpreter, a launch hook). The
+    launch keeps no reference to the tensors it was made with."""
+
+    __slots__ = ("kernel", "grid", "args", "consts", "slots", "hit", "device")
+
+    def __init__(self, kernel, grid, args, consts: dict, slots: tuple):
+        self.kernel, self.grid, self.consts, self.slots = kernel, grid, consts, slots
+        self.args = list(args)
+        for i in slots:
+            self.args[i] = None
+        self.hit, self.device = None, None
+        # no kernel was started directly in a process that never initialized CUDA (the
+        # interpreter, or compiling for another GPU without one: ``bench sass``)
+        if torch.cuda.is_initialized() and _direct_ok(kernel):
+            try:
+                self.device = torch.cuda.current_device()
+                self.hit = _COMPILED.get((kernel, self.device, tuple(consts.items()),
+                                          _key(args)))
+            except _Unkeyable:
+                pass
+
+    def start(self, *tensors):
+        args = self.args.copy()
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        if (self.hit is None or not _direct_ok(self.kernel)
+                or torch.cuda.current_device() != self.device):
+            return run(self.kernel, self.grid, args, self.consts)
+        return _start(self.kernel, self.hit, self.grid, args, self.consts, self.device)
 
 
 def compiled_kernels():

@@ -1,0 +1,187 @@
+"""``flashedu bench host``: the Python that one call of the triton backend runs around its
+kernels, measured on any machine (no GPU needed).
+
+At small sizes a call costs what its host code costs (``flashedu bench overhead`` measures that
+on a GPU, beside SDPA). This benchmark isolates our part of it: the public ``attention`` and
+its backward run on CPU tensors with every Triton launch replaced by a compiled kernel whose
+start does nothing, so what is timed is the argument checks, allocations, autograd and the
+launch code, without the GPU, the driver or the interpreter. It runs in a fresh process
+(``TRITON_INTERPRET=0``: the kernels as the GPU path sees them).
+
+Rows, per shape (B, H, N, d), causal, bf16:
+- ``plans``: as the package runs, a call laid out as an earlier one repeating its launches
+  (``flashedu.triton.fast.PLANS``);
+- ``no plans``: every call working its launches out again;
+- ``floor``: a ``torch.autograd.Function`` that only allocates its outputs, with the same
+  ``torch.autograd.grad``: what any Python attention pays before its own code.
+
+Times are the best of ``--rounds`` rounds of ``--iters`` calls, in microseconds per call;
+interleaved, so that a machine's slow spell hits every row alike.
+
+    flashedu bench host                       # gpt shape, forward and forward + backward
+    flashedu bench host --shapes tiny gpt --json host.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from . import core
+from .overhead import SHAPES
+
+MODES = ("fwd", "fwd+bwd")
+VARIANTS = ("plans", "no plans", "floor")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    request = json.dumps({"shapes": args.shapes, "iters": args.iters, "rounds": args.rounds})
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-P", "-m", __name__, "--worker", request], env=env,
+                         capture_output=True, text=True)
+    lines = [x for x in run.stdout.splitlines() if x.startswith("ROWS ")]
+    if run.returncode != 0 or not lines:
+        print(f"{run.stdout}{run.stderr}\nflashedu bench host: the worker failed (above)",
+              file=sys.stderr)
+        return 1
+    rows = json.loads(lines[0][5:])
+    record = core.environment(["host", *(sys.argv[1:] if argv is None else argv)], rows=rows)
+    if args.json:
+        core.write_json(args.json, record)
+    print(core.headline(record))
+    print(table(rows))
+    return 0
+
+
+def table(rows) -> str:
+    headers = ["shape", "mode", *VARIANTS, "no plans / plans"]
+    body = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for mode in MODES:
+            us = {r["variant"]: r["us"] for r in rows if r["shape"] == shape and r["mode"] == mode}
+            body.append([shape, mode, *(f"{us[v]:.1f} us" for v in VARIANTS),
+                         f"{us['no plans'] / us['plans']:.2f}x"])
+    return core.format_table(headers, body)
+
+
+def _parser():
+    p = core.parser("flashedu bench host", __doc__)
+    p.add_argument("--shapes", nargs="+", default=["gpt"], choices=list(SHAPES))
+    p.add_argument("--iters", type=core.positive_int, default=50, help="calls per round")
+    p.add_argument("--rounds", type=core.positive_int, default=20, help="rounds, best kept")
+    p.add_argument("--json", type=core.output_file, default=None, help="write the results here")
+    return p
+
+
+# ----------------------------------------------------------------------------------------
+# The worker: stub the launches, time the calls
+# ----------------------------------------------------------------------------------------
+
+class _Compiled:
+    """What a launch returns: a compiled kernel whose start does nothing."""
+
+    function = packed_metadata = None
+
+    def run(self, *args):
+        pass
+
+
+def _stub_launches():
+    """Every ``kernel[grid](...)`` returns a :class:`_Compiled`; the CUDA queries the launch
+    code makes answer as on device 0; the backend takes CPU tensors as if compiled."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    import flashedu.triton
+    from flashedu import runtime
+
+    JITFunction.__getitem__ = lambda self, grid: lambda *args, **kwargs: _Compiled()
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.is_initialized = lambda: True
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    runtime.triton_interpreted = lambda: False
+    flashedu.triton._check = lambda q, k, v: None
+
+
+def _steps(shape):
+    """{(variant, mode): a zero-argument call} for one shape."""
+    import torch
+
+    import flashedu
+
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, dtype=torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            flashedu.attention(q, k, v, is_causal=True, backend="triton")
+
+    def forward_backward():
+        out = flashedu.attention(q, k, v, is_causal=True, backend="triton")
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return torch.empty_like(q)
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+
+    def floor_forward():
+        with torch.no_grad():
+            Floor.apply(q, k, v)
+
+    def floor_backward():
+        torch.autograd.grad(Floor.apply(q, k, v), (q, k, v), dout)
+
+    return {"fwd": forward, "fwd+bwd": forward_backward}, {"fwd": floor_forward,
+                                                         "fwd+bwd": floor_backward}
+
+
+def _worker(request) -> list[dict]:
+    from contextlib import ExitStack, nullcontext
+    from unittest import mock
+
+    _stub_launches()
+    from flashedu.triton import fast
+
+    def no_plans():  # none found, none kept: each call works its launches out again
+        stack = ExitStack()
+        stack.enter_context(mock.patch.object(fast, "PLANS", {}))
+        stack.enter_context(mock.patch.object(fast, "remember", lambda key, plan: None))
+        return stack
+
+    rows, iters = [], request["iters"]
+    for name in request["shapes"]:
+        steps, floors = _steps(SHAPES[name])
+        calls = []
+        for mode in MODES:
+            calls.append(("plans", mode, steps[mode], nullcontext))
+            calls.append(("no plans", mode, steps[mode], no_plans))
+            calls.append(("floor", mode, floors[mode], nullcontext))
+        best = [float("inf")] * len(calls)
+        for round_ in range(request["rounds"] + 1):  # round 0 warms up
+            for n, (_, _, fn, context) in enumerate(calls):
+                with context():
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    us = (time.perf_counter() - start) / iters * 1e6
+                if round_:
+                    best[n] = min(best[n], us)
+        rows += [{"shape": name, "variant": variant, "mode": mode, "us": round(us, 2)}
+                 for (variant, mode, _, _), us in zip(calls, best)]
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print("ROWS " + json.dumps(_worker(json.loads(sys.argv[2]))))
+    else:
+        sys.exit(main())

@@ -166,14 +166,14 @@ def _worker(request) -> list[dict]:
             calls.append(("no plans", mode, steps[mode], no_plans))
             calls.append(("floor", mode, floors[mode], nullcontext))
         best = [float("inf")] * len(calls)
-        for round_ in range(request["rounds"] + 1):  # round 0 warms up
+        for pass_ in range(request["rounds"] + 1):  # the first pass only warms up
             for n, (_, _, fn, context) in enumerate(calls):
                 with context():
                     start = time.perf_counter()
                     for _ in range(iters):
                         fn()
                     us = (time.perf_counter() - start) / iters * 1e6
-                if round_:
+                if pass_:
                     best[n] = min(best[n], us)
         rows += [{"shape": name, "variant": variant, "mode": mode, "us": round(us, 2)}
                  for (variant, mode, _, _), us in zip(calls, best)]

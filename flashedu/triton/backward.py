@@ -421,10 +421,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     # gradient and the mask's gradient take the general path
     plan_key = None
     if mods is None and dlse is None and not mask_grad:
-        inputs = (q, k, v, o, do, lse2, *live[9:]) if own_D else (q, k, v, o, do, lse2, D,
-                                                                    *live[9:])
-        plan_key = fast.signature(inputs, id(backward_kernel), own_D, config, is_causal, scale,
-                                  block_mask, interpreted, dropout_p)
+        plan_key = fast.signature((*live[:6], o, *live[9:]), id(backward_kernel), own_D,
+                                  config, is_causal, scale, block_mask, interpreted, dropout_p)
         plan = fast.PLANS.get(plan_key)
         if plan is not None:
             first, launches = plan
@@ -436,11 +434,12 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     key = (config, q.shape[-1], dtype, dropout_p > 0, mods is not None)  # per kernel variant
     if _SHRUNK:
         config = _SHRUNK.get(key, config)
-    first = None
+    first = None  # the preprocess's launch, for the plan
     if own_D:
-        first = _preprocess_launch(o, do, D, config.preprocess_rows)
-        fast.run(preprocess_kernel, *first)
-        first = fast.Launch(preprocess_kernel, *first, (0, 1, 2)) if plan_key is not None else None
+        pre_grid, pre_args, pre_consts = _preprocess_launch(o, do, D, config.preprocess_rows)
+        fast.run(preprocess_kernel, pre_grid, pre_args, pre_consts)
+        if plan_key is not None:
+            first = fast.Launch(preprocess_kernel, pre_grid, pre_args, pre_consts, (0, 1, 2))
     if dlse is not None:
         D = D - dlse.to(torch.float32).reshape(D.shape)
     sq, sk, sv, sd = q.stride(), k.stride(), v.stride(), do.stride()
@@ -470,8 +469,6 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                 scale, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
                 sd[0], sd[1], sd[2], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
                 *q_lists[3], *kv_lists[3], H, Hkv, GROUP, Nq, Nk, d)
-        # live's positions: the first nine arguments, and rng after (first_pid, Tc, Tr)
-        slots = tuple(range(9)) + ((len(args) + 3,) if dropout_p > 0 else ())
         launches = []
         try:
             for first_pid, programs, consts in _launch_consts(
@@ -484,8 +481,9 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                                          "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
                                          "MASKED2": consts["MASKED2"] or E2 is not None})
                 fast.run(backward_kernel, grid, args_i, consts_i)
-                if plan_key is not None:
-                    launches.append(fast.Launch(backward_kernel, grid, args_i, consts_i, slots))
+                if plan_key is not None:  # live: the first nine arguments, then rng
+                    own = fast.slots(args_i, 9, *live[9:])
+                    launches.append(fast.Launch(backward_kernel, grid, args_i, consts_i, own))
             break
         except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
             from .config import smaller

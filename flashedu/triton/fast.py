@@ -183,6 +183,11 @@ def _direct_ok(kernel) -> bool:
                 or _hook_set(knobs.runtime.launch_exit_hook))
 
 
+def _cache_key(kernel, device, args, consts: dict) -> tuple:
+    """The key of ``_COMPILED``; raises _Unkeyable for an argument it cannot key."""
+    return kernel, device, tuple(consts.items()), _key(args)
+
+
 def run(kernel, grid, args, consts: dict):
     """``kernel[grid](*args, **consts)``; repeated launches skip Triton's dispatch.
     Returns the CompiledKernel (None under the interpreter)."""
@@ -190,7 +195,7 @@ def run(kernel, grid, args, consts: dict):
         return kernel[grid](*args, **consts)
     device = torch.cuda.current_device()
     try:
-        key = (kernel, device, tuple(consts.items()), _key(args))
+        key = _cache_key(kernel, device, args, consts)
     except _Unkeyable:
         return kernel[grid](*args, **consts)
     hit = _COMPILED.get(key)
@@ -251,6 +256,13 @@ def signature(tensors, *options) -> tuple:
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
 
 
+def slots(args, leading: int, *fresh) -> tuple:
+    """The positions of a call's own tensors among a launch's arguments: the first
+    ``leading``, then each of ``fresh`` (tensors made for this call alone, such as the dropout
+    RNG state, found by identity)."""
+    return (*range(leading), *(next(i for i, a in enumerate(args) if a is t) for t in fresh))
+
+
 def remember(key, plan):
     """Keep ``plan`` under ``key`` (None: a launch that cannot be repeated; nothing kept)."""
     if plan is None:
@@ -281,8 +293,7 @@ class Launch:
         if torch.cuda.is_initialized() and _direct_ok(kernel):
             try:
                 self.device = torch.cuda.current_device()
-                self.hit = _COMPILED.get((kernel, self.device, tuple(consts.items()),
-                                          _key(args)))
+                self.hit = _COMPILED.get(_cache_key(kernel, self.device, args, consts))
             except _Unkeyable:
                 pass
 

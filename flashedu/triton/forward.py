@@ -389,22 +389,23 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
     # a call laid out as an earlier one repeats its launch (fast.PLANS); mods are Python
     # objects that the plan's key cannot hold. The kernel is keyed by id (hashing a
     # JITFunction costs a Python call); the plan holds it, so the id stays its own.
-    plan_key = None
+    plan_key = plan = None
     if mods is None:
         plan_key = fast.signature((q32, k32, v32, *live[5:]), id(forward_kernel), is_causal,
                                   scale, block_mask, tiles, interpreted, dropout_p)
         plan = fast.PLANS.get(plan_key)
-        if plan is not None:
-            plan.start(*live)
-            return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2
-    # the tiles a launch shrank to are remembered per kernel variant (dropout and mods need
-    # more shared memory than the plain kernel: their shrinking must not shrink its tiles)
-    key = (tiles, q.shape[-1], q.dtype, dropout_p > 0, mods is not None)
-    launch = _launch(q32, k32, v32, o, lse2, key, {}, is_causal=is_causal, scale=scale,
-                     block_mask=block_mask, tiles=tiles, interpreted=interpreted,
-                     dropout_p=dropout_p, rng=rng, mods=mods)
-    if plan_key is not None:
-        fast.remember(plan_key, launch)
+    if plan is not None:
+        plan.start(*live)
+    else:
+        # the tiles a launch shrank to are remembered per kernel variant (dropout and mods
+        # need more shared memory than the plain kernel, whose tiles their shrinking must
+        # leave alone)
+        key = (tiles, q.shape[-1], q.dtype, dropout_p > 0, mods is not None)
+        launch = _launch(q32, k32, v32, o, lse2, key, {}, is_causal=is_causal, scale=scale,
+                         block_mask=block_mask, tiles=tiles, interpreted=interpreted,
+                         dropout_p=dropout_p, rng=rng, mods=mods)
+        if plan_key is not None:
+            fast.remember(plan_key, launch)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2
 
 
@@ -447,12 +448,10 @@ def _launch(q, k, v, o, lse2, key, extra: dict, *, tiles, **kwargs):
     tiles = _SHRUNK.get(key, tiles)
     while True:
         grid, args, consts = launch_args(q, k, v, o, lse2, tiles=tiles, **kwargs)
-        slots = (0, 1, 2, 3, 4)  # forward_launch's first arguments
-        rng = kwargs.get("rng")
-        if kwargs.get("dropout_p", 0) > 0:  # a fresh tensor each call: found by identity
-            slots += (next(i for i, a in enumerate(args) if a is rng),)
+        # q, k, v, o, lse2 lead forward_launch's arguments; the dropout RNG state follows
+        own = fast.slots(args, 5, *([kwargs["rng"]] if kwargs.get("dropout_p", 0) > 0 else []))
         try:
             return fast.launch(forward_kernel, grid, args, {**consts, **extra},
-                               fast.switches(tiles, kwargs["interpreted"], k, v), slots)
+                               fast.switches(tiles, kwargs["interpreted"], k, v), own)
         except fast.OUT_OF_RESOURCES as exc:
             tiles = fast.shrink(key, tiles, exc, _SHRUNK)

@@ -40,7 +40,9 @@ VARIANTS = ("plans", "no plans", "floor")
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     request = json.dumps({"shapes": args.shapes, "iters": args.iters, "rounds": args.rounds})
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    # No GPU in the worker, even where there is one: CPU tensors and the tuned table, as on a
+    # machine without a GPU, so that every host times the same code.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "-P", "-m", __name__, "--worker", request], env=env,
                          capture_output=True, text=True)
     lines = [x for x in run.stdout.splitlines() if x.startswith("ROWS ")]

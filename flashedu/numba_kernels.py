@@ -34,7 +34,7 @@ import torch
 from numba import cuda, float32
 
 from . import runtime
-from .backends import backends_with_backward
+from .backends import backends_with, backends_with_backward
 
 # Static shared memory one block may declare with cuda.shared.array: 48 KiB on every CUDA GPU
 # (more needs dynamic shared memory and an opt-in). An H100 SM holds 228 KiB, so up to four of
@@ -355,6 +355,11 @@ def forward(q, k, v, *, is_causal=False, scale=None, block_mask=None, tiles=None
     if d > MAX_HEAD_DIM:
         raise ValueError(f"q, k, v: head dim d={d} is larger than the numba kernel's maximum "
                          f"{MAX_HEAD_DIM} (its output piece is held in registers)")
+    if block_mask is not None and block_mask.needs_mask_mod:
+        raise NotImplementedError(
+            f"block_mask: the numba kernel skips the tiles a block mask hides but does not apply "
+            f"its mask mod inside partial tiles ({block_mask.mask_mod!r}); use "
+            f"flashedu.attention with one of the backends {backends_with('mask_mod')}")
     tiles = choose_tiles(d) if tiles is None else tiles
     is_causal = bool(is_causal or (block_mask is not None and block_mask.is_causal))
     if scale is None:

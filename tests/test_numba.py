@@ -155,3 +155,14 @@ def test_gpu_script_check_runs_on_the_simulator(monkeypatch):
     monkeypatch.setattr(script, "DEV", "cpu")
     result = script.check_case(1, 2, 1, 21, 19, 6, is_causal=True, sample_rows=9)
     assert result["passed"], result
+
+
+def test_a_mask_mod_is_refused_not_ignored():
+    """The kernel reads a block mask's tile grid only: a mask mod inside partial tiles would be
+    silently dropped, so it is refused, naming the backends that apply it."""
+    mask = flashedu.BlockMask.sliding_window((64, 64), (16, 16), window=8)
+    assert mask.needs_mask_mod
+    q = randn(1, 1, 64, 8)
+    with pytest.raises(NotImplementedError, match="mask mod") as err:
+        nk.forward(q, q, q, block_mask=mask)
+    assert "'triton'" in str(err.value)

@@ -4,13 +4,12 @@ This is :func:`flashedu.tiled.flash_forward` (the FlashAttention-2 loop order) m
 
 - one thread block per (Q tile i, batch-head): the grid is (Tr, B*H);
 - the block copies Q_i, then each K_j, V_j, from HBM into shared memory (``cuda.shared.array``),
-  computes the score tile S_ij = scale * Q_i K_j^T, updates the running row maximum m_i and row
-  sum l_i, puts P_ij in shared memory and accumulates O_i; nothing of size Nq x Nk ever exists;
+  computes the score tile S_ij = scale * Q_i K_j^T into shared memory, updates the running row
+  maximum m_i and row sum l_i, and accumulates O_i; nothing of size Nq x Nk ever exists;
 - ``cuda.syncthreads()`` separates the steps: every thread reads what other threads wrote;
 - register tiling: thread (ty, tx) of the TY x TX thread grid computes a TM x TN piece of S_ij
   and a TM x DN piece of O_i in its registers (``cuda.local.array`` of compile-time size), so
-  each number read from shared memory feeds several multiply-adds; the TX threads that share
-  a row of S_ij run its online softmax together, each on its own scores, in registers.
+  each number read from shared memory feeds several multiply-adds.
 
 Shared memory is budgeted: :data:`SMEM_BUDGET` bytes per block, :func:`sram_bytes` says what
 each buffer takes, and :func:`choose_tiles` picks the largest tiles that fit.
@@ -90,10 +89,8 @@ def sram_bytes(tiles: Tiles, d: int) -> dict[str, int]:
     Rows of Q_i, K_j and S_ij get one float of padding: threads of a warp that read one column
     then hit 32 different banks instead of one. V_j is widened to a multiple of TX so that every
     thread owns the same number of output columns. O_i is not here: it lives in registers, each
-    thread holding its TM x ceil(d/TX) piece. The softmax's row maximum and row sum are
-    reduced across the TX threads of a row through ``part_max`` and ``part_sum`` (rows padded
-    by one float too). This agrees with ``flashedu.io.sram_footprint(Br, Bc, d, "float32")``
-    less O_i, plus the padding and the two share arrays.
+    thread holding its TM x ceil(d/TX) piece. This agrees with
+    ``flashedu.io.sram_footprint(Br, Bc, d, "float32")`` less O_i, plus the padding and alpha.
     """
     Br, Bc = tiles.Br, tiles.Bc
     dv = _cdiv(d, tiles.TX) * tiles.TX
@@ -105,9 +102,7 @@ def sram_bytes(tiles: Tiles, d: int) -> dict[str, int]:
         "S_ij": Br * (Bc + 1) * f,  # P_ij overwrites it
         "m_i": Br * f,
         "l_i": Br * f,
-        # each of a row's TX threads leaves its share of the row's maximum and sum here
-        "part_max": Br * (tiles.TX + 1) * f,
-        "part_sum": Br * (tiles.TX + 1) * f,
+        "alpha": Br * f,  # exp(m_old - m_new): rescales O_i when the row max grows
     }
 
 
@@ -145,7 +140,6 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
     DV = DN * TX  # V_j row length, zero-padded
     DP = D + 1  # padded row lengths of Q_i, K_j and S_ij: see sram_bytes
     BcP = Bc + 1  # (a shape must be built from closure constants, not computed in the kernel)
-    TXP = TX + 1
     NEG_INF = np.float32(-np.inf)
     ZERO = np.float32(0.0)
 
@@ -198,8 +192,7 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
         S_ij = cuda.shared.array((Br, BcP), float32)
         m_i = cuda.shared.array(Br, float32)
         l_i = cuda.shared.array(Br, float32)
-        part_max = cuda.shared.array((Br, TXP), float32)
-        part_sum = cuda.shared.array((Br, TXP), float32)
+        alpha = cuda.shared.array(Br, float32)
         # Registers: this thread's piece of S_ij and of O_i, and the operands of one step.
         s = cuda.local.array((TM, TN), float32)
         o = cuda.local.array((TM, DN), float32)
@@ -207,22 +200,15 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
         q = cuda.local.array(TM, float32)
         k = cuda.local.array(TN, float32)
         v = cuda.local.array(DN, float32)
-        m_new = cuda.local.array(TM, float32)  # the new row maxima of this thread's rows
-        alpha = cuda.local.array(TM, float32)  # exp(m_old - m_new): rescales O_i and l_i
 
         load_tile(Q_i, Q, bh, first_q, Nq, D, tid)
         if tid < Br:
             m_i[tid] = NEG_INF
             l_i[tid] = ZERO
-        # the shares start finite: even the kernel without barriers, reading them before they
-        # are written, then computes a wrong number rather than a failing log of a negative sum
-        for idx in range(tid, Br * TXP, NT):
-            part_max[idx // TXP, idx % TXP] = ZERO
-            part_sum[idx // TXP, idx % TXP] = ZERO
         for a in range(TM):
             for e in range(DN):
                 o[a, e] = ZERO
-        cuda.syncthreads()  # Q_i, m_i, l_i and the shares are written before anyone reads them
+        cuda.syncthreads()  # Q_i, m_i, l_i are written before anyone reads them
 
         Tc = (Nk + Bc - 1) // Bc
         if causal:  # tiles right of the diagonal hold no visible key: never visit them
@@ -250,53 +236,36 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
                 for a in range(TM):
                     for b in range(TN):
                         s[a, b] += q[a] * k[b]
-            # The masks, and this thread's share of each row's maximum: the max of its TN
-            # scores of the row. (Its TX threads together hold the whole row of the tile.)
             for a in range(TM):
                 row = first_q + ty * TM + a
-                share = NEG_INF
                 for b in range(TN):
                     col = first_k + tx + b * TX
                     hidden = col >= Nk or (causal and col > row) or (
                         kind == PARTIAL and row < Nq and blocks[mb, row // mBr, col // mBc] == 0)
-                    s[a, b] = NEG_INF if hidden else s[a, b] * scale
-                    share = max(share, s[a, b])
-                part_max[ty * TM + a, tx] = share
+                    S_ij[ty * TM + a, tx + b * TX] = NEG_INF if hidden else s[a, b] * scale
             if barriers:
-                cuda.syncthreads()  # (2) every share of every row's maximum is written
+                cuda.syncthreads()  # (2) S_ij complete before rows are reduced
 
-            # Online softmax, in registers: each thread finishes its rows' maxima from the TX
-            # shares, then P_ij = exp(S_ij - m_new) for its own TM x TN scores; P_ij goes to
-            # shared memory (the P_ij V_j step reads whole columns of it), the row sums' shares
-            # beside it.
-            for a in range(TM):
-                r = ty * TM + a
+            # Online softmax, one thread per row r: m_i, l_i, and P_ij = exp(S_ij - m_i) in place.
+            if tid < Br:
+                r = tid
                 m_old = m_i[r]
-                m = m_old
-                for t in range(TX):
-                    m = max(m, part_max[r, t])
+                m_new = m_old
+                for c in range(Bc):
+                    m_new = max(m_new, S_ij[r, c])
                 # A row that has seen no visible key keeps m = -inf; subtract 0 instead, so that
                 # exp(-inf - (-inf)) = NaN never happens (its P and alpha are then 0).
-                m_use = ZERO if m == NEG_INF else m
-                share = ZERO
-                for b in range(TN):
-                    p = math.exp(s[a, b] - m_use)
-                    S_ij[r, tx + b * TX] = p
-                    share += p
-                part_sum[r, tx] = share
-                m_new[a] = m
-                alpha[a] = math.exp(m_old - m_use)
+                m_use = ZERO if m_new == NEG_INF else m_new
+                row_sum = ZERO
+                for c in range(Bc):
+                    p = math.exp(S_ij[r, c] - m_use)
+                    S_ij[r, c] = p
+                    row_sum += p
+                alpha[r] = math.exp(m_old - m_use)
+                l_i[r] = alpha[r] * l_i[r] + row_sum
+                m_i[r] = m_new
             if barriers:
-                cuda.syncthreads()  # (3) P_ij and the row sums' shares ready; m_i read by all
-
-            if tx == 0:  # one thread per row: l_i = alpha * l_i + rowsum(P_ij), m_i = m_new
-                for a in range(TM):
-                    r = ty * TM + a
-                    row_sum = ZERO
-                    for t in range(TX):
-                        row_sum += part_sum[r, t]
-                    l_i[r] = alpha[a] * l_i[r] + row_sum
-                    m_i[r] = m_new[a]
+                cuda.syncthreads()  # (3) P_ij and alpha ready before O_i uses them
 
             # O_i = alpha * O_i + P_ij V_j: TM + DN shared loads feed TM * DN multiply-adds.
             # P_ij V_j is summed on its own first: a sum of Bc terms added once per tile rounds
@@ -314,7 +283,7 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
                         pv[a, e] += q[a] * v[e]
             for a in range(TM):
                 for e in range(DN):
-                    o[a, e] = alpha[a] * o[a, e] + pv[a, e]
+                    o[a, e] = alpha[ty * TM + a] * o[a, e] + pv[a, e]
             if barriers:
                 cuda.syncthreads()  # (4) everyone is done with K_j, V_j, S_ij: next tile may load
 

@@ -10,7 +10,9 @@ import math
 import numbers
 
 import numpy as np
+import torch
 
+from . import ops
 from .backends import BACKENDS, backends_with, resolve_backend
 from .masks import BlockMask
 
@@ -19,6 +21,11 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # register), so a scale is accepted only where float32 holds it as a normal number: below
 # 2**-126 it would turn into a subnormal or 0 and the scores would silently lose their meaning.
 SCALE_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
+
+# A plain call's signature -> its backend's repeat (``Backend.repeater``): a later call with the
+# same signature skips the checks it passed and the general path it took.
+REPEATS: dict = {}
+_MAX_REPEATS = 256
 
 
 def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
@@ -50,6 +57,14 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     with the negative or conjugate bit (``torch._neg_view``, ``.conj()``): they are resolved
     first. Anything else raises a TypeError or ValueError that names the argument.
     """
+    key = _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
+                      enable_gqa, return_lse, backend)
+    if key is not None:
+        repeat = REPEATS.get(key)
+        if repeat is not None:
+            out = repeat(q, k, v)
+            if out is not None:
+                return out
     name = _check_backend(backend)
     spec = BACKENDS[name]
     is_causal = _check_flag(is_causal, "is_causal")
@@ -76,8 +91,43 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
             f"backend {name!r} does not implement dropout (dropout_p={dropout_p}); "
             f"use one of {with_dropout}, or dropout_p=0.0")
     fn = spec.load()
-    return fn(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p,
-              **extras)
+    out = fn(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p,
+             **extras)
+    if key is not None and spec.repeater is not None and ops.plain_eager(q, k, v):
+        if len(REPEATS) >= _MAX_REPEATS:  # shapes that change every call: start over
+            REPEATS.clear()
+        REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale)
+    return out
+
+
+def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
+                enable_gqa, return_lse, backend):
+    """The signature of a plain call, or None: no mask, score mod, dropout or lse; the options
+    of their plain types; q, k, v plain dense tensors, neither negative nor conjugate views.
+    Everything the checks and the general path read of such a call is in it, so two calls with
+    one signature pass the same checks and launch the same kernels."""
+    if (attn_mask is not None or block_mask is not None or score_mod is not None
+            or return_lse is not False or type(is_causal) is not bool
+            or type(enable_gqa) is not bool or type(backend) is not str
+            or not (scale is None or type(scale) is float)
+            or type(dropout_p) not in (float, int) or dropout_p != 0
+            or torch.compiler.is_compiling()):
+        return None
+    layouts = (_layout(q), _layout(k), _layout(v))
+    if None in layouts:
+        return None
+    return (backend, is_causal, scale, enable_gqa, *layouts)
+
+
+def _layout(t):
+    """(shape, strides, dtype, device, 16-byte aligned) of a plain dense tensor, else None."""
+    if (type(t) is not torch.Tensor or t.is_nested or t.layout is not torch.strided
+            or t.is_neg() or t.is_conj()):
+        return None
+    try:
+        return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+    except RuntimeError:  # a tensor without storage of its own (a torch.func wrapper)
+        return None
 
 
 def _check_features(name, spec, extras, block_mask) -> None:

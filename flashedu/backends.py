@@ -57,6 +57,12 @@ def _triton():
     return attention
 
 
+def _triton_repeat():
+    from .triton.repeat import make
+
+    return make
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -74,6 +80,10 @@ class Backend:
     score_mod_kinds: frozenset = frozenset()
     # attn_mask dtypes taken ("bool", "float"), when has_attn_mask is True
     attn_mask_kinds: frozenset = frozenset({"bool", "float"})
+    # imports and returns make(q, k, v, is_causal, scale): the repeat of a checked plain call
+    # (no mask, dropout, score mod or lse), which flashedu.attention keeps for its signature
+    # and calls instead of the general path the next time (None: always the general path)
+    repeater: Callable | None = None
 
     def load(self):
         """The backend's entry point (its module is imported on the first call)."""
@@ -94,7 +104,7 @@ BACKENDS: dict[str, Backend] = {
     # bias read tile by tile)
     "triton": Backend("triton", _triton, True, True, "gpu", has_attn_mask=True,
                       has_score_mod=False, has_mask_mod=True, has_return_lse=True,
-                      score_mod_kinds=frozenset({"softcap", "alibi"})),
+                      score_mod_kinds=frozenset({"softcap", "alibi"}), repeater=_triton_repeat),
 }
 
 

@@ -75,7 +75,7 @@ def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mas
         out, lse = _modded(backend, q, k, v, mods and mods.attn_mask, is_causal, scale,
                            block_mask, dropout_p, rng, mods)
         return (out, lse) if return_lse else out
-    if _plain_eager(q, k, v):
+    if plain_eager(q, k, v):
         return _EagerAttention.apply(backend, q, k, v, is_causal, scale, block_mask, dropout_p,
                                      rng)
     try:
@@ -93,7 +93,9 @@ def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mas
     return out
 
 
-def _plain_eager(*tensors) -> bool:
+def plain_eager(*tensors) -> bool:
+    """Real tensors (no subclass, no meta, no torch.func wrapper), nothing compiling, no
+    dispatch mode: a call that needs no operator."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     return all(type(t) is Tensor and t.device.type != "meta"

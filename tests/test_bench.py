@@ -258,9 +258,9 @@ def test_host_times_the_call_path_with_and_without_plans(tmp_path, capsys):
     assert code == 0, text
     rows = json.loads(out.read_text())["rows"]
     assert {(r["mode"], r["variant"]) for r in rows} == {
-        (m, v) for m in ("fwd", "fwd+bwd") for v in ("plans", "no plans", "floor")}
+        (m, v) for m in ("fwd", "fwd+bwd") for v in ("repeat", "plans", "no plans", "floor")}
     assert all(r["shape"] == "tiny" and r["us"] > 0 for r in rows)
-    assert "no plans / plans" in text and text.count("tiny") == 2
+    assert "no plans / repeat" in text and text.count("tiny") == 2
 
 
 def test_mods_dry_run(tmp_path, capsys):

@@ -409,6 +409,131 @@ def test_a_plan_keeps_no_tensor_of_its_call(monkeypatch):
     assert len(fast.PLANS) == 2 and all(r() is None for r in refs)
 
 
+# --- a repeated plain call: from flashedu.attention straight to its repeat -----------------
+
+
+def _repeats(monkeypatch):
+    from flashedu import api
+
+    repeats = {}
+    monkeypatch.setattr(api, "REPEATS", repeats)
+    return repeats
+
+
+def _reference_grads(q, k, v, dout, **kw):
+    ref = reference_attention(q, k, v, **kw)
+    return (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
+
+
+def test_a_repeated_plain_call_goes_straight_to_its_repeat(monkeypatch):
+    """The first plain call leaves a repeat for its signature; the second learns its launches
+    from the general path; from the third on the repeat starts them itself. New values every
+    call, each right against float64, and one repeat for all of them."""
+    from flashedu.triton import fast, repeat
+
+    repeats = _repeats(monkeypatch)
+    started = []
+    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start:
+                        started.append(self) or _s(self, *t))
+    dout = torch.randn(1, 2, 45, 16)
+    for step in range(4):
+        q, k, v = _qkv(1, 2, 2, 45, 45, 16)
+        got = _grads(q, k, v, dout, is_causal=True)
+        want = _reference_grads(q, k, v, dout, is_causal=True)
+        assert all(_err(g, r) < 1e-5 for g, r in zip(got, want)), step
+        (r,) = repeats.values()
+        assert isinstance(r, repeat.Repeat)
+        assert (r.forward_plan is not None) == (step >= 1)
+        assert (r.backward_plan is not None) == (step >= 1)
+    launches = 1 + (r.backward_plan[0] is not None) + len(r.backward_plan[1])
+    own = [s for s in started if s is r.forward_plan or s is r.backward_plan[0]
+           or s in r.backward_plan[1]]
+    assert len(own) >= 2 * launches  # steps 2 and 3 started the repeat's own launches
+
+
+@pytest.mark.parametrize("change", ["causal", "scale", "strides", "alignment", "gqa", "dtype"])
+def test_a_repeat_is_kept_per_signature(monkeypatch, change):
+    """A call that differs in anything the checks or the launches read gets its own repeat
+    (or none), never another signature's: right against float64 either way."""
+    repeats = _repeats(monkeypatch)
+    base = dict(is_causal=False, scale=0.25)
+    q, k, v = _qkv(1, 4, 4, 40, 40, 16)
+    dout = torch.randn(1, 4, 40, 16)
+    _grads(q, k, v, dout, **base)
+    kw = dict(base)
+    if change == "causal":
+        kw["is_causal"] = True
+    elif change == "scale":
+        kw["scale"] = 0.5
+    elif change == "strides":  # (B, N, H, d) memory seen as (B, H, N, d)
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                   for t in (q, k, v))
+    elif change == "alignment":  # one float in: 4-byte aligned, not 16-byte
+        q = torch.randn(1 + 4 * 40 * 16)[1:].reshape(1, 4, 40, 16).requires_grad_()
+    elif change == "gqa":
+        q, k, v = _qkv(1, 4, 2, 40, 40, 16)
+    elif change == "dtype":
+        q, k, v = _qkv(1, 4, 4, 40, 40, 16, dtype=torch.float64)
+    for _ in range(3):
+        q, k, v = (t.detach().normal_().requires_grad_() for t in (q, k, v))
+        if change == "dtype":
+            with pytest.raises(TypeError, match="triton backend takes"):
+                _grads(q, k, v, dout.double(), **kw)
+            continue
+        got = _grads(q, k, v, dout, **kw)
+        want = _reference_grads(q, k, v, dout, **kw)
+        assert all(_err(g, r) < 1e-5 for g, r in zip(got, want))
+    assert len(repeats) == (1 if change == "dtype" else 2)
+
+
+def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
+    """Negative and conjugate views, options of other types, masks, dropout and lse, and
+    inputs the general path copies (a last dim with a stride) all take the general path, and
+    are right."""
+    repeats = _repeats(monkeypatch)
+    q, k, v = _qkv(1, 2, 2, 33, 33, 16)
+    dout = torch.randn(1, 2, 33, 16)
+    for _ in range(2):
+        _grads(q, k, v, dout)
+    assert len(repeats) == 1
+    before = dict(repeats)
+    neg = torch._neg_view(q.detach())
+    want = reference_attention(-q.detach(), k.detach(), v.detach())
+    assert _err(flashedu.attention(neg, k, v, backend="triton"), want) < 1e-5
+    flashedu.attention(q, k, v, backend="triton", is_causal=np.bool_(False))
+    flashedu.attention(q, k, v, backend="triton", scale=np.float32(0.25))
+    flashedu.attention(q, k, v, backend="triton", return_lse=True)
+    flashedu.attention(q, k, v, backend="triton", dropout_p=0.1)
+    assert repeats == before
+    strided = torch.randn(1, 2, 33, 32)[..., ::2].requires_grad_()
+    for _ in range(2):
+        got = _grads(strided, k, v, dout)
+        want = _reference_grads(strided, k, v, dout)
+        assert all(_err(g, r) < 1e-5 for g, r in zip(got, want))
+    assert sum(r is None for r in repeats.values()) == 1  # checked, but no repeat
+
+
+def test_a_repeat_keeps_no_tensor_and_refuses_double_backward(monkeypatch):
+    """A repeat holds launches, never tensors; create_graph through it gives the first-order
+    gradient, and a second backward the operator's clear error."""
+    import gc
+    import weakref
+
+    _repeats(monkeypatch)
+    for _ in range(3):
+        q, k, v = _qkv(1, 2, 2, 24, 24, 16)
+        out = flashedu.attention(q, k, v, backend="triton", is_causal=True)
+        dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    want, = torch.autograd.grad(reference_attention(q, k, v, is_causal=True).square().sum(), q)
+    assert _err(dq, want) < 1e-5 and dq.requires_grad
+    with pytest.raises(RuntimeError, match="has no double backward"):
+        torch.autograd.grad(dq.sum(), (q, k, v))
+    refs = [weakref.ref(t) for t in (q, k, v, out, dq)]
+    del q, k, v, out, dq
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="compiled kernels started directly from a plan need a CUDA GPU")
@@ -436,6 +561,23 @@ def test_plans_start_compiled_kernels_directly(monkeypatch, kw):
     assert all(launch.hit is not None for plan in fast.PLANS.values()
                for launch in ((plan,) if isinstance(plan, fast.Launch) else
                               (plan[0], *plan[1])))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="a repeat starts compiled kernels directly only on a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_repeat_starts_compiled_kernels_directly(monkeypatch, dtype):
+    """The course GPT's call on a GPU, four steps: from the third on its repeat starts the
+    compiled kernels itself; forward and backward right against float64 every step."""
+    repeats = _repeats(monkeypatch)
+    for _ in range(4):
+        q, k, v = (torch.randn(2, 4, 500, 64, device="cuda", dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        _check(q, k, v, is_causal=True)
+    (r,) = repeats.values()
+    first, launches = r.backward_plan
+    assert all(launch.hit is not None for launch in (r.forward_plan, first, *launches))
 
 
 def test_launch_key_holds_what_triton_specializes_on():

@@ -9,9 +9,11 @@ launch code, without the GPU, the driver or the interpreter. It runs in a fresh 
 (``TRITON_INTERPRET=0``: the kernels as the GPU path sees them).
 
 Rows, per shape (B, H, N, d), causal, bf16:
-- ``plans``: as the package runs, a call laid out as an earlier one repeating its launches
-  (``flashedu.triton.fast.PLANS``);
-- ``no plans``: every call working its launches out again;
+- ``repeat``: as the package runs: a call with an earlier call's signature goes from
+  ``flashedu.attention`` straight to that call's repeat (``flashedu.triton.repeat``);
+- ``plans``: every call through the checks and the general path, which repeats the launches
+  of a call laid out alike (``flashedu.triton.fast.PLANS``);
+- ``no plans``: every call through the general path, working its launches out again;
 - ``floor``: a ``torch.autograd.Function`` that only allocates its outputs, with the same
   ``torch.autograd.grad``: what any Python attention pays before its own code.
 
@@ -34,7 +36,7 @@ from . import core
 from .overhead import SHAPES
 
 MODES = ("fwd", "fwd+bwd")
-VARIANTS = ("plans", "no plans", "floor")
+VARIANTS = ("repeat", "plans", "no plans", "floor")
 
 
 def main(argv=None) -> int:
@@ -60,13 +62,13 @@ def main(argv=None) -> int:
 
 
 def table(rows) -> str:
-    headers = ["shape", "mode", *VARIANTS, "no plans / plans"]
+    headers = ["shape", "mode", *VARIANTS, "no plans / repeat"]
     body = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for mode in MODES:
             us = {r["variant"]: r["us"] for r in rows if r["shape"] == shape and r["mode"] == mode}
             body.append([shape, mode, *(f"{us[v]:.1f} us" for v in VARIANTS),
-                         f"{us['no plans'] / us['plans']:.2f}x"])
+                         f"{us['no plans'] / us['repeat']:.2f}x"])
     return core.format_table(headers, body)
 
 
@@ -146,15 +148,27 @@ def _steps(shape):
                                                          "fwd+bwd": floor_backward}
 
 
+class _Forgetful(dict):
+    """A dict that keeps nothing."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
 def _worker(request) -> list[dict]:
     from contextlib import ExitStack, nullcontext
     from unittest import mock
 
     _stub_launches()
+    from flashedu import api
     from flashedu.triton import fast
 
-    def no_plans():  # none found, none kept: each call works its launches out again
+    def no_repeat():  # none found, none kept: each call takes the general path
+        return mock.patch.object(api, "REPEATS", _Forgetful())
+
+    def no_plans():  # nor are launches kept: each call works them out again
         stack = ExitStack()
+        stack.enter_context(no_repeat())
         stack.enter_context(mock.patch.object(fast, "PLANS", {}))
         stack.enter_context(mock.patch.object(fast, "remember", lambda key, plan: None))
         return stack
@@ -164,7 +178,8 @@ def _worker(request) -> list[dict]:
         steps, floors = _steps(SHAPES[name])
         calls = []
         for mode in MODES:
-            calls.append(("plans", mode, steps[mode], nullcontext))
+            calls.append(("repeat", mode, steps[mode], nullcontext))
+            calls.append(("plans", mode, steps[mode], no_repeat))
             calls.append(("no plans", mode, steps[mode], no_plans))
             calls.append(("floor", mode, floors[mode], nullcontext))
         best = [float("inf")] * len(calls)

@@ -9,6 +9,8 @@
     config.py    tile sizes per head dim
     fast.py      launching: compiled kernels started directly, a plan of each call's
                  launches, Hopper's copy engine (TMA) and warp specialization
+    repeat.py    a plain call with an earlier call's signature: from flashedu.attention
+                 straight to that call's launches, forward and backward
     ablations.py slower variants, only to be measured against the kernels (notebook 10)
 
 On a machine without a CUDA GPU the same kernels run in Triton's interpreter on CPU tensors

@@ -392,7 +392,7 @@ _SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> conf
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
-             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False, D=None):
+             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False, D=None, keep=None):
     """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
     ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask. ``mods`` as the
     forward's; ``dlse``: the gradient of the natural-log lse, if the call returned it
@@ -402,7 +402,9 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     attention computes it once for all its calls); otherwise the preprocess kernel computes it.
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
-    tiles' warps and stages); otherwise two launches, each with its own."""
+    tiles' warps and stages); otherwise two launches, each with its own.
+    ``keep``: a list; the call's launch plan, (the preprocess's launch or None, [the kernel's
+    launches]), is appended to it, if the call has one (as the forward's)."""
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
@@ -425,6 +427,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                                   config, is_causal, scale, block_mask, interpreted, dropout_p)
         plan = fast.PLANS.get(plan_key)
         if plan is not None:
+            if keep is not None:
+                keep.append(plan)
             first, launches = plan
             if first is not None:
                 first.start(o, do, D)
@@ -498,6 +502,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             _SHRUNK[key] = config
     if plan_key is not None:
         fast.remember(plan_key, (first, launches))
+        if keep is not None:
+            keep.append((first, launches))
     grads = tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
     if mask_grad:
         attn_mask = mods.attn_mask

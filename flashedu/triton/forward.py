@@ -371,13 +371,15 @@ def register_cap(consts: dict) -> dict:
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropout_p=0.0,
-            rng=None, mods=None):
+            rng=None, mods=None, keep=None):
     """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
     of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
     ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) on q's device (RNG state of
     ``flashedu.dropout``); L2 is still that of the undropped scores.
     ``mods`` (``flashedu.ops.Mods``): a library score mod, compiled in (L2 is then that of the
-    modded scores), and the block mask's mask mod on its partial tiles."""
+    modded scores), and the block mask's mask mod on its partial tiles.
+    ``keep``: a list; the call's launch plan (``fast.Launch``) is appended to it, if the call
+    has one (a repeated call's shortest path keeps it: ``flashedu.triton.repeat``)."""
     import torch
 
     from . import fast
@@ -406,6 +408,9 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
                          dropout_p=dropout_p, rng=rng, mods=mods)
         if plan_key is not None:
             fast.remember(plan_key, launch)
+            plan = launch
+    if keep is not None and plan is not None:
+        keep.append(plan)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2
 
 

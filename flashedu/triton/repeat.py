@@ -1,0 +1,114 @@
+"""A repeated plain call: the triton backend's shortest path from ``flashedu.attention`` to the
+kernels.
+
+A training step calls ``attention(q, k, v, is_causal=True)`` with tensors of one layout, step
+after step: no mask, no dropout, no logsumexp asked for. The first such call takes the general
+path (the argument checks, the backend, the tile table, the launch plans of ``fast.PLANS``).
+Since everything it decided follows from the call's signature (options, and the inputs'
+shapes, strides, dtype, device and alignment), ``flashedu.attention`` keeps a :class:`Repeat`
+for that signature, and a later call with the same signature goes straight to it: one
+``autograd.Function`` that allocates the outputs and starts the planned launches, forward and
+backward. The general path's layers cost more host time than the kernels of a small attention
+take on the GPU (BENCHMARKS.md, "A repeated call").
+
+A Repeat learns its launches from the general path's own (the ``keep`` argument of
+``forward.forward`` and ``backward.backward``) on its first forward and first backward, so the
+launches it repeats are exactly the ones the general path made. Whatever it cannot repeat as
+is (a gradient laid out differently, a transform or dispatch mode, the interpreter's float32
+copies) it hands to the general path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops, runtime
+from . import backward as bwd
+from . import forward as fwd
+from .autograd import resolve_config
+
+
+def make(q, k, v, is_causal: bool, scale: float):
+    """The Repeat of a checked plain call, or None where the call's inputs are copied by the
+    general path (its launches then take other tensors than the caller's)."""
+    interpreted = runtime.triton_interpreted()
+    if interpreted and q.dtype != torch.float32:  # the interpreter runs float32 copies
+        return None
+    for t in (q, k, v):  # the general path copies these: last dim strided, or memory that
+        # overlaps or has gaps (its outputs could not take the input's strides)
+        if t.stride(-1) != 1 or torch.empty_like(t).stride() != t.stride():
+            return None
+    config = resolve_config(q.shape[-1], q.dtype, None, q.device)
+    return Repeat(is_causal, scale, config, interpreted)
+
+
+class Repeat:
+    """What a plain call's signature decided: its tile table entry and, once the general path
+    has run them, its launches. Calling it runs the call (None: the general path must)."""
+
+    __slots__ = ("is_causal", "scale", "config", "interpreted", "forward_plan", "backward_plan",
+                 "dout_layout")
+
+    def __init__(self, is_causal, scale, config, interpreted):
+        self.is_causal, self.scale = is_causal, scale
+        self.config, self.interpreted = config, interpreted
+        self.forward_plan = self.backward_plan = self.dout_layout = None
+
+    def __call__(self, q, k, v):
+        if not ops.plain_eager(q, k, v):
+            return None
+        return _Repeated.apply(self, q, k, v)
+
+    def forward(self, q, k, v):
+        """(O, L2) as ``forward.forward`` returns them."""
+        if self.forward_plan is None:
+            kept = []
+            out = fwd.forward(q, k, v, is_causal=self.is_causal, scale=self.scale,
+                              block_mask=None, tiles=self.config.forward_tiles(None),
+                              interpreted=self.interpreted, keep=kept)
+            self.forward_plan = kept[0] if kept else None
+            return out
+        o = torch.empty_like(q)
+        lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        self.forward_plan.start(q, k, v, o, lse2)
+        return o, lse2
+
+    def backward(self, q, k, v, o, lse2, do):
+        """(dQ, dK, dV) as ``backward.backward`` returns them."""
+        do = do.contiguous()  # as the general path hands it to the kernels
+        layout = (do.stride(), do.dtype, do.data_ptr() % 16 == 0)
+        if self.backward_plan is None or layout != self.dout_layout:
+            kept = []
+            grads = bwd.backward(q, k, v, o, lse2, do, is_causal=self.is_causal,
+                                 scale=self.scale, block_mask=None, config=self.config,
+                                 interpreted=self.interpreted, keep=kept)
+            if self.backward_plan is None and kept:
+                self.backward_plan, self.dout_layout = kept[0], layout
+            return grads
+        first, launches = self.backward_plan
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        first.start(o, do, D)
+        for launch in launches:
+            launch.start(q, k, v, do, lse2, D, dq, dk, dv)
+        return dq, dk, dv
+
+
+class _Repeated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, repeat, q, k, v):
+        o, lse2 = repeat.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, o, lse2)
+        ctx.repeat = repeat
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse2 = ctx.saved_tensors
+        repeat = ctx.repeat
+        if torch.is_grad_enabled():  # create_graph=True: the operator, whose derivative says no
+            grads = ops.BACKWARD_OPS["triton"](q, k, v, o, lse2, do, repeat.is_causal,
+                                               repeat.scale, None, 0, 0, 0.0, None)
+        else:
+            grads = repeat.backward(q, k, v, o, lse2, do)
+        return (None, *grads)

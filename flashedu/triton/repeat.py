@@ -88,7 +88,8 @@ class Repeat:
         first, launches = self.backward_plan
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        first.start(o, do, D)
+        if first is not None:  # the preprocess: D = rowsum(dO * O)
+            first.start(o, do, D)
         for launch in launches:
             launch.start(q, k, v, do, lse2, D, dq, dk, dv)
         return dq, dk, dv

@@ -22,6 +22,7 @@ import warnings
 import torch
 import triton
 from torch import Tensor
+from triton.runtime.jit import JITFunction
 
 _NO_FAST: set = set()  # launch settings whose fast build failed
 OFF = {"TMA": False, "WARP_SPECIALIZE": False}
@@ -172,8 +173,6 @@ def _hook_set(hook) -> bool:
 
 
 def _direct_ok(kernel) -> bool:
-    from triton.runtime.jit import JITFunction
-
     if not FAST_LAUNCH or not isinstance(kernel, JITFunction):
         return False
     knobs = getattr(triton, "knobs", None)

@@ -2,6 +2,12 @@
 
 It checks every argument once (so no backend ever sees malformed input), folds the block mask's
 causal flag into ``is_causal``, and hands over to the chosen backend.
+
+A plain call (no mask, dropout, score mod or lse) whose signature an earlier call had (the same
+options; inputs with the same shapes, strides, dtype, device and alignment) passed those checks
+already: it goes straight to the repeat its backend left for that signature
+(``Backend.repeater``; the triton backend's is ``flashedu.triton.repeat``) and skips the general
+path, whose host time is more than a small attention's kernels take on a GPU.
 """
 
 from __future__ import annotations

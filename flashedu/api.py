@@ -99,7 +99,10 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     fn = spec.load()
     out = fn(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p,
              **extras)
-    if key is not None and spec.repeater is not None and ops.plain_eager(q, k, v):
+    # once per signature: a signature the backend cannot repeat stays None, and a repeat that
+    # handed one call back (a dispatch mode) keeps the launches it learned
+    if (key is not None and key not in REPEATS and spec.repeater is not None
+            and ops.plain_eager(q, k, v)):
         if len(REPEATS) >= _MAX_REPEATS:  # shapes that change every call: start over
             REPEATS.clear()
         REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale)

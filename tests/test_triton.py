@@ -490,6 +490,8 @@ def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
     """Negative and conjugate views, options of other types, masks, dropout and lse, and
     inputs the general path copies (a last dim with a stride) all take the general path, and
     are right."""
+    from flashedu.triton import repeat
+
     repeats = _repeats(monkeypatch)
     q, k, v = _qkv(1, 2, 2, 33, 33, 16)
     dout = torch.randn(1, 2, 33, 16)
@@ -511,6 +513,11 @@ def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
         want = _reference_grads(strided, k, v, dout)
         assert all(_err(g, r) < 1e-5 for g, r in zip(got, want))
     assert sum(r is None for r in repeats.values()) == 1  # checked, but no repeat
+    made = []
+    monkeypatch.setattr(repeat, "make", lambda *a: made.append(a))
+    _grads(strided, k, v, dout)
+    _grads(q, k, v, dout)
+    assert made == []  # each signature was asked once, not at every call
 
 
 def test_a_repeat_keeps_no_tensor_and_refuses_double_backward(monkeypatch):

@@ -39,7 +39,7 @@ def run(argv, capsys):
     ["--providers", "baseline"], ["--baseline", "/no/such/folder"],
     ["--json", os.path.join(__file__, "x.json")], ["--plot", "/"],
     ["overhead", "--shapes", "huge"], ["overhead", "--iters", "0"], ["overhead", "--iters", "-3"],
-    ["overhead", "--causal", "maybe"], ["overhead", "--modes", "bwd"],
+    ["overhead", "--causal", "maybe"], ["overhead", "--rounds", "0"], ["overhead", "--modes", "bwd"],
     ["overhead", "--providers", "naive"], ["overhead", "--dtype", "float64"],
     ["numpy", "--n", "0"], ["numpy", "--block", "x"], ["numpy", "--repeats", "-1"],
     ["decode", "--nk", "0"], ["decode", "--d", "512"], ["decode", "--dtype", "int8"],
@@ -81,9 +81,39 @@ def test_bench_parses_good_arguments(tmp_path):
     (tmp_path / "__init__.py").write_text("")
     args = bench.parse_args(["--baseline", str(tmp_path)])
     assert args.providers[:2] == ["flashedu", "baseline"]
-    over = overhead.parse_args(["--shapes", "gpt", "--causal", "false", "--iters", "7"])
+    over = overhead.parse_args(["--shapes", "gpt", "--causal", "false", "--iters", "7",
+                                "--rounds", "9"])
     assert over.shapes == ["gpt"] and over.causal == [False] and over.iters == 7
+    assert over.rounds == 9
     assert over.providers[0] == "flashedu" and set(over.modes) == {"fwd", "fwd+bwd"}
+
+
+def test_overhead_providers_take_turns_and_keep_their_best_round(monkeypatch):
+    """Each round runs every provider's calls in turn (a slow spell of the host then hits all
+    of that round), and each provider keeps its fastest round: here provider "a" is slow only
+    in its first round, provider "b" only in its second."""
+    import torch
+
+    clock, order = [0.0], []
+    slow = {("a", 0), ("b", 1)}
+    seen = {"a": 0, "b": 0}
+
+    def call(name, iters):
+        def fn():
+            order.append(name)
+            rnd = (seen[name] - 3) // (2 * iters)  # after 3 warm-up calls; 2 passes a round
+            seen[name] += 1
+            clock[0] += 5e-6 if (name, rnd) in slow else 1e-6
+        return fn, []
+
+    monkeypatch.setattr(overhead.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(overhead.core, "time_ms", lambda fn, grad_to_none=None: 0.25)
+    got = overhead.measure({"a": call("a", 4), "b": call("b", 4)}, iters=4, rounds=2)
+    assert order[6:] == ["a"] * 8 + ["b"] * 8 + ["a"] * 8 + ["b"] * 8  # turns, after warm-up
+    for p in "ab":
+        assert got[p]["host_us"] == pytest.approx(1.0) and got[p]["wall_us"] == pytest.approx(1.0)
+        assert got[p]["bench_us"] == 250
 
 
 def test_baseline_provider_calls_the_other_checkout_as_flashedu_is_called(monkeypatch,
@@ -201,7 +231,7 @@ def test_overhead_measures_host_time_without_waiting_for_the_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: time.sleep(0.002))
     monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None: 0.01)
-    got = overhead.measure(lambda: None, [], iters=5)
+    got = overhead.measure({"x": (lambda: None, [])}, iters=5, rounds=2)["x"]
     assert got["host_us"] < 1000 < 2000 <= got["wall_us"] and got["bench_us"] == 10.0
 
 

@@ -433,8 +433,8 @@ def test_a_repeated_plain_call_goes_straight_to_its_repeat(monkeypatch):
 
     repeats = _repeats(monkeypatch)
     started = []
-    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start:
-                        started.append(self) or _s(self, *t))
+    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start, **kw:
+                        started.append(self) or _s(self, *t, **kw))
     dout = torch.randn(1, 2, 45, 16)
     for step in range(4):
         q, k, v = _qkv(1, 2, 2, 45, 45, 16)
@@ -625,6 +625,54 @@ def test_launch_hooks_send_launches_through_triton(monkeypatch):
     assert fast._direct_ok(fw.forward_kernel)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
     assert not fast._direct_ok(fw.forward_kernel)
+
+
+def test_a_call_checks_its_direct_starts_once(monkeypatch):
+    """``stream_for`` makes the checks of a direct start once for a call's launches (a compiled
+    kernel for each, no launch hook, their device current); ``start(stream=)`` then starts each
+    compiled kernel on that stream with the call's own tensors in its slots."""
+    import triton
+
+    from flashedu.triton import fast
+    from flashedu.triton import forward as fw
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        pytest.skip("a Triton with knobs needed (an older one never launches directly)")
+
+    class Compiled:  # a compiled kernel that records its starts
+        function = packed_metadata = None
+
+        def __init__(self):
+            self.starts = []
+
+        def run(self, *args):
+            self.starts.append(args)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device,
+                        raising=False)  # a CPU build of torch has none
+    monkeypatch.setattr(fast, "FAST_LAUNCH", True)
+    launches = [fast.Launch(fw.forward_kernel, (3, 2), ("q", "k", 7, 8), {}, (0, 1))
+                for _ in range(2)]
+    for launch in launches:
+        launch.hit, launch.device = (Compiled(), ("tail",)), 0
+    stream = fast.stream_for(launches)
+    assert stream == 1000
+    launches[0].start("Q", "K", stream=stream)
+    (args,) = launches[0].hit[0].starts
+    assert args[:4] == (3, 2, 1, 1000) and args[-5:] == ("Q", "K", 7, 8, "tail")
+    assert launches[0].args == [None, None, 7, 8]  # the launch keeps no tensor
+    with monkeypatch.context() as m:  # a profiler's hook: Triton's own path for every launch
+        m.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+        assert fast.stream_for(launches) is None
+    with monkeypatch.context() as m:  # another device current
+        m.setattr(torch.cuda, "current_device", lambda: 1)
+        assert fast.stream_for(launches) is None
+    launches[1].hit = None  # a launch with no compiled kernel kept
+    assert fast.stream_for(launches) is None
+    monkeypatch.setattr(fast, "FAST_LAUNCH", False)  # direct starts failed on this Triton
+    assert fast.stream_for(launches[:1]) is None
 
 
 def test_launch_falls_back_under_the_interpreter():

@@ -9,6 +9,8 @@ with ``sdpa_kernel``, and FlexAttention), in one process:
   driver time a call costs the CPU: what the GPU waits for when the host falls behind);
 - wall: ``time.perf_counter`` around many calls, each followed by ``torch.cuda.synchronize()``
   (what a training step that waits for its result pays per call);
+  each the best of ``--rounds`` rounds of ``--iters`` calls, the providers taking turns within
+  a round, so that a slow spell of the host hits them alike;
 - do_bench: the median of ``triton.testing.do_bench`` (launches queued back to back: the GPU
   time once the host keeps ahead of it).
 
@@ -63,58 +65,81 @@ def step(provider: str, shape, causal: bool, mode: str, dtype):
     return train_step, [q, k, v]
 
 
-def measure(fn, grads, iters: int) -> dict:
-    """{"host_us", "wall_us", "bench_us"}: perf_counter over unsynchronized calls and over
-    synchronized calls (each the best of three rounds: another process's burst hits one at
-    most), do_bench's median."""
+def _per_call_us(fn, grads, iters: int, sync: bool) -> float:
+    """Microseconds per call over ``iters`` calls, each synchronized or not."""
     import torch
 
-    for _ in range(3):  # compile, and fill every cache on the way
+    start = time.perf_counter()
+    for _ in range(iters):
+        for t in grads:
+            t.grad = None
         fn()
-    torch.cuda.synchronize()
+        if sync:
+            torch.cuda.synchronize()
+    spent = time.perf_counter() - start
+    torch.cuda.synchronize()  # the queued work finishes outside the host clock
+    return spent / iters * 1e6
 
-    def per_call_us(sync: bool) -> float:
-        start = time.perf_counter()
-        for _ in range(iters):
-            for t in grads:
-                t.grad = None
+
+def measure(calls: dict, iters: int, rounds: int) -> dict:
+    """{provider: {"host_us", "wall_us", "bench_us"}} for ``calls`` = {provider: (fn, grads)}:
+    the best of ``rounds`` rounds of ``iters`` unsynchronized and synchronized calls, the
+    providers taking turns within each round (a slow spell of the host then hits every
+    provider of the round, not one), and do_bench's median."""
+    import torch
+
+    for fn, _ in calls.values():
+        for _ in range(3):  # compile, and fill every cache on the way
             fn()
-            if sync:
-                torch.cuda.synchronize()
-        spent = time.perf_counter() - start
-        torch.cuda.synchronize()  # the queued work finishes outside the host clock
-        return spent / iters * 1e6
+    torch.cuda.synchronize()
+    best = {p: {"host_us": float("inf"), "wall_us": float("inf")} for p in calls}
+    for _ in range(rounds):
+        for p, (fn, grads) in calls.items():
+            for name, sync in (("host_us", False), ("wall_us", True)):
+                best[p][name] = min(best[p][name], _per_call_us(fn, grads, iters, sync))
+    for p, (fn, grads) in calls.items():
+        best[p]["bench_us"] = core.time_ms(fn, grad_to_none=grads or None) * 1e3
+    return best
 
-    host = min(per_call_us(False) for _ in range(3))
-    wall = min(per_call_us(True) for _ in range(3))
-    ms = core.time_ms(fn, grad_to_none=grads or None)
-    return {"host_us": host, "wall_us": wall, "bench_us": ms * 1e3}
 
-
-def run_all(shapes, causals, modes, providers, dtype, iters, progress=True) -> list[dict]:
+def run_all(shapes, causals, modes, providers, dtype, iters, rounds=5,
+            progress=True) -> list[dict]:
     import torch
 
     rows = []
     for name in shapes:
         for causal in causals:
             for mode in modes:
+                case = {"shape": name, "BHNd": SHAPES[name], "causal": causal, "mode": mode}
+                calls, errors = {}, {}
                 for provider in providers:
-                    row = {"shape": name, "BHNd": SHAPES[name], "causal": causal, "mode": mode,
-                           "provider": provider}
                     try:
-                        fn, grads = step(provider, SHAPES[name], causal, mode, dtype)
-                        row.update(measure(fn, grads, iters))
+                        calls[provider] = step(provider, SHAPES[name], causal, mode, dtype)
                     except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+                        errors[provider] = exc
+                try:
+                    got = measure(calls, iters, rounds)
+                except Exception:  # noqa: BLE001 - one by one, to find the provider that failed
+                    got = {}
+                    for provider, call in calls.items():
+                        try:
+                            got.update(measure({provider: call}, iters, rounds))
+                        except Exception as exc:  # noqa: BLE001
+                            errors[provider] = exc
+                del calls
+                torch.cuda.empty_cache()
+                for provider in providers:
+                    row = {**case, "provider": provider, **got.get(provider, {})}
+                    if provider in errors:
+                        exc = errors[provider]
                         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-                    finally:
-                        torch.cuda.empty_cache()
                     rows.append(row)
                     if progress:
-                        got = (f"host {row['host_us']:.0f} us, wall {row['wall_us']:.0f} us, "
-                               f"do_bench {row['bench_us']:.0f} us"
-                               if "wall_us" in row else row["error"])
+                        cell = (f"host {row['host_us']:.0f} us, wall {row['wall_us']:.0f} us, "
+                                f"do_bench {row['bench_us']:.0f} us"
+                                if "wall_us" in row else row["error"])
                         print(f"  {name} {'causal' if causal else 'dense'} {mode} {provider}: "
-                              f"{got}", file=sys.stderr, flush=True)
+                              f"{cell}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -152,8 +177,10 @@ def parse_args(argv):
     p.add_argument("--baseline", default=None, metavar="PATH",
                    help="another checkout's flashedu/ folder: its triton backend is timed too")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--iters", type=core.positive_int, default=200,
-                   help="synchronized calls per wall-time round")
+    p.add_argument("--iters", type=core.positive_int, default=100,
+                   help="calls per round (unsynchronized, then synchronized)")
+    p.add_argument("--rounds", type=core.positive_int, default=5,
+                   help="rounds, the providers taking turns in each; the best round is kept")
     p.add_argument("--json", type=core.output_file, default=None, help="write the results here")
     p.add_argument("--quiet", action="store_true", help="no line per measurement")
     args = p.parse_args(argv)
@@ -172,7 +199,8 @@ def main(argv=None) -> int:
 
     env = core.environment(["overhead", *argv])
     rows = run_all(args.shapes, args.causal, args.modes, args.providers,
-                   getattr(torch, args.dtype), args.iters, progress=not args.quiet)
+                   getattr(torch, args.dtype), args.iters, args.rounds,
+                   progress=not args.quiet)
     if args.json:
         core.write_json(args.json, {**env, "rows": rows})
     print(f"\n{env['device']}  torch {env['torch']}  triton {env['triton']}  "

@@ -430,10 +430,11 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             if keep is not None:
                 keep.append(plan)
             first, launches = plan
+            stream = fast.stream_for((*launches, first) if first is not None else launches)
             if first is not None:
-                first.start(o, do, D)
+                first.start(o, do, D, stream=stream)
             for launch in launches:
-                launch.start(*live)
+                launch.start(*live, stream=stream)
             return tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
     key = (config, q.shape[-1], dtype, dropout_p > 0, mods is not None)  # per kernel variant
     if _SHRUNK:

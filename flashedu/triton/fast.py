@@ -210,15 +210,17 @@ def run(kernel, grid, args, consts: dict):
     return _start(kernel, hit, grid, args, consts, device)
 
 
-def _start(kernel, hit, grid, args, consts: dict, device):
+def _start(kernel, hit, grid, args, consts: dict, device, stream=None):
     """Start ``hit`` = (CompiledKernel, its trailing constexpr values) directly, as the end of
-    Triton's ``JITFunction.run`` does."""
+    Triton's ``JITFunction.run`` does, on ``stream`` (None: the device's current stream)."""
     global FAST_LAUNCH
     compiled, tail = hit
+    if stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(device)
     try:
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+                     stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *tail)
     except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs: its own path
         warnings.warn(f"flashedu: launching a compiled kernel directly failed on this Triton "
                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); using "
@@ -296,14 +298,34 @@ class Launch:
             except _Unkeyable:
                 pass
 
-    def start(self, *tensors):
+    def start(self, *tensors, stream=None):
+        """Start the launch again with ``tensors`` in its slots. ``stream``: what
+        :func:`stream_for` returned for the call's launches, which made the checks of a direct
+        start once for all of them; None: they are made here."""
         args = self.args.copy()
         for i, t in zip(self.slots, tensors):
             args[i] = t
-        if (self.hit is None or not _direct_ok(self.kernel)
-                or torch.cuda.current_device() != self.device):
-            return run(self.kernel, self.grid, args, self.consts)
-        return _start(self.kernel, self.hit, self.grid, args, self.consts, self.device)
+        if stream is None or not FAST_LAUNCH:  # (a direct start may have failed since)
+            if (self.hit is None or not _direct_ok(self.kernel)
+                    or torch.cuda.current_device() != self.device):
+                return run(self.kernel, self.grid, args, self.consts)
+        return _start(self.kernel, self.hit, self.grid, args, self.consts, self.device, stream)
+
+
+def stream_for(launches):
+    """The raw CUDA stream on which every one of a call's ``launches`` may start its compiled
+    kernel directly, or None where one must go through ``run`` (no kernel compiled for it, a
+    launch hook installed, another device current). A call with several launches makes these
+    checks once rather than once per launch (``Launch.start(..., stream=)``)."""
+    if not FAST_LAUNCH or any(launch.hit is None for launch in launches):
+        return None
+    knobs = triton.knobs.runtime  # present: a launch has a hit only on a Triton with knobs
+    if _hook_set(knobs.launch_enter_hook) or _hook_set(knobs.launch_exit_hook):
+        return None
+    device = torch.cuda.current_device()
+    if any(launch.device != device for launch in launches):
+        return None
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def compiled_kernels():

@@ -165,6 +165,31 @@ def test_block_mask_keeps_the_tuned_backward_settings(monkeypatch):
             assert 64 % t.Br == 0 and 64 % t.Bc == 0, t
 
 
+def test_short_backwards_take_one_launch():
+    """dK/dV and dQ share one launch below the config's split_from key length and take two
+    from it on; a config without fused_backward always takes two. The tuned entries fuse the
+    GPT's backward (N=512) at d=64 and d=128, causal or not."""
+    import dataclasses
+
+    from flashedu.triton import backward as bwd
+    from flashedu.triton import config
+
+    def launches(cfg, N):
+        parts = bwd._launch_consts(N, N, 64, torch.bfloat16, True, False, cfg, True)
+        return [(p[2]["DKDV"], p[2]["DQ"]) for p in parts]
+
+    cfg = dataclasses.replace(config.INTERPRETER, fused_backward=True, split_from=256)
+    assert launches(cfg, 255) == [(True, True)]
+    assert launches(cfg, 256) == [(True, False), (False, True)]
+    assert launches(dataclasses.replace(cfg, split_from=None), 10 ** 6) == [(True, True)]
+    assert launches(dataclasses.replace(cfg, fused_backward=False), 16) == \
+        [(True, False), (False, True)]
+    gpt = 512
+    assert bwd.fused(config.GPU_16BIT[64], gpt) and bwd.fused(config.GPU_16BIT[128], gpt)
+    assert bwd.fused(config.GPU_16BIT[128].causal_backward, gpt)
+    assert not bwd.fused(config.GPU_16BIT[64], 16384)
+
+
 @pytest.mark.parametrize("d", [128, 256])
 def test_block_mask_fits_the_dropout_tiles_too(monkeypatch, d):
     """A call with dropout and a block mask runs on dropout's own tiles (the H100's d=128

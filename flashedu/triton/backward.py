@@ -362,6 +362,11 @@ def _preprocess_consts(rows, d):
     return {"ROWS": rows, "HEAD_DIM": padded_head_dim(d)}
 
 
+def fused(config, Nk: int) -> bool:
+    """Whether the dK/dV and dQ programs of a backward with Nk keys share one launch."""
+    return config.fused_backward and (config.split_from is None or Nk < config.split_from)
+
+
 @functools.lru_cache(maxsize=1024)
 def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, config, interpreted):
     """Each launch of backward_kernel: its first program, its dK/dV programs and its
@@ -383,7 +388,7 @@ def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, config, interpreted):
 
     # (first program, programs per (batch, K/V head) before the dQ ones, constexprs): the
     # GROUP * Tr dQ programs are added at launch
-    if config.fused_backward:
+    if fused(config, Nk):
         return (part(0, Tc, t1, DKDV=True, DQ=True),)
     return part(0, Tc, t1, DKDV=True, DQ=False), part(Tc, 0, t2, DKDV=False, DQ=True)
 
@@ -402,7 +407,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     attention computes it once for all its calls); otherwise the preprocess kernel computes it.
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
-    tiles' warps and stages); otherwise two launches, each with its own.
+    tiles' warps and stages) for keys shorter than ``config.split_from``; otherwise two
+    launches, each with its own.
     ``keep``: a list; the call's launch plan, (the preprocess's launch or None, [the kernel's
     launches]), is appended to it, if the call has one (as the forward's)."""
     dtype = q.dtype

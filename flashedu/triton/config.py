@@ -49,6 +49,11 @@ class KernelConfig:
     # True: the d=128 entry measured fastest so (docs/bench/speed.md); the tables below say
     # False where the two launches measured faster or were not compared.
     fused_backward: bool = True
+    # The key length from which the two launches run even where fused_backward asks for one
+    # (None: never). Below it one launch measured 1.0-1.17x faster at d=64 and d=128, causal
+    # or not, and starts one kernel fewer; at 16384 (causal) and 8192 (d=64) the two launches
+    # were 2-3% faster (BENCHMARKS.md, "One backward launch for short sequences").
+    split_from: int | None = None
     # Where causal attention's backward measured faster with other settings: used instead.
     causal_backward: "KernelConfig | None" = None
     # Tiles of the block-sparse forward. None: the forward's, without TMA and warp
@@ -88,16 +93,18 @@ _FORWARD_128 = Tiles(128, 128, 8, 3, tma=True, warp_specialize=True)
 _D256 = KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 3),
                      fused_backward=False)
 _SMALL_D = KernelConfig(Tiles(128, 64, 8, 3, maxnreg=128), Tiles(32, 128, 8, 3, maxnreg=128),
-                        Tiles(128, 64, 8, 3, maxnreg=128), fused_backward=False)
+                        Tiles(128, 64, 8, 3, maxnreg=128), fused_backward=True, split_from=8192)
 GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,
     64: _SMALL_D,
     128: KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2),
                       fused_backward=True,
-                      # causal: the fused launch was 4-12% slower (speed.md): the two launches
+                      # causal: 3 stages; the fused launch with 2 was 4-12% slower (speed.md),
+                      # with 3 it is 1.0-1.15x faster up to N=8192
                       causal_backward=KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3),
-                                                   Tiles(128, 64, 8, 3), fused_backward=False),
+                                                   Tiles(128, 64, 8, 3), fused_backward=True,
+                                                   split_from=16384),
                       # dropout's forward needs 240 KB of shared memory with 3 stages, more
                       # than the H100's 227 (compiled, `flashedu bench sass`): 2 stages, 176 KB
                       dropout_forward=replace(_FORWARD_128, num_stages=2)),

@@ -78,7 +78,8 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 # H100 (sm_90), 16-bit inputs, keyed by padded head dim: the fastest of `flashedu bench tune`
 # at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not. d=128's backward:
 # `flashedu bench speed` (docs/bench/speed.md): one fused launch, 2 stages, 419 TFLOPs
-# against 382-392 for the two launches with 3 stages; at d=64, and causal, it was not faster.
+# against 382-392 for the two launches with 3 stages; at d=64, and causal, it was not faster
+# there (N=8192), but shorter sequences gain from one launch: ``split_from``.
 # Forwards of d=128 and d=256: `flashedu bench forward` (docs/bench/speed.md): TMA and warp
 # specialization +4-8% at d=128; 128x64 tiles 1.3-1.6x at d=256. At d=64, TMA was within noise
 # and slower for short causal sequences: left off.

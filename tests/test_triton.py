@@ -682,7 +682,7 @@ def test_a_call_checks_its_direct_starts_once(monkeypatch):
                 for _ in range(2)]
     for launch in launches:
         launch.hit, launch.device = (Compiled(), ("tail",)), 0
-    stream = fast.stream_for(launches)
+    stream = fast.stream_for(*launches)
     assert stream == 1000
     launches[0].start("Q", "K", stream=stream)
     (args,) = launches[0].hit[0].starts
@@ -690,14 +690,15 @@ def test_a_call_checks_its_direct_starts_once(monkeypatch):
     assert launches[0].args == [None, None, 7, 8]  # the launch keeps no tensor
     with monkeypatch.context() as m:  # a profiler's hook: Triton's own path for every launch
         m.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
-        assert fast.stream_for(launches) is None
+        assert fast.stream_for(*launches) is None
     with monkeypatch.context() as m:  # another device current
         m.setattr(torch.cuda, "current_device", lambda: 1)
-        assert fast.stream_for(launches) is None
+        assert fast.stream_for(*launches) is None
     launches[1].hit = None  # a launch with no compiled kernel kept
-    assert fast.stream_for(launches) is None
+    assert fast.stream_for(*launches) is None
+    assert fast.stream_for(launches[0], None) == 1000  # None: a launch the call does not make
     monkeypatch.setattr(fast, "FAST_LAUNCH", False)  # direct starts failed on this Triton
-    assert fast.stream_for(launches[:1]) is None
+    assert fast.stream_for(launches[0], None) is None
 
 
 def test_launch_falls_back_under_the_interpreter():

@@ -436,7 +436,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             if keep is not None:
                 keep.append(plan)
             first, launches = plan
-            stream = fast.stream_for((*launches, first) if first is not None else launches)
+            stream = fast.stream_for(first, *launches)
             if first is not None:
                 first.start(o, do, D, stream=stream)
             for launch in launches:

@@ -172,14 +172,18 @@ def _hook_set(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))  # an empty HookChain: none
 
 
+def _hooks_set() -> bool:
+    """A launch hook installed (a profiler's): launches need Triton's own path."""
+    runtime = triton.knobs.runtime
+    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+
+
 def _direct_ok(kernel) -> bool:
     if not FAST_LAUNCH or not isinstance(kernel, JITFunction):
         return False
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None:
+    if getattr(triton, "knobs", None) is None:
         return False  # an older Triton: keep to its own path
-    return not (_hook_set(knobs.runtime.launch_enter_hook)
-                or _hook_set(knobs.runtime.launch_exit_hook))
+    return not _hooks_set()
 
 
 def _cache_key(kernel, device, args, consts: dict) -> tuple:
@@ -312,18 +316,18 @@ class Launch:
         return _start(self.kernel, self.hit, self.grid, args, self.consts, self.device, stream)
 
 
-def stream_for(launches):
-    """The raw CUDA stream on which every one of a call's ``launches`` may start its compiled
-    kernel directly, or None where one must go through ``run`` (no kernel compiled for it, a
-    launch hook installed, another device current). A call with several launches makes these
-    checks once rather than once per launch (``Launch.start(..., stream=)``)."""
-    if not FAST_LAUNCH or any(launch.hit is None for launch in launches):
-        return None
-    knobs = triton.knobs.runtime  # present: a launch has a hit only on a Triton with knobs
-    if _hook_set(knobs.launch_enter_hook) or _hook_set(knobs.launch_exit_hook):
+def stream_for(*launches):
+    """The raw CUDA stream on which every one of a call's ``launches`` (None: a launch the call
+    does not make) may start its compiled kernel directly, or None where one must go through
+    ``run`` (no kernel compiled for it, a launch hook installed, another device current). A
+    call with several launches makes these checks once rather than once per launch
+    (``Launch.start(..., stream=)``)."""
+    made = [launch for launch in launches if launch is not None]
+    # a launch has a hit only on a Triton with knobs
+    if not FAST_LAUNCH or any(launch.hit is None for launch in made) or _hooks_set():
         return None
     device = torch.cuda.current_device()
-    if any(launch.device != device for launch in launches):
+    if any(launch.device != device for launch in made):
         return None
     return torch._C._cuda_getCurrentRawStream(device)
 

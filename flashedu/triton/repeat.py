@@ -48,13 +48,12 @@ class Repeat:
     has run them, its launches. Calling it runs the call (None: the general path must)."""
 
     __slots__ = ("is_causal", "scale", "config", "interpreted", "forward_plan", "backward_plan",
-                 "backward_launches", "dout_layout")
+                 "dout_layout")
 
     def __init__(self, is_causal, scale, config, interpreted):
         self.is_causal, self.scale = is_causal, scale
         self.config, self.interpreted = config, interpreted
         self.forward_plan = self.backward_plan = self.dout_layout = None
-        self.backward_launches = ()
 
     def __call__(self, q, k, v):
         if not ops.plain_eager(q, k, v):
@@ -73,7 +72,7 @@ class Repeat:
         o = torch.empty_like(q)
         lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         plan = self.forward_plan
-        plan.start(q, k, v, o, lse2, stream=fast.stream_for((plan,)))
+        plan.start(q, k, v, o, lse2, stream=fast.stream_for(plan))
         return o, lse2
 
     def backward(self, q, k, v, o, lse2, do):
@@ -87,13 +86,11 @@ class Repeat:
                                  interpreted=self.interpreted, keep=kept)
             if self.backward_plan is None and kept:
                 self.backward_plan, self.dout_layout = kept[0], layout
-                first, launches = kept[0]
-                self.backward_launches = (*([first] if first is not None else []), *launches)
             return grads
         first, launches = self.backward_plan
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        stream = fast.stream_for(self.backward_launches)  # the checks, once for all launches
+        stream = fast.stream_for(first, *launches)  # the checks, once for all launches
         if first is not None:  # the preprocess: D = rowsum(dO * O)
             first.start(o, do, D, stream=stream)
         for launch in launches:

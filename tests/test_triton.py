@@ -681,7 +681,7 @@ def test_a_call_checks_its_direct_starts_once(monkeypatch):
     launches = [fast.Launch(fw.forward_kernel, (3, 2), ("q", "k", 7, 8), {}, (0, 1))
                 for _ in range(2)]
     for launch in launches:
-        launch.hit, launch.device = (Compiled(), ("tail",)), 0
+        launch.hit, launch.device = (Compiled(), ("tail",), None), 0
     stream = fast.stream_for(*launches)
     assert stream == 1000
     launches[0].start("Q", "K", stream=stream)
@@ -699,6 +699,57 @@ def test_a_call_checks_its_direct_starts_once(monkeypatch):
     assert fast.stream_for(launches[0], None) == 1000  # None: a launch the call does not make
     monkeypatch.setattr(fast, "FAST_LAUNCH", False)  # direct starts failed on this Triton
     assert fast.stream_for(launches[0], None) is None
+
+
+def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
+    """On Triton's known launcher layout a direct start calls its C launch function itself,
+    argument for argument as Triton's ``CudaLauncher`` does, and hands a kernel that makes
+    tensor descriptors one scratch buffer per stream (grown when a grid needs more) instead of
+    a fresh allocation per launch; under CUDA-graph capture a fresh one, as Triton does."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    from flashedu.triton import fast
+
+    calls = []
+
+    class Launcher:  # Triton's CudaLauncher as far as Opened reads it
+        global_scratch_size, num_ctas, profile_scratch_size = 128, 1, 0
+        launch_cooperative_grid, launch_pdl = False, False
+
+        def launch(self, *args):
+            calls.append(args)
+
+    class Compiled:
+        function, packed_metadata, run = 77, (4, 1, 1024), Launcher()
+
+    monkeypatch.setattr(driver, "CudaLauncher", Launcher)
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKpp" + "O" * 6, raising=False)
+    monkeypatch.setattr(fast.Opened, "_buffers", {})
+    capturing = []
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: bool(capturing),
+                        raising=False)
+    opened = fast.Opened.of(Compiled())
+    opened.start(3, 2, 1, 1000, "cpu", ("q", 7), ("tail",))
+    (args,) = calls
+    assert args[:7] == (3, 2, 1, 1000, 77, False, False)
+    assert args[8:] == (None, (4, 1, 1024), None, None, None, "q", 7, "tail")
+    buf = fast.Opened._buffers["cpu", 1000]
+    assert args[7] == buf.data_ptr() and buf.numel() == 3 * 2 * 128
+    opened.start(2, 1, 1, 1000, "cpu", ("q", 7), ())  # a smaller grid: the same buffer
+    assert calls[-1][7] == buf.data_ptr()
+    opened.start(2, 1, 1, 2000, "cpu", ("q", 7), ())  # another stream: its own buffer
+    assert fast.Opened._buffers["cpu", 2000].data_ptr() == calls[-1][7] != buf.data_ptr()
+    opened.start(9, 2, 1, 1000, "cpu", ("q", 7), ())  # a larger grid: the buffer grows
+    assert fast.Opened._buffers["cpu", 1000].numel() == 9 * 2 * 128
+    kept = dict(fast.Opened._buffers)
+    capturing.append(True)  # a graph keeps the address it captured: a buffer of its own
+    opened.start(2, 1, 1, 1000, "cpu", ("q", 7), ())
+    assert fast.Opened._buffers == kept
+    assert calls[-1][7] not in {b.data_ptr() for b in kept.values()}
+    Launcher.profile_scratch_size = 64  # a profiler's scratch: Triton's own launcher
+    assert fast.Opened.of(Compiled()) is None
+    Launcher.profile_scratch_size = 0
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOO", raising=False)
+    assert fast.Opened.of(Compiled()) is None  # another layout: Triton's own launcher
 
 
 def test_launch_falls_back_under_the_interpreter():

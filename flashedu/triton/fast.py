@@ -209,22 +209,26 @@ def run(kernel, grid, args, consts: dict):
         if len(_COMPILED) >= _MAX_COMPILED:
             _COMPILED.clear()
         _COMPILED[key] = (compiled, tuple(consts[n] if n in consts else defaults[n]
-                                          for n in names))
+                                          for n in names), Opened.of(compiled))
         return compiled
     return _start(kernel, hit, grid, args, consts, device)
 
 
 def _start(kernel, hit, grid, args, consts: dict, device, stream=None):
-    """Start ``hit`` = (CompiledKernel, its trailing constexpr values) directly, as the end of
-    Triton's ``JITFunction.run`` does, on ``stream`` (None: the device's current stream)."""
+    """Start ``hit`` = (CompiledKernel, its trailing constexpr values, its launcher opened up
+    or None) directly, as the end of Triton's ``JITFunction.run`` does, on ``stream`` (None:
+    the device's current stream)."""
     global FAST_LAUNCH
-    compiled, tail = hit
+    compiled, tail, opened = hit
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(device)
+    gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
     try:
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *tail)
+        if opened is not None:
+            opened.start(gx, gy, gz, stream, device, args, tail)
+        else:
+            compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None,
+                         None, None, *args, *tail)
     except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs: its own path
         warnings.warn(f"flashedu: launching a compiled kernel directly failed on this Triton "
                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); using "
@@ -233,6 +237,67 @@ def _start(kernel, hit, grid, args, consts: dict, device, stream=None):
         _COMPILED.clear()
         return kernel[grid](*args, **consts)
     return compiled
+
+
+class Opened:
+    """A compiled kernel's launcher opened up: Triton's C launch function called as Triton's
+    Python ``CudaLauncher.__call__`` calls it, but with the descriptor scratch memory kept per
+    stream instead of allocated on every launch.
+
+    A kernel that makes tensor descriptors (``tl.make_tensor_descriptor``) needs
+    ``global_scratch_size`` bytes of global memory per program for them; Triton asks its
+    allocator for a fresh tensor on every launch, which costs a torch allocation of host time.
+    Launches on one stream run one after another, so one buffer per stream serves them all.
+    During CUDA-graph capture a launch takes a fresh buffer, as Triton's does: the graph keeps
+    its address and may replay beside eager launches.
+
+    Only for Triton's launcher layout that this was written against (``_BASE_ARGS_FORMAT``
+    "iiiKKppOOOOOO": grid, stream, function, cooperative, PDL, then the two scratch buffers,
+    the kernel's metadata, the launch metadata and the two hooks); anything else keeps
+    ``CompiledKernel.run``."""
+
+    __slots__ = ("launch", "function", "metadata", "cooperative", "pdl", "scratch")
+    LAYOUT = "iiiKKppOOOOOO"
+    _buffers: dict = {}  # (device, stream) -> the scratch buffer of launches on that stream
+
+    def __init__(self, launch, function, metadata, cooperative, pdl, scratch):
+        self.launch, self.function, self.metadata = launch, function, metadata
+        self.cooperative, self.pdl, self.scratch = cooperative, pdl, scratch
+
+    @classmethod
+    def of(cls, compiled):
+        """The opened launcher of ``compiled``, or None where its layout is not the known one."""
+        try:
+            from triton.backends.nvidia import driver
+
+            run = compiled.run
+            if (getattr(driver, "_BASE_ARGS_FORMAT", None) != cls.LAYOUT
+                    or type(run) is not driver.CudaLauncher or run.profile_scratch_size > 0):
+                return None
+            return cls(run.launch, compiled.function, compiled.packed_metadata,
+                       run.launch_cooperative_grid, run.launch_pdl,
+                       run.global_scratch_size * run.num_ctas)
+        except (ImportError, AttributeError):
+            return None
+
+    def start(self, gx, gy, gz, stream, device, args, tail):
+        buf = scratch = None  # ``buf`` holds the scratch tensor until the launch is made
+        if self.scratch:
+            buf = self.buffer(device, stream, gx * gy * gz * self.scratch)
+            scratch = buf.data_ptr()  # an int: the launcher then asks the driver nothing
+        self.launch(gx, gy, gz, stream, self.function, self.cooperative, self.pdl, scratch, None,
+                    self.metadata, None, None, None, *args, *tail)
+
+    @classmethod
+    def buffer(cls, device, stream, nbytes: int):
+        """``nbytes`` of scratch memory for a launch on ``stream`` (a raw stream handle)."""
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return torch.empty(nbytes, dtype=torch.int8, device=device)
+        buf = cls._buffers.get((device, stream))
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.int8, device=device)
+            cls._buffers[(device, stream)] = buf
+        return buf
 
 
 # ------------------------------------------------------------------------------------------

@@ -703,7 +703,8 @@ def test_a_call_checks_its_direct_starts_once(monkeypatch):
 
 def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
     """On Triton's known launcher layout a direct start calls its C launch function itself,
-    argument for argument as Triton's ``CudaLauncher`` does, and hands a kernel that makes
+    argument for argument as Triton's ``CudaLauncher`` does (a plan's own tensors by their
+    addresses), and hands a kernel that makes
     tensor descriptors one scratch buffer per stream (grown when a grid needs more) instead of
     a fresh allocation per launch; under CUDA-graph capture a fresh one, as Triton does."""
     driver = pytest.importorskip("triton.backends.nvidia.driver")
@@ -728,10 +729,13 @@ def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: bool(capturing),
                         raising=False)
     opened = fast.Opened.of(Compiled())
-    opened.start(3, 2, 1, 1000, "cpu", ("q", 7), ("tail",))
+    q = torch.zeros(4)
+    given = [q, 7]
+    opened.start(3, 2, 1, 1000, "cpu", given, ("tail",), (0,))  # q in a slot: its address
     (args,) = calls
     assert args[:7] == (3, 2, 1, 1000, 77, False, False)
-    assert args[8:] == (None, (4, 1, 1024), None, None, None, "q", 7, "tail")
+    assert args[8:] == (None, (4, 1, 1024), None, None, None, q.data_ptr(), 7, "tail")
+    assert given == [q, 7]  # the caller's list keeps its tensors
     buf = fast.Opened._buffers["cpu", 1000]
     assert args[7] == buf.data_ptr() and buf.numel() == 3 * 2 * 128
     opened.start(2, 1, 1, 1000, "cpu", ("q", 7), ())  # a smaller grid: the same buffer

@@ -214,10 +214,11 @@ def run(kernel, grid, args, consts: dict):
     return _start(kernel, hit, grid, args, consts, device)
 
 
-def _start(kernel, hit, grid, args, consts: dict, device, stream=None):
+def _start(kernel, hit, grid, args, consts: dict, device, stream=None, slots=()):
     """Start ``hit`` = (CompiledKernel, its trailing constexpr values, its launcher opened up
     or None) directly, as the end of Triton's ``JITFunction.run`` does, on ``stream`` (None:
-    the device's current stream)."""
+    the device's current stream). ``slots``: positions of ``args`` that hold the call's own
+    CUDA tensors (see ``Opened.start``)."""
     global FAST_LAUNCH
     compiled, tail, opened = hit
     if stream is None:
@@ -225,7 +226,7 @@ def _start(kernel, hit, grid, args, consts: dict, device, stream=None):
     gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
     try:
         if opened is not None:
-            opened.start(gx, gy, gz, stream, device, args, tail)
+            opened.start(gx, gy, gz, stream, device, args, tail, slots)
         else:
             compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None,
                          None, None, *args, *tail)
@@ -280,7 +281,17 @@ class Opened:
         except (ImportError, AttributeError):
             return None
 
-    def start(self, gx, gy, gz, stream, device, args, tail):
+    def start(self, gx, gy, gz, stream, device, args, tail, slots=()):
+        """Launch on ``stream``. The tensors at ``slots`` go in as their addresses: given a
+        tensor, the launcher calls its ``data_ptr`` and asks the driver whether the address is
+        device memory (``cuPointerGetAttribute``), which these tensors, laid out as the plan's
+        signature says, are."""
+        if slots:
+            args = list(args)  # the caller keeps its tensors (for a fallback)
+            for i in slots:
+                a = args[i]
+                if type(a) is Tensor:
+                    args[i] = a.data_ptr()
         buf = scratch = None  # ``buf`` holds the scratch tensor until the launch is made
         if self.scratch:
             buf = self.buffer(device, stream, gx * gy * gz * self.scratch)
@@ -378,7 +389,8 @@ class Launch:
             if (self.hit is None or not _direct_ok(self.kernel)
                     or torch.cuda.current_device() != self.device):
                 return run(self.kernel, self.grid, args, self.consts)
-        return _start(self.kernel, self.hit, self.grid, args, self.consts, self.device, stream)
+        return _start(self.kernel, self.hit, self.grid, args, self.consts, self.device, stream,
+                      self.slots)
 
 
 def stream_for(*launches):

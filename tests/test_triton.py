@@ -704,11 +704,12 @@ def test_a_call_checks_its_direct_starts_once(monkeypatch):
 def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
     """On Triton's known launcher layout a direct start calls its C launch function itself,
     argument for argument as Triton's ``CudaLauncher`` does (a plan's own tensors by their
-    addresses), and hands a kernel that makes
-    tensor descriptors one scratch buffer per stream (grown when a grid needs more) instead of
-    a fresh allocation per launch; under CUDA-graph capture a fresh one, as Triton does."""
+    addresses), and hands a kernel that makes tensor descriptors one scratch buffer per
+    stream (grown when a grid needs more) instead of a fresh allocation per launch; under
+    CUDA-graph capture a fresh one, as Triton does."""
     driver = pytest.importorskip("triton.backends.nvidia.driver")
     from flashedu.triton import fast
+    from flashedu.triton import forward as fw
 
     calls = []
 
@@ -725,30 +726,50 @@ def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
     monkeypatch.setattr(driver, "CudaLauncher", Launcher)
     monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKpp" + "O" * 6, raising=False)
     monkeypatch.setattr(fast.Opened, "_buffers", {})
+    monkeypatch.setattr(fast, "FAST_LAUNCH", True)
     capturing = []
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: bool(capturing),
                         raising=False)
     opened = fast.Opened.of(Compiled())
+    launch = fast.Launch(fw.forward_kernel, (3, 2), ("q", 7), {}, (0,))
+    launch.hit, launch.device = (Compiled(), ("tail",), opened), "cpu"
+    launch.go = opened.bind((3, 2), ("tail",), "cpu")
     q = torch.zeros(4)
-    given = [q, 7]
-    opened.start(3, 2, 1, 1000, "cpu", given, ("tail",), (0,))  # q in a slot: its address
+    launch.start(q, stream=1000)  # q in its slot: its address
     (args,) = calls
     assert args[:7] == (3, 2, 1, 1000, 77, False, False)
     assert args[8:] == (None, (4, 1, 1024), None, None, None, q.data_ptr(), 7, "tail")
-    assert given == [q, 7]  # the caller's list keeps its tensors
     buf = fast.Opened._buffers["cpu", 1000]
     assert args[7] == buf.data_ptr() and buf.numel() == 3 * 2 * 128
-    opened.start(2, 1, 1, 1000, "cpu", ("q", 7), ())  # a smaller grid: the same buffer
+    assert launch.args == [None, 7]  # the launch keeps no tensor
+
+    class Kernel:  # Triton's own dispatch, where a direct start fails
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(("dispatch", grid, a))
+
+    def broken(stream, args):
+        raise TypeError("a launcher laid out otherwise")
+
+    failing = fast.Launch(Kernel(), (3, 2), ("q", 7), {}, (0,))
+    failing.hit, failing.device, failing.go = (Compiled(), (), opened), "cpu", broken
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    with pytest.warns(UserWarning, match="directly failed"):
+        failing.start(q, stream=1000)
+    assert calls.pop() == ("dispatch", (3, 2), (q, 7)) and not fast.FAST_LAUNCH
+    opened.bind((2,), (), "cpu")(1000, ["q"])  # a smaller grid: the same buffer
     assert calls[-1][7] == buf.data_ptr()
-    opened.start(2, 1, 1, 2000, "cpu", ("q", 7), ())  # another stream: its own buffer
+    opened.bind((2,), (), "cpu")(2000, ["q"])  # another stream: its own buffer
     assert fast.Opened._buffers["cpu", 2000].data_ptr() == calls[-1][7] != buf.data_ptr()
-    opened.start(9, 2, 1, 1000, "cpu", ("q", 7), ())  # a larger grid: the buffer grows
+    opened.bind((9, 2), (), "cpu")(1000, ["q"])  # a larger grid: the buffer grows
     assert fast.Opened._buffers["cpu", 1000].numel() == 9 * 2 * 128
     kept = dict(fast.Opened._buffers)
     capturing.append(True)  # a graph keeps the address it captured: a buffer of its own
-    opened.start(2, 1, 1, 1000, "cpu", ("q", 7), ())
+    opened.bind((2,), (), "cpu")(1000, ["q"])
     assert fast.Opened._buffers == kept
     assert calls[-1][7] not in {b.data_ptr() for b in kept.values()}
+    Launcher.global_scratch_size = 0  # no descriptors: no buffer
+    fast.Opened.of(Compiled()).bind((2,), (), "cpu")(1000, ["q"])
+    assert calls[-1][7] is None
     Launcher.profile_scratch_size = 64  # a profiler's scratch: Triton's own launcher
     assert fast.Opened.of(Compiled()) is None
     Launcher.profile_scratch_size = 0

@@ -214,36 +214,44 @@ def run(kernel, grid, args, consts: dict):
     return _start(kernel, hit, grid, args, consts, device)
 
 
-def _start(kernel, hit, grid, args, consts: dict, device, stream=None, slots=()):
+def _start(kernel, hit, grid, args, consts: dict, device, stream=None):
     """Start ``hit`` = (CompiledKernel, its trailing constexpr values, its launcher opened up
     or None) directly, as the end of Triton's ``JITFunction.run`` does, on ``stream`` (None:
-    the device's current stream). ``slots``: positions of ``args`` that hold the call's own
-    CUDA tensors (see ``Opened.start``)."""
-    global FAST_LAUNCH
+    the device's current stream)."""
     compiled, tail, opened = hit
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(device)
-    gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+    gx, gy, gz = _grid3(grid)
     try:
         if opened is not None:
-            opened.start(gx, gy, gz, stream, device, args, tail, slots)
+            opened.bind(grid, tail, device)(stream, args)
         else:
             compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None,
                          None, None, *args, *tail)
     except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs: its own path
-        warnings.warn(f"flashedu: launching a compiled kernel directly failed on this Triton "
-                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); using "
-                      f"Triton's dispatch from now on", stacklevel=4)
-        FAST_LAUNCH = False
-        _COMPILED.clear()
-        return kernel[grid](*args, **consts)
+        return _direct_failed(exc, kernel, grid, args, consts)
     return compiled
+
+
+def _grid3(grid) -> tuple:
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+
+
+def _direct_failed(exc, kernel, grid, args, consts):
+    """A direct start raised: Triton's own dispatch from now on, starting with this launch."""
+    global FAST_LAUNCH
+    warnings.warn(f"flashedu: launching a compiled kernel directly failed on this Triton "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); using "
+                  f"Triton's dispatch from now on", stacklevel=4)
+    FAST_LAUNCH = False
+    _COMPILED.clear()
+    return kernel[grid](*args, **consts)
 
 
 class Opened:
     """A compiled kernel's launcher opened up: Triton's C launch function called as Triton's
-    Python ``CudaLauncher.__call__`` calls it, but with the descriptor scratch memory kept per
-    stream instead of allocated on every launch.
+    Python ``CudaLauncher.__call__`` calls it, less that wrapper's own Python, and with the
+    descriptor scratch memory kept per stream instead of allocated on every launch.
 
     A kernel that makes tensor descriptors (``tl.make_tensor_descriptor``) needs
     ``global_scratch_size`` bytes of global memory per program for them; Triton asks its
@@ -281,23 +289,26 @@ class Opened:
         except (ImportError, AttributeError):
             return None
 
-    def start(self, gx, gy, gz, stream, device, args, tail, slots=()):
-        """Launch on ``stream``. The tensors at ``slots`` go in as their addresses: given a
-        tensor, the launcher calls its ``data_ptr`` and asks the driver whether the address is
-        device memory (``cuPointerGetAttribute``), which these tensors, laid out as the plan's
-        signature says, are."""
-        if slots:
-            args = list(args)  # the caller keeps its tensors (for a fallback)
-            for i in slots:
-                a = args[i]
-                if type(a) is Tensor:
-                    args[i] = a.data_ptr()
-        buf = scratch = None  # ``buf`` holds the scratch tensor until the launch is made
-        if self.scratch:
-            buf = self.buffer(device, stream, gx * gy * gz * self.scratch)
-            scratch = buf.data_ptr()  # an int: the launcher then asks the driver nothing
-        self.launch(gx, gy, gz, stream, self.function, self.cooperative, self.pdl, scratch, None,
-                    self.metadata, None, None, None, *args, *tail)
+    def bind(self, grid, tail, device):
+        """``go(stream, args)``: this kernel launched on ``grid`` with ``args`` (then the
+        trailing constexprs ``tail``) on ``stream``, a raw stream handle. An argument given as
+        an int address rather than a tensor spares the launcher a ``data_ptr`` call and a
+        driver query (``cuPointerGetAttribute``) per pointer."""
+        launch, function, metadata = self.launch, self.function, self.metadata
+        cooperative, pdl = self.cooperative, self.pdl
+        gx, gy, gz = _grid3(grid)
+        if not self.scratch:
+            def go(stream, args):
+                launch(gx, gy, gz, stream, function, cooperative, pdl, None, None, metadata,
+                       None, None, None, *args, *tail)
+            return go
+        nbytes, buffer = gx * gy * gz * self.scratch, self.buffer
+
+        def go_with_scratch(stream, args):
+            buf = buffer(device, stream, nbytes)  # held until the launch is made
+            launch(gx, gy, gz, stream, function, cooperative, pdl, buf.data_ptr(), None,
+                   metadata, None, None, None, *args, *tail)
+        return go_with_scratch
 
     @classmethod
     def buffer(cls, device, stream, nbytes: int):
@@ -361,14 +372,14 @@ class Launch:
     directly where ``run`` would, else ``run`` itself (the interpreter, a launch hook). The
     launch keeps no reference to the tensors it was made with."""
 
-    __slots__ = ("kernel", "grid", "args", "consts", "slots", "hit", "device")
+    __slots__ = ("kernel", "grid", "args", "consts", "slots", "hit", "device", "go")
 
     def __init__(self, kernel, grid, args, consts: dict, slots: tuple):
         self.kernel, self.grid, self.consts, self.slots = kernel, grid, consts, slots
         self.args = list(args)
         for i in slots:
             self.args[i] = None
-        self.hit, self.device = None, None
+        self.hit, self.device, self.go = None, None, None
         # no kernel was started directly in a process that never initialized CUDA (the
         # interpreter, or compiling for another GPU without one: ``bench sass``)
         if torch.cuda.is_initialized() and _direct_ok(kernel):
@@ -377,20 +388,32 @@ class Launch:
                 self.hit = _COMPILED.get(_cache_key(kernel, self.device, args, consts))
             except _Unkeyable:
                 pass
+        if self.hit is not None and self.hit[2] is not None:
+            self.go = self.hit[2].bind(grid, self.hit[1], self.device)
 
     def start(self, *tensors, stream=None):
         """Start the launch again with ``tensors`` in its slots. ``stream``: what
         :func:`stream_for` returned for the call's launches, which made the checks of a direct
         start once for all of them; None: they are made here."""
-        args = self.args.copy()
-        for i, t in zip(self.slots, tensors):
-            args[i] = t
         if stream is None or not FAST_LAUNCH:  # (a direct start may have failed since)
-            if (self.hit is None or not _direct_ok(self.kernel)
-                    or torch.cuda.current_device() != self.device):
-                return run(self.kernel, self.grid, args, self.consts)
-        return _start(self.kernel, self.hit, self.grid, args, self.consts, self.device, stream,
-                      self.slots)
+            stream = stream_for(self)
+            if stream is None:  # no compiled kernel, a launch hook, another device current
+                return run(self.kernel, self.grid, self._args(tensors), self.consts)
+        if self.go is not None:  # the tensors go in as addresses (see Opened.bind)
+            try:
+                return self.go(stream, self._args([t.data_ptr() for t in tensors]))
+            except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs
+                return _direct_failed(exc, self.kernel, self.grid, self._args(tensors),
+                                      self.consts)
+        return _start(self.kernel, self.hit, self.grid, self._args(tensors), self.consts,
+                      self.device, stream)
+
+    def _args(self, values) -> list:
+        """The launch's arguments with ``values`` in its slots."""
+        args = self.args.copy()
+        for i, t in zip(self.slots, values):
+            args[i] = t
+        return args
 
 
 def stream_for(*launches):

@@ -733,7 +733,7 @@ def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
     opened = fast.Opened.of(Compiled())
     launch = fast.Launch(fw.forward_kernel, (3, 2), ("q", 7), {}, (0,))
     launch.hit, launch.device = (Compiled(), ("tail",), opened), "cpu"
-    launch.go = opened.bind((3, 2), ("tail",), "cpu")
+    launch.go = launch.bound()
     q = torch.zeros(4)
     launch.start(q, stream=1000)  # q in its slot: its address
     (args,) = calls
@@ -750,6 +750,9 @@ def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
     def broken(stream, args):
         raise TypeError("a launcher laid out otherwise")
 
+    odd = fast.Launch(Kernel(), (3,), (7, "q"), {}, (1,))  # the call's tensor not leading
+    odd.hit = (Compiled(), (), opened)
+    assert odd.bound() is None
     failing = fast.Launch(Kernel(), (3, 2), ("q", 7), {}, (0,))
     failing.hit, failing.device, failing.go = (Compiled(), (), opened), "cpu", broken
     monkeypatch.setattr(fast, "_COMPILED", {})

@@ -224,7 +224,7 @@ def _start(kernel, hit, grid, args, consts: dict, device, stream=None):
     gx, gy, gz = _grid3(grid)
     try:
         if opened is not None:
-            opened.bind(grid, tail, device)(stream, args)
+            opened.bind(grid, (*args, *tail), device)(stream, ())
         else:
             compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None,
                          None, None, *args, *tail)
@@ -289,25 +289,25 @@ class Opened:
         except (ImportError, AttributeError):
             return None
 
-    def bind(self, grid, tail, device):
-        """``go(stream, args)``: this kernel launched on ``grid`` with ``args`` (then the
-        trailing constexprs ``tail``) on ``stream``, a raw stream handle. An argument given as
-        an int address rather than a tensor spares the launcher a ``data_ptr`` call and a
-        driver query (``cuPointerGetAttribute``) per pointer."""
+    def bind(self, grid, fixed: tuple, device):
+        """``go(stream, lead)``: this kernel launched on ``grid`` with the arguments ``lead``
+        then ``fixed`` (the rest, then the trailing constexprs) on ``stream``, a raw stream
+        handle. An argument given as an int address rather than a tensor spares the launcher a
+        ``data_ptr`` call and a driver query (``cuPointerGetAttribute``) per pointer."""
         launch, function, metadata = self.launch, self.function, self.metadata
         cooperative, pdl = self.cooperative, self.pdl
         gx, gy, gz = _grid3(grid)
         if not self.scratch:
-            def go(stream, args):
+            def go(stream, lead):
                 launch(gx, gy, gz, stream, function, cooperative, pdl, None, None, metadata,
-                       None, None, None, *args, *tail)
+                       None, None, None, *lead, *fixed)
             return go
         nbytes, buffer = gx * gy * gz * self.scratch, self.buffer
 
-        def go_with_scratch(stream, args):
+        def go_with_scratch(stream, lead):
             buf = buffer(device, stream, nbytes)  # held until the launch is made
             launch(gx, gy, gz, stream, function, cooperative, pdl, buf.data_ptr(), None,
-                   metadata, None, None, None, *args, *tail)
+                   metadata, None, None, None, *lead, *fixed)
         return go_with_scratch
 
     @classmethod
@@ -388,8 +388,16 @@ class Launch:
                 self.hit = _COMPILED.get(_cache_key(kernel, self.device, args, consts))
             except _Unkeyable:
                 pass
-        if self.hit is not None and self.hit[2] is not None:
-            self.go = self.hit[2].bind(grid, self.hit[1], self.device)
+        self.go = self.bound()
+
+    def bound(self):
+        """The opened launcher bound to everything but the call's tensors, or None: no opened
+        launcher, or the call's tensors are not the leading arguments (dropout's RNG state
+        comes after the others)."""
+        n = len(self.slots)
+        if self.hit is None or self.hit[2] is None or self.slots != tuple(range(n)):
+            return None
+        return self.hit[2].bind(self.grid, (*self.args[n:], *self.hit[1]), self.device)
 
     def start(self, *tensors, stream=None):
         """Start the launch again with ``tensors`` in its slots. ``stream``: what
@@ -401,7 +409,7 @@ class Launch:
                 return run(self.kernel, self.grid, self._args(tensors), self.consts)
         if self.go is not None:  # the tensors go in as addresses (see Opened.bind)
             try:
-                return self.go(stream, self._args([t.data_ptr() for t in tensors]))
+                return self.go(stream, [t.data_ptr() for t in tensors])
             except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs
                 return _direct_failed(exc, self.kernel, self.grid, self._args(tensors),
                                       self.consts)

@@ -9,7 +9,13 @@ This is :func:`flashedu.tiled.flash_forward` (the FlashAttention-2 loop order) m
 - ``cuda.syncthreads()`` separates the steps: every thread reads what other threads wrote;
 - register tiling: thread (ty, tx) of the TY x TX thread grid computes a TM x TN piece of S_ij
   and a TM x DN piece of O_i in its registers (``cuda.local.array`` of compile-time size), so
-  each number read from shared memory feeds several multiply-adds.
+  each number read from shared memory feeds several multiply-adds;
+- the online softmax runs on every thread: RT = threads / Br neighbouring threads share a row,
+  each over a stretch of its columns, and pool their row maximum and row sum through shared
+  memory;
+- scores are kept in base 2 (``scale * log2(e)`` folded into the scale), as the Triton kernel
+  does: ``exp2`` is one instruction of the GPU's special-function unit, ``exp`` needs a
+  multiplication and range handling before it. L leaves the kernel as a natural log.
 
 Shared memory is budgeted: :data:`SMEM_BUDGET` bytes per block, :func:`sram_bytes` says what
 each buffer takes, and :func:`choose_tiles` picks the largest tiles that fit.
@@ -69,6 +75,8 @@ class Tiles:
                              f"Bc={self.Bc} of TX={self.TX}")
         if self.TX > 32 or 32 % self.TX:
             raise ValueError(f"TX={self.TX} must divide the warp size 32")
+        if self.TX % self.TM:  # the softmax gives each row TX / TM threads
+            raise ValueError(f"TX={self.TX} must be a multiple of TM = Br / TY = {self.TM}")
 
     @property
     def TM(self) -> int:  # rows of S_ij (and of O_i) per thread
@@ -90,9 +98,11 @@ def sram_bytes(tiles: Tiles, d: int) -> dict[str, int]:
     then hit 32 different banks instead of one. V_j is widened to a multiple of TX so that every
     thread owns the same number of output columns. O_i is not here: it lives in registers, each
     thread holding its TM x ceil(d/TX) piece. This agrees with
-    ``flashedu.io.sram_footprint(Br, Bc, d, "float32")`` less O_i, plus the padding and alpha.
+    ``flashedu.io.sram_footprint(Br, Bc, d, "float32")`` less O_i, plus the padding, alpha and
+    the softmax's partial results (``row_parts``).
     """
     Br, Bc = tiles.Br, tiles.Bc
+    RT = tiles.threads // Br  # threads per row in the softmax
     dv = _cdiv(d, tiles.TX) * tiles.TX
     f = FLOAT32_BYTES
     return {
@@ -103,6 +113,7 @@ def sram_bytes(tiles: Tiles, d: int) -> dict[str, int]:
         "m_i": Br * f,
         "l_i": Br * f,
         "alpha": Br * f,  # exp(m_old - m_new): rescales O_i when the row max grows
+        "row_parts": 2 * Br * RT * f,  # each softmax thread's share of its row's max and sum
     }
 
 
@@ -140,8 +151,12 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
     DV = DN * TX  # V_j row length, zero-padded
     DP = D + 1  # padded row lengths of Q_i, K_j and S_ij: see sram_bytes
     BcP = Bc + 1  # (a shape must be built from closure constants, not computed in the kernel)
+    RT = NT // Br  # threads per row in the softmax (Br * RT = NT: TX is a multiple of TM)
+    CW = Bc // RT  # the columns of S_ij each of them takes
     NEG_INF = np.float32(-np.inf)
     ZERO = np.float32(0.0)
+    LOG2E = np.float32(math.log2(math.e))
+    LN2 = np.float32(math.log(2.0))
 
     @cuda.jit(device=True)
     def load_tile(dst, src, head, row0, n_rows, width, tid):
@@ -184,6 +199,7 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
         Nk = K.shape[1]
         first_q = i * Br
         last_q = min(first_q + Br, Nq) - 1
+        scale2 = scale * LOG2E  # scores in base 2: exp(x) = exp2(x * log2(e))
 
         # SRAM: the block's tiles. Sizes are compile-time constants (see sram_bytes).
         Q_i = cuda.shared.array((Br, DP), float32)
@@ -193,6 +209,8 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
         m_i = cuda.shared.array(Br, float32)
         l_i = cuda.shared.array(Br, float32)
         alpha = cuda.shared.array(Br, float32)
+        part_m = cuda.shared.array((Br, RT), float32)  # each softmax thread's share of a row
+        part_l = cuda.shared.array((Br, RT), float32)
         # Registers: this thread's piece of S_ij and of O_i, and the operands of one step.
         s = cuda.local.array((TM, TN), float32)
         o = cuda.local.array((TM, DN), float32)
@@ -236,36 +254,60 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
                 for a in range(TM):
                     for b in range(TN):
                         s[a, b] += q[a] * k[b]
-            for a in range(TM):
-                row = first_q + ty * TM + a
-                for b in range(TN):
-                    col = first_k + tx + b * TX
-                    hidden = col >= Nk or (causal and col > row) or (
-                        kind == PARTIAL and row < Nq and blocks[mb, row // mBr, col // mBc] == 0)
-                    S_ij[ty * TM + a, tx + b * TX] = NEG_INF if hidden else s[a, b] * scale
+            # Only a tile that crosses the end of the keys, the causal diagonal or a partial
+            # mask block needs the test per element (the NumPy version's TileMask, FULL or not)
+            masked = (first_k + Bc > Nk or (causal and first_k + Bc - 1 > first_q)
+                      or kind == PARTIAL)
+            if masked:
+                for a in range(TM):
+                    row = first_q + ty * TM + a
+                    for b in range(TN):
+                        col = first_k + tx + b * TX
+                        hidden = col >= Nk or (causal and col > row) or (
+                            kind == PARTIAL and row < Nq
+                            and blocks[mb, row // mBr, col // mBc] == 0)
+                        S_ij[ty * TM + a, tx + b * TX] = NEG_INF if hidden else s[a, b] * scale2
+            else:
+                for a in range(TM):
+                    for b in range(TN):
+                        S_ij[ty * TM + a, tx + b * TX] = s[a, b] * scale2
             if barriers:
                 cuda.syncthreads()  # (2) S_ij complete before rows are reduced
 
-            # Online softmax, one thread per row r: m_i, l_i, and P_ij = exp(S_ij - m_i) in place.
-            if tid < Br:
-                r = tid
-                m_old = m_i[r]
-                m_new = m_old
-                for c in range(Bc):
-                    m_new = max(m_new, S_ij[r, c])
-                # A row that has seen no visible key keeps m = -inf; subtract 0 instead, so that
-                # exp(-inf - (-inf)) = NaN never happens (its P and alpha are then 0).
-                m_use = ZERO if m_new == NEG_INF else m_new
-                row_sum = ZERO
-                for c in range(Bc):
-                    p = math.exp(S_ij[r, c] - m_use)
-                    S_ij[r, c] = p
-                    row_sum += p
-                alpha[r] = math.exp(m_old - m_use)
-                l_i[r] = alpha[r] * l_i[r] + row_sum
+            # Online softmax on every thread: the RT threads of row r (neighbours in a warp)
+            # each take CW columns, from c0; their maxima and sums meet in part_m and part_l.
+            r = tid // RT
+            h = tid % RT
+            c0 = h * CW
+            m_old = m_i[r]
+            m_part = m_old
+            for c in range(c0, c0 + CW):
+                m_part = max(m_part, S_ij[r, c])
+            part_m[r, h] = m_part
+            if barriers:
+                cuda.syncthreads()  # (3a) every share of the row maximum is written
+            m_new = m_old
+            for t in range(RT):
+                m_new = max(m_new, part_m[r, t])
+            # A row that has seen no visible key keeps m = -inf; subtract 0 instead, so that
+            # exp(-inf - (-inf)) = NaN never happens (its P and alpha are then 0).
+            m_use = ZERO if m_new == NEG_INF else m_new
+            row_sum = ZERO
+            for c in range(c0, c0 + CW):
+                p = math.exp2(S_ij[r, c] - m_use)
+                S_ij[r, c] = p
+                row_sum += p
+            part_l[r, h] = row_sum
+            if h == 0:
+                alpha[r] = math.exp2(m_old - m_use)
                 m_i[r] = m_new
             if barriers:
-                cuda.syncthreads()  # (3) P_ij and alpha ready before O_i uses them
+                cuda.syncthreads()  # (3) P_ij, alpha and the row sums ready
+            if h == 0:  # l_i is read again only after the next tile's barriers
+                row_sum = ZERO
+                for t in range(RT):
+                    row_sum += part_l[r, t]
+                l_i[r] = alpha[r] * l_i[r] + row_sum
 
             # O_i = alpha * O_i + P_ij V_j: TM + DN shared loads feed TM * DN multiply-adds.
             # P_ij V_j is summed on its own first: a sum of Bc terms added once per tile rounds
@@ -287,8 +329,8 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
             if barriers:
                 cuda.syncthreads()  # (4) everyone is done with K_j, V_j, S_ij: next tile may load
 
-        # Epilogue: O_i / l_i and L_i = m_i + log(l_i) to HBM; a row with no visible key
-        # (l_i = 0) gets O = 0 and L = -inf.
+        # Epilogue: O_i / l_i and L_i = m_i + log(l_i) to HBM, L back in natural log (m_i
+        # is in base 2); a row with no visible key (l_i = 0) gets O = 0 and L = -inf.
         for a in range(TM):
             r = ty * TM + a
             row = first_q + r
@@ -300,7 +342,7 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
                     if col < D:
                         O[bh, row, col] = o[a, e] * inv_l
                 if tx == 0:
-                    L[bh, row] = NEG_INF if l == ZERO else m_i[r] + math.log(l)
+                    L[bh, row] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2
 
     return flash_forward_kernel
 

@@ -125,13 +125,24 @@ def test_gpu_tiles_fit_the_shared_memory_budget(d):
 
 def test_sram_bytes_agree_with_io_footprint():
     """Ours = the paper's footprint in float32, less O_i (kept in registers), plus the one-float
-    row padding of Q_i, K_j, S_ij, V_j's widening to a multiple of TX, and alpha."""
+    row padding of Q_i, K_j, S_ij, V_j's widening to a multiple of TX, alpha, and the softmax
+    threads' shares of each row's max and sum (one float each per thread)."""
     tiles, d = nk.choose_tiles(40, simulated=False), 40
     Br, Bc, TX = tiles.Br, tiles.Bc, tiles.TX
     paper = io.sram_footprint(Br, Bc, d, "float32")
     ours = nk.sram_bytes(tiles, d)
     padding = 4 * (Br + Bc + Br + Bc * (math.ceil(d / TX) * TX - d))
-    assert sum(ours.values()) == sum(paper.values()) - paper["O_i"] + padding + ours["alpha"]
+    assert ours["row_parts"] == 2 * 4 * tiles.threads
+    assert sum(ours.values()) == (sum(paper.values()) - paper["O_i"] + padding + ours["alpha"]
+                                  + ours["row_parts"])
+
+
+def test_tiles_give_every_softmax_row_whole_threads():
+    """The softmax gives each row of S_ij TX / TM threads: a tiling with more rows than
+    threads would leave rows without one."""
+    assert nk.Tiles(64, 32, 16, 8).threads // 64 == 2
+    with pytest.raises(ValueError, match="TX=4 must be a multiple of TM"):
+        nk.Tiles(64, 16, 8, 4)
 
 
 def test_simulator_tiles_stay_small():

@@ -140,17 +140,18 @@ def check():
 
 
 def measure(fn, inputs_bytes, reps):
-    """(median ms of ``do_bench``, peak bytes allocated beyond the inputs) or (None, 'OOM')."""
+    """(median ms of ``do_bench``, peak bytes of one call: the inputs plus what it allocates)
+    or (None, 'OOM'). The peak comes from a call of its own: ``do_bench`` allocates a buffer
+    to flush the L2 cache (256 MiB) that is not the kernel's."""
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     try:
         ms = core.time_ms(fn, warmup=1, rep=reps)
+        torch.cuda.empty_cache()
+        peak = core.peak_bytes(fn)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None, "OOM"
-    peak = torch.cuda.max_memory_allocated() - base
-    return ms, peak + inputs_bytes
+    return ms, int(peak) + inputs_bytes
 
 
 def numba_attention(q, k, v, causal):

@@ -1,6 +1,7 @@
 """How the kernels are launched: compiled kernels started again without Triton's dispatch
-(``run``, below), a call's launches kept as a plan for the next call laid out alike
-(``PLANS``), and Hopper's fast paths for the forward kernel with the fallback when a Triton
+(``run``, below) and, where Triton's launcher has the layout ``Opened`` knows, through its C
+launch function directly; a call's launches kept as a plan for the next call laid out alike
+(``PLANS``); and Hopper's fast paths for the forward kernel with the fallback when a Triton
 cannot build them.
 
 - TMA: tiles fetched by the copy engine through tensor descriptors that the kernels make
@@ -379,7 +380,7 @@ class Launch:
         self.args = list(args)
         for i in slots:
             self.args[i] = None
-        self.hit, self.device, self.go = None, None, None
+        self.hit, self.device = None, None
         # no kernel was started directly in a process that never initialized CUDA (the
         # interpreter, or compiling for another GPU without one: ``bench sass``)
         if torch.cuda.is_initialized() and _direct_ok(kernel):

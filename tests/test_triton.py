@@ -701,20 +701,17 @@ def test_a_call_checks_its_direct_starts_once(monkeypatch):
     assert fast.stream_for(launches[0], None) is None
 
 
-def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
-    """On Triton's known launcher layout a direct start calls its C launch function itself,
-    argument for argument as Triton's ``CudaLauncher`` does (a plan's own tensors by their
-    addresses), and hands a kernel that makes tensor descriptors one scratch buffer per
-    stream (grown when a grid needs more) instead of a fresh allocation per launch; under
-    CUDA-graph capture a fresh one, as Triton does."""
+def _fake_launcher(monkeypatch, scratch=128):
+    """Triton's CudaLauncher as far as ``fast.Opened`` reads it, on the launcher layout it
+    knows; returns (the list its C launch function appends its arguments to, a compiled
+    kernel whose launcher it is)."""
     driver = pytest.importorskip("triton.backends.nvidia.driver")
     from flashedu.triton import fast
-    from flashedu.triton import forward as fw
 
     calls = []
 
-    class Launcher:  # Triton's CudaLauncher as far as Opened reads it
-        global_scratch_size, num_ctas, profile_scratch_size = 128, 1, 0
+    class Launcher:
+        global_scratch_size, num_ctas, profile_scratch_size = scratch, 1, 0
         launch_cooperative_grid, launch_pdl = False, False
 
         def launch(self, *args):
@@ -727,38 +724,68 @@ def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
     monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKpp" + "O" * 6, raising=False)
     monkeypatch.setattr(fast.Opened, "_buffers", {})
     monkeypatch.setattr(fast, "FAST_LAUNCH", True)
-    capturing = []
-    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: bool(capturing),
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False,
                         raising=False)
-    opened = fast.Opened.of(Compiled())
+    return calls, Compiled()
+
+
+def test_a_plan_starts_the_opened_launcher_with_addresses(monkeypatch):
+    """On Triton's known launcher layout a plan's launch calls the C launch function itself,
+    argument for argument as Triton's ``CudaLauncher`` does, bound once to everything but the
+    call's own tensors, which go in as their addresses."""
+    from flashedu.triton import fast
+    from flashedu.triton import forward as fw
+
+    calls, compiled = _fake_launcher(monkeypatch, scratch=0)
+    opened = fast.Opened.of(compiled)
     launch = fast.Launch(fw.forward_kernel, (3, 2), ("q", 7), {}, (0,))
-    launch.hit, launch.device = (Compiled(), ("tail",), opened), "cpu"
+    launch.hit, launch.device = (compiled, ("tail",), opened), "cpu"
     launch.go = launch.bound()
     q = torch.zeros(4)
-    launch.start(q, stream=1000)  # q in its slot: its address
+    launch.start(q, stream=1000)
     (args,) = calls
-    assert args[:7] == (3, 2, 1, 1000, 77, False, False)
-    assert args[8:] == (None, (4, 1, 1024), None, None, None, q.data_ptr(), 7, "tail")
-    buf = fast.Opened._buffers["cpu", 1000]
-    assert args[7] == buf.data_ptr() and buf.numel() == 3 * 2 * 128
+    assert args == (3, 2, 1, 1000, 77, False, False, None, None, (4, 1, 1024), None, None, None,
+                    q.data_ptr(), 7, "tail")
     assert launch.args == [None, 7]  # the launch keeps no tensor
+    odd = fast.Launch(fw.forward_kernel, (3,), (7, "q"), {}, (1,))  # its tensor not leading
+    odd.hit = (compiled, (), opened)
+    assert odd.bound() is None  # (dropout's RNG state): the launch goes through _start
 
-    class Kernel:  # Triton's own dispatch, where a direct start fails
+
+def test_a_failed_direct_start_falls_back_to_tritons_dispatch(monkeypatch):
+    """A launcher that rejects the call: a warning, then Triton's own dispatch with the
+    call's tensors, for this launch and every later one."""
+    from flashedu.triton import fast
+
+    calls, compiled = _fake_launcher(monkeypatch)
+
+    class Kernel:  # Triton's own dispatch
         def __getitem__(self, grid):
             return lambda *a, **kw: calls.append(("dispatch", grid, a))
 
-    def broken(stream, args):
+    def broken(stream, lead):
         raise TypeError("a launcher laid out otherwise")
 
-    odd = fast.Launch(Kernel(), (3,), (7, "q"), {}, (1,))  # the call's tensor not leading
-    odd.hit = (Compiled(), (), opened)
-    assert odd.bound() is None
-    failing = fast.Launch(Kernel(), (3, 2), ("q", 7), {}, (0,))
-    failing.hit, failing.device, failing.go = (Compiled(), (), opened), "cpu", broken
+    launch = fast.Launch(Kernel(), (3, 2), ("q", 7), {}, (0,))
+    launch.hit, launch.device, launch.go = (compiled, (), fast.Opened.of(compiled)), "cpu", broken
     monkeypatch.setattr(fast, "_COMPILED", {})
+    q = torch.zeros(4)
     with pytest.warns(UserWarning, match="directly failed"):
-        failing.start(q, stream=1000)
-    assert calls.pop() == ("dispatch", (3, 2), (q, 7)) and not fast.FAST_LAUNCH
+        launch.start(q, stream=1000)
+    assert calls == [("dispatch", (3, 2), (q, 7))] and not fast.FAST_LAUNCH
+
+
+def test_the_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
+    """A kernel that makes tensor descriptors gets one scratch buffer per stream (grown when a
+    grid needs more) instead of a fresh allocation per launch; under CUDA-graph capture a
+    fresh one, as Triton's launcher does: the graph keeps the address it captured."""
+    from flashedu.triton import fast
+
+    calls, compiled = _fake_launcher(monkeypatch)
+    opened = fast.Opened.of(compiled)
+    opened.bind((3, 2), (), "cpu")(1000, ["q"])
+    buf = fast.Opened._buffers["cpu", 1000]
+    assert calls[-1][7] == buf.data_ptr() and buf.numel() == 3 * 2 * 128
     opened.bind((2,), (), "cpu")(1000, ["q"])  # a smaller grid: the same buffer
     assert calls[-1][7] == buf.data_ptr()
     opened.bind((2,), (), "cpu")(2000, ["q"])  # another stream: its own buffer
@@ -766,18 +793,26 @@ def test_an_opened_launcher_keeps_one_scratch_buffer_per_stream(monkeypatch):
     opened.bind((9, 2), (), "cpu")(1000, ["q"])  # a larger grid: the buffer grows
     assert fast.Opened._buffers["cpu", 1000].numel() == 9 * 2 * 128
     kept = dict(fast.Opened._buffers)
-    capturing.append(True)  # a graph keeps the address it captured: a buffer of its own
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True,
+                        raising=False)
     opened.bind((2,), (), "cpu")(1000, ["q"])
     assert fast.Opened._buffers == kept
     assert calls[-1][7] not in {b.data_ptr() for b in kept.values()}
-    Launcher.global_scratch_size = 0  # no descriptors: no buffer
-    fast.Opened.of(Compiled()).bind((2,), (), "cpu")(1000, ["q"])
-    assert calls[-1][7] is None
-    Launcher.profile_scratch_size = 64  # a profiler's scratch: Triton's own launcher
-    assert fast.Opened.of(Compiled()) is None
-    Launcher.profile_scratch_size = 0
+
+
+def test_only_the_known_launcher_layout_is_opened(monkeypatch):
+    """A profiler's scratch or another launcher layout keeps Triton's own launcher."""
+    from triton.backends.nvidia import driver
+
+    from flashedu.triton import fast
+
+    _, compiled = _fake_launcher(monkeypatch)
+    assert fast.Opened.of(compiled) is not None
+    type(compiled.run).profile_scratch_size = 64
+    assert fast.Opened.of(compiled) is None
+    type(compiled.run).profile_scratch_size = 0
     monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOO", raising=False)
-    assert fast.Opened.of(Compiled()) is None  # another layout: Triton's own launcher
+    assert fast.Opened.of(compiled) is None
 
 
 def test_launch_falls_back_under_the_interpreter():

@@ -84,6 +84,9 @@ def test_float64_is_refused_rather_than_rounded():
         flashedu.attention(q, q, q, backend="numba")
 
 
+# threads that read shared memory before it is written may read anything, overflow included
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_without_barriers_the_result_is_wrong():
     """Drop cuda.syncthreads(): threads read tiles before other threads have written them."""
     q, k, v = randn(1, 1, 32, 8), randn(1, 1, 32, 8), randn(1, 1, 32, 8)

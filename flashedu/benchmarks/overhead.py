@@ -10,7 +10,9 @@ with ``sdpa_kernel``, and FlexAttention), in one process:
 - wall: ``time.perf_counter`` around many calls, each followed by ``torch.cuda.synchronize()``
   (what a training step that waits for its result pays per call);
   each the best of ``--rounds`` rounds of ``--iters`` calls, the providers taking turns within
-  a round, so that a slow spell of the host hits them alike;
+  a round, so that a slow spell of the host hits them alike (on a shared host a few rounds
+  swing by a fifth between runs: a difference of a few percent needs ``--rounds 25 --iters
+  200``, as BENCHMARKS.md's records of it use);
 - do_bench: the median of ``triton.testing.do_bench`` (launches queued back to back: the GPU
   time once the host keeps ahead of it).
 

@@ -90,6 +90,10 @@ class Tiles:
     def threads(self) -> int:
         return self.TY * self.TX
 
+    @property
+    def RT(self) -> int:  # threads per row of S_ij in the softmax (Br * RT = threads)
+        return self.TX // self.TM
+
 
 def sram_bytes(tiles: Tiles, d: int) -> dict[str, int]:
     """Bytes of each shared-memory buffer of one thread block (float32), exactly as declared.
@@ -102,7 +106,6 @@ def sram_bytes(tiles: Tiles, d: int) -> dict[str, int]:
     the softmax's partial results (``row_parts``).
     """
     Br, Bc = tiles.Br, tiles.Bc
-    RT = tiles.threads // Br  # threads per row in the softmax
     dv = _cdiv(d, tiles.TX) * tiles.TX
     f = FLOAT32_BYTES
     return {
@@ -113,7 +116,7 @@ def sram_bytes(tiles: Tiles, d: int) -> dict[str, int]:
         "m_i": Br * f,
         "l_i": Br * f,
         "alpha": Br * f,  # exp(m_old - m_new): rescales O_i when the row max grows
-        "row_parts": 2 * Br * RT * f,  # each softmax thread's share of its row's max and sum
+        "row_parts": 2 * Br * tiles.RT * f,  # each softmax thread's share of its row's max and sum
     }
 
 
@@ -151,7 +154,7 @@ def build_kernel(tiles: Tiles, d: int, barriers: bool = True):
     DV = DN * TX  # V_j row length, zero-padded
     DP = D + 1  # padded row lengths of Q_i, K_j and S_ij: see sram_bytes
     BcP = Bc + 1  # (a shape must be built from closure constants, not computed in the kernel)
-    RT = NT // Br  # threads per row in the softmax (Br * RT = NT: TX is a multiple of TM)
+    RT = tiles.RT  # threads per row in the softmax
     CW = Bc // RT  # the columns of S_ij each of them takes
     NEG_INF = np.float32(-np.inf)
     ZERO = np.float32(0.0)

@@ -3,8 +3,9 @@
 It checks every argument once (so no backend ever sees malformed input), folds the block mask's
 causal flag into ``is_causal``, and hands over to the chosen backend.
 
-A plain call (no mask, dropout, score mod or lse) whose signature an earlier call had (the same
-options; inputs with the same shapes, strides, dtype, device and alignment) passed those checks
+A plain call (no attn_mask, dropout, score mod or lse; a block mask only if its tiles need no
+mask mod) whose signature an earlier call had (the same options and block mask; inputs with the
+same shapes, strides, dtype, device and alignment) passed those checks
 already: it goes straight to the repeat its backend left for that signature
 (``Backend.repeater``; the triton backend's is ``flashedu.triton.repeat``) and skips the general
 path, whose host time is more than a small attention's kernels take on a GPU.
@@ -105,17 +106,20 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
             and ops.plain_eager(q, k, v)):
         if len(REPEATS) >= _MAX_REPEATS:  # shapes that change every call: start over
             REPEATS.clear()
-        REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale)
+        REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale, block_mask)
     return out
 
 
 def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
                 enable_gqa, return_lse, backend):
-    """The signature of a plain call, or None: no mask, score mod, dropout or lse; the options
-    of their plain types; q, k, v plain dense tensors, neither negative nor conjugate views.
+    """The signature of a plain call, or None: no attn_mask, score mod, dropout or lse, no
+    block mask that needs its mask mod inside its tiles; the options of their plain types; q,
+    k, v plain dense tensors, neither negative nor conjugate views.
     Everything the checks and the general path read of such a call is in it, so two calls with
     one signature pass the same checks and launch the same kernels."""
-    if (attn_mask is not None or block_mask is not None or score_mod is not None
+    if (attn_mask is not None or score_mod is not None
+            or not (block_mask is None or (type(block_mask) is BlockMask
+                                           and not block_mask.needs_mask_mod))
             or return_lse is not False or type(is_causal) is not bool
             or type(enable_gqa) is not bool or type(backend) is not str
             or not (scale is None or type(scale) is float)
@@ -125,7 +129,9 @@ def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, sco
     layouts = (_layout(q), _layout(k), _layout(v))
     if None in layouts:
         return None
-    return (backend, is_causal, scale, enable_gqa, *layouts)
+    # a block mask is a value, hashed once (BlockMask.__hash__); the same object, as a
+    # training loop passes it, compares by identity
+    return (backend, is_causal, scale, enable_gqa, block_mask, *layouts)
 
 
 def _layout(t):

@@ -59,7 +59,7 @@ PROVIDERS = ("flashedu", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", 
 # flashedu-dispatch: flashedu with every launch through Triton's own dispatch (no cached
 # compiled kernels); baseline: the triton backend of another checkout (``--baseline``).
 EXTRA_PROVIDERS = ("flashedu-dispatch", "baseline")
-SPARSE_PROVIDERS = ("flashedu", "flex")
+SPARSE_PROVIDERS = ("flashedu", "flex", "baseline")
 MASK_BLOCK = 128  # block size of the block-sparse masks (FlexAttention's default)
 
 

@@ -184,7 +184,7 @@ def triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
     return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
-                   tiles=config.forward_tiles(mask, dropout_p > 0),
+                   tiles=config.forward_tiles(mask, k.shape[2], dropout_p > 0),
                    interpreted=runtime.triton_interpreted(),
                    **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods))
 

@@ -288,7 +288,7 @@ def test_kernel_merge_names_bad_running_results():
     from flashedu.triton.forward import forward_into
 
     q = torch.randn(1, 2, 8, 16)
-    tiles = resolve_config(16, q.dtype, None, q.device).forward_tiles(None)
+    tiles = resolve_config(16, q.dtype, None, q.device).forward_tiles(None, 8)
     kw = dict(is_causal=False, scale=0.25, tiles=tiles, interpreted=True)
     inf = torch.full((1, 2, 8), float("inf"))
     with pytest.raises(TypeError, match="float32"):

@@ -202,7 +202,7 @@ def test_block_mask_fits_the_dropout_tiles_too(monkeypatch, d):
     monkeypatch.setattr(autograd, "kernel_config", lambda d, is_fp32, interpreted: tuned)
     mask = flashedu.BlockMask.causal((256, 256), (64, 32))
     fitted = autograd.resolve_config(d, torch.bfloat16, mask)
-    tiles = [fitted.forward_tiles(mask, dropout=True)]
+    tiles = [fitted.forward_tiles(mask, 256, dropout=True)]
     if fitted.dropout_backward is not None:
         tiles += [fitted.dropout_backward.dkdv, fitted.dropout_backward.dq]
     for t in tiles:
@@ -543,6 +543,64 @@ def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
     _grads(strided, k, v, dout)
     _grads(q, k, v, dout)
     assert made == []  # each signature was asked once, not at every call
+
+
+def _tile_mask(seed, Nq, Nk, block=(16, 32), is_causal=False, mask_mod=None):
+    """A random block mask over whole tiles, with an empty row of tiles (zeros expected)."""
+    from flashedu import BlockMask
+
+    Tr, Tc = -(-Nq // block[0]), -(-Nk // block[1])
+    tiles = np.random.default_rng(seed).random((Tr, Tc)) < 0.5
+    tiles[1] = False
+    return BlockMask(tiles, block, (Nq, Nk), is_causal=is_causal, mask_mod=mask_mod)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_repeated_block_mask_call_goes_straight_to_its_repeat(monkeypatch, is_causal):
+    """A block mask built once and passed every step (whose tiles need no mask mod) is part of
+    the signature: from the third call on its repeat starts the launches with the mask's tile
+    lists, GQA and ragged lengths included; right against float64 every step."""
+    from flashedu.triton import fast, repeat
+
+    repeats = _repeats(monkeypatch)
+    started = []
+    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start, **kw:
+                        started.append(self) or _s(self, *t, **kw))
+    mask = _tile_mask(0, 45, 70, is_causal=is_causal)
+    dout = torch.randn(1, 4, 45, 16)
+    for step in range(4):
+        q, k, v = _qkv(1, 4, 2, 45, 70, 16)
+        got = _grads(q, k, v, dout, block_mask=mask)
+        want = _reference_grads(q, k, v, dout, block_mask=mask, enable_gqa=True)
+        assert all(_err(g, r) < 1e-5 for g, r in zip(got, want)), step
+        assert got[0][:, :, 16:32].abs().max() == 0  # the empty row of tiles
+        (r,) = repeats.values()
+        assert isinstance(r, repeat.Repeat) and r.block_mask is mask
+        assert r.is_causal == is_causal and (r.forward_plan is not None) == (step >= 1)
+    assert started.count(r.forward_plan) >= 2
+
+
+def test_a_block_mask_s_repeat_is_kept_per_mask(monkeypatch):
+    """An equal mask built again shares the repeat (masks are values); another tile pattern,
+    or a mask whose tiles need its mask mod, never takes it."""
+    from flashedu import mods
+
+    repeats = _repeats(monkeypatch)
+    q, k, v = _qkv(1, 2, 2, 40, 64, 16)
+    dout = torch.randn(1, 2, 40, 16)
+    for seed in (0, 0, 1, 1):
+        mask = _tile_mask(seed, 40, 64)  # a new object each call
+        got = _grads(q, k, v, dout, block_mask=mask)
+        want = _reference_grads(q, k, v, dout, block_mask=mask)
+        assert all(_err(g, r) < 1e-5 for g, r in zip(got, want)), seed
+    assert len(repeats) == 2
+    band = _tile_mask(0, 40, 64, mask_mod=mods.sliding_window(9))
+    assert band.needs_mask_mod
+    for _ in range(2):
+        got = _grads(q, k, v, dout, block_mask=band)
+        want = _reference_grads(q, k, v, dout, block_mask=band)
+        assert all(_err(g, r) < 1e-5 for g, r in zip(got, want))
+    assert len(repeats) == 2
 
 
 def test_a_repeat_keeps_no_tensor_and_refuses_double_backward(monkeypatch):
@@ -1028,17 +1086,36 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     assert tried == [] and len(fw._SHRUNK) == 1  # the plain launch was not shrunk
 
 
+def test_short_sequences_take_the_short_forward_s_tiles():
+    """sm_90, d=128: below short_until keys the plain forward takes the small tiles measured
+    faster there; a block mask (its tiles fitted to the mask's block) or dropout keeps its
+    own entry, and from short_until on the long tiles run."""
+    from flashedu.triton import config
+
+    entry = config.GPU_16BIT[128]
+    short, until = entry.short_forward, entry.short_until
+    assert short is not None and (short.Br, short.Bc) < (entry.forward.Br, entry.forward.Bc)
+    assert entry.forward_tiles(None, 512) == entry.forward_tiles(None, until - 1) == short
+    assert entry.forward_tiles(None, until) == entry.forward
+    assert entry.forward_tiles(None, 512, True) == entry.dropout_forward
+    mask = flashedu.BlockMask.causal(512)
+    assert entry.forward_tiles(mask, 512) == dataclasses.replace(
+        entry.forward, tma=False, warp_specialize=False)
+    assert config.GPU_16BIT[256].forward_tiles(None, 512) == config.GPU_16BIT[256].forward
+
+
 def test_dropout_forward_has_its_own_tiles_where_the_forward_s_do_not_fit():
     """sm_90, d=128: 3 stages with dropout need more shared memory than the H100 has
     (compiled: 240 KB of 227), so a dropout call takes the 2-stage tiles."""
     from flashedu.triton import config
 
     entry = config.GPU_16BIT[128]
-    assert entry.forward_tiles(None, True) == dataclasses.replace(entry.forward, num_stages=2)
-    assert entry.forward_tiles(None) == entry.forward
-    assert config.GPU_16BIT[64].forward_tiles(None, True) == config.GPU_16BIT[64].forward
+    assert entry.forward_tiles(None, 8192, True) == dataclasses.replace(entry.forward,
+                                                                        num_stages=2)
+    assert entry.forward_tiles(None, 8192) == entry.forward
+    assert config.GPU_16BIT[64].forward_tiles(None, 8192, True) == config.GPU_16BIT[64].forward
     mask = flashedu.BlockMask.causal(256)  # block-sparse: the same stages, no TMA
-    assert entry.forward_tiles(mask, True) == dataclasses.replace(
+    assert entry.forward_tiles(mask, 256, True) == dataclasses.replace(
         entry.forward, num_stages=2, tma=False, warp_specialize=False)
 
 

@@ -265,7 +265,7 @@ def sparse_ws(log):
     shipped = kernel_config(d, False, False)
     for density in (0.1, 0.25, 0.5):
         mask = bench.random_block_mask(8192, density)
-        plain = shipped.forward_tiles(mask)
+        plain = shipped.forward_tiles(mask, k.shape[2])
         ref = forward(q, k, v, is_causal=False, scale=d ** -0.5, block_mask=mask, tiles=plain,
                       interpreted=False)[0]
         for rep in (1, 2):

@@ -181,7 +181,8 @@ def triton_config(shape: Shape):
 
 def flashedu_bytes(shape: Shape, backward: bool = True) -> int:
     cfg = triton_config(shape)
-    total = triton_forward_bytes(shape, cfg.forward.Br, cfg.forward.Bc)
+    tiles = cfg.forward_tiles(None, shape.N)
+    total = triton_forward_bytes(shape, tiles.Br, tiles.Bc)
     if backward:
         total += triton_backward_bytes(shape, cfg.dkdv.Bc, cfg.dq.Br)
     return total
@@ -554,15 +555,17 @@ def run_fig2(plan: Plan, args) -> dict:
             "model": {"standard_bytes": standard_bytes(shape),
                       "minimum_bytes": minimum_bytes(shape),
                       "flashedu_bytes": flashedu_bytes(shape),
-                      "flashedu_tiles": tiles_dict(triton_config(shape)),
+                      "flashedu_tiles": tiles_dict(triton_config(shape), shape.N),
                       "paper_algorithm": paper_m},
             "batch_note": ("" if shape.B == 64 else
                            f"measured at batch {shape.B}; bytes and time scale "
                            f"~linearly with batch: x{64 / shape.B:g} for the paper's 64")}
 
 
-def tiles_dict(cfg) -> dict:
-    return {"forward": asdict(cfg.forward), "dkdv": asdict(cfg.dkdv), "dq": asdict(cfg.dq)}
+def tiles_dict(cfg, N: int) -> dict:
+    """The tiles of a plain call with N keys (the forward's depend on N)."""
+    return {"forward": asdict(cfg.forward_tiles(None, N)), "dkdv": asdict(cfg.dkdv),
+            "dq": asdict(cfg.dq)}
 
 
 def run_sweep(plan: Plan, args) -> dict:

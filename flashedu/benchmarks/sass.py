@@ -172,10 +172,10 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     try:
         if variant == "resume":
             o, lse2 = torch.zeros(q.shape), torch.full(q.shape[:3], float("inf"))
-            fw.forward_into(q, k, v, o, lse2, tiles=config.forward_tiles(None), **kw)
+            fw.forward_into(q, k, v, o, lse2, tiles=config.forward_tiles(None, n), **kw)
         else:
             o, lse2 = fw.forward(q, k, v, block_mask=None,
-                                 tiles=config.forward_tiles(None, bool(drop)), **kw, **drop)
+                                 tiles=config.forward_tiles(None, n, bool(drop)), **kw, **drop)
         if mode == "bwd":
             launches.clear()
             bw.backward(q, k, v, o, lse2, do, block_mask=None, config=config, **kw, **drop)

@@ -2,13 +2,14 @@
 kernels.
 
 A training step calls ``attention(q, k, v, is_causal=True)`` with tensors of one layout, step
-after step: no mask, no dropout, no logsumexp asked for. The first such call takes the general
-path (the argument checks, the backend, the tile table, the launch plans of ``fast.PLANS``).
-Since everything it decided follows from the call's signature (options, and the inputs'
-shapes, strides, dtype, device and alignment), ``flashedu.attention`` keeps a :class:`Repeat`
-for that signature, and a later call with the same signature goes straight to it: one
-``autograd.Function`` that allocates the outputs and starts the planned launches, forward and
-backward. The general path's layers cost more host time than the kernels of a small attention
+after step: no attn_mask, no dropout, no logsumexp asked for, and at most a block mask built
+once, whose tiles need no mask mod. The first such call takes the general path (the argument
+checks, the backend, the tile table, the block mask's tile lists, the launch plans of
+``fast.PLANS``). Since everything it decided follows from the call's signature (options, block
+mask, and the inputs' shapes, strides, dtype, device and alignment), ``flashedu.attention``
+keeps a :class:`Repeat` for that signature, and a later call with the same signature goes
+straight to it: one ``autograd.Function`` that allocates the outputs and starts the planned
+launches, forward and backward. The general path's layers cost more host time than the kernels of a small attention
 take on the GPU (BENCHMARKS.md, "A repeated call").
 
 A Repeat learns its launches from the general path's own (the ``keep`` argument of
@@ -29,9 +30,10 @@ from . import forward as fwd
 from .autograd import resolve_config
 
 
-def make(q, k, v, is_causal: bool, scale: float):
+def make(q, k, v, is_causal: bool, scale: float, block_mask=None):
     """The Repeat of a checked plain call, or None where the call's inputs are copied by the
-    general path (its launches then take other tensors than the caller's)."""
+    general path (its launches then take other tensors than the caller's). ``is_causal`` has
+    the block mask's causal flag folded in, as the general path's."""
     interpreted = runtime.triton_interpreted()
     if interpreted and q.dtype != torch.float32:  # the interpreter runs float32 copies
         return None
@@ -39,19 +41,19 @@ def make(q, k, v, is_causal: bool, scale: float):
         # overlaps or has gaps (its outputs could not take the input's strides)
         if t.stride(-1) != 1 or torch.empty_like(t).stride() != t.stride():
             return None
-    config = resolve_config(q.shape[-1], q.dtype, None, q.device)
-    return Repeat(is_causal, scale, config, interpreted)
+    config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
+    return Repeat(is_causal, scale, block_mask, config, interpreted)
 
 
 class Repeat:
     """What a plain call's signature decided: its tile table entry and, once the general path
     has run them, its launches. Calling it runs the call (None: the general path must)."""
 
-    __slots__ = ("is_causal", "scale", "config", "interpreted", "forward_plan", "backward_plan",
-                 "dout_layout")
+    __slots__ = ("is_causal", "scale", "block_mask", "config", "interpreted", "forward_plan",
+                 "backward_plan", "dout_layout")
 
-    def __init__(self, is_causal, scale, config, interpreted):
-        self.is_causal, self.scale = is_causal, scale
+    def __init__(self, is_causal, scale, block_mask, config, interpreted):
+        self.is_causal, self.scale, self.block_mask = is_causal, scale, block_mask
         self.config, self.interpreted = config, interpreted
         self.forward_plan = self.backward_plan = self.dout_layout = None
 
@@ -64,8 +66,9 @@ class Repeat:
         """(O, L2) as ``forward.forward`` returns them."""
         if self.forward_plan is None:
             kept = []
+            tiles = self.config.forward_tiles(self.block_mask, k.shape[2])
             out = fwd.forward(q, k, v, is_causal=self.is_causal, scale=self.scale,
-                              block_mask=None, tiles=self.config.forward_tiles(None),
+                              block_mask=self.block_mask, tiles=tiles,
                               interpreted=self.interpreted, keep=kept)
             self.forward_plan = kept[0] if kept else None
             return out
@@ -81,7 +84,8 @@ class Repeat:
         if self.backward_plan is None or layout != self.dout_layout:
             kept = []
             grads = bwd.backward(q, k, v, o, lse2, do, is_causal=self.is_causal,
-                                 scale=self.scale, block_mask=None, config=self.config,
+                                 scale=self.scale, block_mask=self.block_mask,
+                                 config=self.config,
                                  interpreted=self.interpreted, keep=kept)
             if self.backward_plan is None and kept:
                 self.backward_plan, self.dout_layout = kept[0], layout
@@ -111,7 +115,8 @@ class _Repeated(torch.autograd.Function):
         repeat = ctx.repeat
         if torch.is_grad_enabled():  # create_graph=True: the operator, whose derivative says no
             grads = ops.BACKWARD_OPS["triton"](q, k, v, o, lse2, do, repeat.is_causal,
-                                               repeat.scale, None, 0, 0, 0.0, None)
+                                               repeat.scale, *ops.mask_args(repeat.block_mask),
+                                               0.0, None)
         else:
             grads = repeat.backward(q, k, v, o, lse2, do)
         return (None, *grads)

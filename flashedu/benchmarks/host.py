@@ -8,7 +8,8 @@ start does nothing, so what is timed is the argument checks, allocations, autogr
 launch code, without the GPU, the driver or the interpreter. It runs in a fresh process
 (``TRITON_INTERPRET=0``: the kernels as the GPU path sees them).
 
-Rows, per shape (B, H, N, d), causal, bf16:
+Rows, per shape (B, H, N, d), causal, bf16 (with ``--density``: also a block mask, built once,
+with that fraction of its 128 x 128 tiles, as a training loop passes one):
 - ``repeat``: as the package runs: a call with an earlier call's signature goes from
   ``flashedu.attention`` straight to that call's repeat (``flashedu.triton.repeat``);
 - ``plans``: every call through the checks and the general path, which repeats the launches
@@ -22,6 +23,7 @@ interleaved, so that a machine's slow spell hits every row alike.
 
     flashedu bench host                       # gpt shape, forward and forward + backward
     flashedu bench host --shapes tiny gpt --json host.json
+    flashedu bench host --shapes n1024-d128 --density 0.25
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ VARIANTS = ("repeat", "plans", "no plans", "floor")
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    request = json.dumps({"shapes": args.shapes, "iters": args.iters, "rounds": args.rounds})
+    request = json.dumps({"shapes": args.shapes, "iters": args.iters, "rounds": args.rounds,
+                          "density": args.density})
     # No GPU in the worker, even where there is one: CPU tensors and the tuned table, as on a
     # machine without a GPU, so that every host times the same code.
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
@@ -65,9 +68,11 @@ def table(rows) -> str:
     headers = ["shape", "mode", *VARIANTS, "no plans / repeat"]
     body = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
+        density = next(r.get("density") for r in rows if r["shape"] == shape)
+        label = shape if density is None else f"{shape} sparse {density:g}"
         for mode in MODES:
             us = {r["variant"]: r["us"] for r in rows if r["shape"] == shape and r["mode"] == mode}
-            body.append([shape, mode, *(f"{us[v]:.1f} us" for v in VARIANTS),
+            body.append([label, mode, *(f"{us[v]:.1f} us" for v in VARIANTS),
                          f"{us['no plans'] / us['repeat']:.2f}x"])
     return core.format_table(headers, body)
 
@@ -77,6 +82,8 @@ def _parser():
     p.add_argument("--shapes", nargs="+", default=["gpt"], choices=list(SHAPES))
     p.add_argument("--iters", type=core.positive_int, default=50, help="calls per round")
     p.add_argument("--rounds", type=core.positive_int, default=20, help="rounds, best kept")
+    p.add_argument("--density", type=core.density, default=None,
+                   help="pass a block mask with this fraction of tiles (default: none)")
     p.add_argument("--json", type=core.output_file, default=None, help="write the results here")
     return p
 
@@ -111,21 +118,23 @@ def _stub_launches():
     flashedu.triton._check = lambda q, k, v: None
 
 
-def _steps(shape):
-    """{(variant, mode): a zero-argument call} for one shape."""
+def _steps(shape, density=None):
+    """{(variant, mode): a zero-argument call} for one shape (and a block mask of ``density``)."""
     import torch
 
     import flashedu
+    from flashedu.bench import random_block_mask
 
     q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(shape, dtype=torch.bfloat16)
+    mask = None if density is None else random_block_mask(shape[2], density)
 
     def forward():
         with torch.no_grad():
-            flashedu.attention(q, k, v, is_causal=True, backend="triton")
+            flashedu.attention(q, k, v, is_causal=True, block_mask=mask, backend="triton")
 
     def forward_backward():
-        out = flashedu.attention(q, k, v, is_causal=True, backend="triton")
+        out = flashedu.attention(q, k, v, is_causal=True, block_mask=mask, backend="triton")
         torch.autograd.grad(out, (q, k, v), dout)
 
     class Floor(torch.autograd.Function):
@@ -175,7 +184,7 @@ def _worker(request) -> list[dict]:
 
     rows, iters = [], request["iters"]
     for name in request["shapes"]:
-        steps, floors = _steps(SHAPES[name])
+        steps, floors = _steps(SHAPES[name], request.get("density"))
         calls = []
         for mode in MODES:
             calls.append(("repeat", mode, steps[mode], nullcontext))
@@ -192,7 +201,8 @@ def _worker(request) -> list[dict]:
                     us = (time.perf_counter() - start) / iters * 1e6
                 if pass_:
                     best[n] = min(best[n], us)
-        rows += [{"shape": name, "variant": variant, "mode": mode, "us": round(us, 2)}
+        rows += [{"shape": name, "density": request.get("density"), "variant": variant,
+                  "mode": mode, "us": round(us, 2)}
                  for (variant, mode, _, _), us in zip(calls, best)]
     return rows
 

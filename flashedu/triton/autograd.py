@@ -9,6 +9,7 @@ saves (O, L), the backward kernels consume them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -25,9 +26,17 @@ def resolve_config(d: int, dtype, block_mask, device=None) -> KernelConfig:
               else kernel_config(d, dtype == torch.float32, interpreted, device=device))
     if block_mask is None:
         return config
+    return fitted(config, block_mask.block_size)
+
+
+@functools.lru_cache(maxsize=256)
+def fitted(config: KernelConfig, block_size: tuple[int, int]) -> KernelConfig:
+    """``config`` with every tile shrunk to divide ``block_size``: worked out once per pair
+    (a block-mask call asks on every call, and the twenty ``replace`` calls cost more host time
+    than its launch)."""
 
     def fit(t):
-        Br, Bc = sparse.fit_tiles(block_mask, t.Br, t.Bc)
+        Br, Bc = sparse.fit_tiles(block_size, t.Br, t.Bc)
         return dataclasses.replace(t, Br=Br, Bc=Bc)
 
     def fit_all(c):  # replace() keeps every other field (fused_backward, ...) as tuned

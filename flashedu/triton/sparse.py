@@ -28,13 +28,14 @@ def largest_tile(block: int, preferred: int) -> int:
     return tile
 
 
-def fit_tiles(block_mask: BlockMask, Br: int, Bc: int) -> tuple[int, int]:
-    """Kernel tile sizes that divide ``block_mask.block_size``; ValueError when none is >= 16."""
-    mBr, mBc = block_mask.block_size
+def fit_tiles(block_size: tuple[int, int], Br: int, Bc: int) -> tuple[int, int]:
+    """Kernel tile sizes that divide a block mask's ``block_size``; ValueError when none is
+    >= 16."""
+    mBr, mBc = block_size
     tile = (largest_tile(mBr, Br), largest_tile(mBc, Bc))
     if min(tile) < MIN_TILE:
         raise ValueError(
-            f"block_mask.block_size {block_mask.block_size} is not supported by the triton "
+            f"block_mask.block_size {tuple(block_size)} is not supported by the triton "
             f"backend: each side must be a multiple of {MIN_TILE} (a kernel tile of 16, 32, 64 "
             f"or 128 rows must divide it; e.g. 64, 128 as FlexAttention's default 128x128)")
     return tile

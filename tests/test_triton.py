@@ -1086,22 +1086,32 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     assert tried == [] and len(fw._SHRUNK) == 1  # the plain launch was not shrunk
 
 
-def test_short_sequences_take_the_short_forward_s_tiles():
-    """sm_90, d=128: below short_until keys the plain forward takes the small tiles measured
-    faster there; a block mask (its tiles fitted to the mask's block) or dropout keeps its
-    own entry, and from short_until on the long tiles run."""
+def test_short_sequences_take_the_short_entry_s_tiles():
+    """sm_90, d=128: below short_until keys a call without a block mask or dropout takes the
+    small tiles measured faster there, forward and backward (one launch); a block mask or
+    dropout keeps its own tiles, and from short_until on the long entries run."""
+    from flashedu.triton import backward as bwd
     from flashedu.triton import config
 
     entry = config.GPU_16BIT[128]
-    short, until = entry.short_forward, entry.short_until
-    assert short is not None and (short.Br, short.Bc) < (entry.forward.Br, entry.forward.Bc)
-    assert entry.forward_tiles(None, 512) == entry.forward_tiles(None, until - 1) == short
+    short, until = entry.short, entry.short_until
+    assert (short.forward.Br, short.forward.Bc) < (entry.forward.Br, entry.forward.Bc)
+    assert entry.forward_tiles(None, 512) == entry.forward_tiles(None, until - 1) == short.forward
     assert entry.forward_tiles(None, until) == entry.forward
     assert entry.forward_tiles(None, 512, True) == entry.dropout_forward
     mask = flashedu.BlockMask.causal(512)
     assert entry.forward_tiles(mask, 512) == dataclasses.replace(
         entry.forward, tma=False, warp_specialize=False)
-    assert config.GPU_16BIT[256].forward_tiles(None, 512) == config.GPU_16BIT[256].forward
+    for causal in (False, True):
+        assert entry.backward_entry(causal, False, None, until - 1) is short
+        assert bwd.fused(short, until - 1)
+        long = entry.causal_backward if causal else entry
+        assert entry.backward_entry(causal, False, None, until) is long
+        assert entry.backward_entry(causal, False, mask, 512) is long
+        assert entry.backward_entry(causal, True, None, 512) is long  # no dropout entry at 128
+    d256 = config.GPU_16BIT[256]
+    assert d256.forward_tiles(None, 512) == d256.forward
+    assert d256.backward_entry(True, True, None, 512) is d256.dropout_backward
 
 
 def test_dropout_forward_has_its_own_tiles_where_the_forward_s_do_not_fit():

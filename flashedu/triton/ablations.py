@@ -243,9 +243,7 @@ def atomic_dq_backward(q, k, v, o, lse2, do, *, is_causal, scale, config, interp
     """(dQ, dK, dV) as ``backward.backward`` returns them, with no dQ pass: the dK/dV programs
     (the config's ``dkdv`` tiles) add into a float32 dQ with atomics. The summation order
     changes from run to run, so dQ may differ in its last bits between two runs."""
-    if is_causal and config.causal_backward is not None:
-        config = config.causal_backward
-    tiles = config.dkdv
+    tiles = config.backward_entry(is_causal, False, None, k.shape[2]).dkdv
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     k, v = k.contiguous(), v.contiguous()  # dK, dV are written with K's strides

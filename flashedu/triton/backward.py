@@ -414,10 +414,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
-    if is_causal and config.causal_backward is not None:
-        config = config.causal_backward
-    if dropout_p > 0 and config.dropout_backward is not None:
-        config = config.dropout_backward
+    config = config.backward_entry(is_causal, dropout_p > 0, block_mask, k.shape[2])
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     own_D = D is None

@@ -64,23 +64,39 @@ class KernelConfig:
     # The backward with dropout, where the backward's tiles do not fit it: None, the backward's.
     # A dropout call takes it, causal or not (it replaces causal_backward too).
     dropout_backward: "KernelConfig | None" = None
-    # Tiles of the forward without a block mask or dropout while the key length is below
-    # short_until (None: the forward's at every length). A short sequence is few programs of
-    # little work each: small tiles give an SM several programs to switch between, and the
-    # causal diagonal masks less of each tile.
-    short_forward: Tiles | None = None
+    # The entry (forward and backward tiles) of a call without a block mask or dropout while
+    # the key length is below short_until (None: this entry at every length). A short
+    # sequence is few programs of little work each: small tiles give an SM several programs
+    # to switch between, and the causal diagonal masks less of each tile.
+    short: "KernelConfig | None" = None
     short_until: int = 0
+
+    def _short(self, block_mask, Nk: int, dropout: bool) -> "KernelConfig | None":
+        if block_mask is None and not dropout and Nk < self.short_until:
+            return self.short
+        return None
 
     def forward_tiles(self, block_mask, Nk: int, dropout: bool = False) -> Tiles:
         """The forward's tiles for a call with (or without) a block mask, ``Nk`` keys, and
         dropout."""
-        if (block_mask is None and not dropout and self.short_forward is not None
-                and Nk < self.short_until):
-            return self.short_forward
+        short = self._short(block_mask, Nk, dropout)
+        if short is not None:
+            return short.forward
         tiles = (dropout and self.dropout_forward) or self.forward
         if block_mask is None:
             return tiles
         return self.sparse_forward or replace(tiles, tma=False, warp_specialize=False)
+
+    def backward_entry(self, is_causal: bool, dropout: bool, block_mask, Nk: int):
+        """The entry whose dK/dV and dQ tiles (and launch layout) a backward takes."""
+        if dropout and self.dropout_backward is not None:
+            return self.dropout_backward  # causal or not
+        short = self._short(block_mask, Nk, dropout)
+        if short is not None:
+            return short
+        if is_causal and self.causal_backward is not None:
+            return self.causal_backward
+        return self
 
 
 INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
@@ -119,9 +135,12 @@ GPU_16BIT = {
                       # dropout's forward needs 240 KB of shared memory with 3 stages, more
                       # than the H100's 227 (compiled, `flashedu bench sass`): 2 stages, 176 KB
                       dropout_forward=replace(_FORWARD_128, num_stages=2),
-                      # below 2048 keys 64 x 64 tiles, 4 warps, measured 1.06-1.35x faster than
-                      # the 128 x 128 entry, causal or not (BENCHMARKS.md, "Short sequences")
-                      short_forward=Tiles(64, 64, 4, 3), short_until=2048),
+                      # below 2048 keys 64 x 64 tiles with 4 warps, one backward launch:
+                      # forward 1.06-1.35x, backward 1.06-1.13x the entries above, causal or
+                      # not (BENCHMARKS.md, "Short sequences: small tiles")
+                      short=KernelConfig(Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2),
+                                         Tiles(64, 64, 4, 2), fused_backward=True),
+                      short_until=2048),
     # dropout's dQ program needs 228 KB with 3 stages (`flashedu bench sass`): 2 stages
     256: replace(_D256, dropout_backward=replace(_D256, dq=replace(_D256.dq, num_stages=2))),
 }

@@ -3,8 +3,8 @@
 It checks every argument once (so no backend ever sees malformed input), folds the block mask's
 causal flag into ``is_causal``, and hands over to the chosen backend.
 
-A plain call (no attn_mask, dropout, score mod or lse; a block mask only if its tiles need no
-mask mod) whose signature an earlier call had (the same options and block mask; inputs with the
+A plain call (no attn_mask, dropout, score mod or lse; a block mask, with its mask mod, is
+allowed) whose signature an earlier call had (the same options and block mask; inputs with the
 same shapes, strides, dtype, device and alignment) passed those checks
 already: it goes straight to the repeat its backend left for that signature
 (``Backend.repeater``; the triton backend's is ``flashedu.triton.repeat``) and skips the general
@@ -112,14 +112,13 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
 
 def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
                 enable_gqa, return_lse, backend):
-    """The signature of a plain call, or None: no attn_mask, score mod, dropout or lse, no
-    block mask that needs its mask mod inside its tiles; the options of their plain types; q,
-    k, v plain dense tensors, neither negative nor conjugate views.
+    """The signature of a plain call, or None: no attn_mask, score mod, dropout or lse (a
+    block mask, with its mask mod, is a value); the options of their plain types; q, k, v
+    plain dense tensors, neither negative nor conjugate views.
     Everything the checks and the general path read of such a call is in it, so two calls with
     one signature pass the same checks and launch the same kernels."""
     if (attn_mask is not None or score_mod is not None
-            or not (block_mask is None or (type(block_mask) is BlockMask
-                                           and not block_mask.needs_mask_mod))
+            or not (block_mask is None or type(block_mask) is BlockMask)
             or return_lse is not False or type(is_causal) is not bool
             or type(enable_gqa) is not bool or type(backend) is not str
             or not (scale is None or type(scale) is float)

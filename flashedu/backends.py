@@ -81,8 +81,8 @@ class Backend:
     # attn_mask dtypes taken ("bool", "float"), when has_attn_mask is True
     attn_mask_kinds: frozenset = frozenset({"bool", "float"})
     # imports and returns make(q, k, v, is_causal, scale, block_mask): the repeat of a checked
-    # plain call (no attn_mask, dropout, score mod or lse; a block mask whose tiles need no
-    # mask mod, or none), which flashedu.attention keeps for its signature
+    # plain call (no attn_mask, dropout, score mod or lse; a block mask, with its mask mod,
+    # or none), which flashedu.attention keeps for its signature
     # and calls instead of the general path the next time (None: always the general path)
     repeater: Callable | None = None
 

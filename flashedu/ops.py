@@ -73,7 +73,7 @@ def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mas
     mods = Mods.of(attn_mask, score_mod, block_mask)
     if mods is not None or return_lse:  # Python objects the operators cannot carry
         out, lse = _modded(backend, q, k, v, mods and mods.attn_mask, is_causal, scale,
-                           block_mask, dropout_p, rng, mods)
+                           block_mask, dropout_p, rng, mods, return_lse)
         return (out, lse) if return_lse else out
     if plain_eager(q, k, v):
         return _EagerAttention.apply(backend, q, k, v, is_causal, scale, block_mask, dropout_p,
@@ -438,6 +438,12 @@ class Mods:
     def __init__(self, attn_mask=None, score_mod=None, mask_mod=None):
         self.attn_mask, self.score_mod, self.mask_mod = attn_mask, score_mod, mask_mod
 
+    @property
+    def mask_mod_only(self) -> bool:
+        """Only the block mask's mask mod: everything the kernels read of it belongs to the
+        block mask (its element masks), a value that launch plans can key on."""
+        return self.attn_mask is None and self.score_mod is None
+
     @classmethod
     def of(cls, attn_mask, score_mod, block_mask):
         mask_mod = (block_mask.mask_mod if block_mask is not None and block_mask.needs_mask_mod
@@ -466,16 +472,21 @@ def _modded(*args):
 class _ModdedAttention(torch.autograd.Function):
     """(out, lse) of a call with mods, lse in the natural log; differentiable in both:
     d lse_i / d s_ij = P_ij, so the backward subtracts dlse_i from the row's
-    D_i = rowsum(dO_i * O_i) (the implementations take ``dlse`` and do it)."""
+    D_i = rowsum(dO_i * O_i) (the implementations take ``dlse`` and do it). Where the caller
+    did not ask for the lse (``want_lse`` False), the second output is the implementation's
+    own, not converted: nobody reads it, and the conversion would cost three kernels."""
 
     @staticmethod
     def forward(ctx, backend, q, k, v, attn_mask, is_causal, scale, block_mask, dropout_p, rng,
-                mods):
+                mods, want_lse=True):
         ctx.set_materialize_grads(False)  # an unused lse (or out) gets None, not zeros
         out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask, dropout_p, rng,
                                      mods=mods)
         ctx.save_for_backward(q, k, v, out, lse, rng)
         ctx.params = (backend, is_causal, scale, block_mask, dropout_p, mods)
+        if not want_lse:
+            ctx.mark_non_differentiable(lse)
+            return out, lse
         return out, LSE_TO_NATURAL[backend](lse)
 
     @staticmethod
@@ -490,4 +501,4 @@ class _ModdedAttention(torch.autograd.Function):
         grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask,
                                   dropout_p, rng, mods=mods, dlse=dlse, mask_grad=mask_grad)
         dmask = grads[3] if mask_grad else None
-        return (None, *grads[:3], dmask, None, None, None, None, None, None)
+        return (None, *grads[:3], dmask, None, None, None, None, None, None, None)

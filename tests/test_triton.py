@@ -582,25 +582,50 @@ def test_a_repeated_block_mask_call_goes_straight_to_its_repeat(monkeypatch, is_
 
 def test_a_block_mask_s_repeat_is_kept_per_mask(monkeypatch):
     """An equal mask built again shares the repeat (masks are values); another tile pattern,
-    or a mask whose tiles need its mask mod, never takes it."""
+    or the same tiles with a mask mod, gets its own."""
     from flashedu import mods
 
     repeats = _repeats(monkeypatch)
     q, k, v = _qkv(1, 2, 2, 40, 64, 16)
     dout = torch.randn(1, 2, 40, 16)
-    for seed in (0, 0, 1, 1):
-        mask = _tile_mask(seed, 40, 64)  # a new object each call
+    band = _tile_mask(0, 40, 64, mask_mod=mods.sliding_window(9))
+    assert band.needs_mask_mod
+    for seed, mod in ((0, None), (0, None), (1, None), (1, None), (0, band.mask_mod)):
+        mask = _tile_mask(seed, 40, 64, mask_mod=mod)  # a new object each call
         got = _grads(q, k, v, dout, block_mask=mask)
         want = _reference_grads(q, k, v, dout, block_mask=mask)
         assert all(_err(g, r) < 1e-5 for g, r in zip(got, want)), seed
-    assert len(repeats) == 2
-    band = _tile_mask(0, 40, 64, mask_mod=mods.sliding_window(9))
-    assert band.needs_mask_mod
-    for _ in range(2):
-        got = _grads(q, k, v, dout, block_mask=band)
-        want = _reference_grads(q, k, v, dout, block_mask=band)
-        assert all(_err(g, r) < 1e-5 for g, r in zip(got, want))
-    assert len(repeats) == 2
+    assert len(repeats) == 3
+
+
+def test_a_mask_mod_s_repeat_applies_its_element_masks(monkeypatch):
+    """A block mask whose partial tiles need its mask mod (a sliding window) repeats too: its
+    launches, planned with the mask's element masks, start from the third call on; right
+    against float64 each call, and create_graph behaves as on the general path (first-order
+    gradients that are not differentiable)."""
+    from flashedu import BlockMask, mods
+    from flashedu.triton import fast
+
+    repeats = _repeats(monkeypatch)
+    started = []
+    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start, **kw:
+                        started.append(self) or _s(self, *t, **kw))
+    window = BlockMask.from_mask_mod(mods.sliding_window(9), 1, 1, 45, 45, block_size=(16, 16))
+    assert window.needs_mask_mod
+    dout = torch.randn(1, 4, 45, 16)
+    for step in range(4):
+        q, k, v = _qkv(1, 4, 2, 45, 45, 16)
+        got = _grads(q, k, v, dout, block_mask=window)
+        want = _reference_grads(q, k, v, dout, block_mask=window, enable_gqa=True)
+        assert all(_err(g, r) < 1e-5 for g, r in zip(got, want)), step
+        (r,) = repeats.values()
+        assert r.mods.mask_mod is window.mask_mod and (r.forward_plan is not None) == (step >= 1)
+    assert started.count(r.forward_plan) >= 2 and started.count(r.backward_plan[1][0]) >= 2
+    out = flashedu.attention(q, k, v, block_mask=window, enable_gqa=True, backend="triton")
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    want, = torch.autograd.grad(reference_attention(q, k, v, block_mask=window,
+                                                    enable_gqa=True).square().sum(), q)
+    assert _err(dq, want) < 1e-5 and not dq.requires_grad
 
 
 def test_a_repeat_keeps_no_tensor_and_refuses_double_backward(monkeypatch):

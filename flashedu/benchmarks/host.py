@@ -9,7 +9,8 @@ launch code, without the GPU, the driver or the interpreter. It runs in a fresh 
 (``TRITON_INTERPRET=0``: the kernels as the GPU path sees them).
 
 Rows, per shape (B, H, N, d), causal, bf16 (with ``--density``: also a block mask, built once,
-with that fraction of its 128 x 128 tiles, as a training loop passes one):
+with that fraction of its 128 x 128 tiles, as a training loop passes one; with ``--window``: a
+sliding window's block mask, whose partial tiles apply its mask mod element-wise):
 - ``repeat``: as the package runs: a call with an earlier call's signature goes from
   ``flashedu.attention`` straight to that call's repeat (``flashedu.triton.repeat``);
 - ``plans``: every call through the checks and the general path, which repeats the launches
@@ -24,6 +25,7 @@ interleaved, so that a machine's slow spell hits every row alike.
     flashedu bench host                       # gpt shape, forward and forward + backward
     flashedu bench host --shapes tiny gpt --json host.json
     flashedu bench host --shapes n1024-d128 --density 0.25
+    flashedu bench host --shapes gpt --window 128
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ VARIANTS = ("repeat", "plans", "no plans", "floor")
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     request = json.dumps({"shapes": args.shapes, "iters": args.iters, "rounds": args.rounds,
-                          "density": args.density})
+                          "density": args.density, "window": args.window})
     # No GPU in the worker, even where there is one: CPU tensors and the tuned table, as on a
     # machine without a GPU, so that every host times the same code.
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
@@ -68,8 +70,12 @@ def table(rows) -> str:
     headers = ["shape", "mode", *VARIANTS, "no plans / repeat"]
     body = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        density = next(r.get("density") for r in rows if r["shape"] == shape)
-        label = shape if density is None else f"{shape} sparse {density:g}"
+        first = next(r for r in rows if r["shape"] == shape)
+        label = shape
+        if first.get("density") is not None:
+            label += f" sparse {first['density']:g}"
+        if first.get("window") is not None:
+            label += f" window {first['window']}"
         for mode in MODES:
             us = {r["variant"]: r["us"] for r in rows if r["shape"] == shape and r["mode"] == mode}
             body.append([label, mode, *(f"{us[v]:.1f} us" for v in VARIANTS),
@@ -82,8 +88,11 @@ def _parser():
     p.add_argument("--shapes", nargs="+", default=["gpt"], choices=list(SHAPES))
     p.add_argument("--iters", type=core.positive_int, default=50, help="calls per round")
     p.add_argument("--rounds", type=core.positive_int, default=20, help="rounds, best kept")
-    p.add_argument("--density", type=core.density, default=None,
-                   help="pass a block mask with this fraction of tiles (default: none)")
+    mask = p.add_mutually_exclusive_group()
+    mask.add_argument("--density", type=core.density, default=None,
+                      help="pass a block mask with this fraction of tiles (default: none)")
+    mask.add_argument("--window", type=core.positive_int, default=None,
+                      help="pass a sliding window of this many keys, a mask mod (default: none)")
     p.add_argument("--json", type=core.output_file, default=None, help="write the results here")
     return p
 
@@ -118,16 +127,26 @@ def _stub_launches():
     flashedu.triton._check = lambda q, k, v: None
 
 
-def _steps(shape, density=None):
-    """{(variant, mode): a zero-argument call} for one shape (and a block mask of ``density``)."""
+def _mask(N, density=None, window=None):
+    """The block mask of a request: random tiles of ``density``, a sliding ``window``, or None."""
+    from flashedu import BlockMask, mods
+    from flashedu.bench import random_block_mask
+
+    if density is not None:
+        return random_block_mask(N, density)
+    if window is not None:
+        return BlockMask.from_mask_mod(mods.sliding_window(window), 1, 1, N, N)
+    return None
+
+
+def _steps(shape, mask=None):
+    """{(variant, mode): a zero-argument call} for one shape (and block mask)."""
     import torch
 
     import flashedu
-    from flashedu.bench import random_block_mask
 
     q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(shape, dtype=torch.bfloat16)
-    mask = None if density is None else random_block_mask(shape[2], density)
 
     def forward():
         with torch.no_grad():
@@ -184,7 +203,8 @@ def _worker(request) -> list[dict]:
 
     rows, iters = [], request["iters"]
     for name in request["shapes"]:
-        steps, floors = _steps(SHAPES[name], request.get("density"))
+        mask = _mask(SHAPES[name][2], request.get("density"), request.get("window"))
+        steps, floors = _steps(SHAPES[name], mask)
         calls = []
         for mode in MODES:
             calls.append(("repeat", mode, steps[mode], nullcontext))
@@ -201,8 +221,9 @@ def _worker(request) -> list[dict]:
                     us = (time.perf_counter() - start) / iters * 1e6
                 if pass_:
                     best[n] = min(best[n], us)
-        rows += [{"shape": name, "density": request.get("density"), "variant": variant,
-                  "mode": mode, "us": round(us, 2)}
+        rows += [{"shape": name, "density": request.get("density"),
+                  "window": request.get("window"), "variant": variant, "mode": mode,
+                  "us": round(us, 2)}
                  for (variant, mode, _, _), us in zip(calls, best)]
     return rows
 

@@ -422,12 +422,14 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         D = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     # the call's own tensors, in the order the kernel takes them first (rng after them)
     live = (q, k, v, do, lse2, D, dq, dk, dv) + ((rng,) if dropout_p > 0 else ())
-    # a call laid out as an earlier one repeats its launches (fast.PLANS); mods, an lse
-    # gradient and the mask's gradient take the general path
+    # a call laid out as an earlier one repeats its launches (fast.PLANS); a score mod or an
+    # attn_mask, an lse gradient and the mask's gradient take the general path (a mask mod
+    # is part of the block mask, which the key holds)
     plan_key = None
-    if mods is None and dlse is None and not mask_grad:
+    if (mods is None or mods.mask_mod_only) and dlse is None and not mask_grad:
         plan_key = fast.signature((*live[:6], o, *live[9:]), id(backward_kernel), own_D,
-                                  config, is_causal, scale, block_mask, interpreted, dropout_p)
+                                  config, is_causal, scale, block_mask, mods is not None,
+                                  interpreted, dropout_p)
         plan = fast.PLANS.get(plan_key)
         if plan is not None:
             if keep is not None:

@@ -388,13 +388,15 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
     (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     live = (q32, k32, v32, o, lse2) if dropout_p == 0 else (q32, k32, v32, o, lse2, rng)
-    # a call laid out as an earlier one repeats its launch (fast.PLANS); mods are Python
-    # objects that the plan's key cannot hold. The kernel is keyed by id (hashing a
+    # a call laid out as an earlier one repeats its launch (fast.PLANS); a score mod or an
+    # attn_mask is a Python object or data that the plan's key cannot hold (a mask mod is
+    # part of the block mask, which the key holds). The kernel is keyed by id (hashing a
     # JITFunction costs a Python call); the plan holds it, so the id stays its own.
     plan_key = plan = None
-    if mods is None:
+    if mods is None or mods.mask_mod_only:
         plan_key = fast.signature((q32, k32, v32, *live[5:]), id(forward_kernel), is_causal,
-                                  scale, block_mask, tiles, interpreted, dropout_p)
+                                  scale, block_mask, mods is not None, tiles, interpreted,
+                                  dropout_p)
         plan = fast.PLANS.get(plan_key)
     if plan is not None:
         plan.start(*live)

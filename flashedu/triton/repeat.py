@@ -3,14 +3,14 @@ kernels.
 
 A training step calls ``attention(q, k, v, is_causal=True)`` with tensors of one layout, step
 after step: no attn_mask, no dropout, no logsumexp asked for, and at most a block mask built
-once, whose tiles need no mask mod. The first such call takes the general path (the argument
-checks, the backend, the tile table, the block mask's tile lists, the launch plans of
-``fast.PLANS``). Since everything it decided follows from the call's signature (options, block
-mask, and the inputs' shapes, strides, dtype, device and alignment), ``flashedu.attention``
-keeps a :class:`Repeat` for that signature, and a later call with the same signature goes
-straight to it: one ``autograd.Function`` that allocates the outputs and starts the planned
-launches, forward and backward. The general path's layers cost more host time than the kernels of a small attention
-take on the GPU (BENCHMARKS.md, "A repeated call").
+once (with its mask mod, whose element masks it holds). The first such call takes the general
+path (the argument checks, the backend, the tile table, the block mask's tile lists, the launch
+plans of ``fast.PLANS``). Since everything it decided follows from the call's signature
+(options, block mask, and the inputs' shapes, strides, dtype, device and alignment),
+``flashedu.attention`` keeps a :class:`Repeat` for that signature, and a later call with the
+same signature goes straight to it: one ``autograd.Function`` that allocates the outputs and
+starts the planned launches, forward and backward. The general path's layers cost more host
+time than the kernels of a small attention take on the GPU (BENCHMARKS.md, "A repeated call").
 
 A Repeat learns its launches from the general path's own (the ``keep`` argument of
 ``forward.forward`` and ``backward.backward``) on its first forward and first backward, so the
@@ -49,11 +49,12 @@ class Repeat:
     """What a plain call's signature decided: its tile table entry and, once the general path
     has run them, its launches. Calling it runs the call (None: the general path must)."""
 
-    __slots__ = ("is_causal", "scale", "block_mask", "config", "interpreted", "forward_plan",
-                 "backward_plan", "dout_layout")
+    __slots__ = ("is_causal", "scale", "block_mask", "mods", "config", "interpreted",
+                 "forward_plan", "backward_plan", "dout_layout")
 
     def __init__(self, is_causal, scale, block_mask, config, interpreted):
         self.is_causal, self.scale, self.block_mask = is_causal, scale, block_mask
+        self.mods = ops.Mods.of(None, None, block_mask)  # its mask mod, where tiles need it
         self.config, self.interpreted = config, interpreted
         self.forward_plan = self.backward_plan = self.dout_layout = None
 
@@ -69,7 +70,7 @@ class Repeat:
             tiles = self.config.forward_tiles(self.block_mask, k.shape[2])
             out = fwd.forward(q, k, v, is_causal=self.is_causal, scale=self.scale,
                               block_mask=self.block_mask, tiles=tiles,
-                              interpreted=self.interpreted, keep=kept)
+                              interpreted=self.interpreted, mods=self.mods, keep=kept)
             self.forward_plan = kept[0] if kept else None
             return out
         o = torch.empty_like(q)
@@ -85,8 +86,8 @@ class Repeat:
             kept = []
             grads = bwd.backward(q, k, v, o, lse2, do, is_causal=self.is_causal,
                                  scale=self.scale, block_mask=self.block_mask,
-                                 config=self.config,
-                                 interpreted=self.interpreted, keep=kept)
+                                 config=self.config, interpreted=self.interpreted,
+                                 mods=self.mods, keep=kept)
             if self.backward_plan is None and kept:
                 self.backward_plan, self.dout_layout = kept[0], layout
             return grads
@@ -113,7 +114,9 @@ class _Repeated(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse2 = ctx.saved_tensors
         repeat = ctx.repeat
-        if torch.is_grad_enabled():  # create_graph=True: the operator, whose derivative says no
+        # create_graph=True: the operator, whose derivative says no (a mask mod's call has no
+        # operator: its gradients, as the general path's, are not differentiable)
+        if torch.is_grad_enabled() and repeat.mods is None:
             grads = ops.BACKWARD_OPS["triton"](q, k, v, o, lse2, do, repeat.is_causal,
                                                repeat.scale, *ops.mask_args(repeat.block_mask),
                                                0.0, None)

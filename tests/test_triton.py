@@ -598,19 +598,22 @@ def test_a_block_mask_s_repeat_is_kept_per_mask(monkeypatch):
     assert len(repeats) == 3
 
 
-def test_a_mask_mod_s_repeat_applies_its_element_masks(monkeypatch):
-    """A block mask whose partial tiles need its mask mod (a sliding window) repeats too: its
-    launches, planned with the mask's element masks, start from the third call on; right
-    against float64 each call, and create_graph behaves as on the general path (first-order
-    gradients that are not differentiable)."""
-    from flashedu import BlockMask, mods
+@pytest.mark.parametrize("mod", [flashedu.mods.sliding_window(9),
+                                 flashedu.mods.document.from_lengths([20, 25])],
+                         ids=["window (compiled)", "documents (element masks)"])
+def test_a_mask_mod_s_repeat_applies_its_rule(monkeypatch, mod):
+    """A block mask whose partial tiles need its mask mod repeats too: its launches, planned
+    with the mask's rule (compiled, or its element masks), start from the third call on;
+    right against float64 each call, and create_graph behaves as on the general path
+    (first-order gradients that are not differentiable)."""
+    from flashedu import BlockMask
     from flashedu.triton import fast
 
     repeats = _repeats(monkeypatch)
     started = []
     monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start, **kw:
                         started.append(self) or _s(self, *t, **kw))
-    window = BlockMask.from_mask_mod(mods.sliding_window(9), 1, 1, 45, 45, block_size=(16, 16))
+    window = BlockMask.from_mask_mod(mod, 1, 1, 45, 45, block_size=(16, 16))
     assert window.needs_mask_mod
     dout = torch.randn(1, 4, 45, 16)
     for step in range(4):
@@ -1204,6 +1207,34 @@ def test_forced_tile_table(table, d, dtype, monkeypatch):
     finally:
         config.device_table_name.cache_clear()
         config._device_config.cache_clear()
+
+
+@pytest.mark.parametrize("mod, Nq, Nk, band", [
+    (flashedu.mods.sliding_window(9), 45, 45, (-9, 0)),
+    (flashedu.mods.sliding_window(13, alignment="bottom_right"), 40, 70, (17, 30)),
+    (flashedu.mods.sliding_window(7, lookahead=5), 50, 50, (-7, 5)),
+    (flashedu.mods.document.from_lengths([20, 25]), 45, 45, None),
+])
+def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band):
+    """The library's sliding window reaches the kernels as two bounds (BAND: band_lo < key -
+    query <= band_hi), with no element masks; another mask mod keeps its element masks. Right
+    against float64 either way, forward and backward, GQA, bottom-right aligned or looking
+    ahead."""
+    from flashedu import ops
+    from flashedu.triton import fast, forward, mods
+
+    bm = flashedu.BlockMask.from_mask_mod(mod, 1, 1, Nq, Nk, block_size=(16, 16))
+    m = ops.Mods.of(None, None, bm)
+    assert mods.band_args(m, bm) == band
+    E, _ = forward.element_args(m, bm, 16, 16, False, "cpu", False)
+    assert (E is None) == (band is not None)
+    consts = []
+    monkeypatch.setattr(fast, "run", lambda kernel, grid, args, c, _r=fast.run, **kw:
+                        consts.append(c) or _r(kernel, grid, args, c, **kw))
+    _check(*_qkv(1, 4, 2, Nq, Nk, 16), block_mask=bm)
+    fwd, bwd = consts[0], consts[-1]
+    assert fwd["BAND"] == bwd["BAND"] == (band is not None)
+    assert fwd["ELEMENT"] == bwd["ELEMENT1"] == bwd["ELEMENT2"] == (band is None)
 
 
 @pytest.mark.parametrize("transpose", [False, True])

@@ -32,7 +32,7 @@ from . import fast
 from .dropout import keep_tile, rng_state
 from .forward import (LOG2E, NO_LISTS, dot_precision, dropout_args, element_args,
                       interpreter_fp32, load_tile, mods_args, outputs_like, register_cap)
-from .mods import element_ptr, element_start, element_tile, head_mods, mod_scores
+from .mods import element_ptr, element_start, element_tile, head_mods, in_band, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
 
 
@@ -61,12 +61,12 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
                seed=0, offset=0, bh=0, start_n=0, drop_t=0, drop_scale=1.0, E_tile=0,
                mod_scale=1.0, cap=1.0, slope=0.0, B_head=0, stride_bq=0, stride_bk=0, Nk=0,
                ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-               BIAS: tl.constexpr = False):
+               BIAS: tl.constexpr = False, band_lo=0, band_hi=0, BAND: tl.constexpr = False):
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
     products land directly in dK_j and dV_j. DROPOUT (the paper's Algorithm 4): the forward's
     Z_ij regenerated from (seed, offset, bh) and the tile's position; dV_j takes the dropped
-    P_ij, dP_ij is dropped and rescaled the same way. SCORE_MOD and ELEMENT as in the forward;
-    dS_ij also takes the score mod's derivative."""
+    P_ij, dP_ij is dropped and rescaled the same way. SCORE_MOD, ELEMENT and BAND as in the
+    forward; dS_ij also takes the score mod's derivative."""
     rows = start_m + tl.arange(0, Br)
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
@@ -90,6 +90,9 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
             P_ijT = tl.where(cols[:, None] <= rows[None, :], P_ijT, 0.0)
         if ELEMENT:
             P_ijT = tl.where(element_tile(E_tile, cols.shape[0], rows.shape[0], True), P_ijT,
+                             0.0)
+        if BAND:
+            P_ijT = tl.where(in_band(rows[None, :], cols[:, None], band_lo, band_hi), P_ijT,
                              0.0)
     ZP_ijT = P_ijT  # what the forward multiplied V_j by: P_ij, dropped and rescaled
     if DROPOUT:
@@ -120,7 +123,7 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                   seed=0, offset=0, drop_t=0, drop_scale=1.0, ELEM=0, ELEM_BASE=0, SLOPES=0,
                   mod_scale=1.0, cap=1.0, BIAS_PTR=0, stride_bb=0, stride_bh=0, stride_bq=0,
                   stride_bk=0, ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-                  BIAS: tl.constexpr = False):
+                  BIAS: tl.constexpr = False, band_lo=0, band_hi=0, BAND: tl.constexpr = False):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
@@ -164,7 +167,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                                         qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC,
                                         DROPOUT, seed, offset, b * H + h, j * Bc, drop_t,
                                         drop_scale, E_tile, mod_scale, cap, slope, B_head,
-                                        stride_bq, stride_bk, Nk, ELEMENT, SCORE_MOD, BIAS)
+                                        stride_bq, stride_bk, Nk, ELEMENT, SCORE_MOD, BIAS,
+                                        band_lo, band_hi, BAND)
     out_ok = col_ok & dim_ok
     tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
              (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
@@ -179,9 +183,11 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
              DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0, drop_scale=1.0,
              E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0, stride_bq=0, stride_bk=0,
              Nq=0, DB_head=0, ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-             BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False):
+             BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False, band_lo=0, band_hi=0,
+             BAND: tl.constexpr = False):
     """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (DROPOUT: dP_ij
-    dropped and rescaled by the forward's Z_ij, regenerated; SCORE_MOD, ELEMENT as above)."""
+    dropped and rescaled by the forward's Z_ij, regenerated; SCORE_MOD, ELEMENT, BAND as
+    above)."""
     cols = start_n + tl.arange(0, Bc)
     col_ok = cols[:, None] < Nk
     dim_ok = dims[None, :] < d
@@ -200,6 +206,8 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
             visible = visible & (cols[None, :] <= rows[:, None])
         if ELEMENT:
             visible = visible & element_tile(E_tile, rows.shape[0], cols.shape[0], False)
+        if BAND:
+            visible = visible & in_band(rows[:, None], cols[None, :], band_lo, band_hi)
         P_ij = tl.where(visible, P_ij, 0.0)
     dP_ij = tl.dot(dO_i, tl.trans(V_j), input_precision=DOT_PREC)
     if DROPOUT:
@@ -229,7 +237,8 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 mod_scale=1.0, cap=1.0, BIAS_PTR=0, stride_bb=0, stride_bh=0, stride_bq=0,
                 stride_bk=0, DBIAS=0, ELEMENT: tl.constexpr = False,
                 SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
-                BIAS_GRAD: tl.constexpr = False):
+                BIAS_GRAD: tl.constexpr = False, band_lo=0, band_hi=0,
+                BAND: tl.constexpr = False):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
@@ -271,7 +280,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                             j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
                             DOT_PREC, DROPOUT, seed, offset, bh, drop_t, drop_scale, E_tile,
                             mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq, DB_head,
-                            ELEMENT, SCORE_MOD, BIAS, BIAS_GRAD)
+                            ELEMENT, SCORE_MOD, BIAS, BIAS_GRAD, band_lo, band_hi, BAND)
     tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
 
@@ -287,7 +296,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh, stride_kvidxr,
                     H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr, RNG, drop_t, drop_scale,
                     ELEM1, ELEM_BASE1, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap,
-                    BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk, DBIAS,
+                    BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk, DBIAS, band_lo, band_hi,
                     Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
                     MASKED1: tl.constexpr, MASKED2: tl.constexpr,
@@ -295,7 +304,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     DKDV: tl.constexpr, DQ: tl.constexpr, DROPOUT: tl.constexpr = False,
                     ELEMENT1: tl.constexpr = False, ELEMENT2: tl.constexpr = False,
                     SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
-                    BIAS_GRAD: tl.constexpr = False):
+                    BIAS_GRAD: tl.constexpr = False, BAND: tl.constexpr = False):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
@@ -321,7 +330,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
                           MASKED1, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t, drop_scale,
                           ELEM1, ELEM_BASE1, SLOPES, mod_scale, cap, BIAS_PTR, stride_bb,
-                          stride_bh, stride_bq, stride_bk, ELEMENT1, SCORE_MOD, BIAS)
+                          stride_bh, stride_bq, stride_bk, ELEMENT1, SCORE_MOD, BIAS,
+                          band_lo, band_hi, BAND)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -336,7 +346,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         SPARSE, MASKED2, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t,
                         drop_scale, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap, BIAS_PTR,
                         stride_bb, stride_bh, stride_bq, stride_bk, DBIAS, ELEMENT2, SCORE_MOD,
-                        BIAS, BIAS_GRAD)
+                        BIAS, BIAS_GRAD, band_lo, band_hi, BAND)
 
 
 def preprocess(o, do, rows):
@@ -466,13 +476,13 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
             kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
         GROUP, Tc, Tr = H // Hkv, -(-Nk // t1.Bc), -(-Nq // t2.Br)
-        (E1, E_base1, SLOPES, mod_scale, cap, *bias), c1 = mods_args(
+        (E1, E_base1, SLOPES, mod_scale, cap, *bias, band_lo, band_hi), c1 = mods_args(
             mods, block_mask, scale, t1.Br, t1.Bc, True, q, k, is_causal)
         # the dQ pass's lists have their own tiles; the rest is the dK/dV pass's
         E2, E_base2 = element_args(mods, block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
         mod_consts = {"ELEMENT1": c1["ELEMENT"], "ELEMENT2": E2 is not None,
                       "SCORE_MOD": c1["SCORE_MOD"], "BIAS": c1["BIAS"],
-                      "BIAS_GRAD": mask_grad}
+                      "BIAS_GRAD": mask_grad, "BAND": c1["BAND"]}
         natural = c1["SCORE_MOD"] or c1["BIAS"]  # the kernels add in natural units
         qk_scale = LOG2E if natural else scale * LOG2E
         args = (q, k, v, do, lse2, D, dq, dk, dv, *q_lists[:3], *kv_lists[:3], qk_scale,
@@ -486,10 +496,12 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                 programs += GROUP * Tr if consts["DQ"] else 0
                 grid = (programs, B * Hkv)
                 args_i = (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng), E1, E_base1,
-                          E2, E_base2, SLOPES, mod_scale, cap, *bias, dbias)
+                          E2, E_base2, SLOPES, mod_scale, cap, *bias, dbias, band_lo, band_hi)
                 consts_i = register_cap({**consts, "DROPOUT": dropout_p > 0, **mod_consts,
-                                         "MASKED1": consts["MASKED1"] or c1["ELEMENT"],
-                                         "MASKED2": consts["MASKED2"] or E2 is not None})
+                                         "MASKED1": consts["MASKED1"] or c1["ELEMENT"]
+                                         or c1["BAND"],
+                                         "MASKED2": consts["MASKED2"] or E2 is not None
+                                         or c1["BAND"]})
                 fast.run(backward_kernel, grid, args_i, consts_i)
                 if plan_key is not None:  # live: the first nine arguments, then rng
                     own = fast.slots(args_i, 9, *live[9:])

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .dropout import keep_tile, rng_state
-from .mods import element_ptr, element_start, element_tile, head_mods, mod_scores
+from .mods import element_ptr, element_start, element_tile, head_mods, in_band, mod_scores
 from .tiles import full_tile, kv_tiles, masked_tile
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -54,7 +54,8 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
                   DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, start_n=0, drop_t=0,
                   E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0,
                   stride_bq=0, stride_bk=0, Nq=0, ELEMENT: tl.constexpr = False,
-                  SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False):
+                  SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False, band_lo=0, band_hi=0,
+                  BAND: tl.constexpr = False):
     """One K_j, V_j tile: S_ij, the online-softmax update of (m_i, l_i), and O_i += P_ij V_j.
 
     qk_scale is scale * log2(e), so exp2(S_ij * qk_scale) = exp(scale * S_ij): the paper's exp,
@@ -64,7 +65,8 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
     1 / (1 - p) is the same for every entry: the kernel applies it once, to O_i at the end.
     SCORE_MOD, BIAS (mods.py): S_ij becomes score_mod(scale * S_ij) + attn_mask, and qk_scale
     is log2(e). ELEMENT: a masked tile also applies its element mask (a mask mod's partial
-    tile)."""
+    tile); BAND: the sliding window's rule instead, compiled: band_lo < key - query <= band_hi
+    (mods.py)."""
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)  # unscaled scores, Br x Bc
     if SCORE_MOD != 0 or BIAS:
         S_ij, _ = mod_scores(S_ij, rows[:, None], cols[None, :], Nq, Nk, mod_scale, cap, slope,
@@ -75,6 +77,8 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale,
             visible = visible & (cols[None, :] <= rows[:, None])
         if ELEMENT:
             visible = visible & element_tile(E_tile, rows.shape[0], cols.shape[0], False)
+        if BAND:
+            visible = visible & in_band(rows[:, None], cols[None, :], band_lo, band_hi)
         S_ij = tl.where(visible, S_ij, float("-inf"))
     # qk_scale > 0, so scaling commutes with the max: one multiply per row, not per score
     m_new = tl.maximum(m_i, tl.max(S_ij, 1) * qk_scale)
@@ -100,7 +104,8 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
                   DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0,
                   E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0,
                   stride_bq=0, stride_bk=0, Nq=0, ELEMENT: tl.constexpr = False,
-                  SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False):
+                  SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False, band_lo=0, band_hi=0,
+                  BAND: tl.constexpr = False):
     """Load K_j, V_j (rows start_n ..), then the softmax step (with dropout if DROPOUT).
 
     K_src, V_src: this head's K and V, as pointers, or (TMA) as tensor descriptors: the copy
@@ -121,7 +126,7 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, qk_scale, IS_CAUSAL,
                          MASK, DOT_PREC, DROPOUT, seed, offset, bh, start_n, drop_t, E_tile,
                          mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq, ELEMENT,
-                         SCORE_MOD, BIAS)
+                         SCORE_MOD, BIAS, band_lo, band_hi, BAND)
 
 
 @triton.jit
@@ -167,14 +172,14 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                    stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
                    H, GROUP, Nq, Nk, d, RNG, drop_t, drop_scale,
                    ELEM, ELEM_BASE, SLOPES, mod_scale, cap,
-                   BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk,
+                   BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk, band_lo, band_hi,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
                    DROPOUT: tl.constexpr = False, ELEMENT: tl.constexpr = False,
                    SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
-                   RESUME: tl.constexpr = False):
+                   RESUME: tl.constexpr = False, BAND: tl.constexpr = False):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
@@ -228,7 +233,7 @@ def forward_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
                                           IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA, DROPOUT, seed,
                                           offset, bh, drop_t, E_tile, mod_scale, cap, slope,
                                           B_head, stride_bq, stride_bk, Nq, ELEMENT, SCORE_MOD,
-                                          BIAS)
+                                          BIAS, band_lo, band_hi, BAND)
     if DROPOUT:  # Algorithm 2's 1 / (1 - p), once per row instead of once per entry of P_ij
         O_i = O_i * drop_scale
     _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
@@ -320,26 +325,29 @@ def dropout_args(dropout_p, rng):
 
 def element_args(mods, block_mask, Br, Bc, transpose, device, is_causal):
     """(ELEM, ELEM_BASE): the partial tiles' element masks of lists with Br x Bc tiles, or
-    (None, None) when no mask mod needs them."""
+    (None, None) when no mask mod needs them (none, or one the kernels compile: BAND)."""
     from . import sparse
+    from .mods import band_args
 
-    if mods is None or mods.mask_mod is None:
+    if mods is None or mods.mask_mod is None or band_args(mods, block_mask) is not None:
         return None, None
     return sparse.element_lists(block_mask, Br, Bc, transpose, device, is_causal)
 
 
 def mods_args(mods, block_mask, scale, Br, Bc, transpose, q, k, is_causal):
-    """((ELEM, ELEM_BASE, SLOPES, mod_scale, cap, BIAS_PTR, 4 bias strides),
-    {ELEMENT, SCORE_MOD, BIAS}) of a launch whose tiles are Br x Bc (``transpose``: the dK/dV
-    pass's lists); unused ones without mods."""
-    from .mods import bias_args, score_mod_args
+    """((ELEM, ELEM_BASE, SLOPES, mod_scale, cap, BIAS_PTR, 4 bias strides, band_lo, band_hi),
+    {ELEMENT, SCORE_MOD, BIAS, BAND}) of a launch whose tiles are Br x Bc (``transpose``: the
+    dK/dV pass's lists); unused ones without mods."""
+    from .mods import band_args, bias_args, score_mod_args
 
     SCORE_MOD, mod_scale, cap, SLOPES = score_mod_args(mods and mods.score_mod, scale, q.device)
     E, E_base = element_args(mods, block_mask, Br, Bc, transpose, q.device, is_causal)
+    band = band_args(mods, block_mask)
     attn_mask = mods and mods.attn_mask
     bias = bias_args(attn_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    return ((E, E_base, SLOPES, mod_scale, cap, *bias),
-            {"ELEMENT": E is not None, "SCORE_MOD": SCORE_MOD, "BIAS": attn_mask is not None})
+    return ((E, E_base, SLOPES, mod_scale, cap, *bias, *(band or (0, 0))),
+            {"ELEMENT": E is not None, "SCORE_MOD": SCORE_MOD, "BIAS": attn_mask is not None,
+             "BAND": band is not None})
 
 
 def launch_args(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interpreted,
@@ -357,7 +365,7 @@ def launch_args(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interp
                                         interpreted=interpreted)
     args = (*args, *dropout_args(dropout_p, rng), *mod_args)
     consts = {**consts, "DROPOUT": dropout_p > 0, **mod_consts,
-              "MASKED": consts["MASKED"] or mod_consts["ELEMENT"]}
+              "MASKED": consts["MASKED"] or mod_consts["ELEMENT"] or mod_consts["BAND"]}
     return grid, args, register_cap(consts)
 
 

@@ -1,11 +1,15 @@
 """Mask mods and score mods inside the Triton kernels (``flashedu.mods``, FlexAttention's idea).
 
-Mask mods are not compiled: the host evaluates the block mask's rule (tile grid, causal flag,
-mask mod, sequence ends) on the partial tiles only, the ones the kernels walk in their masked
-loop, and hands them over as one uint8 tile (Br x Bc) per listed partial tile
+Mask mods are evaluated by the host: it works out the block mask's rule (tile grid, causal
+flag, mask mod, sequence ends) on the partial tiles only, the ones the kernels walk in their
+masked loop, and hands them over as one uint8 tile (Br x Bc) per listed partial tile
 (``sparse.element_lists``). Full tiles run without a mask, empty ones are not visited, so the
 work and the extra memory grow with the partial tiles alone (a sliding window or documents:
 O(N) tiles, not N x N). Any mask mod a user writes works this way.
+
+One mask mod is compiled instead: the library's ``sliding_window`` (BAND). Its rule is two
+compares, band_lo < key - query <= band_hi, cheaper than reading a byte per pair (the element
+masks made the d=128 window forward 1.31-1.39x slower: BENCHMARKS.md, "Mask mods repeated").
 
 Score mods are compiled: the library's ``softcap`` and ``alibi`` (their ``kind``) become
 SCORE_MOD = 1 or 2 and change S_ij inside the step, forward and backward (with the derivative
@@ -86,6 +90,14 @@ def mod_scores(S, q_idx, kv_idx, Nq, Nk, mod_scale, cap, slope, B_head, stride_b
 
 
 @triton.jit
+def in_band(q_idx, kv_idx, band_lo, band_hi):
+    """The compiled sliding window: key kv_idx is visible to query q_idx iff
+    band_lo < kv_idx - q_idx <= band_hi (``band_args``), broadcast to the tile's shape."""
+    offset = kv_idx - q_idx
+    return (offset > band_lo) & (offset <= band_hi)
+
+
+@triton.jit
 def element_tile(E_tile, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The bool (ROWS x COLS) element mask stored at E_tile (row-major, ROWS x COLS), or, for
     the dK/dV pass, its transpose (stored COLS x ROWS)."""
@@ -115,6 +127,18 @@ def element_ptr(ELEM, e0, t, TILE: tl.constexpr, ELEMENT: tl.constexpr):
         return ELEM + (e0 + t) * TILE
     else:
         return 0
+
+
+def band_args(mods, block_mask):
+    """(band_lo, band_hi) of a block mask whose partial tiles need the library's sliding
+    window (the kernels then compile its rule, BAND), else None. Query i sees key j iff
+    i + offset - window < j <= i + offset + lookahead (offset: Nk - Nq when aligned to the
+    bottom right), that is band_lo < j - i <= band_hi."""
+    mod = mods and mods.mask_mod
+    if getattr(mod, "kind", None) != "sliding_window":
+        return None
+    mod = mod.bind(block_mask.seq_lens)
+    return mod.offset - mod.window, mod.offset + mod.lookahead
 
 
 def bias_args(attn_mask, B, H, Nq, Nk):

@@ -695,7 +695,8 @@ def block_forward_into(q, k, v, O, L, *, causal, scale, local="torch", ledger=No
         lse2 = take("call", _kernel_lse2(L))
         config = resolve_config(q.shape[-1], q.dtype, None, q.device)
         forward_into(q, k, v, O, lse2, is_causal=causal, scale=scale,
-                     tiles=config.forward_tiles(None, k.shape[2]), interpreted=runtime.triton_interpreted())
+                     tiles=config.forward_tiles(None, k.shape[2]),
+                     interpreted=runtime.triton_interpreted())
         L.copy_(LSE_TO_NATURAL["triton"](lse2))
         return
     O_t, L_t = block_forward(q, k, v, causal=causal, scale=scale, local=local)

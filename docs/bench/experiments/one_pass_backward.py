@@ -3,13 +3,16 @@ adds dS_ij K_j into a float32 dQ through the copy engine's reduce (a TMA descrip
 atomic_add, cp.reduce.async.bulk), so S_ij and dP_ij are computed once (5 matmuls, not 7).
 Dense, non-causal or causal, N % 128 == 0, contiguous. Timed against the production backward
 and cuDNN's, each as the backward of one retained forward."""
-import json, os, time
+
+import json
+import os
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
-import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel, SDPBackend
 
 import flashedu
 from flashedu.triton import fast
@@ -19,9 +22,25 @@ fast.ensure_allocator()
 
 
 @triton.jit
-def bwd_one_pass(Q, K, V, dO, L, D, dQ32, dK, dV, qk_scale, scale, N,
-                 Br: tl.constexpr, Bc: tl.constexpr, HD: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 TMA_LOADS: tl.constexpr):
+def bwd_one_pass(
+    Q,
+    K,
+    V,
+    dO,
+    L,
+    D,
+    dQ32,
+    dK,
+    dV,
+    qk_scale,
+    scale,
+    N,
+    Br: tl.constexpr,
+    Bc: tl.constexpr,
+    HD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
+):
     j = tl.program_id(0)
     bh = tl.program_id(1)
     base = bh.to(tl.int64) * N * HD
@@ -66,24 +85,52 @@ def one_pass(q, k, v, o, lse2, do, causal, Br, Bc, warps, stages, tma_loads):
     D = (o.float() * do.float()).sum(-1)
     dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    bwd_one_pass[(N // Bc, B * H)](q, k, v, do, lse2, D, dq32, dk, dv, d ** -0.5 * LOG2E,
-                                    d ** -0.5, N, Br=Br, Bc=Bc, HD=d, IS_CAUSAL=causal,
-                                    TMA_LOADS=tma_loads, num_warps=warps, num_stages=stages)
-    return (dq32 * d ** -0.5).to(q.dtype), dk, dv
+    bwd_one_pass[(N // Bc, B * H)](
+        q,
+        k,
+        v,
+        do,
+        lse2,
+        D,
+        dq32,
+        dk,
+        dv,
+        d**-0.5 * LOG2E,
+        d**-0.5,
+        N,
+        Br=Br,
+        Bc=Bc,
+        HD=d,
+        IS_CAUSAL=causal,
+        TMA_LOADS=tma_loads,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return (dq32 * d**-0.5).to(q.dtype), dk, dv
 
 
-VARIANTS = [(64, 128, 8, 2, False), (64, 128, 8, 2, True), (64, 128, 8, 3, True),
-            (32, 128, 8, 2, True), (64, 64, 4, 2, True), (128, 128, 8, 2, True), (64, 128, 4, 2, True)]
+VARIANTS = [
+    (64, 128, 8, 2, False),
+    (64, 128, 8, 2, True),
+    (64, 128, 8, 3, True),
+    (32, 128, 8, 2, True),
+    (64, 64, 4, 2, True),
+    (128, 128, 8, 2, True),
+    (64, 128, 4, 2, True),
+]
 
 
 def main():
-    from flashedu.triton.forward import forward
     from flashedu.triton.config import kernel_config
+    from flashedu.triton.forward import forward
+
     rows, out = [], os.environ.get("OUT", ".")
     for d, B, H, N in ((128, 2, 16, 8192), (128, 4, 16, 4096), (64, 4, 16, 8192)):
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                       for _ in range(4))
+        q, k, v, do = (
+            torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(4)
+        )
         for causal in (False, True):
             fl = 2.5 * 4 * B * H * N * N * d * (0.5 if causal else 1.0)
             base = dict(d=d, B=B, H=H, N=N, causal=causal)
@@ -94,29 +141,54 @@ def main():
             of = flashedu.attention(qq, kk, vv, is_causal=causal, backend="triton")
             ref = torch.autograd.grad(of, (qq, kk, vv), do, retain_graph=True)
             t_p = do_bench(lambda: torch.autograd.grad(of, (qq, kk, vv), do, retain_graph=True))
-            print(f"d={d} N={N} causal={causal}: cudnn {t_c:.3f} ms ({fl/t_c/1e9:.0f} TF), "
-                  f"production {t_p:.3f} ms ({fl/t_p/1e9:.0f} TF)", flush=True)
-            rows += [{**base, "variant": "cudnn", "ms": t_c}, {**base, "variant": "production", "ms": t_p}]
-            o, lse2 = forward(q, k, v, is_causal=causal, scale=d ** -0.5, block_mask=None,
-                              tiles=kernel_config(d, False, False).forward_tiles(None, N),
-                              interpreted=False)
+            print(
+                f"d={d} N={N} causal={causal}: cudnn {t_c:.3f} ms ({fl / t_c / 1e9:.0f} TF), "
+                f"production {t_p:.3f} ms ({fl / t_p / 1e9:.0f} TF)",
+                flush=True,
+            )
+            rows += [
+                {**base, "variant": "cudnn", "ms": t_c},
+                {**base, "variant": "production", "ms": t_p},
+            ]
+            o, lse2 = forward(
+                q,
+                k,
+                v,
+                is_causal=causal,
+                scale=d**-0.5,
+                block_mask=None,
+                tiles=kernel_config(d, False, False).forward_tiles(None, N),
+                interpreted=False,
+            )
             for var in VARIANTS:
                 name = "Br{} Bc{} w{} s{}{}".format(*var[:4], " tma" if var[4] else "")
                 row = {**base, "variant": name}
                 try:
                     got = one_pass(q, k, v, o, lse2, do, causal, *var)
                     torch.cuda.synchronize()
-                    row["err"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
+                    row["err"] = max(
+                        (a.float() - b.float()).abs().max().item() for a, b in zip(got, ref)
+                    )
                     ms = do_bench(lambda: one_pass(q, k, v, o, lse2, do, causal, *var))
                     row.update(ms=ms, tflops=fl / ms / 1e9, vs_prod=t_p / ms, vs_cudnn=t_c / ms)
-                    print(f"  {name}: {ms:.3f} ms {fl/ms/1e9:.0f} TF vs prod {t_p/ms:.2f}x "
-                          f"vs cudnn {t_c/ms:.2f}x err {row['err']:.3g}", flush=True)
+                    print(
+                        f"  {name}: {ms:.3f} ms {fl / ms / 1e9:.0f} TF vs prod {t_p / ms:.2f}x "
+                        f"vs cudnn {t_c / ms:.2f}x err {row['err']:.3g}",
+                        flush=True,
+                    )
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     print(f"  {name}: FAILED {row['error'][:200]}", flush=True)
                 rows.append(row)
-                json.dump({"device": torch.cuda.get_device_name(), "commit": os.environ.get("GIT_COMMIT"),
-                           "rows": rows}, open(f"{out}/bwd_atomic.json", "w"), indent=1)
+                json.dump(
+                    {
+                        "device": torch.cuda.get_device_name(),
+                        "commit": os.environ.get("GIT_COMMIT"),
+                        "rows": rows,
+                    },
+                    open(f"{out}/bwd_atomic.json", "w"),
+                    indent=1,
+                )
 
 
 if __name__ == "__main__":

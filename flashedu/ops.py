@@ -440,8 +440,9 @@ class Mods:
 
     @property
     def mask_mod_only(self) -> bool:
-        """Only the block mask's mask mod: everything the kernels read of it belongs to the
-        block mask (its element masks), a value that launch plans can key on."""
+        """Only the block mask's mask mod: everything the kernels read of it (its element
+        masks, or a compiled window's bounds) follows from the block mask, a value that launch
+        plans can key on."""
         return self.attn_mask is None and self.score_mod is None
 
     @classmethod

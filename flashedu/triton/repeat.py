@@ -3,10 +3,10 @@ kernels.
 
 A training step calls ``attention(q, k, v, is_causal=True)`` with tensors of one layout, step
 after step: no attn_mask, no dropout, no logsumexp asked for, and at most a block mask built
-once (with its mask mod, whose element masks it holds). The first such call takes the general
-path (the argument checks, the backend, the tile table, the block mask's tile lists, the launch
-plans of ``fast.PLANS``). Since everything it decided follows from the call's signature
-(options, block mask, and the inputs' shapes, strides, dtype, device and alignment),
+once (with its mask mod, which the kernels apply on its partial tiles). The first such call
+takes the general path (the argument checks, the backend, the tile table, the block mask's tile
+lists, the launch plans of ``fast.PLANS``). Since everything it decided follows from the call's
+signature (options, block mask, and the inputs' shapes, strides, dtype, device and alignment),
 ``flashedu.attention`` keeps a :class:`Repeat` for that signature, and a later call with the
 same signature goes straight to it: one ``autograd.Function`` that allocates the outputs and
 starts the planned launches, forward and backward. The general path's layers cost more host

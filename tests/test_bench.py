@@ -293,22 +293,20 @@ def test_host_times_the_call_path_with_and_without_plans(tmp_path, capsys):
     assert "no plans / repeat" in text and text.count("tiny") == 2
 
 
-def test_host_times_a_block_mask_call(tmp_path, capsys):
+@pytest.mark.parametrize("flag, value, key, label", [
+    ("--density", "0.5", "density", "tiny sparse 0.5"),
+    ("--window", "32", "window", "tiny window 32"),
+])
+def test_host_times_a_block_mask_call(tmp_path, capsys, flag, value, key, label):
     """--density passes a block mask built once, --window a sliding window's (a mask mod):
     the rows say so, and so does the table."""
     out = tmp_path / "host.json"
     code, text = run(["host", "--shapes", "tiny", "--iters", "3", "--rounds", "2",
-                      "--density", "0.5", "--json", str(out)], capsys)
+                      flag, value, "--json", str(out)], capsys)
     assert code == 0, text
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 8 and all(r["density"] == 0.5 and r["us"] > 0 for r in rows)
-    assert text.count("tiny sparse 0.5") == 2
-    code, text = run(["host", "--shapes", "tiny", "--iters", "3", "--rounds", "2",
-                      "--window", "32", "--json", str(out)], capsys)
-    assert code == 0, text
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 8 and all(r["window"] == 32 and r["us"] > 0 for r in rows)
-    assert text.count("tiny window 32") == 2
+    assert len(rows) == 8 and all(r[key] == float(value) and r["us"] > 0 for r in rows)
+    assert text.count(label) == 2
 
 
 def test_mods_dry_run(tmp_path, capsys):

@@ -445,6 +445,16 @@ def _repeats(monkeypatch):
     return repeats
 
 
+def _started_launches(monkeypatch):
+    """The list of every ``fast.Launch`` started from now on (each still starts)."""
+    from flashedu.triton import fast
+
+    started = []
+    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start, **kw:
+                        started.append(self) or _s(self, *t, **kw))
+    return started
+
+
 def _reference_grads(q, k, v, dout, **kw):
     ref = reference_attention(q, k, v, **kw)
     return (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
@@ -454,12 +464,10 @@ def test_a_repeated_plain_call_goes_straight_to_its_repeat(monkeypatch):
     """The first plain call leaves a repeat for its signature; the second learns its launches
     from the general path; from the third on the repeat starts them itself. New values every
     call, each right against float64, and one repeat for all of them."""
-    from flashedu.triton import fast, repeat
+    from flashedu.triton import repeat
 
     repeats = _repeats(monkeypatch)
-    started = []
-    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start, **kw:
-                        started.append(self) or _s(self, *t, **kw))
+    started = _started_launches(monkeypatch)
     dout = torch.randn(1, 2, 45, 16)
     for step in range(4):
         q, k, v = _qkv(1, 2, 2, 45, 45, 16)
@@ -560,12 +568,10 @@ def test_a_repeated_block_mask_call_goes_straight_to_its_repeat(monkeypatch, is_
     """A block mask built once and passed every step (whose tiles need no mask mod) is part of
     the signature: from the third call on its repeat starts the launches with the mask's tile
     lists, GQA and ragged lengths included; right against float64 every step."""
-    from flashedu.triton import fast, repeat
+    from flashedu.triton import repeat
 
     repeats = _repeats(monkeypatch)
-    started = []
-    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start, **kw:
-                        started.append(self) or _s(self, *t, **kw))
+    started = _started_launches(monkeypatch)
     mask = _tile_mask(0, 45, 70, is_causal=is_causal)
     dout = torch.randn(1, 4, 45, 16)
     for step in range(4):
@@ -607,12 +613,9 @@ def test_a_mask_mod_s_repeat_applies_its_rule(monkeypatch, mod):
     right against float64 each call, and create_graph behaves as on the general path
     (first-order gradients that are not differentiable)."""
     from flashedu import BlockMask
-    from flashedu.triton import fast
 
     repeats = _repeats(monkeypatch)
-    started = []
-    monkeypatch.setattr(fast.Launch, "start", lambda self, *t, _s=fast.Launch.start, **kw:
-                        started.append(self) or _s(self, *t, **kw))
+    started = _started_launches(monkeypatch)
     window = BlockMask.from_mask_mod(mod, 1, 1, 45, 45, block_size=(16, 16))
     assert window.needs_mask_mod
     dout = torch.randn(1, 4, 45, 16)

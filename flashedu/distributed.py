@@ -19,11 +19,13 @@ Layouts (``layout=``, the same for causal and full attention):
 For full (non-causal) attention the layout changes nothing in the arithmetic: every query sees
 every key, whatever the order.
 
-Memory. What travels is not a rank's whole K/V shard but **tiles** of ``tile`` positions (a
-divisor of the chunk length): the ring runs P*m micro-steps (m = n/tile), tile p of every shard
-going once around before tile p+1 starts. A rank holds at most two K/V tiles (the one it computes
-on and sends on, and the one arriving), so the ring's own buffers shrink with the tile, not with
-the shard. The forward keeps one float32 (O, L) accumulator for its own rows and saves only its
+Memory. What travels is not a rank's whole K/V shard but **tiles** of ``tile`` positions: the
+ring runs P*m micro-steps (m = n/tile), tile p of every shard going once around before tile p+1
+starts. A rank holds at most two K/V tiles (the one it computes on and sends on, and the one
+arriving), so the ring's own buffers shrink with the tile, not with the shard. A zigzag tile is
+two pieces, the same rows of both of the shard's chunks: the ranks wait for each other at every
+micro-step, so each micro-step, not only each rank's total, must carry the same causal work
+(:meth:`Plan.lockstep`). The forward keeps one float32 (O, L) accumulator for its own rows and saves only its
 own O and L for the backward. The backward sends each K/V tile around once more with its dK, dV
 accumulator (float32, tile-sized): every rank adds its queries' share and passes it on; after P
 hops the accumulator is home, complete. dQ is accumulated in place. :func:`ring_memory` gives the
@@ -63,8 +65,9 @@ def ring_attention(q, k, v, is_causal=False, group=None, scale=None, local="auto
     ``is_causal``: top-left over the whole sequence (global query i sees global keys j <= i).
     ``group``: the process group (default: the world); P is its size. ``local``: the per-step
     kernel, "torch", "triton" (CUDA only) or "auto" (triton on a CUDA GPU, else torch).
-    ``tile``: positions per travelling K/V tile, a divisor of the chunk length (n/2 for zigzag,
-    n for contiguous); default: the largest divisor <= 2048. ``call_rows``: query rows per kernel
+    ``tile``: positions per travelling K/V tile: for zigzag an even number whose half (a piece
+    of each chunk) divides the chunk length n/2, for contiguous a divisor of n; default: the
+    largest such number <= 2048. ``call_rows``: query rows per kernel
     call (a multiple of ``tile``; default 4 tiles): bounds the per-call temporaries.
     ``dq_accumulate``: "float32" (default) sums dQ's P*m contributions in float32; "input" sums
     them in place in q's dtype (no float32 copy of dQ: less memory, more rounding in 16 bits).
@@ -182,12 +185,18 @@ def shard_positions(N: int, rank: int, world: int, layout: str = "zigzag"):
 
 
 class Plan:
-    """How a rank's n rows are cut: the layout's segments (global start of each run of
-    consecutive positions) and, inside them, the tiles that travel and the query calls.
+    """How a rank's n rows are cut: the tiles that travel, and the kernel calls against them.
 
-    Every rank has the same local tile structure; only the global positions differ. In both
-    layouts a rank's local order is the global order, so the query tiles that see the whole of
-    a K/V tile under a causal mask are a suffix of the local rows.
+    A tile is ``tile`` positions of K/V that travel together. In the contiguous layout it is a
+    run of consecutive rows. In the zigzag layout it is two **pieces** of tile/2 rows, one from
+    each of the shard's chunks (the same rows of each): then every micro-step, not only the
+    whole ring, gives every rank the same causal work. The ranks wait for each other at every
+    micro-step (the next tile arrives from the previous rank), so the ring takes the sum over
+    micro-steps of the busiest rank's work (:meth:`lockstep`); with tiles cut from one chunk
+    that sum is 1.25x the average at P=2 although each rank's total is the same.
+
+    Every rank has the same local structure; only the global positions differ. A rank's local
+    order is the global order, so the query rows that see a piece whole are a suffix.
     """
 
     def __init__(self, n: int, world: int, layout: str = "zigzag", tile=None, call_rows=None):
@@ -197,56 +206,84 @@ class Plan:
         if layout == "zigzag" and n % 2:
             raise ValueError(f"q: a zigzag shard holds two chunks of equal length, so its length "
                              f"n must be even, got n={n} (shard the sequence with zigzag_shard)")
-        chunk = n // 2 if layout == "zigzag" else n
+        self.chunk = n // 2 if layout == "zigzag" else n
+        self.pieces = 2 if layout == "zigzag" else 1  # pieces per tile: one per chunk
         if tile is None:
-            tile = max(t for t in range(1, min(chunk, 2048) + 1) if chunk % t == 0)
-        if not isinstance(tile, int) or tile < 1 or chunk % tile:
-            raise ValueError(f"tile must be a positive divisor of the chunk length {chunk} "
-                             f"(n={n}, layout={layout!r}), got {tile!r}")
-        self.tile, self.chunk = tile, chunk
+            piece = max(t for t in range(1, min(self.chunk, 2048 // self.pieces) + 1)
+                        if self.chunk % t == 0)
+            tile = piece * self.pieces
+        if not isinstance(tile, int) or tile < 1 or tile % self.pieces \
+                or self.chunk % (tile // self.pieces):
+            what = ("an even number whose half divides the chunk length" if self.pieces == 2
+                    else "a positive divisor of the shard length")
+            raise ValueError(f"tile must be {what} {self.chunk} (n={n}, layout={layout!r}: a "
+                             f"tile holds {self.pieces} piece(s), one per chunk), got {tile!r}")
+        self.tile = tile
+        self.piece = tile // self.pieces  # rows of one piece, and of one query segment
         self.m = n // tile  # tiles per shard
         call_rows = 4 * tile if call_rows is None else call_rows
         if not isinstance(call_rows, int) or call_rows < tile or call_rows % tile:
             raise ValueError(f"call_rows must be a positive multiple of tile={tile}, "
                              f"got {call_rows!r}")
-        self.tiles_per_call = call_rows // tile
         self.call_rows = min(call_rows, n)
 
-    def global_start(self, rank: int, p: int) -> int:
-        """Global position of the first row of tile p of rank's shard."""
-        a = p * self.tile  # local start
+    def tile_rows(self, p: int) -> list[tuple[int, int]]:
+        """The local rows [start, end) of tile p's pieces, in the order the tile holds them."""
+        return [(c * self.chunk + p * self.piece, c * self.chunk + (p + 1) * self.piece)
+                for c in range(self.pieces)]
+
+    def global_row(self, rank: int, a: int) -> int:
+        """Global position of local row a of rank's shard."""
         if self.layout == "contiguous":
             return rank * self.n + a
-        first, second = zigzag_chunks(rank, self.world)
-        chunk = first if a < self.chunk else second
+        chunk = zigzag_chunks(rank, self.world)[a // self.chunk]
         return chunk * self.chunk + a % self.chunk
 
     def calls(self, rank: int, src: int, p: int, is_causal: bool):
         """The kernel calls of rank's queries against tile p of shard ``src``:
-        [(first row, end row, causal inside)], local rows, at most ``call_rows`` each."""
-        tiles = range(self.m)
-        if is_causal:
-            k0 = self.global_start(src, p)
-            full = [i for i in tiles if self.global_start(rank, i) > k0]
-            diagonal = [(i * self.tile, (i + 1) * self.tile, True)
-                        for i in tiles if self.global_start(rank, i) == k0]
-        else:
-            full, diagonal = list(tiles), []
-        out = list(diagonal)
-        for j in range(0, len(full), self.tiles_per_call):
-            group = full[j:j + self.tiles_per_call]  # consecutive: a suffix of the tiles
-            out.append((group[0] * self.tile, (group[-1] + 1) * self.tile, False))
+        [(first row, end row, first key, end key, causal inside)]; rows are local rows of
+        rank's shard, keys rows of the tile; at most ``call_rows`` rows each."""
+        segments = range(self.n // self.piece)  # query rows, a piece's length at a time
+        if not is_causal:
+            return [(a, b, 0, self.tile, False) for a, b in self._grouped(list(segments))]
+        starts = [self.global_row(src, a) for a, _ in self.tile_rows(p)]  # increasing
+        out, seeing = [], {}  # seeing: f -> the segments that see the tile's first f pieces whole
+        for i in segments:
+            g = self.global_row(rank, i * self.piece)
+            for c, k0 in enumerate(starts):
+                if k0 == g:  # the same positions: causal inside
+                    out.append((i * self.piece, (i + 1) * self.piece, c * self.piece,
+                                (c + 1) * self.piece, True))
+            whole = sum(k0 < g for k0 in starts)
+            if whole:
+                seeing.setdefault(whole, []).append(i)
+        for whole, group in seeing.items():  # each group is consecutive rows
+            out += [(a, b, 0, whole * self.piece, False) for a, b in self._grouped(group)]
         return out
 
+    def _grouped(self, segments):
+        """Consecutive query segments as [start, end) row runs of at most call_rows rows."""
+        per_call = self.call_rows // self.piece
+        return [(segments[j] * self.piece, (segments[min(j + per_call, len(segments)) - 1] + 1)
+                 * self.piece) for j in range(0, len(segments), per_call)]
+
+    def step_work(self, rank: int, src: int, p: int, is_causal: bool) -> float:
+        """Query-key pairs of rank's calls against tile p of shard src, in units of tile^2 (a
+        causal piece counts half its rows x keys)."""
+        return sum((b - a) * (hi - lo) * (0.5 if causal else 1.0)
+                   for a, b, lo, hi, causal in self.calls(rank, src, p, is_causal)) / self.tile**2
+
     def work(self, rank: int, is_causal: bool) -> float:
-        """Query-key pairs rank computes over the whole ring, in units of tile^2 (a causal
-        diagonal tile counts 1/2): the load-balance measure."""
-        total = 0.0
-        for p in range(self.m):
-            for src in range(self.world):
-                for a, b, causal in self.calls(rank, src, p, is_causal):
-                    total += 0.5 if causal else (b - a) / self.tile
-        return total
+        """rank's pairs over the whole ring (:meth:`step_work` summed): the load-balance measure."""
+        return sum(self.step_work(rank, src, p, is_causal)
+                   for p in range(self.m) for src in range(self.world))
+
+    def lockstep(self, is_causal: bool) -> float:
+        """The ring's time in units of tile^2 pairs, the ranks waiting for each other at every
+        micro-step: the sum over micro-steps (p, t) of the busiest rank's work."""
+        return sum(max(self.step_work(r, (r - t) % self.world, p, is_causal)
+                       for r in range(self.world))
+                   for p in range(self.m) for t in range(self.world))
 
 
 # ----------------------------------------------------------------------------------------
@@ -360,8 +397,14 @@ def _schedule(plan, ring):
 
 
 def _own_tile(x, plan, p, ledger):
-    return ledger.take("kv", x[:, :, p * plan.tile:(p + 1) * plan.tile].contiguous()
-                       if plan.m > 1 else x.clone())
+    """Tile p of this rank's K or V, its pieces side by side (a copy: it travels)."""
+    return ledger.take("kv", torch.cat([x[:, :, a:b] for a, b in plan.tile_rows(p)], dim=2))
+
+
+def _home(dst, plan, p, tile):
+    """A finished tile's gradient into its pieces' rows of this rank's dK or dV."""
+    for c, (a, b) in enumerate(plan.tile_rows(p)):
+        dst[:, :, a:b] = tile[:, :, c * plan.piece:(c + 1) * plan.piece]
 
 
 def ring_forward(ring, q, k, v, is_causal, scale, local, plan=None, ledger=None):
@@ -382,9 +425,10 @@ def ring_forward(ring, q, k, v, is_causal, scale, local, plan=None, ledger=None)
             K_next = ledger.take("kv", torch.empty_like(K_j))
             V_next = ledger.take("kv", torch.empty_like(V_j))
             requests = ring.post((K_j, V_j), (K_next, V_next), tag=KV_TAG)
-        for a, b, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
-            block_forward_into(q[:, :, a:b], K_j, V_j, O[:, :, a:b], L[:, :, a:b],
-                               causal=causal, scale=scale, local=local, ledger=ledger)
+        for a, b, lo, hi, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
+            block_forward_into(q[:, :, a:b], K_j[:, :, lo:hi], V_j[:, :, lo:hi], O[:, :, a:b],
+                               L[:, :, a:b], causal=causal, scale=scale, local=local,
+                               ledger=ledger)
         if passing:
             wait_all(requests)
             del requests
@@ -445,16 +489,16 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
         # this rank's share of the tile's gradients
         dK_p = ledger.take("grad", torch.zeros(tile_shape, dtype=acc, device=k.device))
         dV_p = ledger.take("grad", torch.zeros(tile_shape, dtype=acc, device=k.device))
-        for a, b, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
-            dq_t, dk_t, dv_t = block_backward(q[:, :, a:b], K_j, V_j, out[:, :, a:b],
-                                              L[:, :, a:b], dout[:, :, a:b], causal=causal,
-                                              scale=scale, local=local,
+        for a, b, lo, hi, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
+            dq_t, dk_t, dv_t = block_backward(q[:, :, a:b], K_j[:, :, lo:hi], V_j[:, :, lo:hi],
+                                              out[:, :, a:b], L[:, :, a:b], dout[:, :, a:b],
+                                              causal=causal, scale=scale, local=local,
                                               D=None if D is None else D[:, :, a:b])
             for g in (dq_t, dk_t, dv_t):
                 ledger.take("call", g)
             dq[:, :, a:b] += dq_t
-            dK_p += dk_t
-            dV_p += dv_t
+            dK_p[:, :, lo:hi] += dk_t
+            dV_p[:, :, lo:hi] += dv_t
             del dq_t, dk_t, dv_t
         wait_all(requests)  # the next K/V tile and the accumulator are in, ours has left
         del requests
@@ -462,16 +506,15 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
         if receiving:
             p_prev, t_prev = steps[i - 1]
             if t_prev == ring.size - 1:  # our own tile p_prev, home after its last hop
-                rows = slice(p_prev * T, (p_prev + 1) * T)
-                dk[:, :, rows] = dK_in
-                dv[:, :, rows] = dV_in
+                _home(dk, plan, p_prev, dK_in)
+                _home(dv, plan, p_prev, dV_in)
             else:  # the accumulator of the tile we hold: add our share
                 dK_p += dK_in
                 dV_p += dV_in
             del dK_in, dV_in
         if ring.size == 1:  # a ring of one: the tile is home already
-            rows = slice(p * T, (p + 1) * T)
-            dk[:, :, rows], dv[:, :, rows] = dK_p, dV_p
+            _home(dk, plan, p, dK_p)
+            _home(dv, plan, p, dV_p)
         else:  # on to the next rank with the next micro-step's transfers (home after P hops)
             pending = (dK_p, dV_p)
         del dK_p, dV_p
@@ -488,9 +531,8 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
     wait_all(ring.post_tagged([(pending[0], ACC_TAG), (pending[1], ACC_TAG + 1)],
                               [(dK_in, ACC_TAG), (dV_in, ACC_TAG + 1)]))
     del pending
-    rows = slice((plan.m - 1) * T, plan.m * T)
-    dk[:, :, rows] = dK_in
-    dv[:, :, rows] = dV_in
+    _home(dk, plan, plan.m - 1, dK_in)
+    _home(dv, plan, plan.m - 1, dV_in)
     return dq.to(q.dtype), dk, dv
 
 
@@ -513,12 +555,13 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
                      base-2 L, B H C 4 (the kernel merges into O itself)
     - backward ring: 2 or 4 K/V tiles + up to 3 pairs of dK, dV tiles B Hkv T d a (this rank's
                      share, the arriving accumulator, the one leaving) + one call's
-                     dQ_t (B H C d o), dK_t, dV_t (B Hkv T d o) + dQ's float32 copy
+                     dQ_t (B H C d o), dK_t, dV_t (B Hkv K d o, K the call's keys: a piece
+                     or the whole tile; the largest call's sum) + dQ's float32 copy
                      (B H n d a) when dq_accumulate="float32" and e < a + (triton) the rows'
                      D_i, B H n 4, computed once.
     - caller: q, dout, out, dq (B H n d e each), k, v, dk, dv (B Hkv n d e each), L (B H n a).
     - scratch (triton, not held by the ring): a contiguous copy of a call's query rows and the
-      row statistics D, lse (B H C (d e + 8)).
+      row statistics D, lse (B H C (d e + 8)), and of K, V for a call on part of a tile.
     ``per_gpu`` = caller + scratch + the larger of the backward ring and (at its end) dQ's
     float32 copy beside its output: what torch.cuda.max_memory_allocated should show around a
     forward + backward (besides what the communication library allocates).
@@ -546,21 +589,26 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
         for i, (p, t) in enumerate(steps):
             passing = t < P - 1
             kv = (2 + 2 * passing) * kv_tile
-            rows = [b - a_ for a_, b, _ in plan.calls(r, (r - t) % P, p, is_causal)]
-            C = max(rows, default=0)
-            call_f = B * H * C * (lo if local == "triton" else d * a + a) if rows else 0
+            calls = plan.calls(r, (r - t) % P, p, is_causal)
+            call_f = max((B * H * (b - a_) * (lo if local == "triton" else d * a + a)
+                          for a_, b, _, _, _ in calls), default=0)
             fwd = max(fwd, B * H * n * (d + 1) * a + kv + call_f)
             receiving = i > 0 and P > 1
             grads = 2 * g_tile * (1 + 2 * receiving)
-            call_b = (B * H * C * d * o + 2 * B * Hkv * T * d * o) if rows else 0
+            call_b = max((B * H * (b - a_) * d * o + 2 * B * Hkv * (k1 - k0) * d * o
+                          for a_, b, k0, k1, _ in calls), default=0)
             bwd = max(bwd, kv + grads + call_b)
     dq_copy = B * H * n * d * a if (dq_accumulate == "float32" and e < a) else 0
     bwd += dq_copy + (B * H * n * 4 if local == "triton" else 0)
     q_like, kv_like = B * H * n * d * e, B * Hkv * n * d * e
     caller = 4 * q_like + 4 * kv_like + B * H * n * a
-    C_all = max(b - a_ for r in range(P) for p in range(plan.m) for t in range(P)
-                for a_, b, _ in plan.calls(r, (r - t) % P, p, is_causal) or [(0, 0, 0)])
-    scratch = B * H * C_all * (d * e + 8) if local == "triton" else 0
+    # the triton backward's contiguous copies: the call's query rows, and K, V of a call that
+    # takes part of the tile (a view with gaps)
+    scratch = max((B * H * (b - a_) * (d * e + 8) + (2 * B * Hkv * (k1 - k0) * d * e
+                                                      if k1 - k0 < T else 0)
+                   for r in range(P) for p in range(plan.m) for t in range(P)
+                   for a_, b, k0, k1, _ in plan.calls(r, (r - t) % P, p, is_causal)),
+                  default=0) if local == "triton" else 0
     end = caller + dq_copy  # the last moment: dQ's float32 copy beside the dQ it becomes
     per_gpu = max(caller + scratch + bwd, end)
     one = (4 * B * H * N * d + 4 * B * Hkv * N * d) * e + B * H * N * 4

@@ -134,7 +134,8 @@ def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
     # rows against it, in calls of call_rows rows, as a full-attention micro-step makes them)
     plan, r = Plan(q.shape[2], world, "zigzag", args.tile, args.call_rows), Ring()
     local = _resolve_local("auto", q)
-    K_t, V_t = (x.detach()[:, :, :plan.tile].contiguous() for x in (k, v))
+    K_t, V_t = (torch.cat([x.detach()[:, :, a:b] for a, b in plan.tile_rows(0)], dim=2)
+                for x in (k, v))
     xfer = timer(lambda: wait_all(r.start_exchange((K_t, V_t))[0]))
     qd, od, Ld = q.detach(), None, None
     with torch.no_grad():
@@ -145,16 +146,16 @@ def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
         step_f = timer(lambda: [block_forward_into(qd[:, :, a:b], K_t, V_t, O_run[:, :, a:b],
                                                    L_run[:, :, a:b], causal=False,
                                                    scale=args.d ** -0.5, local=local)
-                                for a, b, _ in calls])
+                                for a, b, *_ in calls])
         o_L = [block_forward(qd[:, :, a:b], K_t, V_t, causal=False, scale=args.d ** -0.5,
-                             local=local) for a, b, _ in calls]
+                             local=local) for a, b, *_ in calls]
         # the backward's D_i, which the ring computes once for all its micro-steps
         Ds = [_row_dot_triton(o, dout[:, :, a:b]) if local == "triton" else None
-              for (a, b, _), (o, _L) in zip(calls, o_L)]
+              for (a, b, *_), (o, _L) in zip(calls, o_L)]
         step_b = timer(lambda: [block_backward(qd[:, :, a:b], K_t, V_t, o, L, dout[:, :, a:b],
                                                causal=False, scale=args.d ** -0.5, local=local,
                                                D=D_)
-                                for (a, b, _), (o, L), D_ in zip(calls, o_L, Ds)])
+                                for (a, b, *_), (o, L), D_ in zip(calls, o_L, Ds)])
     return {"fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak, "tile_transfer_ms": xfer,
             "step_fwd_ms": step_f, "step_bwd_ms": step_b, "micro_steps": plan.m * world}
 

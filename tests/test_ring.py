@@ -21,10 +21,10 @@ import torch.multiprocessing as mp
 CASES = [
     (2, 2, 2, 4, 16, torch.float64, False, "zigzag", None, "torch"),
     (2, 2, 2, 4, 16, torch.float64, True, "zigzag", 2, "torch"),
-    (1, 4, 2, 5, 8, torch.float64, True, "zigzag", 1, "torch"),  # GQA, odd chunk length
-    (1, 4, 1, 3, 8, torch.float64, False, "zigzag", 3, "torch"),  # MQA, odd chunk length
+    (1, 4, 2, 5, 8, torch.float64, True, "zigzag", 2, "torch"),  # GQA, odd chunk length
+    (1, 4, 1, 3, 8, torch.float64, False, "zigzag", 6, "torch"),  # MQA, odd chunk length
     (1, 2, 2, 3, 8, torch.float64, True, "contiguous", 2, "torch"),  # n = 6, tiles of 2
-    (1, 2, 1, 4, 16, torch.float32, True, "zigzag", 2, "torch"),  # float32, MQA
+    (1, 2, 1, 4, 16, torch.float32, True, "zigzag", 4, "torch"),  # float32, MQA, pieces of 2
     (1, 4, 2, 4, 16, torch.float32, True, "zigzag", 2, "triton"),  # the GPU's kernels, interpreted
 ]
 
@@ -127,7 +127,9 @@ def test_zigzag_shard_and_unshard():
     with pytest.raises(ValueError, match="pad_sequence"):
         D.zigzag_shard(torch.zeros(1, 1, 25, 1), 0, 3)
     with pytest.raises(ValueError, match="tile"):
-        D.Plan(8, 2, "zigzag", tile=3)
+        D.Plan(8, 2, "zigzag", tile=3)  # a zigzag tile is two equal pieces
+    with pytest.raises(ValueError, match="half divides the chunk length 4"):
+        D.Plan(8, 2, "zigzag", tile=6)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -158,15 +160,16 @@ def test_thread_ring_runs_the_same_code(world, layout, is_causal):
     N = 2 * world * 3
     q, k, v, dout = full_problem(1, 4, 2, N, 8, 7)
     ledgers = []
+    tile = 2 if layout == "zigzag" else 3  # zigzag: pieces of 1 from each chunk of 3
     out, dq, dk, dv = simulate_ring(q, k, v, world, is_causal=is_causal, dout=dout,
-                                    layout=layout, tile=3, ledgers=ledgers)
+                                    layout=layout, tile=tile, ledgers=ledgers)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref = naive_attention_torch(*ref, is_causal=is_causal, enable_gqa=True)
     torch.testing.assert_close(out, out_ref.detach(), rtol=1e-10, atol=1e-10)
     for got, want in zip((dq, dk, dv), torch.autograd.grad(out_ref, ref, dout)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     mem = ring_memory(N, world, 4, 8, torch.float64, Hkv=2, is_causal=is_causal, layout=layout,
-                      tile=3, local="torch")
+                      tile=tile, local="torch")
     assert max(f.peak for f, _ in ledgers) == mem["forward"]
     assert max(b.peak for _, b in ledgers) == mem["backward"]
 
@@ -186,7 +189,7 @@ def test_each_micro_step_posts_one_group(monkeypatch):
         return real(self, send, recv)
 
     monkeypatch.setattr(D.ThreadRing, "post_tagged", counting)
-    world, N, tile = 2, 12, 3
+    world, N, tile = 2, 12, 2
     q, k, v, dout = full_problem(1, 2, 2, N, 8, 3)
     D.simulate_ring(q, k, v, world, dout=dout, tile=tile)
     m = N // world // tile  # tiles per shard; micro-steps: m * world
@@ -207,6 +210,43 @@ def test_zigzag_balances_causal_work():
         # one causal diagonal block (8); zigzag gives every rank the average, 8P
         assert con == [16 * r + 8 for r in range(P)] and zig == [8 * P] * P
         assert con[-1] / zig[0] == pytest.approx(2 - 1 / P)  # the slowest rank sets the time
+        # the ranks wait for each other at every micro-step: zigzag tiles (a piece of each
+        # chunk) give every rank the same work at every micro-step, not only in total
+        assert Plan(8, P, "zigzag", 2).lockstep(True) == zig[0]
+        assert Plan(8, P, "contiguous", 2).lockstep(True) == con[-1]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout,tile", [("zigzag", 2), ("zigzag", 4), ("contiguous", 2)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_calls_cover_each_visible_pair_once(world, layout, tile, is_causal):
+    """Over the whole ring, a rank's calls meet every (query, key) pair its mask lets through
+    exactly once, and no other: checked pair by pair in global positions."""
+    from flashedu.distributed import Plan, shard_positions
+
+    n = 8
+    plan = Plan(n, world, layout, tile, call_rows=2 * tile)
+    N = n * world
+    for rank in range(world):
+        seen = torch.zeros(N, N, dtype=torch.int64)  # [global query, global key]
+        rows = shard_positions(N, rank, world, layout)
+        for src in range(world):
+            for p in range(plan.m):
+                keys = torch.cat([shard_positions(N, src, world, layout)[a:b]
+                                  for a, b in plan.tile_rows(p)])
+                for a, b, lo, hi, causal in plan.calls(rank, src, p, is_causal):
+                    assert b - a <= plan.call_rows
+                    qg, kg = rows[a:b], keys[lo:hi]
+                    hit = torch.ones(b - a, hi - lo, dtype=torch.int64)
+                    if causal:
+                        assert torch.equal(qg, kg)  # causal inside: the same positions
+                        hit = hit.tril()
+                    seen[qg[:, None], kg[None, :]] += hit
+        want = torch.zeros(N, N, dtype=torch.int64)
+        want[rows] = 1
+        if is_causal:
+            want = want.tril()
+        assert torch.equal(seen, want), (rank, seen)
 
 
 def test_memory_per_gpu_falls_with_p():

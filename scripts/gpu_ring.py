@@ -17,6 +17,7 @@ NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST
 
     PYTHONPATH=$PWD python3 scripts/gpu_ring.py --json docs/bench/ring.json     # 2 GPUs (mp.spawn)
     PYTHONPATH=$PWD python3 scripts/gpu_ring.py --cpu                           # gloo, tiny
+    PYTHONPATH=$PWD python3 scripts/gpu_ring.py --lockstep --n 131072 --tile 8192  # 1 GPU model
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
     K_t, V_t = (torch.cat([x.detach()[:, :, a:b] for a, b in plan.tile_rows(0)], dim=2)
                 for x in (k, v))
     xfer = timer(lambda: wait_all(r.start_exchange((K_t, V_t))[0]))
-    qd, od, Ld = q.detach(), None, None
+    qd = q.detach()
     with torch.no_grad():
         calls = plan.calls(0, 0, 0, False)
         # the forward micro-step as the ring runs it: each call merged into the running result
@@ -158,6 +159,102 @@ def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
                                 for (a, b, *_), (o, L), D_ in zip(calls, o_L, Ds)])
     return {"fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak, "tile_transfer_ms": xfer,
             "step_fwd_ms": step_f, "step_bwd_ms": step_b, "micro_steps": plan.m * world}
+
+
+class RunsPlan:
+    """The zigzag plan with tiles of consecutive rows (each inside one chunk) instead of a
+    piece of each chunk: the cut the lockstep model compares against."""
+
+    def __new__(cls, n, world, tile, call_rows):
+        from flashedu.distributed import Plan
+
+        plan = Plan(n, world, "zigzag", tile, call_rows)
+        if plan.chunk % tile:
+            raise ValueError(f"runs: tile {tile} must divide the chunk {plan.chunk}")
+        plan.pieces, plan.piece = 1, tile
+        plan.tile_rows = lambda p: [(p * tile, (p + 1) * tile)]
+        return plan
+
+
+def lockstep(N, causal, args, device, dtype, timer, world):
+    """One GPU plays every rank. Each rank's compute at each micro-step is timed alone; the
+    ranks wait for each other at every micro-step, so the ring takes the sum over micro-steps
+    of the slowest rank (the transfers hide behind the compute). Both cuts of zigzag tiles."""
+    from flashedu.distributed import (Plan, _resolve_local, _row_dot_triton, block_backward,
+                                      block_forward, block_forward_into)
+
+    n, scale = N // world, args.d ** -0.5
+    q, k, v, dout = (t.detach() for t in inputs(n, args, device, dtype))  # one shard's size
+    local = _resolve_local("auto", q)
+    out, L = block_forward(q, k, v, causal=False, scale=scale, local=local)
+    out = out.to(dtype)
+    D = _row_dot_triton(out, dout) if local == "triton" else None
+    O_run = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    L_run = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    dq = torch.zeros_like(q)
+
+    def forward_step(calls, K_t, V_t):
+        for a, b, lo, hi, c in calls:
+            block_forward_into(q[:, :, a:b], K_t[:, :, lo:hi], V_t[:, :, lo:hi],
+                               O_run[:, :, a:b], L_run[:, :, a:b], causal=c, scale=scale,
+                               local=local)
+
+    def backward_step(calls, K_t, V_t):  # as ring_backward: the tile's share, dQ in place
+        dK_p = torch.zeros(K_t.shape, dtype=torch.float32, device=q.device)
+        dV_p = torch.zeros_like(dK_p)
+        for a, b, lo, hi, c in calls:
+            dq_t, dk_t, dv_t = block_backward(
+                q[:, :, a:b], K_t[:, :, lo:hi], V_t[:, :, lo:hi], out[:, :, a:b], L[:, :, a:b],
+                dout[:, :, a:b], causal=c, scale=scale, local=local,
+                D=None if D is None else D[:, :, a:b])
+            dq[:, :, a:b] += dq_t
+            dK_p[:, :, lo:hi] += dk_t
+            dV_p[:, :, lo:hi] += dv_t
+
+    result = {}
+    for name, plan in (("pieces", Plan(n, world, "zigzag", args.tile, args.call_rows)),
+                       ("runs", RunsPlan(n, world, args.tile or 2048, args.call_rows))):
+        K_t, V_t = (torch.cat([x[:, :, a:b] for a, b in plan.tile_rows(0)], dim=2)
+                    for x in (k, v))
+        ring_f = ring_b = busy_f = busy_b = 0.0
+        for p in range(plan.m):
+            for t in range(world):
+                calls = [plan.calls(r, (r - t) % world, p, causal) for r in range(world)]
+                f = [timer(lambda c=c, K=K_t, V=V_t: forward_step(c, K, V)) for c in calls]
+                b = [timer(lambda c=c, K=K_t, V=V_t: backward_step(c, K, V)) for c in calls]
+                ring_f, ring_b = ring_f + max(f), ring_b + max(b)
+                busy_f, busy_b = busy_f + sum(f) / world, busy_b + sum(b) / world
+        result[name] = {"ring_fwd_ms": ring_f, "ring_fwd_bwd_ms": ring_f + ring_b,
+                        "mean_rank_fwd_ms": busy_f, "mean_rank_fwd_bwd_ms": busy_f + busy_b,
+                        "lockstep_units": plan.lockstep(causal), "work_units": plan.work(0, causal),
+                        "tile": plan.tile, "micro_steps": plan.m * world}
+    return result
+
+
+def lockstep_main(args):
+    """--lockstep: the model on one device; prints a table and returns the record."""
+    device = "cpu" if args.cpu else "cuda:0"
+    import flashedu  # noqa: F401  (before triton)
+
+    dtype = DTYPES[args.dtype]
+    timer = Timer(not args.cpu, args.warmup, args.reps, barrier=False)
+    rows = []
+    print(f"{'N':>7} {'causal':>6} {'cut':>6} {'1gpu f+b':>9} {'ring f+b':>9} {'x f+b':>6} "
+          f"{'x fwd':>6} {'wait':>5}\n  (ms, one device playing {args.world} ranks; ring = sum "
+          f"over micro-steps of the slowest rank's compute; wait = ring / the mean rank)")
+    for N in args.n:
+        for causal in args.causal:
+            single = single_gpu(N, causal, args, device, dtype, timer)
+            model = lockstep(N, causal, args, device, dtype, timer, args.world)
+            rows.append({"N": N, "causal": causal, "world": args.world, "H": args.heads,
+                         "d": args.d, "dtype": args.dtype, "one_gpu": single, "model": model})
+            for cut, m in model.items():
+                print(f"{N:>7} {causal!s:>6} {cut:>6} {single['fwd_bwd_ms']:>9.1f} "
+                      f"{m['ring_fwd_bwd_ms']:>9.1f} "
+                      f"{single['fwd_bwd_ms'] / m['ring_fwd_bwd_ms']:>6.2f} "
+                      f"{single['fwd_ms'] / m['ring_fwd_ms']:>6.2f} "
+                      f"{m['ring_fwd_bwd_ms'] / m['mean_rank_fwd_bwd_ms']:>5.2f}", flush=True)
+    return {"cases": rows}
 
 
 def check_ring(N, causal, args, device, dtype, rank, world):
@@ -322,7 +419,8 @@ HEADER = (f"{'N':>7} {'causal':>6} {'dQ acc':>7} {'1gpu f+b':>9} {'ring f+b':>9}
 def environment(args, world):
     env = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "python": platform.python_version(), "torch": torch.__version__, "world": world,
-           "backend": "gloo" if args.cpu else "nccl", "command": " ".join(sys.argv),
+           "backend": "none" if args.lockstep else "gloo" if args.cpu else "nccl",
+           "command": " ".join(sys.argv),
            "NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"],
            "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"]}
     env["device"] = "cpu" if args.cpu else torch.cuda.get_device_name(0)
@@ -353,6 +451,10 @@ def main(argv=None):
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU with tiny sizes: checks "
                     "this script (torch math for the local step)")
+    ap.add_argument("--lockstep", action="store_true", help="one device plays every rank: each "
+                    "rank's micro-steps timed alone, the ring's time modelled as the sum over "
+                    "micro-steps of the slowest rank, for zigzag tiles cut as pieces of both "
+                    "chunks and as runs of consecutive rows")
     args = ap.parse_args(argv)
     if args.cpu:
         args.n = [n for n in args.n if n <= 512] or [128, 256]
@@ -361,7 +463,7 @@ def main(argv=None):
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu_ring.py needs CUDA GPUs (or --cpu for a gloo check of the script)")
-        if torch.cuda.device_count() < args.world:
+        if torch.cuda.device_count() < args.world and not args.lockstep:
             sys.exit(f"gpu_ring.py needs {args.world} GPUs, this machine has "
                      f"{torch.cuda.device_count()}")
     bad = [n for n in args.n if n % (2 * args.world)]
@@ -370,10 +472,14 @@ def main(argv=None):
                  f"zigzag layout's chunks): {bad}")
     out = {"environment": environment(args, args.world)}
     print(json.dumps(out["environment"]), flush=True)
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.spawn(worker, args=(args.world, free_port(), args, results), nprocs=args.world, join=True)
-    out.update(results.get())
+    if args.lockstep:
+        out.update(lockstep_main(args))
+    else:
+        ctx = mp.get_context("spawn")
+        results = ctx.SimpleQueue()
+        mp.spawn(worker, args=(args.world, free_port(), args, results), nprocs=args.world,
+                 join=True)
+        out.update(results.get())
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

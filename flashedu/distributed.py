@@ -490,16 +490,11 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
         dK_p = ledger.take("grad", torch.zeros(tile_shape, dtype=acc, device=k.device))
         dV_p = ledger.take("grad", torch.zeros(tile_shape, dtype=acc, device=k.device))
         for a, b, lo, hi, causal in plan.calls(ring.rank, ring.source(t), p, is_causal):
-            dq_t, dk_t, dv_t = block_backward(q[:, :, a:b], K_j[:, :, lo:hi], V_j[:, :, lo:hi],
-                                              out[:, :, a:b], L[:, :, a:b], dout[:, :, a:b],
-                                              causal=causal, scale=scale, local=local,
-                                              D=None if D is None else D[:, :, a:b])
-            for g in (dq_t, dk_t, dv_t):
-                ledger.take("call", g)
-            dq[:, :, a:b] += dq_t
-            dK_p[:, :, lo:hi] += dk_t
-            dV_p[:, :, lo:hi] += dv_t
-            del dq_t, dk_t, dv_t
+            block_backward_into(q[:, :, a:b], K_j[:, :, lo:hi], V_j[:, :, lo:hi],
+                                out[:, :, a:b], L[:, :, a:b], dout[:, :, a:b],
+                                (dq[:, :, a:b], dK_p[:, :, lo:hi], dV_p[:, :, lo:hi]),
+                                causal=causal, scale=scale, local=local,
+                                D=None if D is None else D[:, :, a:b], ledger=ledger)
         wait_all(requests)  # the next K/V tile and the accumulator are in, ours has left
         del requests
         pending = ()
@@ -546,22 +541,21 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
                 dq_accumulate="float32", rank=None):
     """Peak bytes per rank, in closed form per micro-step (the tests check it against a
     :class:`Ledger` of a real run). With n = N/P, T = tile, C = the rows of the largest call,
-    e = bytes of dtype, a = bytes of the accumulator (4, or 8 for float64), o = bytes of the
-    local kernel's outputs (e for triton, a for torch):
+    e = bytes of dtype, a = bytes of the accumulator (4, or 8 for float64):
 
     - forward ring:  B H n (d+1) a                  (float32 O and L of this rank's rows)
                    + 2 or 4 K/V tiles of B Hkv T d e (the one held, and the one arriving)
                    + one call's O_t, L_t: B H C (d a + a) for torch; for triton only its
                      base-2 L, B H C 4 (the kernel merges into O itself)
     - backward ring: 2 or 4 K/V tiles + up to 3 pairs of dK, dV tiles B Hkv T d a (this rank's
-                     share, the arriving accumulator, the one leaving) + one call's
-                     dQ_t (B H C d o), dK_t, dV_t (B Hkv K d o, K the call's keys: a piece
-                     or the whole tile; the largest call's sum) + dQ's float32 copy
+                     share, the arriving accumulator, the one leaving) + for torch one call's
+                     dQ_t (B H C d a), dK_t, dV_t (B Hkv K d a, K the call's keys: a piece
+                     or the whole tile; the largest call's sum; the Triton kernels add into
+                     the ring's buffers and hold none) + dQ's float32 copy
                      (B H n d a) when dq_accumulate="float32" and e < a + (triton) the rows'
                      D_i, B H n 4, computed once.
     - caller: q, dout, out, dq (B H n d e each), k, v, dk, dv (B Hkv n d e each), L (B H n a).
-    - scratch (triton, not held by the ring): a contiguous copy of a call's query rows and the
-      row statistics D, lse (B H C (d e + 8)), and of K, V for a call on part of a tile.
+    - scratch (triton, not held by the ring): a call's row statistics D, lse (B H C 8).
     ``per_gpu`` = caller + scratch + the larger of the backward ring and (at its end) dQ's
     float32 copy beside its output: what torch.cuda.max_memory_allocated should show around a
     forward + backward (besides what the communication library allocates).
@@ -577,7 +571,6 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
     plan = Plan(n, P, layout, tile, call_rows)
     e = torch.empty((), dtype=dtype).element_size()
     a = 8 if dtype == torch.float64 else 4
-    o = e if local == "triton" else a
     lo = 4 if local == "triton" else a
     T = plan.tile
     kv_tile = B * Hkv * T * d * e
@@ -595,19 +588,18 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
             fwd = max(fwd, B * H * n * (d + 1) * a + kv + call_f)
             receiving = i > 0 and P > 1
             grads = 2 * g_tile * (1 + 2 * receiving)
-            call_b = max((B * H * (b - a_) * d * o + 2 * B * Hkv * (k1 - k0) * d * o
-                          for a_, b, k0, k1, _ in calls), default=0)
+            call_b = 0 if local == "triton" else max(  # triton adds in place: no temporaries
+                (B * H * (b - a_) * d * a + 2 * B * Hkv * (k1 - k0) * d * a
+                 for a_, b, k0, k1, _ in calls), default=0)
             bwd = max(bwd, kv + grads + call_b)
     dq_copy = B * H * n * d * a if (dq_accumulate == "float32" and e < a) else 0
     bwd += dq_copy + (B * H * n * 4 if local == "triton" else 0)
     q_like, kv_like = B * H * n * d * e, B * Hkv * n * d * e
     caller = 4 * q_like + 4 * kv_like + B * H * n * a
-    # the triton backward's contiguous copies: the call's query rows, and K, V of a call that
-    # takes part of the tile (a view with gaps)
-    scratch = max((B * H * (b - a_) * (d * e + 8) + (2 * B * Hkv * (k1 - k0) * d * e
-                                                      if k1 - k0 < T else 0)
-                   for r in range(P) for p in range(plan.m) for t in range(P)
-                   for a_, b, k0, k1, _ in plan.calls(r, (r - t) % P, p, is_causal)),
+    # the triton backward's per-call row statistics: base-2 L and a contiguous D
+    scratch = max((B * H * (b - a_) * 8 for r in range(P) for p in range(plan.m)
+                   for t in range(P)
+                   for a_, b, _, _, _ in plan.calls(r, (r - t) % P, p, is_causal)),
                   default=0) if local == "triton" else 0
     end = caller + dq_copy  # the last moment: dQ's float32 copy beside the dQ it becomes
     per_gpu = max(caller + scratch + bwd, end)
@@ -784,6 +776,21 @@ def block_backward(q, k, v, out, L, dout, *, causal, scale, local="torch", D=Non
     return dQ, dK, dV
 
 
+def block_backward_into(q, k, v, out, L, dout, into, *, causal, scale, local="torch", D=None,
+                        ledger=None):
+    """:func:`block_backward`'s gradients added to ``into`` = (dq, dk, dv), in place (views of
+    the ring's dQ rows and of a tile's dK, dV accumulators). The Triton kernels add them as
+    they store (no gradient tensors of the call's own); torch computes them, then adds.
+    ``ledger`` counts the call's temporaries."""
+    if local == "triton":
+        _block_backward_triton(q, k, v, out, L, dout, causal, scale, D, into)
+        return
+    take = (ledger or _NoLedger).take
+    for buf, g in zip(into, block_backward(q, k, v, out, L, dout, causal=causal, scale=scale,
+                                           local=local, D=D)):
+        buf += take("call", g)
+
+
 def _kernel_lse2(L):
     """The Triton kernels' logsumexp of the natural-log L: base 2, +inf for a row that has seen
     no key (-inf in L), float32, contiguous (L may be a row slice)."""
@@ -792,7 +799,7 @@ def _kernel_lse2(L):
     return torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E).contiguous()
 
 
-def _block_backward_triton(q, k, v, out, L, dout, causal, scale, D=None):
+def _block_backward_triton(q, k, v, out, L, dout, causal, scale, D=None, into=None):
     from . import runtime
     from .triton.autograd import resolve_config
     from .triton.backward import backward
@@ -802,7 +809,7 @@ def _block_backward_triton(q, k, v, out, L, dout, causal, scale, D=None):
     config = resolve_config(q.shape[-1], q.dtype, None, q.device)
     return backward(q, k, v, out, lse2, dout, is_causal=causal, scale=scale, block_mask=None,
                     config=config, interpreted=runtime.triton_interpreted(),
-                    D=None if D is None else D.contiguous())
+                    D=None if D is None else D.contiguous(), into=into)
 
 
 def _row_dot_triton(out, dout):

@@ -1053,6 +1053,39 @@ def test_tile_table_by_name_and_environment(monkeypatch):
     assert seen[-1] == config.Tiles(16, 16, 4, 1) and len(seen) == len(set(seen))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_adds_into_given_buffers(causal):
+    """``into``: the kernels add a call's gradients to the caller's buffers (float32 views of
+    larger tensors, as ring attention's accumulators), and return them; a repeated call adds
+    again through its launch plan. GQA, ragged sizes, a padded head dim."""
+    from flashedu.triton import backward as bw
+    from flashedu.triton import forward as fw
+    from flashedu.triton.config import INTERPRETER
+
+    q, k, v = (x.detach() for x in _qkv(1, 4, 2, 45, 37, 24))
+    do = torch.randn_like(q)
+    kw = dict(is_causal=causal, scale=0.2, block_mask=None,
+              interpreted=flashedu.runtime.triton_interpreted())
+    o, lse2 = fw.forward(q, k, v, tiles=INTERPRETER.forward, **kw)
+    fresh = bw.backward(q, k, v, o, lse2, do, config=INTERPRETER, **kw)
+    # views with strides of their own: rows 3.. of taller float32 tensors
+    big = [torch.randn(x.shape[0], x.shape[1], x.shape[2] + 3, x.shape[3], device=x.device)
+           for x in (q, k, v)]
+    into = tuple(b[:, :, 3:] for b in big)
+    before = [t.clone() for t in into]
+    outside = [b[:, :, :3].clone() for b in big]
+    assert bw.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=into, **kw) is into
+    for got, start, g in zip(into, before, fresh):
+        torch.testing.assert_close(got, start + g.float(), rtol=1e-5, atol=1e-5)
+    bw.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=into, **kw)  # once more
+    for got, start, g in zip(into, before, fresh):
+        torch.testing.assert_close(got, start + 2 * g.float(), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(b[:, :, :3], b0) for b, b0 in zip(big, outside))  # untouched
+    with pytest.raises(ValueError, match="into: dk must have shape"):
+        bw.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=(into[0], into[0], into[2]),
+                    **kw)
+
+
 def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     """Triton's out-of-resources error: the launch retries with smaller tiles, once per
     configuration; later calls start from the tiles that fit."""

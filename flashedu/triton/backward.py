@@ -123,7 +123,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                   seed=0, offset=0, drop_t=0, drop_scale=1.0, ELEM=0, ELEM_BASE=0, SLOPES=0,
                   mod_scale=1.0, cap=1.0, BIAS_PTR=0, stride_bb=0, stride_bh=0, stride_bq=0,
                   stride_bk=0, ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-                  BIAS: tl.constexpr = False, band_lo=0, band_hi=0, BAND: tl.constexpr = False):
+                  BIAS: tl.constexpr = False, band_lo=0, band_hi=0, BAND: tl.constexpr = False,
+                  ACCUMULATE: tl.constexpr = False):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
@@ -170,10 +171,19 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, q
                                         stride_bq, stride_bk, Nk, ELEMENT, SCORE_MOD, BIAS,
                                         band_lo, band_hi, BAND)
     out_ok = col_ok & dim_ok
-    tl.store(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
-             (dK_j * scale).to(dK.dtype.element_ty), mask=out_ok)
-    tl.store(dV + b * stride_dvb + h_kv * stride_dvh + cols[:, None] * stride_dvn + dims[None, :],
-             dV_j.to(dV.dtype.element_ty), mask=out_ok)
+    _put(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
+         dK_j * scale, out_ok, ACCUMULATE)
+    _put(dV + b * stride_dvb + h_kv * stride_dvh + cols[:, None] * stride_dvn + dims[None, :],
+         dV_j, out_ok, ACCUMULATE)
+
+
+@triton.jit
+def _put(ptr, tile, ok, ACCUMULATE: tl.constexpr):
+    """Store a finished float32 gradient tile, or (ACCUMULATE) add it to what is there: the
+    caller sums several calls' gradients in one buffer, with no temporary per call."""
+    if ACCUMULATE:
+        tile += tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptr, tile.to(ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -238,7 +248,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                 stride_bk=0, DBIAS=0, ELEMENT: tl.constexpr = False,
                 SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
                 BIAS_GRAD: tl.constexpr = False, band_lo=0, band_hi=0,
-                BAND: tl.constexpr = False):
+                BAND: tl.constexpr = False, ACCUMULATE: tl.constexpr = False):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
@@ -281,8 +291,8 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scal
                             DOT_PREC, DROPOUT, seed, offset, bh, drop_t, drop_scale, E_tile,
                             mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq, DB_head,
                             ELEMENT, SCORE_MOD, BIAS, BIAS_GRAD, band_lo, band_hi, BAND)
-    tl.store(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
-             (dQ_i * scale).to(dQ.dtype.element_ty), mask=row_ok & dim_ok)
+    _put(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
+         dQ_i * scale, row_ok & dim_ok, ACCUMULATE)
 
 
 @triton.jit
@@ -304,11 +314,13 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                     DKDV: tl.constexpr, DQ: tl.constexpr, DROPOUT: tl.constexpr = False,
                     ELEMENT1: tl.constexpr = False, ELEMENT2: tl.constexpr = False,
                     SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
-                    BIAS_GRAD: tl.constexpr = False, BAND: tl.constexpr = False):
+                    BIAS_GRAD: tl.constexpr = False, BAND: tl.constexpr = False,
+                    ACCUMULATE: tl.constexpr = False):
     """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
     programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
     One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
-    kind gets its own launch, tiles and warps (``first_pid`` then says where a launch starts)."""
+    kind gets its own launch, tiles and warps (``first_pid`` then says where a launch starts).
+    ACCUMULATE: dQ, dK, dV are added to what the output buffers hold."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand float64 scalars
     scale = tl.cast(scale, tl.float32)
     pid = first_pid + tl.program_id(0)
@@ -331,7 +343,7 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                           MASKED1, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t, drop_scale,
                           ELEM1, ELEM_BASE1, SLOPES, mod_scale, cap, BIAS_PTR, stride_bb,
                           stride_bh, stride_bq, stride_bk, ELEMENT1, SCORE_MOD, BIAS,
-                          band_lo, band_hi, BAND)
+                          band_lo, band_hi, BAND, ACCUMULATE)
     if DQ:
         if pid >= Tc:
             q_pid = pid - Tc
@@ -346,7 +358,18 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         SPARSE, MASKED2, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t,
                         drop_scale, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap, BIAS_PTR,
                         stride_bb, stride_bh, stride_bq, stride_bk, DBIAS, ELEMENT2, SCORE_MOD,
-                        BIAS, BIAS_GRAD, band_lo, band_hi, BAND)
+                        BIAS, BIAS_GRAD, band_lo, band_hi, BAND, ACCUMULATE)
+
+
+def _check_into(into, q, k, v):
+    """The (dQ, dK, dV) buffers a call adds to: q's, k's and v's shapes, on their device."""
+    if not isinstance(into, (tuple, list)) or len(into) != 3:
+        raise TypeError(f"into must be a (dq, dk, dv) tuple of tensors, got {type(into).__name__}")
+    for name, buf, x in zip(("dq", "dk", "dv"), into, (q, k, v)):
+        if buf.shape != x.shape or buf.device != x.device:
+            raise ValueError(f"into: {name} must have shape {tuple(x.shape)} on {x.device}, "
+                             f"got {tuple(buf.shape)} on {buf.device}")
+    return into
 
 
 def preprocess(o, do, rows):
@@ -407,7 +430,8 @@ _SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> conf
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
-             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False, D=None, keep=None):
+             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False, D=None, keep=None,
+             into=None):
     """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
     ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask. ``mods`` as the
     forward's; ``dlse``: the gradient of the natural-log lse, if the call returned it
@@ -420,10 +444,16 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     tiles' warps and stages) for keys shorter than ``config.split_from``; otherwise two
     launches, each with its own.
     ``keep``: a list; the call's launch plan, (the preprocess's launch or None, [the kernel's
-    launches]), is appended to it, if the call has one (as the forward's)."""
+    launches]), is appended to it, if the call has one (as the forward's).
+    ``into``: (dQ, dK, dV) buffers of q's, k's and v's shapes, any strides and dtypes: the
+    kernels add this call's gradients to them (no tensors of the call's own; float32 buffers
+    sum many calls with one rounding each). Returns ``into``."""
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
-    (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
+    if into is None:
+        (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
+    else:
+        dq, dk, dv = _check_into(into, q, k, v)
     config = config.backward_entry(is_causal, dropout_p > 0, block_mask, k.shape[2])
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -437,9 +467,10 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     # is part of the block mask, which the key holds)
     plan_key = None
     if (mods is None or mods.mask_mod_only) and dlse is None and not mask_grad:
-        plan_key = fast.signature((*live[:6], o, *live[9:]), id(backward_kernel), own_D,
-                                  config, is_causal, scale, block_mask, mods is not None,
-                                  interpreted, dropout_p)
+        given = live[6:9] if into is not None else ()  # outputs laid out by the caller
+        plan_key = fast.signature((*live[:6], o, *live[9:], *given), id(backward_kernel),
+                                  own_D, config, is_causal, scale, block_mask, mods is not None,
+                                  interpreted, dropout_p, into is not None)
         plan = fast.PLANS.get(plan_key)
         if plan is not None:
             if keep is not None:
@@ -450,6 +481,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                 first.start(o, do, D, stream=stream)
             for launch in launches:
                 launch.start(*live, stream=stream)
+            if into is not None:
+                return into
             return tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
     key = (config, q.shape[-1], dtype, dropout_p > 0, mods is not None)  # per kernel variant
     if _SHRUNK:
@@ -482,7 +515,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         E2, E_base2 = element_args(mods, block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
         mod_consts = {"ELEMENT1": c1["ELEMENT"], "ELEMENT2": E2 is not None,
                       "SCORE_MOD": c1["SCORE_MOD"], "BIAS": c1["BIAS"],
-                      "BIAS_GRAD": mask_grad, "BAND": c1["BAND"]}
+                      "BIAS_GRAD": mask_grad, "BAND": c1["BAND"],
+                      "ACCUMULATE": into is not None}
         natural = c1["SCORE_MOD"] or c1["BIAS"]  # the kernels add in natural units
         qk_scale = LOG2E if natural else scale * LOG2E
         args = (q, k, v, do, lse2, D, dq, dk, dv, *q_lists[:3], *kv_lists[:3], qk_scale,
@@ -522,7 +556,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         fast.remember(plan_key, (first, launches))
         if keep is not None:
             keep.append((first, launches))
-    grads = tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
+    grads = into if into is not None else tuple(t if t.dtype == dtype else t.to(dtype)
+                                                for t in (dq, dk, dv))
     if mask_grad:
         attn_mask = mods.attn_mask
         return (*grads, dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype))

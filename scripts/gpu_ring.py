@@ -180,8 +180,8 @@ def lockstep(N, causal, args, device, dtype, timer, world):
     """One GPU plays every rank. Each rank's compute at each micro-step is timed alone; the
     ranks wait for each other at every micro-step, so the ring takes the sum over micro-steps
     of the slowest rank (the transfers hide behind the compute). Both cuts of zigzag tiles."""
-    from flashedu.distributed import (Plan, _resolve_local, _row_dot_triton, block_backward,
-                                      block_forward, block_forward_into)
+    from flashedu.distributed import (Plan, _resolve_local, _row_dot_triton,
+                                      block_backward_into, block_forward, block_forward_into)
 
     n, scale = N // world, args.d ** -0.5
     q, k, v, dout = (t.detach() for t in inputs(n, args, device, dtype))  # one shard's size
@@ -203,13 +203,11 @@ def lockstep(N, causal, args, device, dtype, timer, world):
         dK_p = torch.zeros(K_t.shape, dtype=torch.float32, device=q.device)
         dV_p = torch.zeros_like(dK_p)
         for a, b, lo, hi, c in calls:
-            dq_t, dk_t, dv_t = block_backward(
-                q[:, :, a:b], K_t[:, :, lo:hi], V_t[:, :, lo:hi], out[:, :, a:b], L[:, :, a:b],
-                dout[:, :, a:b], causal=c, scale=scale, local=local,
-                D=None if D is None else D[:, :, a:b])
-            dq[:, :, a:b] += dq_t
-            dK_p[:, :, lo:hi] += dk_t
-            dV_p[:, :, lo:hi] += dv_t
+            block_backward_into(q[:, :, a:b], K_t[:, :, lo:hi], V_t[:, :, lo:hi],
+                                out[:, :, a:b], L[:, :, a:b], dout[:, :, a:b],
+                                (dq[:, :, a:b], dK_p[:, :, lo:hi], dV_p[:, :, lo:hi]),
+                                causal=c, scale=scale, local=local,
+                                D=None if D is None else D[:, :, a:b])
 
     result = {}
     for name, plan in (("pieces", Plan(n, world, "zigzag", args.tile, args.call_rows)),

@@ -1,6 +1,6 @@
-"""The d=128 dense backward at long N (16K-128K keys; B=1, H=16, bf16): the table's entry (one
-fused launch, 2 stages) against two launches (2 or 3 stages), and the causal entry's tiles used
-for a dense call. cuDNN's backward in the same process, where it runs."""
+"""The d=128 dense backward from 4K to 128K keys (H=16, bf16, B*N = 16384 up to 16K, then
+B=1): the table's entry (one fused launch, 2 stages) against two launches (2 or 3 stages) and
+one launch with 3 stages. cuDNN's backward in the same process, up to 32K."""
 
 import dataclasses
 import json
@@ -33,12 +33,13 @@ cands = {
         dq=dataclasses.replace(base.dq, num_stages=3),
     ),
 }
-for n in (16384, 32768, 65536, 131072):
+for n in (4096, 8192, 16384, 32768, 65536, 131072):
+    B = max(1, 16384 // n)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (
-        torch.randn(1, H, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)
+        torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)
     )
-    flops = 2.5 * 4 * n * n * H * d
+    flops = 2.5 * 4 * B * n * n * H * d
     line = f"N={n}"
     if n <= 32768:
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
@@ -49,7 +50,7 @@ for n in (16384, 32768, 65536, 131072):
                 warmup=5,
                 rep=50,
             )
-        rows.append(dict(n=n, variant="cudnn", ms=t, tflops=flops / t / 1e9))
+        rows.append(dict(n=n, B=B, variant="cudnn", ms=t, tflops=flops / t / 1e9))
         line += f" cudnn {flops / t / 1e9:.0f} TFLOPs"
         del qq, kk, vv, oc
     print(line, flush=True)
@@ -82,7 +83,7 @@ for n in (16384, 32768, 65536, 131072):
         ref = ref or got
         err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
         ms = do_bench(run, warmup=5, rep=50)
-        rows.append(dict(n=n, variant=name, ms=ms, tflops=flops / ms / 1e9, err=err))
+        rows.append(dict(n=n, B=B, variant=name, ms=ms, tflops=flops / ms / 1e9, err=err))
         print(f"   {name}: {ms:.2f} ms, {flops / ms / 1e9:.0f} TFLOPs, err {err:.2g}", flush=True)
 json.dump(
     {"device": torch.cuda.get_device_name(), "commit": os.environ.get("GIT_COMMIT"), "rows": rows},

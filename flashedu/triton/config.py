@@ -103,9 +103,11 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 
 # H100 (sm_90), 16-bit inputs, keyed by padded head dim: the fastest of `flashedu bench tune`
 # at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not. d=128's backward:
-# `flashedu bench speed` (docs/bench/speed.md): one fused launch, 2 stages, 419 TFLOPs
-# against 382-392 for the two launches with 3 stages; at d=64, and causal, it was not faster
-# there (N=8192), but shorter sequences gain from one launch: ``split_from``.
+# one launch with 3 stages, 1.09-1.13x one launch with 2 and 1.02-1.10x two launches with 3,
+# N=4096 to 32768; from 65536 keys on two launches with 3 stages, 1.04x one launch at 131072
+# (docs/bench/long_dense_bwd_h100.json, BENCHMARKS.md "The dense d=128 backward with three
+# stages"). At d=64 one launch was not faster at N=8192, but shorter sequences gain from it:
+# ``split_from``.
 # Forwards of d=128 and d=256: `flashedu bench forward` (docs/bench/speed.md): TMA and warp
 # specialization +4-8% at d=128; 128x64 tiles 1.3-1.6x at d=256. At d=64, TMA was within noise
 # and slower for short causal sequences: left off.
@@ -125,10 +127,10 @@ GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,
     64: _SMALL_D,
-    128: KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2),
-                      fused_backward=True,
-                      # causal: 3 stages; the fused launch with 2 was 4-12% slower (speed.md),
-                      # with 3 it is 1.0-1.15x faster up to N=8192
+    128: KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3),
+                      fused_backward=True, split_from=65536,
+                      # causal: the same tiles; one launch is 1.0-1.15x faster up to N=8192,
+                      # two launches 2-3% faster from 16384 on (speed.md)
                       causal_backward=KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3),
                                                    Tiles(128, 64, 8, 3), fused_backward=True,
                                                    split_from=16384),

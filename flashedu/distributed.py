@@ -25,11 +25,13 @@ starts. A rank holds at most two K/V tiles (the one it computes on and sends on,
 arriving), so the ring's own buffers shrink with the tile, not with the shard. A zigzag tile is
 two pieces, the same rows of both of the shard's chunks: the ranks wait for each other at every
 micro-step, so each micro-step, not only each rank's total, must carry the same causal work
-(:meth:`Plan.lockstep`). The forward keeps one float32 (O, L) accumulator for its own rows and saves only its
-own O and L for the backward. The backward sends each K/V tile around once more with its dK, dV
-accumulator (float32, tile-sized): every rank adds its queries' share and passes it on; after P
-hops the accumulator is home, complete. dQ is accumulated in place. :func:`ring_memory` gives the
-bytes in a closed form, and the tests check it against what the ring really holds.
+(:meth:`Plan.lockstep`). The forward keeps one float32 (O, L) accumulator for its own rows and
+saves only its own O and L for the backward. The backward sends each K/V tile around once more
+with its dK, dV accumulator (float32, tile-sized): every rank adds its queries' share and passes
+it on; after P hops the accumulator is home, complete. dQ is accumulated in place; the Triton
+kernels add their gradients straight into these buffers (:func:`block_backward_into`).
+:func:`ring_memory` gives the bytes in a closed form, and the tests check it against what the
+ring really holds.
 
 Backward: the saved logsumexp L and output O of the *whole* row make each K/V tile's gradient
 independent of the others (P_ij = exp(S_ij - L_i), D_i = rowsum(dO_i * O_i), as in the

@@ -103,11 +103,11 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 
 # H100 (sm_90), 16-bit inputs, keyed by padded head dim: the fastest of `flashedu bench tune`
 # at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not. d=128's backward:
-# one launch with 3 stages, 1.09-1.13x one launch with 2 and 1.02-1.10x two launches with 3,
-# N=4096 to 32768; from 65536 keys on two launches with 3 stages, 1.04x one launch at 131072
-# (docs/bench/long_dense_bwd_h100.json, BENCHMARKS.md "The dense d=128 backward with three
-# stages"). At d=64 one launch was not faster at N=8192, but shorter sequences gain from it:
-# ``split_from``.
+# one launch with 3 stages, 1.05-1.15x one launch with 2 from N=4096 to 65536, and 1.02-1.09x
+# two launches with 3 up to 32768 (equal at 65536); two launches from 65536 on (1.04x at
+# 131072): docs/bench/long_dense_bwd_h100_0d7b6a4.json, BENCHMARKS.md "The dense d=128
+# backward with three stages". At d=64 one launch was not faster at N=8192, but shorter
+# sequences gain from it: ``split_from``.
 # Forwards of d=128 and d=256: `flashedu bench forward` (docs/bench/speed.md): TMA and warp
 # specialization +4-8% at d=128; 128x64 tiles 1.3-1.6x at d=256. At d=64, TMA was within noise
 # and slower for short causal sequences: left off.

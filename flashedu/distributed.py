@@ -266,8 +266,8 @@ class Plan:
     def _grouped(self, segments):
         """Consecutive query segments as [start, end) row runs of at most call_rows rows."""
         per_call = self.call_rows // self.piece
-        return [(segments[j] * self.piece, (segments[min(j + per_call, len(segments)) - 1] + 1)
-                 * self.piece) for j in range(0, len(segments), per_call)]
+        runs = [segments[j:j + per_call] for j in range(0, len(segments), per_call)]
+        return [(run[0] * self.piece, (run[-1] + 1) * self.piece) for run in runs]
 
     def step_work(self, rank: int, src: int, p: int, is_causal: bool) -> float:
         """Query-key pairs of rank's calls against tile p of shard src, in units of tile^2 (a

@@ -439,7 +439,7 @@ def main(argv=None):
                     help="true / false, one or both")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--tile", type=int, default=None, help="K/V tile (positions); default: "
-                    "ring_attention's (the largest divisor of the chunk <= 2048)")
+                    "ring_attention's (at most 2048 positions, half from each chunk)")
     ap.add_argument("--call-rows", type=int, default=None, help="query rows per kernel call")
     ap.add_argument("--dq-accumulate", nargs="+", default=["float32", "input"],
                     choices=["float32", "input"])

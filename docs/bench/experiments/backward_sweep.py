@@ -1,9 +1,11 @@
-"""The d=128 backward at N=4096 and 8192 (B*N = 16384, H=16, bf16), dense and causal: the
-table's entries against other dK/dV and dQ tiles, warps and stages, one launch or two."""
+"""The backward at N=4096 and 8192 (B*N = 16384, H*d = 2048, bf16), dense and causal: the
+table's entries against other dK/dV and dQ tiles, warps, stages and register caps, one launch
+or two. ``python backward_sweep.py 64`` sweeps d=64 (default 128)."""
 
 import dataclasses
 import json
 import os
+import sys
 
 import torch
 from triton.testing import do_bench
@@ -12,17 +14,33 @@ from flashedu.triton.backward import backward
 from flashedu.triton.config import Tiles, kernel_config
 from flashedu.triton.forward import forward
 
-H, d = 16, 128
+d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+H = 2048 // d
 base = kernel_config(d, False, False)
 CANDIDATES = {  # name: (dK/dV tiles, dQ tiles)
-    "kv32x128w8s3/q128x64w8s3": (Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3)),
-    "kv32x128w8s4/q128x64w8s3": (Tiles(32, 128, 8, 4), Tiles(128, 64, 8, 3)),
-    "kv64x128w8s3/q64x128w8s3": (Tiles(64, 128, 8, 3), Tiles(64, 128, 8, 3)),
-    "kv64x128w8s3/q128x32w8s3": (Tiles(64, 128, 8, 3), Tiles(128, 32, 8, 3)),
-    "kv64x64w4s3/q64x64w4s3": (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
-    "kv64x128w8s3/q64x64w4s3": (Tiles(64, 128, 8, 3), Tiles(64, 64, 4, 3)),
-    "kv32x64w4s3/q64x64w4s3": (Tiles(32, 64, 4, 3), Tiles(64, 64, 4, 3)),
-}
+    128: {
+        "kv32x128w8s3/q128x64w8s3": (Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3)),
+        "kv32x128w8s4/q128x64w8s3": (Tiles(32, 128, 8, 4), Tiles(128, 64, 8, 3)),
+        "kv64x128w8s3/q64x128w8s3": (Tiles(64, 128, 8, 3), Tiles(64, 128, 8, 3)),
+        "kv64x128w8s3/q128x32w8s3": (Tiles(64, 128, 8, 3), Tiles(128, 32, 8, 3)),
+        "kv64x64w4s3/q64x64w4s3": (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
+        "kv64x128w8s3/q64x64w4s3": (Tiles(64, 128, 8, 3), Tiles(64, 64, 4, 3)),
+        "kv32x64w4s3/q64x64w4s3": (Tiles(32, 64, 4, 3), Tiles(64, 64, 4, 3)),
+    },
+    64: {
+        "kv32x128w8s4r128/q128x64w8s3r128": (Tiles(32, 128, 8, 4, maxnreg=128),
+                                             Tiles(128, 64, 8, 3, maxnreg=128)),
+        "kv32x128w8s3/q128x64w8s3": (Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3)),
+        "kv64x128w8s3/q128x64w8s3": (Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3)),
+        "kv64x128w8s3r128/q128x64w8s3r128": (Tiles(64, 128, 8, 3, maxnreg=128),
+                                             Tiles(128, 64, 8, 3, maxnreg=128)),
+        "kv64x64w4s3/q64x64w4s3": (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
+        "kv32x128w4s3/q128x32w4s3": (Tiles(32, 128, 4, 3), Tiles(128, 32, 4, 3)),
+        "kv64x128w8s4r128/q128x64w8s4r128": (Tiles(64, 128, 8, 4, maxnreg=128),
+                                             Tiles(128, 64, 8, 4, maxnreg=128)),
+        "kv32x64w4s4/q64x64w4s4": (Tiles(32, 64, 4, 4), Tiles(64, 64, 4, 4)),
+    },
+}[d]
 rows = []
 for n in (4096, 8192):
     B = 16384 // n
@@ -60,6 +78,6 @@ for n in (4096, 8192):
             print(f"   {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOPs err {err:.2g}", flush=True)
 json.dump(
     {"device": torch.cuda.get_device_name(), "commit": os.environ.get("GIT_COMMIT"), "rows": rows},
-    open(os.environ.get("OUT", ".") + "/backward_sweep_d128.json", "w"),
+    open(os.environ.get("OUT", ".") + f"/backward_sweep_d{d}.json", "w"),
     indent=1,
 )

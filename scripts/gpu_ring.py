@@ -116,11 +116,58 @@ RING_KEYS = ("fwd_ms", "fwd_bwd_ms", "peak_GB", "tile_transfer_ms", "step_fwd_ms
              "step_bwd_ms", "micro_steps")
 
 
+class MicroSteps:
+    """One rank's compute at a micro-step, as ring_forward and ring_backward make it: the
+    forward's calls merged into a running (O, L), the backward's calls adding into dQ and a
+    tile's float32 dK, dV. Built on one shard's q, k, v, dout (the values do not change the
+    time)."""
+
+    def __init__(self, q, k, v, dout, scale):
+        from flashedu.distributed import _resolve_local, _row_dot_triton, block_forward
+
+        self.q, self.dout, self.scale = q.detach(), dout, scale
+        self.local = _resolve_local("auto", self.q)
+        with torch.no_grad():
+            out, self.L = block_forward(self.q, k.detach(), v.detach(), causal=False,
+                                        scale=scale, local=self.local)
+        self.out = out.to(q.dtype)
+        self.D = _row_dot_triton(self.out, dout) if self.local == "triton" else None
+        self.O_run = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        self.L_run = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        self.dq = torch.zeros_like(self.q)
+
+    @staticmethod
+    def tile(x, plan, p):
+        """Tile p of x (k or v) as it travels: its pieces side by side."""
+        return torch.cat([x.detach()[:, :, a:b] for a, b in plan.tile_rows(p)], dim=2)
+
+    def forward(self, calls, K_t, V_t):
+        from flashedu.distributed import block_forward_into
+
+        with torch.no_grad():
+            for a, b, lo, hi, c in calls:
+                block_forward_into(self.q[:, :, a:b], K_t[:, :, lo:hi], V_t[:, :, lo:hi],
+                                   self.O_run[:, :, a:b], self.L_run[:, :, a:b], causal=c,
+                                   scale=self.scale, local=self.local)
+
+    def backward(self, calls, K_t, V_t):
+        from flashedu.distributed import block_backward_into
+
+        dK_p = torch.zeros(K_t.shape, dtype=torch.float32, device=K_t.device)
+        dV_p = torch.zeros_like(dK_p)
+        for a, b, lo, hi, c in calls:
+            rows = slice(a, b)
+            block_backward_into(self.q[:, :, rows], K_t[:, :, lo:hi], V_t[:, :, lo:hi],
+                                self.out[:, :, rows], self.L[:, :, rows],
+                                self.dout[:, :, rows],
+                                (self.dq[:, :, rows], dK_p[:, :, lo:hi], dV_p[:, :, lo:hi]),
+                                causal=c, scale=self.scale, local=self.local,
+                                D=None if self.D is None else self.D[:, :, rows])
+
+
 def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
     """This rank's shard; returns its timings (the caller takes the slowest rank)."""
-    from flashedu.distributed import (Plan, Ring, block_backward, block_forward,
-                                      block_forward_into, ring_attention, wait_all,
-                                      _resolve_local, _row_dot_triton)
+    from flashedu.distributed import Plan, Ring, ring_attention, wait_all
 
     q, k, v, dout = inputs(N, args, device, dtype, rank, world, grad=True)
     opts = dict(is_causal=causal, tile=args.tile, call_rows=args.call_rows,
@@ -134,92 +181,47 @@ def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
     # one micro-step alone: a K/V tile's transfer, and the compute on one tile (all this rank's
     # rows against it, in calls of call_rows rows, as a full-attention micro-step makes them)
     plan, r = Plan(q.shape[2], world, "zigzag", args.tile, args.call_rows), Ring()
-    local = _resolve_local("auto", q)
-    K_t, V_t = (torch.cat([x.detach()[:, :, a:b] for a, b in plan.tile_rows(0)], dim=2)
-                for x in (k, v))
+    K_t, V_t = MicroSteps.tile(k, plan, 0), MicroSteps.tile(v, plan, 0)
     xfer = timer(lambda: wait_all(r.start_exchange((K_t, V_t))[0]))
-    qd = q.detach()
-    with torch.no_grad():
-        calls = plan.calls(0, 0, 0, False)
-        # the forward micro-step as the ring runs it: each call merged into the running result
-        O_run = torch.zeros(qd.shape, dtype=torch.float32, device=qd.device)
-        L_run = torch.full(qd.shape[:-1], float("-inf"), device=qd.device)
-        step_f = timer(lambda: [block_forward_into(qd[:, :, a:b], K_t, V_t, O_run[:, :, a:b],
-                                                   L_run[:, :, a:b], causal=False,
-                                                   scale=args.d ** -0.5, local=local)
-                                for a, b, *_ in calls])
-        o_L = [block_forward(qd[:, :, a:b], K_t, V_t, causal=False, scale=args.d ** -0.5,
-                             local=local) for a, b, *_ in calls]
-        # the backward's D_i, which the ring computes once for all its micro-steps
-        Ds = [_row_dot_triton(o, dout[:, :, a:b]) if local == "triton" else None
-              for (a, b, *_), (o, _L) in zip(calls, o_L)]
-        step_b = timer(lambda: [block_backward(qd[:, :, a:b], K_t, V_t, o, L, dout[:, :, a:b],
-                                               causal=False, scale=args.d ** -0.5, local=local,
-                                               D=D_)
-                                for (a, b, *_), (o, L), D_ in zip(calls, o_L, Ds)])
+    steps, calls = MicroSteps(q, k, v, dout, args.d ** -0.5), plan.calls(0, 0, 0, False)
+    step_f = timer(lambda: steps.forward(calls, K_t, V_t))
+    step_b = timer(lambda: steps.backward(calls, K_t, V_t))
     return {"fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak, "tile_transfer_ms": xfer,
             "step_fwd_ms": step_f, "step_bwd_ms": step_b, "micro_steps": plan.m * world}
 
 
-class RunsPlan:
+def runs_plan(n, world, tile, call_rows):
     """The zigzag plan with tiles of consecutive rows (each inside one chunk) instead of a
     piece of each chunk: the cut the lockstep model compares against."""
+    from flashedu.distributed import Plan
 
-    def __new__(cls, n, world, tile, call_rows):
-        from flashedu.distributed import Plan
-
-        plan = Plan(n, world, "zigzag", tile, call_rows)
-        if plan.chunk % tile:
-            raise ValueError(f"runs: tile {tile} must divide the chunk {plan.chunk}")
-        plan.pieces, plan.piece = 1, tile
-        plan.tile_rows = lambda p: [(p * tile, (p + 1) * tile)]
-        return plan
+    plan = Plan(n, world, "zigzag", tile, call_rows)
+    if plan.chunk % tile:
+        raise ValueError(f"runs: tile {tile} must divide the chunk {plan.chunk}")
+    plan.pieces, plan.piece = 1, tile
+    plan.tile_rows = lambda p: [(p * tile, (p + 1) * tile)]
+    return plan
 
 
 def lockstep(N, causal, args, device, dtype, timer, world):
     """One GPU plays every rank. Each rank's compute at each micro-step is timed alone; the
     ranks wait for each other at every micro-step, so the ring takes the sum over micro-steps
     of the slowest rank (the transfers hide behind the compute). Both cuts of zigzag tiles."""
-    from flashedu.distributed import (Plan, _resolve_local, _row_dot_triton,
-                                      block_backward_into, block_forward, block_forward_into)
+    from flashedu.distributed import Plan
 
-    n, scale = N // world, args.d ** -0.5
-    q, k, v, dout = (t.detach() for t in inputs(n, args, device, dtype))  # one shard's size
-    local = _resolve_local("auto", q)
-    out, L = block_forward(q, k, v, causal=False, scale=scale, local=local)
-    out = out.to(dtype)
-    D = _row_dot_triton(out, dout) if local == "triton" else None
-    O_run = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    L_run = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    dq = torch.zeros_like(q)
-
-    def forward_step(calls, K_t, V_t):
-        for a, b, lo, hi, c in calls:
-            block_forward_into(q[:, :, a:b], K_t[:, :, lo:hi], V_t[:, :, lo:hi],
-                               O_run[:, :, a:b], L_run[:, :, a:b], causal=c, scale=scale,
-                               local=local)
-
-    def backward_step(calls, K_t, V_t):  # as ring_backward: the tile's share, dQ in place
-        dK_p = torch.zeros(K_t.shape, dtype=torch.float32, device=q.device)
-        dV_p = torch.zeros_like(dK_p)
-        for a, b, lo, hi, c in calls:
-            block_backward_into(q[:, :, a:b], K_t[:, :, lo:hi], V_t[:, :, lo:hi],
-                                out[:, :, a:b], L[:, :, a:b], dout[:, :, a:b],
-                                (dq[:, :, a:b], dK_p[:, :, lo:hi], dV_p[:, :, lo:hi]),
-                                causal=c, scale=scale, local=local,
-                                D=None if D is None else D[:, :, a:b])
-
+    n = N // world
+    q, k, v, dout = inputs(n, args, device, dtype)  # one shard's size
+    steps = MicroSteps(q, k, v, dout, args.d ** -0.5)
     result = {}
     for name, plan in (("pieces", Plan(n, world, "zigzag", args.tile, args.call_rows)),
-                       ("runs", RunsPlan(n, world, args.tile or 2048, args.call_rows))):
-        K_t, V_t = (torch.cat([x[:, :, a:b] for a, b in plan.tile_rows(0)], dim=2)
-                    for x in (k, v))
+                       ("runs", runs_plan(n, world, args.tile or 2048, args.call_rows))):
+        K_t, V_t = MicroSteps.tile(k, plan, 0), MicroSteps.tile(v, plan, 0)
         ring_f = ring_b = busy_f = busy_b = 0.0
         for p in range(plan.m):
             for t in range(world):
                 calls = [plan.calls(r, (r - t) % world, p, causal) for r in range(world)]
-                f = [timer(lambda c=c, K=K_t, V=V_t: forward_step(c, K, V)) for c in calls]
-                b = [timer(lambda c=c, K=K_t, V=V_t: backward_step(c, K, V)) for c in calls]
+                f = [timer(lambda c=c, K=K_t, V=V_t: steps.forward(c, K, V)) for c in calls]
+                b = [timer(lambda c=c, K=K_t, V=V_t: steps.backward(c, K, V)) for c in calls]
                 ring_f, ring_b = ring_f + max(f), ring_b + max(b)
                 busy_f, busy_b = busy_f + sum(f) / world, busy_b + sum(b) / world
         result[name] = {"ring_fwd_ms": ring_f, "ring_fwd_bwd_ms": ring_f + ring_b,

@@ -393,3 +393,27 @@ def test_git_commit_is_the_projects_not_an_enclosing_repositorys(monkeypatch, tm
     assert runtime.git_commit() == "unknown"
     monkeypatch.setenv("GIT_COMMIT", "abc1234")
     assert runtime.git_commit() == "abc1234"
+
+
+def test_gpu_ring_script_runs_on_the_cpu(tmp_path):
+    """scripts/gpu_ring.py with gloo and torch math (--cpu): the ring against one process, and
+    the lockstep model, whose tile counts say the pieces never wait and the runs do."""
+    import json
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_ring.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1]), "OMP_NUM_THREADS": "1"}
+    for extra, name in (([], "ring.json"), (["--lockstep"], "model.json")):
+        subprocess.run([sys.executable, str(script), "--cpu", "--n", "128", "--tile", "16",
+                        "--dq-accumulate", "input", "--reps", "1", "--json",
+                        str(tmp_path / name), *extra], check=True, env=env, timeout=300,
+                       capture_output=True)
+    ring = json.loads((tmp_path / "ring.json").read_text())
+    assert [c["causal"] for c in ring["check"]] == [False, True]
+    assert all(c["max_abs_err"] < 1e-5 for c in ring["check"])
+    assert all(c["ring"]["fwd_bwd_ms"] > 0 for c in ring["cases"])
+    model = json.loads((tmp_path / "model.json").read_text())
+    causal = next(c["model"] for c in model["cases"] if c["causal"])
+    assert causal["pieces"]["lockstep_units"] == causal["pieces"]["work_units"]
+    assert causal["runs"]["lockstep_units"] == 1.25 * causal["runs"]["work_units"]

@@ -4,6 +4,7 @@ Runs through Triton's interpreter on a CPU: small shapes, a few seconds each.
 """
 
 import dataclasses
+import weakref
 
 import numpy as np
 import pytest
@@ -1253,12 +1254,17 @@ def test_forced_tile_table(table, d, dtype, monkeypatch):
 ])
 def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band):
     """The library's sliding window reaches the kernels as two bounds (BAND: band_lo < key -
-    query <= band_hi), with no element masks; another mask mod keeps its element masks. Right
+    query <= band_hi), with no element masks, not even built; another mask mod keeps its
+    element masks. Right
     against float64 either way, forward and backward, GQA, bottom-right aligned or looking
     ahead."""
     from flashedu import ops
-    from flashedu.triton import fast, forward, mods
+    from flashedu.triton import fast, forward, mods, sparse
 
+    built = []  # element masks built, for any lists (none cached from an equal mask)
+    monkeypatch.setattr(sparse, "_CACHE", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(sparse, "_element_masks", lambda *a, _b=sparse._element_masks, **kw:
+                        built.append(a[2:4]) or _b(*a, **kw))
     bm = flashedu.BlockMask.from_mask_mod(mod, 1, 1, Nq, Nk, block_size=(16, 16))
     m = ops.Mods.of(None, None, bm)
     assert mods.band_args(m, bm) == band
@@ -1271,6 +1277,7 @@ def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band)
     fwd, bwd = consts[0], consts[-1]
     assert fwd["BAND"] == bwd["BAND"] == (band is not None)
     assert fwd["ELEMENT"] == bwd["ELEMENT1"] == bwd["ELEMENT2"] == (band is None)
+    assert bool(built) == (band is None)  # a compiled window's element masks are never built
 
 
 @pytest.mark.parametrize("transpose", [False, True])

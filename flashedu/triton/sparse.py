@@ -89,11 +89,20 @@ def element_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, devi
                   is_causal: bool = False):
     """(E, E_base) of the same lists: when the mask's partial tiles need its mask mod, E holds
     one uint8 element mask (Br x Bc, queries by keys) per masked tile of the lists, row after
-    row, and E_base (shaped like num) the index of each row's first one; else (None, None)."""
-    return _lists(block_mask, Br, Bc, transpose, device, is_causal)[3:]
+    row, and E_base (shaped like num) the index of each row's first one; else (None, None).
+    Built on the first request only: a mask mod the kernels compile (the sliding window) never
+    asks for them."""
+    per_mask = _CACHE.setdefault(block_mask, {})
+    key = ("elements", Br, Bc, transpose, str(device), bool(is_causal or block_mask.is_causal))
+    if key not in per_mask:
+        partial = _lists(block_mask, Br, Bc, transpose, device, is_causal)[3]
+        per_mask[key] = (None, None) if partial is None else tuple(
+            _element_masks(block_mask, partial, Br, Bc, transpose, device, key[-1]))
+    return per_mask[key]
 
 
 def _lists(block_mask, Br, Bc, transpose, device, is_causal):
+    """(num, num_full, idx, the grid of partial tiles or None), cached per mask."""
     import torch
 
     per_mask = _CACHE.setdefault(block_mask, {})
@@ -113,12 +122,7 @@ def _lists(block_mask, Br, Bc, transpose, device, is_causal):
         idx = np.where(np.arange(fine.shape[-1]) < num[..., None], order, 0).astype(np.int32)
         lists = [torch.as_tensor(a, device=device)
                  for a in (num, full.sum(-1).astype(np.int32), idx)]
-        if not partial:
-            lists += [None, None]
-        else:
-            lists += list(_element_masks(block_mask, fine & ~full, Br, Bc, transpose, device,
-                                         is_causal))
-        per_mask[key] = tuple(lists)
+        per_mask[key] = (*lists, fine & ~full if partial else None)
     return per_mask[key]
 
 

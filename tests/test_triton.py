@@ -1268,7 +1268,7 @@ def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band)
     bm = flashedu.BlockMask.from_mask_mod(mod, 1, 1, Nq, Nk, block_size=(16, 16))
     m = ops.Mods.of(None, None, bm)
     assert mods.band_args(m, bm) == band
-    E, _ = forward.element_args(m, bm, 16, 16, False, "cpu", False)
+    E, _ = forward.element_args(m, bm, 16, 16, False, "cpu", False, band is not None)
     assert (E is None) == (band is not None)
     consts = []
     monkeypatch.setattr(fast, "run", lambda kernel, grid, args, c, _r=fast.run, **kw:

@@ -361,6 +361,14 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM,
                         BIAS, BIAS_GRAD, band_lo, band_hi, BAND, ACCUMULATE)
 
 
+def _returned(into, grads, dtype):
+    """What a call returns: the caller's buffers it added to, or its gradients in the inputs'
+    dtype (the interpreter computes 16-bit inputs in float32)."""
+    if into is not None:
+        return into
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in grads)
+
+
 def _check_into(into, q, k, v):
     """The (dQ, dK, dV) buffers a call adds to: q's, k's and v's shapes, on their device."""
     if not isinstance(into, (tuple, list)) or len(into) != 3:
@@ -481,9 +489,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
                 first.start(o, do, D, stream=stream)
             for launch in launches:
                 launch.start(*live, stream=stream)
-            if into is not None:
-                return into
-            return tuple(t if t.dtype == dtype else t.to(dtype) for t in (dq, dk, dv))
+            return _returned(into, (dq, dk, dv), dtype)
     key = (config, q.shape[-1], dtype, dropout_p > 0, mods is not None)  # per kernel variant
     if _SHRUNK:
         config = _SHRUNK.get(key, config)
@@ -512,7 +518,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         (E1, E_base1, SLOPES, mod_scale, cap, *bias, band_lo, band_hi), c1 = mods_args(
             mods, block_mask, scale, t1.Br, t1.Bc, True, q, k, is_causal)
         # the dQ pass's lists have their own tiles; the rest is the dK/dV pass's
-        E2, E_base2 = element_args(mods, block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
+        E2, E_base2 = element_args(mods, block_mask, t2.Br, t2.Bc, False, q.device, is_causal,
+                                   c1["BAND"])
         mod_consts = {"ELEMENT1": c1["ELEMENT"], "ELEMENT2": E2 is not None,
                       "SCORE_MOD": c1["SCORE_MOD"], "BIAS": c1["BIAS"],
                       "BIAS_GRAD": mask_grad, "BAND": c1["BAND"],
@@ -556,8 +563,7 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
         fast.remember(plan_key, (first, launches))
         if keep is not None:
             keep.append((first, launches))
-    grads = into if into is not None else tuple(t if t.dtype == dtype else t.to(dtype)
-                                                for t in (dq, dk, dv))
+    grads = _returned(into, (dq, dk, dv), dtype)
     if mask_grad:
         attn_mask = mods.attn_mask
         return (*grads, dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype))

@@ -323,13 +323,13 @@ def dropout_args(dropout_p, rng):
     return rng, threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
-def element_args(mods, block_mask, Br, Bc, transpose, device, is_causal):
+def element_args(mods, block_mask, Br, Bc, transpose, device, is_causal, compiled):
     """(ELEM, ELEM_BASE): the partial tiles' element masks of lists with Br x Bc tiles, or
-    (None, None) when no mask mod needs them (none, or one the kernels compile: BAND)."""
+    (None, None) when no mask mod needs them (none, or one the kernels compile: ``compiled``,
+    the launch's BAND, from ``mods.band_args``)."""
     from . import sparse
-    from .mods import band_args
 
-    if mods is None or mods.mask_mod is None or band_args(mods, block_mask) is not None:
+    if mods is None or mods.mask_mod is None or compiled:
         return None, None
     return sparse.element_lists(block_mask, Br, Bc, transpose, device, is_causal)
 
@@ -341,8 +341,9 @@ def mods_args(mods, block_mask, scale, Br, Bc, transpose, q, k, is_causal):
     from .mods import band_args, bias_args, score_mod_args
 
     SCORE_MOD, mod_scale, cap, SLOPES = score_mod_args(mods and mods.score_mod, scale, q.device)
-    E, E_base = element_args(mods, block_mask, Br, Bc, transpose, q.device, is_causal)
     band = band_args(mods, block_mask)
+    E, E_base = element_args(mods, block_mask, Br, Bc, transpose, q.device, is_causal,
+                             band is not None)
     attn_mask = mods and mods.attn_mask
     bias = bias_args(attn_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return ((E, E_base, SLOPES, mod_scale, cap, *bias, *(band or (0, 0))),

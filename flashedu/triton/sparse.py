@@ -93,7 +93,7 @@ def element_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, devi
     Built on the first request only: a mask mod the kernels compile (the sliding window) never
     asks for them."""
     per_mask = _CACHE.setdefault(block_mask, {})
-    key = ("elements", Br, Bc, transpose, str(device), bool(is_causal or block_mask.is_causal))
+    key = ("elements", *_key(block_mask, Br, Bc, transpose, device, is_causal))
     if key not in per_mask:
         partial = _lists(block_mask, Br, Bc, transpose, device, is_causal)[3]
         per_mask[key] = (None, None) if partial is None else tuple(
@@ -101,13 +101,18 @@ def element_lists(block_mask: BlockMask, Br: int, Bc: int, transpose: bool, devi
     return per_mask[key]
 
 
+def _key(block_mask, Br, Bc, transpose, device, is_causal):
+    """A mask's cache key for lists of Br x Bc tiles; a causal call or mask counts alike."""
+    return Br, Bc, transpose, str(device), bool(is_causal or block_mask.is_causal)
+
+
 def _lists(block_mask, Br, Bc, transpose, device, is_causal):
     """(num, num_full, idx, the grid of partial tiles or None), cached per mask."""
     import torch
 
     per_mask = _CACHE.setdefault(block_mask, {})
-    is_causal = bool(is_causal or block_mask.is_causal)
-    key = (Br, Bc, transpose, str(device), is_causal)
+    key = _key(block_mask, Br, Bc, transpose, device, is_causal)
+    is_causal = key[-1]
     if key not in per_mask:
         fine = refine(block_mask, Br, Bc, is_causal)
         full = fine & unmasked(fine.shape[-2:], Br, Bc, block_mask.seq_lens, is_causal)

@@ -333,7 +333,7 @@ def test_ablation_variants_match_the_reference(causal, dtype):
 def _grads(q, k, v, dout, **kw):
     """(out, dq, dk, dv) of one triton call."""
     out = flashedu.attention(q, k, v, backend="triton", enable_gqa=True, **kw)
-    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+    return (out, *torch.autograd.grad(out, (q, k, v), dout.to(out.device)))
 
 
 def test_a_repeated_call_repeats_its_launch_plan(monkeypatch):
@@ -458,7 +458,7 @@ def _started_launches(monkeypatch):
 
 def _reference_grads(q, k, v, dout, **kw):
     ref = reference_attention(q, k, v, **kw)
-    return (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
+    return (ref, *torch.autograd.grad(ref, (q, k, v), dout.to(ref.device, torch.float64)))
 
 
 def test_a_repeated_plain_call_goes_straight_to_its_repeat(monkeypatch):

@@ -21,8 +21,13 @@ pytestmark = pytest.mark.skipif(flashedu.available_backends()["triton"] is not N
 
 
 
+def _device():
+    """Where the triton backend's kernels run here: the GPU, or the CPU's interpreter."""
+    return flashedu.runtime.kernel_device()
+
+
 def _qkv(B, H, Hkv, Nq, Nk, d, dtype=torch.float32):
-    dev = flashedu.runtime.kernel_device()
+    dev = _device()
     q = torch.randn(B, H, Nq, d, dtype=dtype, device=dev, requires_grad=True)
     k = torch.randn(B, Hkv, Nk, d, dtype=dtype, device=dev, requires_grad=True)
     v = torch.randn(B, Hkv, Nk, d, dtype=dtype, device=dev, requires_grad=True)
@@ -343,8 +348,8 @@ def test_a_repeated_call_repeats_its_launch_plan(monkeypatch):
     from flashedu.triton import fast
 
     monkeypatch.setattr(fast, "PLANS", {})
-    x = torch.randn(1, 2, 45, 16, requires_grad=True)
-    dout = torch.randn(1, 2, 45, 16)
+    x = torch.randn(1, 2, 45, 16, device=_device(), requires_grad=True)
+    dout = torch.randn(1, 2, 45, 16, device=_device())
     _grads(x, x, x, dout, is_causal=True)  # self-attention on one tensor: the plans' first call
     plans = dict(fast.PLANS)
     assert len(plans) == 2  # forward and backward
@@ -366,7 +371,7 @@ def test_a_call_laid_out_differently_gets_its_own_plan(monkeypatch, change):
 
     monkeypatch.setattr(fast, "PLANS", {})
     base = dict(is_causal=False, scale=0.25)
-    dout = torch.randn(1, 4, 40, 16)
+    dout = torch.randn(1, 4, 40, 16, device=_device())
     q, k, v = _qkv(1, 4, 4, 40, 40, 16)
     _grads(q, k, v, dout, **base)
     before = len(fast.PLANS)
@@ -375,7 +380,8 @@ def test_a_call_laid_out_differently_gets_its_own_plan(monkeypatch, change):
         q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
                    for t in (q, k, v))
     elif change == "alignment":  # one float in: the base is 4-byte aligned, not 16-byte
-        q = torch.randn(1 + 4 * 40 * 16)[1:].reshape(1, 4, 40, 16).requires_grad_()
+        q = torch.randn(1 + 4 * 40 * 16, device=_device())[1:].reshape(1, 4, 40, 16)
+        q.requires_grad_()
     elif change == "causal":
         kw["is_causal"] = True
     elif change == "scale":
@@ -492,7 +498,7 @@ def test_a_repeat_is_kept_per_signature(monkeypatch, change):
     repeats = _repeats(monkeypatch)
     base = dict(is_causal=False, scale=0.25)
     q, k, v = _qkv(1, 4, 4, 40, 40, 16)
-    dout = torch.randn(1, 4, 40, 16)
+    dout = torch.randn(1, 4, 40, 16, device=_device())
     _grads(q, k, v, dout, **base)
     kw = dict(base)
     if change == "causal":
@@ -503,7 +509,8 @@ def test_a_repeat_is_kept_per_signature(monkeypatch, change):
         q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
                    for t in (q, k, v))
     elif change == "alignment":  # one float in: 4-byte aligned, not 16-byte
-        q = torch.randn(1 + 4 * 40 * 16)[1:].reshape(1, 4, 40, 16).requires_grad_()
+        q = torch.randn(1 + 4 * 40 * 16, device=_device())[1:].reshape(1, 4, 40, 16)
+        q.requires_grad_()
     elif change == "gqa":
         q, k, v = _qkv(1, 4, 2, 40, 40, 16)
     elif change == "dtype":
@@ -528,7 +535,7 @@ def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
 
     repeats = _repeats(monkeypatch)
     q, k, v = _qkv(1, 2, 2, 33, 33, 16)
-    dout = torch.randn(1, 2, 33, 16)
+    dout = torch.randn(1, 2, 33, 16, device=_device())
     for _ in range(2):
         _grads(q, k, v, dout)
     assert len(repeats) == 1
@@ -541,7 +548,7 @@ def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
     flashedu.attention(q, k, v, backend="triton", return_lse=True)
     flashedu.attention(q, k, v, backend="triton", dropout_p=0.1)
     assert repeats == before
-    strided = torch.randn(1, 2, 33, 32)[..., ::2].requires_grad_()
+    strided = torch.randn(1, 2, 33, 32, device=_device())[..., ::2].requires_grad_()
     for _ in range(2):
         got = _grads(strided, k, v, dout)
         want = _reference_grads(strided, k, v, dout)

@@ -27,11 +27,13 @@ two pieces, the same rows of both of the shard's chunks: the ranks wait for each
 micro-step, so each micro-step, not only each rank's total, must carry the same causal work
 (:meth:`Plan.lockstep`). The forward keeps one float32 (O, L) accumulator for its own rows and
 saves only its own O and L for the backward. The backward sends each K/V tile around once more
-with its dK, dV accumulator (float32, tile-sized): every rank adds its queries' share and passes
-it on; after P hops the accumulator is home, complete. dQ is accumulated in place; the Triton
-kernels add their gradients straight into these buffers (:func:`block_backward_into`).
-:func:`ring_memory` gives the bytes in a closed form, and the tests check it against what the
-ring really holds.
+with its dK, dV accumulator (tile-sized): every rank adds its queries' share and passes it on;
+after P hops the accumulator is home, complete. dQ is accumulated in place; the Triton kernels
+add their gradients straight into these buffers (:func:`block_backward_into`). The backward's
+tile sets the memory (three pairs of tile-sized accumulators besides the K/V tiles); the
+forward holds only K/V tiles, so it takes larger ones (``forward_tile``), whose longer kernel
+calls run faster. :func:`ring_memory` gives the bytes in a closed form, and the tests check it
+against what the ring really holds.
 
 Backward: the saved logsumexp L and output O of the *whole* row make each K/V tile's gradient
 independent of the others (P_ij = exp(S_ij - L_i), D_i = rowsum(dO_i * O_i), as in the
@@ -54,11 +56,14 @@ from .reference import expand_kv_heads, naive_attention_torch
 
 LOCAL_KINDS = ("auto", "torch", "triton")
 LAYOUTS = ("zigzag", "contiguous")
-DQ_ACCUMULATE = ("float32", "input")
+ACCUMULATE = ("float32", "input")
+DEFAULT_TILES = 8  # tiles per shard by default: the ring's buffers a fixed share of the shard's
+FORWARD_TILE = 4  # the forward's default tile, in backward tiles (it holds no gradients)
 
 
 def ring_attention(q, k, v, is_causal=False, group=None, scale=None, local="auto", *,
-                   layout="zigzag", tile=None, call_rows=None, dq_accumulate="float32"):
+                   layout="zigzag", tile=None, forward_tile=None, call_rows=None,
+                   accumulate="float32"):
     """This rank's output shard of attention over the whole (sharded) sequence.
 
     q: (B, H, n, d), k, v: (B, Hkv, n, d), every rank the same shapes, holding the positions that
@@ -67,39 +72,56 @@ def ring_attention(q, k, v, is_causal=False, group=None, scale=None, local="auto
     ``is_causal``: top-left over the whole sequence (global query i sees global keys j <= i).
     ``group``: the process group (default: the world); P is its size. ``local``: the per-step
     kernel, "torch", "triton" (CUDA only) or "auto" (triton on a CUDA GPU, else torch).
-    ``tile``: positions per travelling K/V tile: for zigzag an even number whose half (a piece
-    of each chunk) divides the chunk length n/2, for contiguous a divisor of n; default: the
-    largest such number <= 2048. ``call_rows``: query rows per kernel
-    call (a multiple of ``tile``; default 4 tiles): bounds the per-call temporaries.
-    ``dq_accumulate``: "float32" (default) sums dQ's P*m contributions in float32; "input" sums
-    them in place in q's dtype (no float32 copy of dQ: less memory, more rounding in 16 bits).
+    ``tile``: positions per travelling K/V tile in the backward: for zigzag an even number whose
+    half (a piece of each chunk) divides the chunk length n/2, for contiguous a divisor of n;
+    default: the largest such number <= n/8. It sets the ring's memory (:func:`ring_memory`).
+    ``forward_tile``: the same for the forward; default: the largest valid tile <= 4 x ``tile``
+    (the forward holds no gradient accumulators, so larger tiles, which run faster, cost it less).
+    ``call_rows``: query rows per kernel call (default 4 tiles; rounded up to a multiple of each
+    pass's tile): bounds the per-call temporaries.
+    ``accumulate``: where the sums over ranks live. "float32" (default): dQ's P*m contributions
+    and each tile's dK, dV accumulator on its way around the ring in float32. "input": dQ summed
+    in place in q's dtype (no float32 copy of dQ) and the accumulators sent in k's dtype, each
+    rank adding its float32 share to the one it receives and rounding once before sending it
+    on: less memory and half the accumulator bytes on the wire, more rounding in 16 bits.
     Differentiable with respect to q, k, v.
     """
-    _check(q, k, v, is_causal, scale, local, layout, dq_accumulate)
+    _check(q, k, v, is_causal, scale, local, layout, accumulate)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention needs torch.distributed: call "
                            "torch.distributed.init_process_group first (gloo on CPU, nccl on GPU)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     local = _resolve_local(local, q)
     ring = Ring(group)
-    plan = Plan(q.shape[2], ring.size, layout, tile, call_rows)
-    return RingAttention.apply(q, k, v, is_causal, scale, ring, local, plan, dq_accumulate)
+    plans = pass_plans(q.shape[2], ring.size, layout, tile, forward_tile, call_rows)
+    return RingAttention.apply(q, k, v, is_causal, scale, ring, local, plans, accumulate)
+
+
+def pass_plans(n, world, layout="zigzag", tile=None, forward_tile=None, call_rows=None):
+    """(forward plan, backward plan) for :func:`ring_attention`'s arguments."""
+    backward = Plan(n, world, layout, tile, call_rows)
+    if forward_tile is None:
+        forward_tile = backward.largest_tile(FORWARD_TILE * backward.tile)
+    rows = call_rows
+    if rows is not None and isinstance(forward_tile, int) and forward_tile > 0:
+        rows = -(-rows // forward_tile) * forward_tile  # up to a multiple of the forward tile
+    return Plan(n, world, layout, forward_tile, rows, name="forward_tile"), backward
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, ring, local, plan, dq_accumulate):
-        out, L = ring_forward(ring, q, k, v, is_causal, scale, local, plan)
+    def forward(ctx, q, k, v, is_causal, scale, ring, local, plans, accumulate):
+        out, L = ring_forward(ring, q, k, v, is_causal, scale, local, plans[0])
         ctx.save_for_backward(q, k, v, out, L)  # this rank's rows only: O and L of n positions
-        ctx.params = (ring, is_causal, scale, local, plan, dq_accumulate)
+        ctx.params = (ring, is_causal, scale, local, plans[1], accumulate)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, L = ctx.saved_tensors
-        ring, is_causal, scale, local, plan, dq_accumulate = ctx.params
+        ring, is_causal, scale, local, plan, accumulate = ctx.params
         dq, dk, dv = ring_backward(ring, q, k, v, out, L, dout.contiguous(), is_causal, scale,
-                                   local, plan, dq_accumulate=dq_accumulate)
+                                   local, plan, accumulate=accumulate)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -201,7 +223,8 @@ class Plan:
     order is the global order, so the query rows that see a piece whole are a suffix.
     """
 
-    def __init__(self, n: int, world: int, layout: str = "zigzag", tile=None, call_rows=None):
+    def __init__(self, n: int, world: int, layout: str = "zigzag", tile=None, call_rows=None,
+                 name: str = "tile"):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.n, self.world, self.layout = n, world, layout
@@ -211,23 +234,27 @@ class Plan:
         self.chunk = n // 2 if layout == "zigzag" else n
         self.pieces = 2 if layout == "zigzag" else 1  # pieces per tile: one per chunk
         if tile is None:
-            piece = max(t for t in range(1, min(self.chunk, 2048 // self.pieces) + 1)
-                        if self.chunk % t == 0)
-            tile = piece * self.pieces
+            tile = self.largest_tile(n // DEFAULT_TILES)
         if not isinstance(tile, int) or tile < 1 or tile % self.pieces \
                 or self.chunk % (tile // self.pieces):
             what = ("an even number whose half divides the chunk length" if self.pieces == 2
                     else "a positive divisor of the shard length")
-            raise ValueError(f"tile must be {what} {self.chunk} (n={n}, layout={layout!r}: a "
+            raise ValueError(f"{name} must be {what} {self.chunk} (n={n}, layout={layout!r}: a "
                              f"tile holds {self.pieces} piece(s), one per chunk), got {tile!r}")
         self.tile = tile
         self.piece = tile // self.pieces  # rows of one piece, and of one query segment
         self.m = n // tile  # tiles per shard
         call_rows = 4 * tile if call_rows is None else call_rows
         if not isinstance(call_rows, int) or call_rows < tile or call_rows % tile:
-            raise ValueError(f"call_rows must be a positive multiple of tile={tile}, "
+            raise ValueError(f"call_rows must be a positive multiple of {name}={tile}, "
                              f"got {call_rows!r}")
         self.call_rows = min(call_rows, n)
+
+    def largest_tile(self, limit: int) -> int:
+        """The largest valid tile of at most ``limit`` positions (at least one row per piece)."""
+        piece = max(t for t in range(1, max(1, min(self.chunk, limit // self.pieces)) + 1)
+                    if self.chunk % t == 0)
+        return piece * self.pieces
 
     def tile_rows(self, p: int) -> list[tuple[int, int]]:
         """The local rows [start, end) of tile p's pieces, in the order the tile holds them."""
@@ -443,7 +470,7 @@ def ring_forward(ring, q, k, v, is_causal, scale, local, plan=None, ledger=None)
 
 
 def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=None, ledger=None,
-                  dq_accumulate="float32"):
+                  accumulate="float32"):
     """(dq, dk, dv) of this rank's shards.
 
     At micro-step (p, t) rank r holds K/V tile p of shard s = r - t. It computes its queries'
@@ -452,11 +479,14 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
     partial and sends it on. After P hops the accumulator reaches s again, complete. Every
     micro-step therefore receives the accumulator its predecessor finished one micro-step
     earlier: the one of the tile it now holds, or (after a tile's last hop) its own finished one.
+    ``accumulate="input"`` sends the accumulators in k's dtype (the share stays float32 until
+    it is added) and sums dQ in q's dtype.
     """
     plan = plan or Plan(q.shape[2], ring.size, "contiguous", q.shape[2])
     ledger = ledger or _NoLedger
     acc = accumulate_dtype(q.dtype)
-    dq_dtype = acc if dq_accumulate == "float32" else q.dtype
+    dq_dtype = acc if accumulate == "float32" else q.dtype
+    travel = acc if accumulate == "float32" else k.dtype  # the accumulators' dtype in transit
     dq = torch.zeros(q.shape, dtype=dq_dtype, device=q.device)
     if dq_dtype != q.dtype:
         ledger.take("acc", dq)
@@ -481,8 +511,8 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
             send += [(K_j, KV_TAG), (V_j, KV_TAG + 1)]
             recv += [(K_next, KV_TAG), (V_next, KV_TAG + 1)]
         if receiving:  # our last accumulator on; the one the previous rank finished, in
-            dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
-            dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
+            dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=travel, device=k.device))
+            dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=travel, device=k.device))
             send += [(pending[0], ACC_TAG), (pending[1], ACC_TAG + 1)]
             recv += [(dK_in, ACC_TAG), (dV_in, ACC_TAG + 1)]
         # all of a micro-step's transfers in one group, in the same order on every rank
@@ -513,7 +543,8 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
             _home(dk, plan, p, dK_p)
             _home(dv, plan, p, dV_p)
         else:  # on to the next rank with the next micro-step's transfers (home after P hops)
-            pending = (dK_p, dV_p)
+            pending = tuple(g if g.dtype == travel else ledger.take("grad", g.to(travel))
+                            for g in (dK_p, dV_p))
         del dK_p, dV_p
         if passing:
             K_j, V_j = K_next, V_next
@@ -523,8 +554,8 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
     if ring.size == 1:
         return dq.to(q.dtype), dk, dv
     # our last accumulator on, and our own last tile's home from the previous rank
-    dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
-    dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=acc, device=k.device))
+    dK_in = ledger.take("grad", torch.empty(tile_shape, dtype=travel, device=k.device))
+    dV_in = ledger.take("grad", torch.empty(tile_shape, dtype=travel, device=k.device))
     wait_all(ring.post_tagged([(pending[0], ACC_TAG), (pending[1], ACC_TAG + 1)],
                               [(dK_in, ACC_TAG), (dV_in, ACC_TAG + 1)]))
     del pending
@@ -539,28 +570,31 @@ def ring_backward(ring, q, k, v, out, L, dout, is_causal, scale, local, plan=Non
 
 
 def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=False,
-                layout="zigzag", tile=None, call_rows=None, local="triton",
-                dq_accumulate="float32", rank=None):
+                layout="zigzag", tile=None, forward_tile=None, call_rows=None, local="triton",
+                accumulate="float32", rank=None):
     """Peak bytes per rank, in closed form per micro-step (the tests check it against a
-    :class:`Ledger` of a real run). With n = N/P, T = tile, C = the rows of the largest call,
-    e = bytes of dtype, a = bytes of the accumulator (4, or 8 for float64):
+    :class:`Ledger` of a real run). With n = N/P, T = the pass's tile, C = the rows of its
+    largest call, e = bytes of dtype, a = bytes of the accumulator (4, or 8 for float64), t =
+    bytes of an accumulator in transit (a, or e with accumulate="input"):
 
     - forward ring:  B H n (d+1) a                  (float32 O and L of this rank's rows)
                    + 2 or 4 K/V tiles of B Hkv T d e (the one held, and the one arriving)
                    + one call's O_t, L_t: B H C (d a + a) for torch; for triton only its
                      base-2 L, B H C 4 (the kernel merges into O itself)
-    - backward ring: 2 or 4 K/V tiles + up to 3 pairs of dK, dV tiles B Hkv T d a (this rank's
-                     share, the arriving accumulator, the one leaving) + for torch one call's
-                     dQ_t (B H C d a), dK_t, dV_t (B Hkv K d a, K the call's keys: a piece
-                     or the whole tile; the largest call's sum; the Triton kernels add into
-                     the ring's buffers and hold none) + dQ's float32 copy
-                     (B H n d a) when dq_accumulate="float32" and e < a + (triton) the rows'
-                     D_i, B H n 4, computed once.
-    - caller: q, dout, out, dq (B H n d e each), k, v, dk, dv (B Hkv n d e each), L (B H n a).
-    - scratch (triton, not held by the ring): a call's row statistics D, lse (B H C 8).
-    ``per_gpu`` = caller + scratch + the larger of the backward ring and (at its end) dQ's
-    float32 copy beside its output: what torch.cuda.max_memory_allocated should show around a
-    forward + backward (besides what the communication library allocates).
+    - backward ring: 2 or 4 K/V tiles + this rank's share of a tile's dK, dV (B Hkv T d a each)
+                     + the accumulators arriving and leaving (B Hkv T d t each; the share's
+                     copy in k's dtype when it leaves in it) + for torch one call's dQ_t
+                     (B H C d a), dK_t, dV_t (B Hkv K d a, K the call's keys: a piece or the
+                     whole tile; the largest call's sum; the Triton kernels add into the ring's
+                     buffers and hold none) + dQ's float32 copy (B H n d a) when
+                     accumulate="float32" and e < a + (triton) the rows' D_i, B H n 4.
+    - caller: q, dout, out, dq (B H n d e each), k, v, dk, dv (B Hkv n d e each), L (B H n a);
+      during the forward only q, k, v and dout (made before it, as a benchmark makes them).
+    - scratch (triton, not held by the ring): a backward call's row statistics D, lse (B H C 8).
+    ``per_gpu`` = the largest of: the forward's caller + its ring; its end (O, L and the output
+    beside them); the caller + scratch + the backward ring; the backward's end (dQ's float32
+    copy beside its output). What torch.cuda.max_memory_allocated should show around a forward
+    + backward (besides what the communication library allocates).
     Returns a dict of bytes: forward, backward, caller, scratch, per_gpu, and one_gpu (the same
     caller tensors for all N positions, as one GPU running the whole sequence holds them).
     ``rank``: one rank's numbers, or None for the largest over the ranks (a causal mask gives
@@ -570,45 +604,50 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
     if N % P:
         raise ValueError(f"N={N} is not a multiple of P={P}")
     n = N // P
-    plan = Plan(n, P, layout, tile, call_rows)
+    fplan, plan = pass_plans(n, P, layout, tile, forward_tile, call_rows)
     e = torch.empty((), dtype=dtype).element_size()
     a = 8 if dtype == torch.float64 else 4
-    lo = 4 if local == "triton" else a
-    T = plan.tile
-    kv_tile = B * Hkv * T * d * e
-    g_tile = B * Hkv * T * d * a
+    t_b = e if accumulate == "input" else a  # an accumulator's bytes in transit
     ranks = range(P) if rank is None else [rank]
+    kv_tile = lambda pl: B * Hkv * pl.tile * d * e  # noqa: E731
     fwd = bwd = 0
     for r in ranks:
-        steps = _schedule(plan, _RankOnly(r, P))
-        for i, (p, t) in enumerate(steps):
-            passing = t < P - 1
-            kv = (2 + 2 * passing) * kv_tile
-            calls = plan.calls(r, (r - t) % P, p, is_causal)
-            call_f = max((B * H * (b - a_) * (lo if local == "triton" else d * a + a)
+        for i, (p, t) in enumerate(_schedule(fplan, _RankOnly(r, P))):
+            calls = fplan.calls(r, (r - t) % P, p, is_causal)
+            call_f = max((B * H * (b - a_) * (4 if local == "triton" else d * a + a)
                           for a_, b, _, _, _ in calls), default=0)
+            kv = (2 + 2 * (t < P - 1)) * kv_tile(fplan)
             fwd = max(fwd, B * H * n * (d + 1) * a + kv + call_f)
+        share = 2 * B * Hkv * plan.tile * d * a
+        transit = 2 * B * Hkv * plan.tile * d * t_b
+        for i, (p, t) in enumerate(_schedule(plan, _RankOnly(r, P))):
+            calls = plan.calls(r, (r - t) % P, p, is_causal)
+            kv = (2 + 2 * (t < P - 1)) * kv_tile(plan)
             receiving = i > 0 and P > 1
-            grads = 2 * g_tile * (1 + 2 * receiving)
             call_b = 0 if local == "triton" else max(  # triton adds in place: no temporaries
                 (B * H * (b - a_) * d * a + 2 * B * Hkv * (k1 - k0) * d * a
                  for a_, b, k0, k1, _ in calls), default=0)
-            bwd = max(bwd, kv + grads + call_b)
-    dq_copy = B * H * n * d * a if (dq_accumulate == "float32" and e < a) else 0
+            # while computing: the share, the accumulators arriving and leaving; after: the
+            # share beside its copy in the transit dtype
+            leaving = transit if (P > 1 and t_b != a) else 0
+            bwd = max(bwd, kv + share + 2 * transit * receiving + call_b, kv + share + leaving)
+    dq_copy = B * H * n * d * a if (accumulate == "float32" and e < a) else 0
     bwd += dq_copy + (B * H * n * 4 if local == "triton" else 0)
     q_like, kv_like = B * H * n * d * e, B * Hkv * n * d * e
     caller = 4 * q_like + 4 * kv_like + B * H * n * a
+    fwd_caller = 2 * q_like + 2 * kv_like  # q, dout, k, v
+    fwd_end = fwd_caller + B * H * n * (d + 1) * a + q_like  # O, L and the output
     # the triton backward's per-call row statistics: base-2 L and a contiguous D
     scratch = max((B * H * (b - a_) * 8 for r in range(P) for p in range(plan.m)
                    for t in range(P)
                    for a_, b, _, _, _ in plan.calls(r, (r - t) % P, p, is_causal)),
                   default=0) if local == "triton" else 0
     end = caller + dq_copy  # the last moment: dQ's float32 copy beside the dQ it becomes
-    per_gpu = max(caller + scratch + bwd, end)
+    per_gpu = max(fwd_caller + fwd, fwd_end, caller + scratch + bwd, end)
     one = (4 * B * H * N * d + 4 * B * Hkv * N * d) * e + B * H * N * 4
     return {"forward": fwd, "backward": bwd, "caller": caller, "scratch": scratch,
-            "per_gpu": per_gpu, "one_gpu": one, "tile": T, "call_rows": plan.call_rows,
-            "tiles_per_shard": plan.m}
+            "per_gpu": per_gpu, "one_gpu": one, "tile": plan.tile, "forward_tile": fplan.tile,
+            "call_rows": plan.call_rows, "tiles_per_shard": plan.m}
 
 
 class _RankOnly:
@@ -656,12 +695,14 @@ class _MailboxReceive:
 
 
 def simulate_ring(q, k, v, world, is_causal=False, scale=None, dout=None, local="torch", *,
-                  layout="zigzag", tile=None, call_rows=None, ledgers=None):
+                  layout="zigzag", tile=None, forward_tile=None, call_rows=None,
+                  accumulate="float32", ledgers=None):
     """Ring attention over the full (B, H, N, d) q, k, v with ``world`` thread-ranks.
 
     Shards the sequence in ``layout``, runs ring_forward (and ring_backward when ``dout`` is
     given) on every rank, and puts the shards back in order: returns out, or (out, dq, dk, dv).
-    ``ledgers``: a list that receives each rank's (forward, backward) :class:`Ledger`.
+    The keywords are :func:`ring_attention`'s. ``ledgers``: a list that receives each rank's
+    (forward, backward) :class:`Ledger`.
     """
     import queue
     import threading
@@ -669,7 +710,7 @@ def simulate_ring(q, k, v, world, is_causal=False, scale=None, dout=None, local=
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     parts = [[shard(t, r, world, layout).contiguous() for r in range(world)]
              for t in (q, k, v) + (() if dout is None else (dout,))]
-    plan = Plan(parts[0][0].shape[2], world, layout, tile, call_rows)
+    fplan, plan = pass_plans(parts[0][0].shape[2], world, layout, tile, forward_tile, call_rows)
     mailboxes = [{tag: queue.Queue() for tag in range(4)} for _ in range(world)]
     results, errors = [None] * world, []
     books = [(Ledger(), Ledger()) for _ in range(world)]
@@ -678,10 +719,11 @@ def simulate_ring(q, k, v, world, is_causal=False, scale=None, dout=None, local=
         try:
             ring = ThreadRing(r, world, mailboxes)
             q_r, k_r, v_r = (p[r] for p in parts[:3])
-            out, L = ring_forward(ring, q_r, k_r, v_r, is_causal, scale, local, plan, books[r][0])
+            out, L = ring_forward(ring, q_r, k_r, v_r, is_causal, scale, local, fplan,
+                                  books[r][0])
             grads = () if dout is None else ring_backward(
                 ring, q_r, k_r, v_r, out, L, parts[3][r], is_causal, scale, local, plan,
-                books[r][1])
+                books[r][1], accumulate)
             results[r] = (out, *grads)
         except Exception as e:  # noqa: BLE001  (re-raised below, in the caller's thread)
             errors.append(e)
@@ -840,7 +882,7 @@ def _resolve_local(local, q):
     return local
 
 
-def _check(q, k, v, is_causal, scale, local, layout, dq_accumulate):
+def _check(q, k, v, is_causal, scale, local, layout, accumulate):
     from .api import _check_scale, _check_tensors
 
     _check_tensors(q, k, v, enable_gqa=True)
@@ -854,5 +896,5 @@ def _check(q, k, v, is_causal, scale, local, layout, dq_accumulate):
         raise ValueError(f"local must be one of {LOCAL_KINDS}, got {local!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if dq_accumulate not in DQ_ACCUMULATE:
-        raise ValueError(f"dq_accumulate must be one of {DQ_ACCUMULATE}, got {dq_accumulate!r}")
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")

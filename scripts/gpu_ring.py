@@ -3,8 +3,8 @@
 For each total sequence length N, with B = 1, H heads, head dim d, bf16:
 - one GPU: flashedu.attention(backend="triton") over all N positions (forward, forward+backward);
 - the ring: each of the P GPUs holds N/P positions in the zigzag layout (chunks r and 2P-1-r),
-  flashedu.distributed.ring_attention, once per --dq-accumulate mode ("float32": dQ summed in
-  float32; "input": in place in bf16, less memory);
+  flashedu.distributed.ring_attention, once per --accumulate mode ("float32": dQ and the
+  travelling dK, dV accumulators summed in float32; "input": in bf16, less memory);
 - one micro-step alone: the transfer of one K/V tile to the next GPU vs the compute of one
   micro-step (forward and backward calls of this rank's rows against one tile): the ring hides
   the transfer when compute >= transfer;
@@ -18,6 +18,11 @@ NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST
     PYTHONPATH=$PWD python3 scripts/gpu_ring.py --json docs/bench/ring.json     # 2 GPUs (mp.spawn)
     PYTHONPATH=$PWD python3 scripts/gpu_ring.py --cpu                           # gloo, tiny
     PYTHONPATH=$PWD python3 scripts/gpu_ring.py --lockstep --n 131072 --tile 8192  # 1 GPU model
+
+--lockstep: one GPU plays every rank. The ring's time is modelled from each rank's micro-steps
+timed alone, and each rank's whole forward + backward runs once more with its transfers
+replaced by local copies (:class:`EchoRing`): its peak memory is the ring's per GPU, to set
+against ring_memory's formula and one GPU's.
 """
 
 from __future__ import annotations
@@ -165,22 +170,25 @@ class MicroSteps:
                                 D=None if self.D is None else self.D[:, :, rows])
 
 
-def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
+def ring(N, causal, args, device, dtype, timer, rank, world, accumulate):
     """This rank's shard; returns its timings (the caller takes the slowest rank)."""
-    from flashedu.distributed import Plan, Ring, ring_attention, wait_all
+    from flashedu.distributed import Ring, pass_plans, ring_attention, wait_all
 
     q, k, v, dout = inputs(N, args, device, dtype, rank, world, grad=True)
-    opts = dict(is_causal=causal, tile=args.tile, call_rows=args.call_rows,
-                dq_accumulate=dq_accumulate)
+    opts = dict(is_causal=causal, tile=args.tile, forward_tile=args.forward_tile,
+                call_rows=args.call_rows, accumulate=accumulate)
     fn = lambda q, k, v: ring_attention(q, k, v, **opts)
     reset_peak(device)
     with torch.no_grad():
         fwd = timer(lambda: fn(q, k, v))
     both = timer(lambda: fwd_bwd(fn, q, k, v, dout))
     peak = peak_gb(device)
-    # one micro-step alone: a K/V tile's transfer, and the compute on one tile (all this rank's
-    # rows against it, in calls of call_rows rows, as a full-attention micro-step makes them)
-    plan, r = Plan(q.shape[2], world, "zigzag", args.tile, args.call_rows), Ring()
+    # one backward micro-step alone: a K/V tile's transfer, and the compute on one tile (all
+    # this rank's rows against it, in calls of call_rows rows, as a full-attention micro-step
+    # makes them)
+    _, plan = pass_plans(q.shape[2], world, "zigzag", args.tile, args.forward_tile,
+                         args.call_rows)
+    r = Ring()
     K_t, V_t = MicroSteps.tile(k, plan, 0), MicroSteps.tile(v, plan, 0)
     xfer = timer(lambda: wait_all(r.start_exchange((K_t, V_t))[0]))
     steps, calls = MicroSteps(q, k, v, dout, args.d ** -0.5), plan.calls(0, 0, 0, False)
@@ -190,45 +198,104 @@ def ring(N, causal, args, device, dtype, timer, rank, world, dq_accumulate):
             "step_fwd_ms": step_f, "step_bwd_ms": step_b, "micro_steps": plan.m * world}
 
 
-def runs_plan(n, world, tile, call_rows):
-    """The zigzag plan with tiles of consecutive rows (each inside one chunk) instead of a
-    piece of each chunk: the cut the lockstep model compares against."""
+def runs_plan(plan):
+    """``plan`` with tiles of consecutive rows (each inside one chunk) instead of a piece of
+    each chunk: the cut the lockstep model compares against."""
     from flashedu.distributed import Plan
 
-    plan = Plan(n, world, "zigzag", tile, call_rows)
-    if plan.chunk % tile:
-        raise ValueError(f"runs: tile {tile} must divide the chunk {plan.chunk}")
-    plan.pieces, plan.piece = 1, tile
-    plan.tile_rows = lambda p: [(p * tile, (p + 1) * tile)]
-    return plan
+    tile = plan.tile
+    runs = Plan(plan.n, plan.world, "zigzag", tile, plan.call_rows)
+    if runs.chunk % tile:
+        raise ValueError(f"runs: tile {tile} must divide the chunk {runs.chunk}")
+    runs.pieces, runs.piece = 1, tile
+    runs.tile_rows = lambda p: [(p * tile, (p + 1) * tile)]
+    return runs
+
+
+def lockstep_time(plan, world, causal, timer, k, v, step):
+    """(ring ms, mean rank ms) of one pass: the sum over micro-steps of the slowest rank's
+    ``step(calls, K_t, V_t)``, and of the ranks' mean."""
+    K_t, V_t = MicroSteps.tile(k, plan, 0), MicroSteps.tile(v, plan, 0)
+    ring = busy = 0.0
+    for p in range(plan.m):
+        for t in range(world):
+            calls = [plan.calls(r, (r - t) % world, p, causal) for r in range(world)]
+            ms = [timer(lambda c=c: step(c, K_t, V_t)) for c in calls]
+            ring, busy = ring + max(ms), busy + sum(ms) / world
+    return ring, busy
 
 
 def lockstep(N, causal, args, device, dtype, timer, world):
     """One GPU plays every rank. Each rank's compute at each micro-step is timed alone; the
     ranks wait for each other at every micro-step, so the ring takes the sum over micro-steps
     of the slowest rank (the transfers hide behind the compute). Both cuts of zigzag tiles."""
-    from flashedu.distributed import Plan
+    from flashedu.distributed import pass_plans
 
     n = N // world
     q, k, v, dout = inputs(n, args, device, dtype)  # one shard's size
     steps = MicroSteps(q, k, v, dout, args.d ** -0.5)
+    fplan, bplan = pass_plans(n, world, "zigzag", args.tile, args.forward_tile, args.call_rows)
     result = {}
-    for name, plan in (("pieces", Plan(n, world, "zigzag", args.tile, args.call_rows)),
-                       ("runs", runs_plan(n, world, args.tile or 2048, args.call_rows))):
-        K_t, V_t = MicroSteps.tile(k, plan, 0), MicroSteps.tile(v, plan, 0)
-        ring_f = ring_b = busy_f = busy_b = 0.0
-        for p in range(plan.m):
-            for t in range(world):
-                calls = [plan.calls(r, (r - t) % world, p, causal) for r in range(world)]
-                f = [timer(lambda c=c, K=K_t, V=V_t: steps.forward(c, K, V)) for c in calls]
-                b = [timer(lambda c=c, K=K_t, V=V_t: steps.backward(c, K, V)) for c in calls]
-                ring_f, ring_b = ring_f + max(f), ring_b + max(b)
-                busy_f, busy_b = busy_f + sum(f) / world, busy_b + sum(b) / world
+    cuts = [("pieces", lambda plan: plan)]
+    if all(plan.chunk % plan.tile == 0 for plan in (fplan, bplan)):  # runs fit in a chunk
+        cuts.append(("runs", runs_plan))
+    for name, cut in cuts:
+        ring_f, busy_f = lockstep_time(cut(fplan), world, causal, timer, k, v, steps.forward)
+        ring_b, busy_b = lockstep_time(cut(bplan), world, causal, timer, k, v, steps.backward)
         result[name] = {"ring_fwd_ms": ring_f, "ring_fwd_bwd_ms": ring_f + ring_b,
                         "mean_rank_fwd_ms": busy_f, "mean_rank_fwd_bwd_ms": busy_f + busy_b,
-                        "lockstep_units": plan.lockstep(causal), "work_units": plan.work(0, causal),
-                        "tile": plan.tile, "micro_steps": plan.m * world}
+                        "lockstep_units": cut(bplan).lockstep(causal),
+                        "work_units": cut(bplan).work(0, causal), "tile": bplan.tile,
+                        "forward_tile": fplan.tile, "micro_steps": bplan.m * world}
     return result
+
+
+class EchoRing:
+    """A stand-in for flashedu.distributed.Ring on one device: rank ``rank`` of ``size``, whose
+    receive buffers get a copy of what it sends under the same tag. The values are not another
+    rank's, but the shapes, the calls and the buffers' lifetimes are the rank's own: its peak
+    memory is what that rank holds in a real ring."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def source(self, t: int) -> int:
+        return (self.rank - t) % self.size
+
+    def post_tagged(self, send=(), recv=()):
+        sent = dict((tag, t) for t, tag in send)
+        for buf, tag in recv:
+            buf.copy_(sent[tag])
+        return [], [t for t, _ in send]
+
+    def post(self, send=(), recv=(), tag: int = 0):
+        return self.post_tagged([(t, tag + i) for i, t in enumerate(send)],
+                                [(t, tag + i) for i, t in enumerate(recv)])
+
+
+def whole_rank(N, causal, args, device, dtype, timer, world, accumulate):
+    """Each rank's whole forward + backward on one device (:class:`EchoRing`): its time with
+    the transfers replaced by local copies, and its peak memory."""
+    from flashedu.distributed import RingAttention, _resolve_local, pass_plans
+
+    n = N // world
+    plans = pass_plans(n, world, "zigzag", args.tile, args.forward_tile, args.call_rows)
+    out = []
+    for rank in range(world):
+        q, k, v, dout = inputs(n, args, device, dtype, grad=True)
+        fn = lambda q, k, v, r=rank: RingAttention.apply(  # noqa: E731
+            q, k, v, causal, args.d ** -0.5, EchoRing(r, world), _resolve_local("auto", q),
+            plans, accumulate)
+        fwd_bwd(fn, q, k, v, dout)  # compiles the kernels before the peak is taken
+        reset_peak(device)
+        fwd_bwd(fn, q, k, v, dout)
+        peak = peak_gb(device)
+        with torch.no_grad():
+            fwd = timer(lambda: fn(q, k, v))
+        both = timer(lambda: fwd_bwd(fn, q, k, v, dout))
+        out.append({"rank": rank, "fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak})
+        del q, k, v, dout
+    return out
 
 
 def lockstep_main(args):
@@ -246,14 +313,25 @@ def lockstep_main(args):
         for causal in args.causal:
             single = single_gpu(N, causal, args, device, dtype, timer)
             model = lockstep(N, causal, args, device, dtype, timer, args.world)
-            rows.append({"N": N, "causal": causal, "world": args.world, "H": args.heads,
-                         "d": args.d, "dtype": args.dtype, "one_gpu": single, "model": model})
+            row = {"N": N, "causal": causal, "world": args.world, "H": args.heads, "d": args.d,
+                   "dtype": args.dtype, "one_gpu": single, "model": model, "whole_rank": {}}
             for cut, m in model.items():
                 print(f"{N:>7} {causal!s:>6} {cut:>6} {single['fwd_bwd_ms']:>9.1f} "
                       f"{m['ring_fwd_bwd_ms']:>9.1f} "
                       f"{single['fwd_bwd_ms'] / m['ring_fwd_bwd_ms']:>6.2f} "
                       f"{single['fwd_ms'] / m['ring_fwd_ms']:>6.2f} "
                       f"{m['ring_fwd_bwd_ms'] / m['mean_rank_fwd_bwd_ms']:>5.2f}", flush=True)
+            for mode in args.accumulate:
+                ranks = whole_rank(N, causal, args, device, dtype, timer, args.world, mode)
+                pred = predicted(N, causal, args, args.world, mode)
+                row["whole_rank"][mode] = {"ranks": ranks, "predicted": pred}
+                for r in ranks:
+                    peak = (f", peak {r['peak_GB']:.3f} GB = {r['peak_GB'] / single['peak_GB']:.3f}"
+                            f" of one GPU (formula {pred['per_gpu_GB']:.3f} GB)"
+                            if r["peak_GB"] else "")
+                    print(f"  rank {r['rank']} whole ({mode}, transfers as local copies): "
+                          f"f+b {r['fwd_bwd_ms']:.1f} ms{peak}", flush=True)
+            rows.append(row)
     return {"cases": rows}
 
 
@@ -268,7 +346,8 @@ def check_ring(N, causal, args, device, dtype, rank, world):
     backend = "triton" if device != "cpu" else "naive"
     with torch.no_grad():
         out = ring_attention(*(zigzag_shard(t, rank, world).contiguous() for t in (q, k, v)),
-                             is_causal=causal, tile=args.tile, call_rows=args.call_rows)
+                             is_causal=causal, tile=args.tile, forward_tile=args.forward_tile,
+                             call_rows=args.call_rows)
         parts = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(parts, out.contiguous())
         ref = flashedu.attention(q, k, v, is_causal=causal, backend=backend)
@@ -334,8 +413,8 @@ def worker(rank, world, port, args, results):
                 if rank == 0:
                     single, ok = run_guarded(single_gpu, N, causal, args, device, dtype, one_timer)
                 dist.barrier()
-                for mode in args.dq_accumulate:
-                    row_m = dict(row, dq_accumulate=mode)
+                for mode in args.accumulate:
+                    row_m = dict(row, accumulate=mode)
                     sharded, ok = {"error": "a shard does not fit"}, False
                     if agree(fits(N // world, args, device), device):  # all enter, or none
                         sharded, ok = run_guarded(ring, N, causal, args, device, dtype,
@@ -387,10 +466,10 @@ def predicted(N, causal, args, world, mode):
     from flashedu.distributed import ring_memory
 
     m = ring_memory(N, world, args.heads, args.d, DTYPES[args.dtype], is_causal=causal,
-                    tile=args.tile, call_rows=args.call_rows, dq_accumulate=mode,
-                    local="torch" if args.cpu else "triton")
+                    tile=args.tile, forward_tile=args.forward_tile, call_rows=args.call_rows,
+                    accumulate=mode, local="torch" if args.cpu else "triton")
     return {"per_gpu_GB": m["per_gpu"] / 1e9, "one_gpu_GB": m["one_gpu"] / 1e9,
-            "tile": m["tile"], "call_rows": m["call_rows"]}
+            "tile": m["tile"], "forward_tile": m["forward_tile"], "call_rows": m["call_rows"]}
 
 
 def print_row(row):
@@ -400,7 +479,7 @@ def print_row(row):
         return f"{d[k]:>{w}.{p}f}" if isinstance(d.get(k), (int, float)) and d[k] >= 0 \
             else f"{'-':>{w}}"
 
-    print(f"{row['N']:>7} {row['causal']!s:>6} {row['dq_accumulate']:>7} "
+    print(f"{row['N']:>7} {row['causal']!s:>6} {row['accumulate']:>7} "
           f"{f(one, 'fwd_bwd_ms', 9, 1)} {f(r, 'fwd_bwd_ms', 9, 1)} {f(row, 'speedup_fwd_bwd')} "
           f"{f(row, 'speedup_fwd')} {f(one, 'peak_GB')} {f(r, 'peak_GB')} "
           f"{f(pred, 'per_gpu_GB')} {f(row, 'peak_ratio')} {f(r, 'tile_transfer_ms', 8, 3)} "
@@ -408,7 +487,7 @@ def print_row(row):
           f"{one.get('error', '')} {r.get('error', '')}", flush=True)
 
 
-HEADER = (f"{'N':>7} {'causal':>6} {'dQ acc':>7} {'1gpu f+b':>9} {'ring f+b':>9} {'x f+b':>8} "
+HEADER = (f"{'N':>7} {'causal':>6} {'acc':>7} {'1gpu f+b':>9} {'ring f+b':>9} {'x f+b':>8} "
           f"{'x fwd':>8} {'1gpu GB':>8} {'ring GB':>8} {'pred GB':>8} {'GB ratio':>8} "
           f"{'xfer ms':>8} {'step fwd':>8} {'step bwd':>8}\n"
           f"  (ms; x = speedup over one GPU; GB = peak per GPU, pred = ring_memory's formula; "
@@ -440,10 +519,12 @@ def main(argv=None):
     ap.add_argument("--causal", type=lambda s: s == "true", nargs="+", default=[False, True],
                     help="true / false, one or both")
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--tile", type=int, default=None, help="K/V tile (positions); default: "
-                    "ring_attention's (at most 2048 positions, half from each chunk)")
+    ap.add_argument("--tile", type=int, default=None, help="the backward's K/V tile "
+                    "(positions, half from each chunk); default: ring_attention's")
+    ap.add_argument("--forward-tile", type=int, default=None, help="the forward's K/V tile; "
+                    "default: ring_attention's")
     ap.add_argument("--call-rows", type=int, default=None, help="query rows per kernel call")
-    ap.add_argument("--dq-accumulate", nargs="+", default=["float32", "input"],
+    ap.add_argument("--accumulate", nargs="+", default=["float32", "input"],
                     choices=["float32", "input"])
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)

@@ -17,16 +17,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# B, H, Hkv, c (positions per chunk: n = 2c a rank), d, dtype, causal, layout, tile, local
+# B, H, Hkv, c (positions per chunk: n = 2c a rank), d, dtype, causal, layout, tile, local,
+# accumulate
 CASES = [
-    (2, 2, 2, 4, 16, torch.float64, False, "zigzag", None, "torch"),
-    (2, 2, 2, 4, 16, torch.float64, True, "zigzag", 2, "torch"),
-    (1, 4, 2, 5, 8, torch.float64, True, "zigzag", 2, "torch"),  # GQA, odd chunk length
-    (1, 4, 1, 3, 8, torch.float64, False, "zigzag", 6, "torch"),  # MQA, odd chunk length
-    (1, 2, 2, 3, 8, torch.float64, True, "contiguous", 2, "torch"),  # n = 6, tiles of 2
-    (1, 2, 1, 4, 16, torch.float32, True, "zigzag", 4, "torch"),  # float32, MQA, pieces of 2
-    (1, 4, 2, 4, 16, torch.float32, True, "zigzag", 2, "triton"),  # the GPU's kernels, interpreted
+    (2, 2, 2, 4, 16, torch.float64, False, "zigzag", None, "torch", "float32"),
+    (2, 2, 2, 4, 16, torch.float64, True, "zigzag", 2, "torch", "float32"),
+    (1, 4, 2, 5, 8, torch.float64, True, "zigzag", 2, "torch", "float32"),  # GQA, odd chunk
+    (1, 4, 1, 3, 8, torch.float64, False, "zigzag", 6, "torch", "float32"),  # MQA, odd chunk
+    (1, 2, 2, 3, 8, torch.float64, True, "contiguous", 2, "torch", "float32"),  # tiles of 2
+    (1, 2, 1, 4, 16, torch.float32, True, "zigzag", 4, "torch", "float32"),  # MQA, pieces of 2
+    (1, 2, 2, 8, 16, torch.bfloat16, True, "zigzag", 4, "torch", "input"),  # 16-bit transit
+    (1, 4, 2, 4, 16, torch.float32, True, "zigzag", 2, "triton", "float32"),  # interpreted
 ]
+TOLERANCE = {torch.float64: {"rtol": 1e-10, "atol": 1e-10},
+             torch.float32: {"rtol": 1e-4, "atol": 1e-5},
+             torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
 
 
 def free_port() -> int:
@@ -54,7 +59,7 @@ def worker(rank, world, port):
                             world_size=world)
     try:
         for seed, case in enumerate(CASES):
-            B, H, Hkv, c, d, dtype, causal, layout, tile, local = case
+            B, H, Hkv, c, d, dtype, causal, layout, tile, local, accumulate = case
             if local == "triton" and world > 2:
                 continue  # the interpreter is slow: its one case runs with 2 processes
             N = 2 * c * world
@@ -66,11 +71,10 @@ def worker(rank, world, port):
             mine = [D.shard(t, rank, world, layout).to(dtype).requires_grad_()
                     for t in (q, k, v)]
             out = D.ring_attention(*mine, is_causal=causal, local=local, layout=layout,
-                                   tile=tile)
+                                   tile=tile, accumulate=accumulate)
             grads = torch.autograd.grad(out, mine, D.shard(dout, rank, world, layout).to(dtype))
 
-            tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else \
-                {"rtol": 1e-4, "atol": 1e-5}
+            tol = TOLERANCE[dtype]
             where = f"rank {rank} of {world} {case}"
             want = D.shard(out_ref.detach(), rank, world, layout)
             torch.testing.assert_close(out.double(), want, **tol,
@@ -81,14 +85,15 @@ def worker(rank, world, port):
 
             # the bytes the ring holds = the formula, on this rank
             ring = D.Ring()
-            plan = D.Plan(2 * c, world, layout, tile)
+            fplan, plan = D.pass_plans(2 * c, world, layout, tile)
             books = D.Ledger(), D.Ledger()
             x = [t.detach() for t in mine]
-            o, L = D.ring_forward(ring, *x, causal, d ** -0.5, local, plan, books[0])
+            o, L = D.ring_forward(ring, *x, causal, d ** -0.5, local, fplan, books[0])
             D.ring_backward(ring, *x, o, L, D.shard(dout, rank, world, layout).to(dtype),
-                            causal, d ** -0.5, local, plan, books[1])
+                            causal, d ** -0.5, local, plan, books[1], accumulate)
             mem = D.ring_memory(N, world, H, d, dtype, B=B, Hkv=Hkv, is_causal=causal,
-                                layout=layout, tile=tile, local=local, rank=rank)
+                                layout=layout, tile=tile, local=local, accumulate=accumulate,
+                                rank=rank)
             assert (books[0].peak, books[1].peak) == (mem["forward"], mem["backward"]), \
                 (where, books[0].peak_by_kind, books[1].peak_by_kind, mem)
     finally:
@@ -189,11 +194,12 @@ def test_each_micro_step_posts_one_group(monkeypatch):
         return real(self, send, recv)
 
     monkeypatch.setattr(D.ThreadRing, "post_tagged", counting)
-    world, N, tile = 2, 12, 2
+    world, N, tile, forward_tile = 2, 12, 2, 6
     q, k, v, dout = full_problem(1, 2, 2, N, 8, 3)
-    D.simulate_ring(q, k, v, world, dout=dout, tile=tile)
-    m = N // world // tile  # tiles per shard; micro-steps: m * world
-    forward = m * (world - 1)  # the K/V tile moves on at all but a tile's last micro-step
+    D.simulate_ring(q, k, v, world, dout=dout, tile=tile, forward_tile=forward_tile)
+    m = N // world // tile  # the backward's tiles per shard; micro-steps: m * world
+    # the K/V tile moves on at all but a tile's last micro-step
+    forward = N // world // forward_tile * (world - 1)
     backward = m * world + 1  # one group a micro-step, and the last accumulator home
     assert posts == {r: forward + backward for r in range(world)}
 
@@ -258,7 +264,7 @@ def test_memory_per_gpu_falls_with_p():
     one = per_gpu[1]["one_gpu"]
     fractions = [per_gpu[P]["per_gpu"] / one for P in (2, 4, 8)]
     assert fractions == sorted(fractions, reverse=True) and fractions[-1] < 0.25
-    lean = ring_memory(131072, 2, 16, 128, torch.bfloat16, is_causal=True, dq_accumulate="input")
+    lean = ring_memory(131072, 2, 16, 128, torch.bfloat16, is_causal=True, accumulate="input")
     assert lean["per_gpu"] / one <= 0.6
 
 
@@ -320,6 +326,40 @@ def test_kernel_merge_on_the_gpu(dtype):
     torch.testing.assert_close(state["triton"][0], state["torch"][0], **tol)
     torch.testing.assert_close(state["triton"][1], state["torch"][1], **tol)
     assert (state["triton"][0][:, :, :100] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the compiled kernels in bf16 need a CUDA GPU (the CPU tests run the "
+                           "16-bit ring with torch math)")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_ring_on_the_gpu_in_16_bits(is_causal):
+    """The thread ring with the compiled kernels in bf16 (GQA, 3 ranks), both accumulate modes,
+    against float64 attention: "input" sends the dK, dV accumulators in bf16 and sums dQ in
+    bf16, and stays within a small factor of float32's error."""
+    from flashedu.distributed import simulate_ring
+    from flashedu.reference import naive_attention_torch
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    N = 3 * 2 * 384
+    q = torch.randn(1, 4, N, 128, device="cuda", generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, N, 128, device="cuda", generator=g, dtype=torch.float64)
+            for _ in range(2))
+    dout = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = naive_attention_torch(*ref, is_causal=is_causal, enable_gqa=True)
+    want = (out_ref.detach(), *torch.autograd.grad(out_ref, ref, dout))
+    errors = {}
+    for mode in ("float32", "input"):
+        got = simulate_ring(*(t.bfloat16() for t in (q, k, v)), 3, is_causal=is_causal,
+                            dout=dout.bfloat16(), local="triton", tile=128, accumulate=mode)
+        errors[mode] = [(a.double() - b).abs().max().item() / b.abs().max().item()
+                        for a, b in zip(got, want)]
+    for mode, errs in errors.items():
+        assert max(errs) < 2e-2, (mode, errs)
+    assert errors["input"][0] == errors["float32"][0]  # the forward does not change
+    for e_in, e_32 in zip(errors["input"][1:], errors["float32"][1:]):
+        assert e_in <= 4 * e_32 + 1e-3, errors
 
 
 def test_kernel_merge_names_bad_running_results():
@@ -406,7 +446,8 @@ def test_gpu_ring_script_runs_on_the_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(script.parents[1]), "OMP_NUM_THREADS": "1"}
     for extra, name in (([], "ring.json"), (["--lockstep"], "model.json")):
         subprocess.run([sys.executable, str(script), "--cpu", "--n", "128", "--tile", "16",
-                        "--dq-accumulate", "input", "--reps", "1", "--json",
+                        "--forward-tile", "32",
+                        "--accumulate", "input", "--reps", "1", "--json",
                         str(tmp_path / name), *extra], check=True, env=env, timeout=300,
                        capture_output=True)
     ring = json.loads((tmp_path / "ring.json").read_text())
@@ -417,3 +458,7 @@ def test_gpu_ring_script_runs_on_the_cpu(tmp_path):
     causal = next(c["model"] for c in model["cases"] if c["causal"])
     assert causal["pieces"]["lockstep_units"] == causal["pieces"]["work_units"]
     assert causal["runs"]["lockstep_units"] == 1.25 * causal["runs"]["work_units"]
+    # every rank's whole path ran once more on its own (the memory run)
+    whole = model["cases"][0]["whole_rank"]["input"]
+    assert [r["rank"] for r in whole["ranks"]] == [0, 1]
+    assert all(r["fwd_bwd_ms"] > 0 for r in whole["ranks"]) and whole["predicted"]["per_gpu_GB"]

@@ -592,8 +592,8 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
       during the forward only q, k, v and dout (made before it, as a benchmark makes them).
     - scratch (triton, not held by the ring): a backward call's row statistics D, lse (B H C 8).
     ``per_gpu`` = the largest of: the forward's caller + its ring; its end (O, L and the output
-    beside them); the caller + scratch + the backward ring; the backward's end (dQ's float32
-    copy beside its output). What torch.cuda.max_memory_allocated should show around a forward
+    beside them); the caller (less dQ while a float32 copy accumulates it) + scratch + the
+    backward ring; the backward's end (dQ's float32 copy beside its output). What torch.cuda.max_memory_allocated should show around a forward
     + backward (besides what the communication library allocates).
     Returns a dict of bytes: forward, backward, caller, scratch, per_gpu, and one_gpu (the same
     caller tensors for all N positions, as one GPU running the whole sequence holds them).
@@ -642,8 +642,10 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
                    for t in range(P)
                    for a_, b, _, _, _ in plan.calls(r, (r - t) % P, p, is_causal)),
                   default=0) if local == "triton" else 0
+    # dQ in q's dtype exists during the backward only when it is the accumulator itself
+    bwd_caller = caller - (q_like if dq_copy else 0)
     end = caller + dq_copy  # the last moment: dQ's float32 copy beside the dQ it becomes
-    per_gpu = max(fwd_caller + fwd, fwd_end, caller + scratch + bwd, end)
+    per_gpu = max(fwd_caller + fwd, fwd_end, bwd_caller + scratch + bwd, end)
     one = (4 * B * H * N * d + 4 * B * Hkv * N * d) * e + B * H * N * 4
     return {"forward": fwd, "backward": bwd, "caller": caller, "scratch": scratch,
             "per_gpu": per_gpu, "one_gpu": one, "tile": plan.tile, "forward_tile": fplan.tile,

@@ -593,8 +593,9 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
     - scratch (triton, not held by the ring): a backward call's row statistics D, lse (B H C 8).
     ``per_gpu`` = the largest of: the forward's caller + its ring; its end (O, L and the output
     beside them); the caller (less dQ while a float32 copy accumulates it) + scratch + the
-    backward ring; the backward's end (dQ's float32 copy beside its output). What torch.cuda.max_memory_allocated should show around a forward
-    + backward (besides what the communication library allocates).
+    backward ring; the backward's end (dQ's float32 copy beside its output). What
+    torch.cuda.max_memory_allocated should show around a forward + backward (besides what the
+    communication library allocates).
     Returns a dict of bytes: forward, backward, caller, scratch, per_gpu, and one_gpu (the same
     caller tensors for all N positions, as one GPU running the whole sequence holds them).
     ``rank``: one rank's numbers, or None for the largest over the ranks (a causal mask gives
@@ -609,20 +610,19 @@ def ring_memory(N, P, H, d, dtype=torch.bfloat16, *, B=1, Hkv=None, is_causal=Fa
     a = 8 if dtype == torch.float64 else 4
     t_b = e if accumulate == "input" else a  # an accumulator's bytes in transit
     ranks = range(P) if rank is None else [rank]
-    kv_tile = lambda pl: B * Hkv * pl.tile * d * e  # noqa: E731
+    share = 2 * B * Hkv * plan.tile * d * a  # a dK, dV pair of one backward tile
+    transit = 2 * B * Hkv * plan.tile * d * t_b
     fwd = bwd = 0
     for r in ranks:
-        for i, (p, t) in enumerate(_schedule(fplan, _RankOnly(r, P))):
+        for p, t in _schedule(fplan, _RankOnly(r, P)):
             calls = fplan.calls(r, (r - t) % P, p, is_causal)
             call_f = max((B * H * (b - a_) * (4 if local == "triton" else d * a + a)
                           for a_, b, _, _, _ in calls), default=0)
-            kv = (2 + 2 * (t < P - 1)) * kv_tile(fplan)
+            kv = (2 + 2 * (t < P - 1)) * B * Hkv * fplan.tile * d * e
             fwd = max(fwd, B * H * n * (d + 1) * a + kv + call_f)
-        share = 2 * B * Hkv * plan.tile * d * a
-        transit = 2 * B * Hkv * plan.tile * d * t_b
         for i, (p, t) in enumerate(_schedule(plan, _RankOnly(r, P))):
             calls = plan.calls(r, (r - t) % P, p, is_causal)
-            kv = (2 + 2 * (t < P - 1)) * kv_tile(plan)
+            kv = (2 + 2 * (t < P - 1)) * B * Hkv * plan.tile * d * e
             receiving = i > 0 and P > 1
             call_b = 0 if local == "triton" else max(  # triton adds in place: no temporaries
                 (B * H * (b - a_) * d * a + 2 * B * Hkv * (k1 - k0) * d * a

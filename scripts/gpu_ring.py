@@ -263,7 +263,7 @@ class EchoRing:
         return (self.rank - t) % self.size
 
     def post_tagged(self, send=(), recv=()):
-        sent = dict((tag, t) for t, tag in send)
+        sent = {tag: t for t, tag in send}
         for buf, tag in recv:
             buf.copy_(sent[tag])
         return [], [t for t, _ in send]
@@ -280,12 +280,15 @@ def whole_rank(N, causal, args, device, dtype, timer, world, accumulate):
 
     n = N // world
     plans = pass_plans(n, world, "zigzag", args.tile, args.forward_tile, args.call_rows)
-    out = []
-    for rank in range(world):
+
+    def one_rank(rank):  # its tensors go when it returns: the next rank's peak starts clean
         q, k, v, dout = inputs(n, args, device, dtype, grad=True)
-        fn = lambda q, k, v, r=rank: RingAttention.apply(  # noqa: E731
-            q, k, v, causal, args.d ** -0.5, EchoRing(r, world), _resolve_local("auto", q),
-            plans, accumulate)
+        local = _resolve_local("auto", q)
+
+        def fn(q, k, v):
+            return RingAttention.apply(q, k, v, causal, args.d ** -0.5, EchoRing(rank, world),
+                                       local, plans, accumulate)
+
         fwd_bwd(fn, q, k, v, dout)  # compiles the kernels before the peak is taken
         reset_peak(device)
         fwd_bwd(fn, q, k, v, dout)
@@ -293,9 +296,9 @@ def whole_rank(N, causal, args, device, dtype, timer, world, accumulate):
         with torch.no_grad():
             fwd = timer(lambda: fn(q, k, v))
         both = timer(lambda: fwd_bwd(fn, q, k, v, dout))
-        out.append({"rank": rank, "fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak})
-        del q, k, v, dout
-    return out
+        return {"rank": rank, "fwd_ms": fwd, "fwd_bwd_ms": both, "peak_GB": peak}
+
+    return [one_rank(rank) for rank in range(world)]
 
 
 def lockstep_main(args):

@@ -117,6 +117,22 @@ def test_ring_needs_an_initialized_group():
         ring_attention(q, q, q, local="cuda")
     with pytest.raises(ValueError, match="layout"):
         ring_attention(q, q, q, layout="striped")
+    with pytest.raises(ValueError, match="accumulate"):
+        ring_attention(q, q, q, accumulate="bfloat16")
+
+
+def test_each_pass_has_its_tile():
+    """The forward's tile defaults to 4 of the backward's (within the shard); call_rows rounds up
+    to a multiple of each pass's tile; a bad forward tile is named."""
+    from flashedu.distributed import pass_plans
+
+    fwd, bwd = pass_plans(64, 2)  # zigzag: chunks of 32; default backward tile n/8
+    assert (bwd.tile, fwd.tile, bwd.call_rows, fwd.call_rows) == (8, 32, 32, 64)
+    fwd, bwd = pass_plans(64, 2, tile=4, forward_tile=8, call_rows=12)
+    assert (fwd.tile, fwd.call_rows, bwd.call_rows) == (8, 16, 12)
+    assert pass_plans(12, 2, tile=2)[0].tile == 6  # 4 x 2 does not fit chunks of 6: the largest
+    with pytest.raises(ValueError, match="forward_tile must be an even number"):
+        pass_plans(64, 2, forward_tile=12)
 
 
 def test_zigzag_shard_and_unshard():

@@ -28,6 +28,14 @@ CAPS = {
 }
 
 
+def device(name):
+    """Where the tests make this backend's tensors: the GPU for compiled Triton kernels, else
+    the CPU (the interpreter, and numba, which copies to the device itself)."""
+    if name == "triton":
+        return flashedu.runtime.kernel_device()
+    return torch.device("cpu")
+
+
 def unavailable(name):
     """Why the backend cannot be imported here, or None."""
     return flashedu.available_backends()[name]

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from backend_cases import CAPS
+from backend_cases import CAPS, device
 
 import flashedu
 from flashedu import tolerance
@@ -26,11 +26,11 @@ SHAPES = [
 ]
 
 
-def _inputs(shape, dtype, requires_grad=False):
+def _inputs(backend, shape, dtype, requires_grad=False):
     B, H, Hkv, Nq, Nk, d = shape
-    q = torch.randn(B, H, Nq, d, dtype=dtype)
-    k = torch.randn(B, Hkv, Nk, d, dtype=dtype)
-    v = torch.randn(B, Hkv, Nk, d, dtype=dtype)
+    q = torch.randn(B, H, Nq, d, dtype=dtype).to(device(backend))
+    k = torch.randn(B, Hkv, Nk, d, dtype=dtype).to(device(backend))
+    v = torch.randn(B, Hkv, Nk, d, dtype=dtype).to(device(backend))
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
@@ -77,7 +77,7 @@ def _check_backward(backend, q, k, v, **kw):
 def test_forward(backend, shape, is_causal):
     _skip_unless_fits(backend, shape)
     for dtype in CAPS[backend].dtypes:
-        _check_forward(backend, *_inputs(shape, dtype), is_causal=is_causal)
+        _check_forward(backend, *_inputs(backend, shape, dtype), is_causal=is_causal)
 
 
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=str)
@@ -87,19 +87,20 @@ def test_backward(backend, shape, is_causal):
         pytest.skip(f"{backend} has no backward")
     _skip_unless_fits(backend, shape)
     dtype = CAPS[backend].dtypes[0]
-    _check_backward(backend, *_inputs(shape, dtype, requires_grad=True), is_causal=is_causal)
+    q, k, v = _inputs(backend, shape, dtype, requires_grad=True)
+    _check_backward(backend, q, k, v, is_causal=is_causal)
 
 
 def test_explicit_scale(backend):
     shape = (1, 2, 2, 33, 40, 16)
-    q, k, v = _inputs(shape, CAPS[backend].dtypes[0])
+    q, k, v = _inputs(backend, shape, CAPS[backend].dtypes[0])
     _check_forward(backend, q, k, v, scale=0.3)
     _check_forward(backend, q, k, v, scale=2.0, is_causal=True)
 
 
 def test_large_logits_do_not_overflow(backend):
     """Scores in the hundreds: exp would overflow without the running max."""
-    q, k, v = _inputs((1, 1, 1, 20, 30, 16), CAPS[backend].dtypes[0])
+    q, k, v = _inputs(backend, (1, 1, 1, 20, 30, 16), CAPS[backend].dtypes[0])
     out = _check_forward(backend, q * 30, k * 30, v)
     assert torch.isfinite(out).all()
 
@@ -119,7 +120,7 @@ def test_block_mask_and_fully_masked_rows(backend, is_causal):
         pytest.skip(f"{backend} takes no block mask")
     Nq, Nk, block = (64, 48, 16) if CAPS[backend].max_n < 100 else (150, 90, 32)
     dtype = CAPS[backend].dtypes[0]
-    q, k, v = _inputs((1, 2, 2, Nq, Nk, 16), dtype, requires_grad=CAPS[backend].backward)
+    q, k, v = _inputs(backend, (1, 2, 2, Nq, Nk, 16), dtype, requires_grad=CAPS[backend].backward)
     mask = _random_block_mask(Nq, Nk, block, seed=3)
     out = _check_forward(backend, q, k, v, block_mask=mask, is_causal=is_causal)
     assert (out[:, :, block:2 * block] == 0).all(), "fully masked rows must be exactly zero"
@@ -131,7 +132,7 @@ def test_causal_block_mask_equals_is_causal(backend):
     if not CAPS[backend].block_mask:
         pytest.skip(f"{backend} takes no block mask")
     N = 48 if CAPS[backend].max_n < 100 else 100
-    q, k, v = _inputs((1, 2, 2, N, N, 16), CAPS[backend].dtypes[0])
+    q, k, v = _inputs(backend, (1, 2, 2, N, N, 16), CAPS[backend].dtypes[0])
     mask = flashedu.BlockMask.causal((N, N), (16, 16))
     a = flashedu.attention(q, k, v, block_mask=mask, backend=backend)
     b = flashedu.attention(q, k, v, is_causal=True, backend=backend)
@@ -144,14 +145,14 @@ def test_per_head_block_mask(backend):
     rng = np.random.default_rng(7)
     blocks = rng.random((2, 3, 3, 2)) < 0.6
     mask = flashedu.BlockMask.from_dense(blocks, (16, 16), (40, 32))
-    q, k, v = _inputs((2, 3, 3, 40, 32, 16), CAPS[backend].dtypes[0])
+    q, k, v = _inputs(backend, (2, 3, 3, 40, 32, 16), CAPS[backend].dtypes[0])
     _check_forward(backend, q, k, v, block_mask=mask)
 
 
 def test_no_backward_says_which_backends_have_one(backend):
     if CAPS[backend].backward:
         pytest.skip(f"{backend} has a backward")
-    q, k, v = _inputs((1, 1, 1, 16, 16, 16), torch.float32, requires_grad=True)
+    q, k, v = _inputs(backend, (1, 1, 1, 16, 16, 16), torch.float32, requires_grad=True)
     out = flashedu.attention(q, k, v, backend=backend)
     with pytest.raises((NotImplementedError, RuntimeError), match="triton|numpy|naive"):
         out.sum().backward()

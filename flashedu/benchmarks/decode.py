@@ -6,7 +6,8 @@ backend="triton") runs B * H programs for Nq = 1, far fewer than the GPU's SMs; 
 (flashedu.triton.decode) gives each program a chunk of the keys and merges.
 
     flashedu bench decode --json docs/bench/decode.json
-    flashedu bench decode --dry-run        # CPU and Triton's interpreter, tiny sizes
+    flashedu bench decode --dry-run        # tiny sizes (the CPU and Triton's interpreter
+                                           # where there is no GPU)
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         args.nk = [n for n in args.nk if n <= 256] or [64, 256]
         args.heads, args.kv_heads, args.d, args.dtype, args.reps = 4, 2, 32, "fp32", 2
-        device = "cpu"
+        from .. import runtime
+
+        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
     elif not core.gpu_available():
         return core.needs_gpu("flashedu bench decode (or --dry-run for a CPU check)")
     else:

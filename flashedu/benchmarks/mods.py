@@ -7,7 +7,7 @@ call as users make it. ``visible`` is the fraction of (query, key) pairs the rul
 kernel that skips what is hidden takes time in proportion to it.
 
     flashedu bench mods --json docs/bench/mods_h100.json
-    flashedu bench mods --dry-run      # CPU: Triton's interpreter and eager FlexAttention, tiny
+    flashedu bench mods --dry-run      # tiny sizes (no GPU: Triton's interpreter, eager Flex)
 """
 
 from __future__ import annotations
@@ -152,7 +152,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         args.n, args.windows, args.doc_n, args.docs = [128], [48], [128], [3]
         args.score_n, args.d, args.dtype = [64], [32], "fp32"
-        device = "cpu"
+        from .. import runtime
+
+        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
     elif not core.gpu_available():
         return core.needs_gpu("flashedu bench mods (or --dry-run for a CPU check)")
     else:

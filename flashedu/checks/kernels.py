@@ -12,9 +12,11 @@ What the checks enforce beyond the values:
 - strides (Triton backward): one case hands views whose rows are further apart than d, each
   tensor its own row stride, with NaN and the sentinel in the gaps, so a kernel that addresses
   row r as ``X + r * D`` instead of ``X + r * stride_x`` fails;
-- shared memory (numba, in the simulator): every read of K and V from global memory is counted.
+- shared memory (numba): in the simulator every read of K and V from global memory is counted.
   A block that stages K_j, V_j in shared memory reads each element once per block; a kernel
-  where every thread reads K and V from global memory reads each element once per thread.
+  where every thread reads K and V from global memory reads each element once per thread. On a
+  GPU reads cannot be counted; there the compiled kernel (its PTX) must load from shared memory
+  in at least two places, one for K_j and one for V_j.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import re
 
 import numpy as np
 
@@ -238,11 +241,23 @@ def _numba_invoke_gpu(fn, case, timeout, measure):
         return tuple(d.copy_to_host()[: len(q)] for d, _ in outs)
 
     call = call_limited(run, timeout=timeout, measure_memory=measure)
-    call.reads = None  # reads cannot be counted on a GPU
+    # reads cannot be counted on a GPU; the compiled kernel's loads from shared memory can
+    call.reads = {"shared_loads": shared_loads(fn)}
     if call.error is None and not call.timed_out:
         call.buffers = {"in": [(n, d.copy_to_host(), b) for n, (d, b) in zip("QKV", ins)],
                         "out": [(n, d.copy_to_host(), len(q)) for n, (d, _) in zip("OL", outs)]}
     return call
+
+
+def shared_loads(kernel) -> int | None:
+    """Load instructions from shared memory in a compiled numba kernel's PTX (over the
+    signatures it was compiled for), or None when its PTX cannot be read."""
+    try:
+        ptx = kernel.inspect_asm()
+    except Exception:  # noqa: BLE001 - not a numba kernel, or nothing compiled: no evidence
+        return None
+    text = "\n".join(ptx.values()) if isinstance(ptx, dict) else str(ptx)
+    return len(re.findall(r"\bld(?:\.volatile)?\.shared\b", text))
 
 
 def _shared_memory_probe(case):
@@ -251,7 +266,18 @@ def _shared_memory_probe(case):
     per_block = math.ceil(Nq / threads) * Nk * d  # each element once per block
 
     def probe(call, outputs):
-        if call.reads is None:  # on a real GPU reads cannot be counted; the simulator does it
+        reads = call.reads or {}
+        if "shared_loads" in reads:  # a real GPU: the compiled kernel's code is the evidence
+            problem = _bounds_probe(call, outputs)
+            if problem is None and reads["shared_loads"] is not None \
+                    and reads["shared_loads"] < 2:
+                problem = (f"the answer is right, but your compiled kernel loads from shared "
+                           f"memory in {reads['shared_loads']} place(s) (ld.shared in its PTX), "
+                           "so it must read K or V from global memory. Each block should copy a K_j, "
+                           "V_j tile into shared memory once (cuda.shared.array, then "
+                           "cuda.syncthreads()) and let all its threads read both there.")
+            return problem
+        if call.reads is None:
             return _bounds_probe(call, outputs)
         problem = _loads_problem(call)
         if problem:

@@ -528,3 +528,20 @@ def test_launch_triton_backward_pairs_the_kernels(tmp_path):
                                      Br=16, Bc=16)
         for g, w in zip(got, want):
             assert np.abs(g.cpu().numpy() - w).max() < tol * (1 + np.abs(w).max()), (causal, strided)
+
+
+def test_tf32_model_of_the_gpu_dots():
+    """On a GPU the Triton exercises' tolerance comes from attention whose dot operands are read
+    as TF32 (as tl.dot reads float32 there): 10 mantissa bits kept, and with logits in the
+    hundreds an error far above float32 arithmetic's."""
+    from flashedu.checks.kernels import _naive_tf32, tf32
+
+    x = np.array([1 + 2**-10, 1 + 2**-11, -3.1415927], np.float32)
+    assert tf32(x).tolist() == [1 + 2**-10, 1.0, -3.140625]
+    rng = np.random.default_rng(0)
+    q, k = (30 * rng.standard_normal((20, 16)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((20, 16)).astype(np.float32)
+    _, L = reference.naive_attention(*(a.astype(np.float64) for a in (q, k, v)))
+    err32 = np.abs(reference.naive_attention(q, k, v)[1] - L).max()
+    err_tf32 = np.abs(_naive_tf32(q, k, v, False, None)[1] - L).max()
+    assert err_tf32 > 100 * err32

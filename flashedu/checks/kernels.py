@@ -511,23 +511,32 @@ def _triton_case(label, hint, shape, tiles, causal, scale, kind, seed, strided=F
                 floor_scale=100.0 if on_gpu else 1.0)  # TF32 dots: ~1e-3 relative
 
 
+def tf32(a):
+    """float32 values as the tensor cores read them for a TF32 dot (tl.dot's default for float32
+    inputs on a GPU): the 13 low mantissa bits dropped, 10 kept."""
+    bits = np.ascontiguousarray(a, dtype=F32).view(np.uint32)
+    return (bits & np.uint32(0xFFFFE000)).view(F32)
+
+
+def _scores_tf32(q, k, causal, scale):
+    scale = 1.0 / math.sqrt(q.shape[1]) if scale is None else scale
+    S = F32(scale) * (tf32(q) @ tf32(k).T)
+    if causal:
+        S = np.where(reference.causal_mask(*S.shape), S, -np.inf).astype(F32)
+    return S, scale
+
+
 def _naive_tf32(q, k, v, causal, scale):
-    """Plain attention on the GPU with TF32 matmuls, the precision tl.dot uses by default there.
-
-    Its error sets the tolerance on a GPU: with logits in the hundreds, TF32 (10-bit mantissa)
-    scores are off by ~|S| / 2000, so a correct kernel misses the float64 answer by far more
-    than float32 arithmetic would."""
-    import torch
-
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        q, k, v = (torch.from_numpy(a).cuda()[None, None] for a in (q, k, v))
-        O, L = reference.naive_attention_torch(q, k, v, is_causal=causal, scale=scale,
-                                               return_lse=True)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
-    return O[0, 0].cpu().numpy(), L[0, 0].cpu().numpy()
+    """Plain attention in float32 with every dot's operands read as TF32, as a Triton kernel's
+    tl.dot reads them on a GPU. Its error sets the tolerance there: with logits in the
+    hundreds, TF32 scores are off by ~|S| / 1000, so a correct kernel misses the float64 answer
+    by far more than float32 arithmetic would. (cuBLAS with TF32 allowed is no model: it keeps
+    small problems in full float32.)"""
+    S, _ = _scores_tf32(q, k, causal, scale)
+    m = S.max(axis=1, keepdims=True)
+    P = np.exp(S - m)
+    l = P.sum(axis=1, keepdims=True)
+    return (tf32(P) @ tf32(v)) / l, (m + np.log(l))[:, 0]
 
 
 def _triton_cases():
@@ -915,24 +924,15 @@ def _backward_triton_case(label, hint, shape, tiles, causal, scale, kind, seed, 
 
 
 def _naive_backward_tf32(q, k, v, o, do, l, causal, scale):
-    """The backward's formulas on the GPU with TF32 matmuls, the precision tl.dot uses there by
-    default: its error sets the tolerance on a GPU (as _naive_tf32 does for the forward)."""
-    import torch
-
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        Q, K, V, O, dO, L = (torch.from_numpy(a).cuda() for a in (q, k, v, o, do, l))
-        s = 1.0 / math.sqrt(Q.shape[1]) if scale is None else scale
-        S = s * (Q @ K.T)
-        if causal:
-            S = S.masked_fill(~torch.ones_like(S, dtype=torch.bool).tril(), float("-inf"))
-        P = torch.exp(S - L[:, None])
-        dS = P * (dO @ V.T - (dO * O).sum(1, keepdim=True))
-        out = (s * dS @ K, s * dS.T @ Q, P.T @ dO)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
-    return tuple(a.cpu().numpy() for a in out)
+    """The backward's formulas in float32 with every dot's operands read as TF32, as the
+    kernels' tl.dot reads them on a GPU: its error sets the tolerance there (as _naive_tf32
+    does for the forward)."""
+    S, scale = _scores_tf32(q, k, causal, scale)
+    with np.errstate(all="ignore"):
+        P = np.exp(S - l[:, None])
+        dS = P * (tf32(do) @ tf32(v).T - (do * o).sum(axis=1, keepdims=True))
+    scale = F32(scale)
+    return (scale * (tf32(dS) @ tf32(k)), scale * (tf32(dS).T @ tf32(q)), tf32(P).T @ tf32(do))
 
 
 def _backward_triton_cases(which):

@@ -55,7 +55,8 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     return_lse: also return the natural-log logsumexp of each row's (modified) scores,
     (B, H, Nq), float32 (float64 for float64 inputs), -inf for a row that sees nothing:
     ``out, lse = attention(..., return_lse=True)``; gradients flow through it too.
-    backend: "naive", "numpy", "numba", "triton", or "auto" (triton on a CUDA GPU, else numpy).
+    backend: "naive", "numpy", "numba", "triton", or "auto" (triton for CUDA tensors on a CUDA
+    GPU, numpy for CPU tensors, naive for tensors of another device).
     A query row that sees no key gives zeros. A backend without a feature that the call uses
     raises NotImplementedError naming the backends that have it.
 
@@ -72,7 +73,7 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
             out = repeat(q, k, v)
             if out is not None:
                 return out
-    name = _check_backend(backend)
+    name = _check_backend(backend, q)
     spec = BACKENDS[name]
     is_causal = _check_flag(is_causal, "is_causal")
     enable_gqa = _check_flag(enable_gqa, "enable_gqa")
@@ -175,10 +176,10 @@ def _check_features(name, spec, extras, block_mask) -> None:
                                       f"of {backends_with(feature)}")
 
 
-def _check_backend(backend) -> str:
+def _check_backend(backend, q=None) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    name = resolve_backend(backend)
+    name = resolve_backend(backend, q)
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {backend!r}")
     return name

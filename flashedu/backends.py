@@ -121,11 +121,16 @@ def available_backends() -> dict[str, str | None]:
     return status
 
 
-def resolve_backend(name: str) -> str:
-    """Map "auto" to a concrete backend: triton on a CUDA GPU, numpy on the CPU."""
-    if name == "auto":
+def resolve_backend(name: str, q=None) -> str:
+    """Map "auto" to a concrete backend: triton on a CUDA GPU, numpy on the CPU. Given the
+    query tensor ``q``, "auto" follows its device: CPU tensors take numpy on a GPU machine too,
+    tensors of another device take naive (torch ops run wherever the tensors are)."""
+    if name != "auto":
+        return name
+    device = getattr(getattr(q, "device", None), "type", None)
+    if device is None or device == "cuda":
         return runtime.auto_backend()
-    return name
+    return "numpy" if device == "cpu" else "naive"
 
 
 FEATURES = {"attn_mask": "has_attn_mask", "score_mod": "has_score_mod",

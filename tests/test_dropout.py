@@ -15,6 +15,11 @@ from flashedu.reference import naive_attention_torch
 DROPOUT_BACKENDS = [name for name, spec in BACKENDS.items() if spec.has_dropout]
 
 
+def _device(backend="triton"):
+    """Where a backend's tensors live: the GPU for compiled Triton kernels, else the CPU."""
+    return flashedu.runtime.kernel_device() if backend == "triton" else torch.device("cpu")
+
+
 def _triton_dropout():
     """The Triton form of the stream (skips where triton does not import)."""
     try:
@@ -54,11 +59,11 @@ def test_triton_philox_is_numpys():
         tl.store(Out + 192 + c, r3)
 
     seed = 0x0123456789ABCDEF
-    out = torch.zeros(256, dtype=torch.int32)
+    out = torch.zeros(256, dtype=torch.int32, device=_device())
     words_kernel[(1,)](out, seed, D.N_ROUNDS)
     c = np.arange(64)
     expected = np.concatenate(D.philox(seed, c, c * 3 + 7, c ^ 5, c * 11))
-    assert np.array_equal(out.numpy().view(np.uint32), expected)
+    assert np.array_equal(out.cpu().numpy().view(np.uint32), expected)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])  # 0.9: 2 * threshold > 2**31
@@ -70,7 +75,8 @@ def test_masks_bit_identical_numpy_torch_triton(p, tiles):
     seed, offset = D.rng_values(rng)
     B, H, Nq, Nk = 2, 3, 37, 45
     Z = D.dropout_mask(seed, offset, B, H, Nq, Nk, p)
-    assert np.array_equal(TD.dropout_mask(rng, B, H, Nq, Nk, p, *tiles).numpy(), Z)
+    triton_Z = TD.dropout_mask(rng.to(_device()), B, H, Nq, Nk, p, *tiles)
+    assert np.array_equal(triton_Z.cpu().numpy(), Z)
     assert np.array_equal(D.keep_mask_torch(rng, B, H, Nq, Nk, p).numpy(), Z)
 
 
@@ -119,22 +125,25 @@ def test_threshold():
 # ----------------------------------------------------------------------------------------
 
 
-def _inputs(B=1, H=2, Hkv=None, Nq=40, Nk=40, d=16, dtype=torch.float32, seed=0):
+def _inputs(B=1, H=2, Hkv=None, Nq=40, Nk=40, d=16, dtype=torch.float32, seed=0,
+            backend="numpy"):
     g = torch.Generator().manual_seed(seed)
     Hkv = Hkv or H
     q = torch.randn(B, H, Nq, d, generator=g, dtype=dtype)
     k = torch.randn(B, Hkv, Nk, d, generator=g, dtype=dtype)
     v = torch.randn(B, Hkv, Nk, d, generator=g, dtype=dtype)
-    return [t.requires_grad_() for t in (q, k, v)]
+    return [t.to(_device(backend)).requires_grad_() for t in (q, k, v)]
 
 
 def _run(backend, q, k, v, torch_seed, **kw):
-    """out, grads and the call's rng (the first draw after torch.manual_seed)."""
+    """out, grads and the call's rng (the first draw after torch.manual_seed, from the
+    generator of the inputs' device)."""
     torch.manual_seed(torch_seed)
-    rng = D.draw_rng("cpu")
+    rng = D.draw_rng(q.device)
     torch.manual_seed(torch_seed)
     out = flashedu.attention(q, k, v, backend=backend, **kw)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                       dtype=out.dtype).to(out.device)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     return out, grads, rng, dout
 
@@ -159,7 +168,7 @@ def test_forward_backward_match_float64_with_the_same_mask(backend, case):
                                                          seq_lens=(40, 40))
     if "Hkv" in spec:
         kw["enable_gqa"] = True
-    q, k, v = _inputs(**spec)
+    q, k, v = _inputs(**spec, backend=backend)
     out, grads, rng, dout = _run(backend, q, k, v, 123, **kw)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = naive_attention_torch(*ref_in, dropout_rng=rng, **kw)
@@ -176,7 +185,7 @@ def test_forward_backward_match_float64_with_the_same_mask(backend, case):
 
 @pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
 def test_reproducible_under_manual_seed_and_calls_differ(backend):
-    q, k, v = _inputs(Nq=24, Nk=24)
+    q, k, v = _inputs(Nq=24, Nk=24, backend=backend)
     torch.manual_seed(7)
     a = flashedu.attention(q, k, v, dropout_p=0.5, backend=backend)
     b = flashedu.attention(q, k, v, dropout_p=0.5, backend=backend)
@@ -187,14 +196,17 @@ def test_reproducible_under_manual_seed_and_calls_differ(backend):
 
 
 def test_backends_drop_the_same_entries():
-    """After the same torch.manual_seed, every backend with dropout gives the same output."""
+    """After the same torch.manual_seed, every backend with dropout gives the same output (each
+    draws from its device's generator: the backends compared are those of the CPU)."""
+    on_cpu = [b for b in DROPOUT_BACKENDS if _device(b).type == "cpu"]
+    assert len(on_cpu) >= 2, on_cpu  # naive and numpy at least (triton too without a GPU)
     q, k, v = _inputs(Nq=33, Nk=20)
     outs = {}
-    for backend in DROPOUT_BACKENDS:
+    for backend in on_cpu:
         torch.manual_seed(3)
         outs[backend] = flashedu.attention(q, k, v, dropout_p=0.4, is_causal=True,
                                            backend=backend).detach()
-    first = outs[DROPOUT_BACKENDS[0]]
+    first = outs[on_cpu[0]]
     for name, out in outs.items():
         assert (out - first).abs().max() < 1e-5, name
 
@@ -202,7 +214,7 @@ def test_backends_drop_the_same_entries():
 @pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
 def test_dropout_applies_under_no_grad_as_sdpa(backend):
     """SDPA drops whenever dropout_p > 0, also under torch.no_grad(): so does flashedu."""
-    q, k, v = (t.detach() for t in _inputs(Nq=16, Nk=16))
+    q, k, v = (t.detach() for t in _inputs(Nq=16, Nk=16, backend=backend))
     with torch.no_grad():
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
         plain = torch.nn.functional.scaled_dot_product_attention(q, k, v)

@@ -39,6 +39,20 @@ def test_auto_backend_and_where_follow_the_device():
     assert runtime.where("naive") == "the input's device (torch ops)"
 
 
+def test_auto_follows_the_inputs_device():
+    """CPU tensors take numpy on any machine (a GPU machine too), CUDA tensors triton; torch ops
+    for other devices."""
+    import torch
+
+    from flashedu.backends import resolve_backend
+
+    assert resolve_backend("auto", torch.zeros(1)) == "numpy"
+    assert resolve_backend("auto", torch.zeros(1, device="meta")) == "naive"
+    assert resolve_backend("numba", torch.zeros(1)) == "numba"  # an explicit choice stays
+    if torch.cuda.is_available() and runtime.configure()["gpu"]:
+        assert resolve_backend("auto", torch.zeros(1, device="cuda")) == "triton"
+
+
 def test_doctor_ends_with_the_sections_added_by_higher_layers(monkeypatch):
     monkeypatch.setattr(runtime, "_REPORTS", list(runtime._REPORTS))
     runtime.add_report(lambda: ["extra: a section"])

@@ -281,8 +281,8 @@ class BlockMask:
     @classmethod
     def from_bool_mask(cls, mask, block_size=(128, 128), seq_lens=None) -> BlockMask:
         """The block mask of an element-level bool mask, as SDPA's ``attn_mask`` (True: the
-        pair takes part): shape (Nq, Nk) or (B, H, Nq, Nk), where B, H, Nq or Nk may be 1 to
-        broadcast (then ``seq_lens=(Nq, Nk)`` gives the lengths). Tiles with no True are
+        pair takes part): shape (Nk,), (Nq, Nk) or up to (B, H, Nq, Nk), where B, H, Nq or Nk
+        may be 1 to broadcast (then ``seq_lens=(Nq, Nk)`` gives the lengths). Tiles with no True are
         skipped, tiles all True run unmasked, and the rest read the mask element-wise (the mask
         mod reads the tensor).
 
@@ -295,9 +295,9 @@ class BlockMask:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool torch.Tensor, got "
                             f"{getattr(mask, 'dtype', type(mask).__name__)}")
-        if not 2 <= mask.dim() <= 4:
-            raise ValueError(f"mask must have shape (Nq, Nk) or (B, H, Nq, Nk), got "
-                             f"{tuple(mask.shape)}")
+        if not 1 <= mask.dim() <= 4:  # SDPA broadcasts a mask from the right, (Nk,) too
+            raise ValueError(f"mask must have shape (Nk,), (Nq, Nk) or up to (B, H, Nq, Nk), "
+                             f"got {tuple(mask.shape)}")
         m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         B0, H0, Q0, K0 = m.shape
         Nq, Nk = (Q0, K0) if seq_lens is None else _pair(seq_lens, "seq_lens")

@@ -403,6 +403,11 @@ NUMBA_BANK = [
 
 @pytest.mark.parametrize("mistake, replace, words", NUMBA_BANK, ids=[b[0] for b in NUMBA_BANK])
 def test_numba_wrong_kernel_is_rejected(mistake, replace, words, tmp_path):
+    from flashedu import runtime
+
+    if "IndexError" in words and not runtime.numba_simulated():
+        pytest.skip("a read past the end raises IndexError in numba's simulator only; on a GPU "
+                    "it reads the padding and changes no output")
     assert_rejected(check("numba_forward_kernel", load("numba_forward_kernel", replace, tmp_path)), *words)
 
 

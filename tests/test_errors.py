@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from backend_cases import device
 
 import flashedu
 
@@ -151,7 +152,7 @@ def test_complex_and_conjugate_inputs():
 def test_negative_views_are_resolved(backend):
     """torch._neg_view sets a bit instead of negating: numpy() refuses it, raw pointers ignore it."""
     g = torch.Generator().manual_seed(1)
-    a, b, c = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(3))
+    a, b, c = (torch.randn(1, 2, 16, 16, generator=g).to(device(backend)) for _ in range(3))
     kw = dict(is_causal=True, backend=backend)
     got = flashedu.attention(torch._neg_view(a), torch._neg_view(b), torch._neg_view(c), **kw)
     want = flashedu.attention(-a, -b, -c, **kw)

@@ -87,6 +87,9 @@ def test_float64_is_refused_rather_than_rounded():
 # threads that read shared memory before it is written may read anything, overflow included
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.skipif(not flashedu.runtime.numba_simulated(),
+                    reason="a race shows in the simulator, whose threads interleave; on a GPU "
+                           "the block's one warp runs in step and may hide it")
 def test_without_barriers_the_result_is_wrong():
     """Drop cuda.syncthreads(): threads read tiles before other threads have written them."""
     q, k, v = randn(1, 1, 32, 8), randn(1, 1, 32, 8), randn(1, 1, 32, 8)

@@ -242,7 +242,13 @@ def test_from_bool_mask_refuses_what_is_not_a_bool_mask():
     with pytest.raises(TypeError, match="bool"):
         BlockMask.from_bool_mask(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="shape"):
-        BlockMask.from_bool_mask(torch.zeros(4, dtype=torch.bool))
+        BlockMask.from_bool_mask(torch.zeros((), dtype=torch.bool))
+    with pytest.raises(ValueError, match="shape"):
+        BlockMask.from_bool_mask(torch.zeros(1, 1, 1, 4, 4, dtype=torch.bool))
+    # a key mask (Nk,) broadcasts over the rows, as SDPA's attn_mask does
+    keys = torch.tensor([True, False, True, False, False, False])
+    bm = BlockMask.from_bool_mask(keys, block_size=(2, 2), seq_lens=(4, 6))
+    assert bm.blocks[0, 0].tolist() == [[True, True, False]] * 2
     with pytest.raises(ValueError, match="broadcast"):
         BlockMask.from_bool_mask(torch.zeros(3, 4, dtype=torch.bool), seq_lens=(5, 4))
 

@@ -273,8 +273,8 @@ def _shared_memory_probe(case):
                     and reads["shared_loads"] < 2:
                 problem = (f"the answer is right, but your compiled kernel loads from shared "
                            f"memory in {reads['shared_loads']} place(s) (ld.shared in its PTX), "
-                           "so it must read K or V from global memory. Each block should copy a K_j, "
-                           "V_j tile into shared memory once (cuda.shared.array, then "
+                           "so it must read K or V from global memory. Each block should copy "
+                           "a K_j, V_j tile into shared memory once (cuda.shared.array, then "
                            "cuda.syncthreads()) and let all its threads read both there.")
             return problem
         if call.reads is None:

@@ -282,9 +282,9 @@ class BlockMask:
     def from_bool_mask(cls, mask, block_size=(128, 128), seq_lens=None) -> BlockMask:
         """The block mask of an element-level bool mask, as SDPA's ``attn_mask`` (True: the
         pair takes part): shape (Nk,), (Nq, Nk) or up to (B, H, Nq, Nk), where B, H, Nq or Nk
-        may be 1 to broadcast (then ``seq_lens=(Nq, Nk)`` gives the lengths). Tiles with no True are
-        skipped, tiles all True run unmasked, and the rest read the mask element-wise (the mask
-        mod reads the tensor).
+        may be 1 to broadcast (then ``seq_lens=(Nq, Nk)`` gives the lengths). Tiles with no
+        True are skipped, tiles all True run unmasked, and the rest read the mask element-wise
+        (the mask mod reads the tensor).
 
         The same tiles as ``from_mask_mod`` with a mod that reads the mask, but the tile grid
         comes from per-tile reductions of the mask where it lies (one pass, broadcast axes not

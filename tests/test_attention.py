@@ -120,7 +120,8 @@ def test_block_mask_and_fully_masked_rows(backend, is_causal):
         pytest.skip(f"{backend} takes no block mask")
     Nq, Nk, block = (64, 48, 16) if CAPS[backend].max_n < 100 else (150, 90, 32)
     dtype = CAPS[backend].dtypes[0]
-    q, k, v = _inputs(backend, (1, 2, 2, Nq, Nk, 16), dtype, requires_grad=CAPS[backend].backward)
+    q, k, v = _inputs(backend, (1, 2, 2, Nq, Nk, 16), dtype,
+                      requires_grad=CAPS[backend].backward)
     mask = _random_block_mask(Nq, Nk, block, seed=3)
     out = _check_forward(backend, q, k, v, block_mask=mask, is_causal=is_causal)
     assert (out[:, :, block:2 * block] == 0).all(), "fully masked rows must be exactly zero"

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from backend_cases import device
 
 import flashedu
 from flashedu import dropout as D
@@ -13,11 +14,6 @@ from flashedu.backends import BACKENDS
 from flashedu.reference import naive_attention_torch
 
 DROPOUT_BACKENDS = [name for name, spec in BACKENDS.items() if spec.has_dropout]
-
-
-def _device(backend="triton"):
-    """Where a backend's tensors live: the GPU for compiled Triton kernels, else the CPU."""
-    return flashedu.runtime.kernel_device() if backend == "triton" else torch.device("cpu")
 
 
 def _triton_dropout():
@@ -59,7 +55,7 @@ def test_triton_philox_is_numpys():
         tl.store(Out + 192 + c, r3)
 
     seed = 0x0123456789ABCDEF
-    out = torch.zeros(256, dtype=torch.int32, device=_device())
+    out = torch.zeros(256, dtype=torch.int32, device=device("triton"))
     words_kernel[(1,)](out, seed, D.N_ROUNDS)
     c = np.arange(64)
     expected = np.concatenate(D.philox(seed, c, c * 3 + 7, c ^ 5, c * 11))
@@ -75,7 +71,7 @@ def test_masks_bit_identical_numpy_torch_triton(p, tiles):
     seed, offset = D.rng_values(rng)
     B, H, Nq, Nk = 2, 3, 37, 45
     Z = D.dropout_mask(seed, offset, B, H, Nq, Nk, p)
-    triton_Z = TD.dropout_mask(rng.to(_device()), B, H, Nq, Nk, p, *tiles)
+    triton_Z = TD.dropout_mask(rng.to(device("triton")), B, H, Nq, Nk, p, *tiles)
     assert np.array_equal(triton_Z.cpu().numpy(), Z)
     assert np.array_equal(D.keep_mask_torch(rng, B, H, Nq, Nk, p).numpy(), Z)
 
@@ -132,7 +128,7 @@ def _inputs(B=1, H=2, Hkv=None, Nq=40, Nk=40, d=16, dtype=torch.float32, seed=0,
     q = torch.randn(B, H, Nq, d, generator=g, dtype=dtype)
     k = torch.randn(B, Hkv, Nk, d, generator=g, dtype=dtype)
     v = torch.randn(B, Hkv, Nk, d, generator=g, dtype=dtype)
-    return [t.to(_device(backend)).requires_grad_() for t in (q, k, v)]
+    return [t.to(device(backend)).requires_grad_() for t in (q, k, v)]
 
 
 def _run(backend, q, k, v, torch_seed, **kw):
@@ -198,7 +194,7 @@ def test_reproducible_under_manual_seed_and_calls_differ(backend):
 def test_backends_drop_the_same_entries():
     """After the same torch.manual_seed, every backend with dropout gives the same output (each
     draws from its device's generator: the backends compared are those of the CPU)."""
-    on_cpu = [b for b in DROPOUT_BACKENDS if _device(b).type == "cpu"]
+    on_cpu = [b for b in DROPOUT_BACKENDS if device(b).type == "cpu"]
     assert len(on_cpu) >= 2, on_cpu  # naive and numpy at least (triton too without a GPU)
     q, k, v = _inputs(Nq=33, Nk=20)
     outs = {}

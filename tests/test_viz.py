@@ -312,7 +312,8 @@ def test_model_counts_bytes_like_io():
     assert big.block_size == (1024, 1024) and big.density == mask.density
 
 
-def test_editor_runs_a_cpu_check():
+def test_editor_runs_the_check_of_its_machine():
+    """On a CPU the backends against the reference; on a GPU the mask timed against dense."""
     e = BlockMaskEditor(tiles=4, preset="BigBird")
     results = e.run()
     if runtime.configure()["gpu"] and not runtime.triton_interpreted():  # it times the GPU

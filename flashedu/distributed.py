@@ -425,7 +425,7 @@ def _schedule(plan, ring):
     return [(p, t) for p in range(plan.m) for t in range(ring.size)]
 
 
-def _own_tile(x, plan, p, ledger):
+def _own_tile(x, plan, p, ledger=_NoLedger):
     """Tile p of this rank's K or V, its pieces side by side (a copy: it travels)."""
     return ledger.take("kv", torch.cat([x[:, :, a:b] for a, b in plan.tile_rows(p)], dim=2))
 

@@ -45,6 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# flashedu before anything imports triton, as it must be
+from flashedu.distributed import Ring, _own_tile
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -141,11 +144,6 @@ class MicroSteps:
         self.L_run = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         self.dq = torch.zeros_like(self.q)
 
-    @staticmethod
-    def tile(x, plan, p):
-        """Tile p of x (k or v) as it travels: its pieces side by side."""
-        return torch.cat([x.detach()[:, :, a:b] for a, b in plan.tile_rows(p)], dim=2)
-
     def forward(self, calls, K_t, V_t):
         from flashedu.distributed import block_forward_into
 
@@ -172,7 +170,7 @@ class MicroSteps:
 
 def ring(N, causal, args, device, dtype, timer, rank, world, accumulate):
     """This rank's shard; returns its timings (the caller takes the slowest rank)."""
-    from flashedu.distributed import Ring, pass_plans, ring_attention, wait_all
+    from flashedu.distributed import pass_plans, ring_attention, wait_all
 
     q, k, v, dout = inputs(N, args, device, dtype, rank, world, grad=True)
     opts = dict(is_causal=causal, tile=args.tile, forward_tile=args.forward_tile,
@@ -189,7 +187,7 @@ def ring(N, causal, args, device, dtype, timer, rank, world, accumulate):
     _, plan = pass_plans(q.shape[2], world, "zigzag", args.tile, args.forward_tile,
                          args.call_rows)
     r = Ring()
-    K_t, V_t = MicroSteps.tile(k, plan, 0), MicroSteps.tile(v, plan, 0)
+    K_t, V_t = _own_tile(k.detach(), plan, 0), _own_tile(v.detach(), plan, 0)
     xfer = timer(lambda: wait_all(r.start_exchange((K_t, V_t))[0]))
     steps, calls = MicroSteps(q, k, v, dout, args.d ** -0.5), plan.calls(0, 0, 0, False)
     step_f = timer(lambda: steps.forward(calls, K_t, V_t))
@@ -215,7 +213,7 @@ def runs_plan(plan):
 def lockstep_time(plan, world, causal, timer, k, v, step):
     """(ring ms, mean rank ms) of one pass: the sum over micro-steps of the slowest rank's
     ``step(calls, K_t, V_t)``, and of the ranks' mean."""
-    K_t, V_t = MicroSteps.tile(k, plan, 0), MicroSteps.tile(v, plan, 0)
+    K_t, V_t = _own_tile(k.detach(), plan, 0), _own_tile(v.detach(), plan, 0)
     ring = busy = 0.0
     for p in range(plan.m):
         for t in range(world):
@@ -250,27 +248,20 @@ def lockstep(N, causal, args, device, dtype, timer, world):
     return result
 
 
-class EchoRing:
-    """A stand-in for flashedu.distributed.Ring on one device: rank ``rank`` of ``size``, whose
-    receive buffers get a copy of what it sends under the same tag. The values are not another
-    rank's, but the shapes, the calls and the buffers' lifetimes are the rank's own: its peak
-    memory is what that rank holds in a real ring."""
+class EchoRing(Ring):
+    """flashedu.distributed.Ring on one device, without a process group: rank ``rank`` of
+    ``size``, whose receive buffers get a copy of what it sends under the same tag. The values
+    are not another rank's, but the shapes, the calls and the buffers' lifetimes are the rank's
+    own: its peak memory is what that rank holds in a real ring."""
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
-
-    def source(self, t: int) -> int:
-        return (self.rank - t) % self.size
 
     def post_tagged(self, send=(), recv=()):
         sent = {tag: t for t, tag in send}
         for buf, tag in recv:
             buf.copy_(sent[tag])
         return [], [t for t, _ in send]
-
-    def post(self, send=(), recv=(), tag: int = 0):
-        return self.post_tagged([(t, tag + i) for i, t in enumerate(send)],
-                                [(t, tag + i) for i, t in enumerate(recv)])
 
 
 def whole_rank(N, causal, args, device, dtype, timer, world, accumulate):
@@ -304,8 +295,6 @@ def whole_rank(N, causal, args, device, dtype, timer, world, accumulate):
 def lockstep_main(args):
     """--lockstep: the model on one device; prints a table and returns the record."""
     device = "cpu" if args.cpu else "cuda:0"
-    import flashedu  # noqa: F401  (before triton)
-
     dtype = DTYPES[args.dtype]
     timer = Timer(not args.cpu, args.warmup, args.reps, barrier=False)
     rows = []
@@ -341,9 +330,7 @@ def lockstep_main(args):
 def check_ring(N, causal, args, device, dtype, rank, world):
     """Max |ring - one device| over the whole output (gathered on every rank)."""
     import flashedu
-    from flashedu.distributed import ring_attention
-
-    from flashedu.distributed import zigzag_shard, zigzag_unshard
+    from flashedu.distributed import ring_attention, zigzag_shard, zigzag_unshard
 
     q, k, v, _ = inputs(N, args, device, dtype)
     backend = "triton" if device != "cpu" else "naive"
@@ -389,8 +376,6 @@ def worker(rank, world, port, args, results):
     device = "cpu" if cpu else f"cuda:{rank}"
     if not cpu:
         torch.cuda.set_device(rank)
-    import flashedu  # noqa: F401  (before triton)
-
     dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=dt.timedelta(seconds=300))
     dtype = DTYPES[args.dtype]

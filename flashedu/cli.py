@@ -5,6 +5,7 @@
     flashedu bench ...           benchmarks against peers, and its subcommands (flashedu.bench)
     flashedu exercises ...       build exercises/ from solutions/ (flashedu.checks.build)
     flashedu check NOTEBOOK...   grade learners' notebooks (flashedu.checks.grade)
+    flashedu progress            your progress through the course, by notebook (flashedu.course)
     flashedu --version           the package version
 
 Every subcommand validates its arguments before doing any work and exits non-zero (2 for bad
@@ -22,8 +23,9 @@ import sys
 DELEGATED = {
     "bench": ("flashedu.bench", "benchmarks against peers; `flashedu bench --help` lists the "
               "subcommands (timings need a GPU)"),
-    "exercises": ("flashedu.checks.build", "generate exercises/ from solutions/"),
+    "exercises": ("flashedu.checks.build", "generate exercises/ and notebooks/ from solutions/"),
     "check": ("flashedu.checks.grade", "grade notebooks and print a score table"),
+    "progress": ("flashedu.course.progress", "your progress through the course, by notebook"),
 }
 
 

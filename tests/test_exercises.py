@@ -21,11 +21,10 @@ EXERCISE_NBS = sorted((ROOT / "exercises").glob("*.ipynb"))
 NBGRADER_KEYS = {"grade", "grade_id", "locked", "schema_version", "solution", "task"}
 
 
-def test_exercises_are_up_to_date():
-    problems = build.stale(ROOT / "solutions", ROOT / "exercises")
+def test_exercises_and_notebooks_are_up_to_date():
+    problems = [line for src, dst in build.FOLDERS for line in build.stale(ROOT / src, ROOT / dst)]
     assert not problems, "run `flashedu exercises build`:\n" + "\n".join(problems)
-    assert build.main(["build", "--check", "--solutions", str(ROOT / "solutions"),
-                       "--exercises", str(ROOT / "exercises")]) == 0
+    assert build.main(["build", "--check", "--root", str(ROOT)]) == 0
 
 
 def test_strip_keeps_the_skeleton_and_indentation():
@@ -39,12 +38,18 @@ def test_strip_keeps_the_skeleton_and_indentation():
             build.strip_source(broken)
 
 
+def test_a_prediction_keeps_its_question_and_loses_its_answer():
+    source = "# your prediction: programs for Nq = 100, Br = 16\n### BEGIN SOLUTION\nguess = 7\n### END SOLUTION"
+    assert build.strip_source(source, prediction=True) == (
+        "# your prediction: programs for Nq = 100, Br = 16\nguess = None  # YOUR ANSWER HERE")
+
+
 def test_build_check_reports_a_stale_exercise(tmp_path):
     (tmp_path / "solutions").mkdir()
     (tmp_path / "exercises").mkdir()
     nb = nbformat.read(SOLUTIONS[0], as_version=4)
     nbformat.write(nb, tmp_path / "solutions" / "a.ipynb")
-    args = ["build", "--solutions", str(tmp_path / "solutions"), "--exercises", str(tmp_path / "exercises")]
+    args = ["build", "--root", str(tmp_path)]
     assert build.main(args + ["--check"]) == 1  # missing
     assert build.main(args) == 0 and build.main(args + ["--check"]) == 0
     nb.cells[0].source += " (edited)"

@@ -25,21 +25,33 @@ from .engine import Exercise, run_exercise
 from .kernels import EXERCISES as _KERNEL_EXERCISES
 from .numpy_exercises import EXERCISES as _NUMPY_EXERCISES
 from .result import NOT_IMPLEMENTED, CaseResult, CheckResult
+from .steps import collect as _collect_steps
 
+# the graded exercises of exercises/ (``flashedu check`` grades these)
 EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in _NUMPY_EXERCISES + _KERNEL_EXERCISES}
+# the notebooks' steps (practice: checked the same way, never graded; see flashedu.course)
+STEPS: dict[str, Exercise] = {ex.name: ex for ex in _collect_steps()}
+_clash = set(EXERCISES) & set(STEPS)
+assert not _clash, f"step checks named as exercises: {_clash}"
 
 
 def check(name: str, fn, seed: int | None = None) -> CheckResult:
-    """Grade ``fn`` as exercise ``name``; see the module docstring. ``seed`` repeats the inputs
-    of an earlier check (its message names the random seed)."""
-    if name not in EXERCISES:
-        raise ValueError(f"unknown exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
+    """Grade ``fn`` as exercise (or step check) ``name``; see the module docstring. ``seed``
+    repeats the inputs of an earlier check (its message names the random seed)."""
+    ex = EXERCISES.get(name) or STEPS.get(name)
+    if ex is None:
+        raise ValueError(f"unknown exercise {name!r}; the exercises are: {', '.join(EXERCISES)}"
+                         f"; the notebooks' steps: {', '.join(STEPS)}")
     try:
-        return run_exercise(EXERCISES[name], fn, seed)
+        result = run_exercise(ex, fn, seed)
     except Exception as exc:  # noqa: BLE001 - a bug of the grader must not end the learner's cell
-        ex = EXERCISES[name]
         return CheckResult(name, False, f"the checker itself failed (a bug in flashedu.checks, "
                            f"please report it): {type(exc).__name__}: {exc}", 0.0, ex.points)
+    if name in EXERCISES:
+        from ..course import progress
+
+        progress.record("exercises", name, passed=result.passed, status=result.status)
+    return result
 
 
-__all__ = ["EXERCISES", "NOT_IMPLEMENTED", "CaseResult", "CheckResult", "check"]
+__all__ = ["EXERCISES", "NOT_IMPLEMENTED", "STEPS", "CaseResult", "CheckResult", "check"]

@@ -1,26 +1,36 @@
-"""``flashedu exercises build [--check]``: generate exercises/ from solutions/.
+"""``flashedu exercises build [--check]``: generate exercises/ and notebooks/ from solutions/.
 
-solutions/ holds the course's exercise notebooks in nbgrader's format, with each answer between
-``### BEGIN SOLUTION`` and ``### END SOLUTION`` in a cell whose metadata says
-``nbgrader.solution: true``. The exercise notebook is the same notebook with each answer replaced
-by ``raise NotImplementedError()`` (at the marker's indentation, so the skeleton around it stays
-valid Python) and every output cleared. ``--check`` writes nothing and fails when exercises/ is
-not what solutions/ generates (a test runs it).
+solutions/ holds the course's exercise notebooks, and solutions/notebooks/ the course's
+notebooks, in nbgrader's format: each answer sits between ``### BEGIN SOLUTION`` and
+``### END SOLUTION`` in a cell whose metadata says ``nbgrader.solution: true``. The learner's
+notebook is the same notebook with each answer replaced by ``# YOUR CODE HERE`` and
+``raise NotImplementedError()`` (at the marker's indentation, so the skeleton around it stays
+valid Python) and every output cleared. In a prediction cell (metadata ``flashedu.prediction``)
+each ``name = answer`` line of the answer becomes ``name = None  # YOUR ANSWER HERE``: the
+learner's guess, graded by the cell that measures the answer (see :mod:`flashedu.course`).
+``--check`` writes nothing and fails when exercises/ or notebooks/ is not what solutions/
+generates (a test runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 from pathlib import Path
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = ("# YOUR CODE HERE", "raise NotImplementedError()")
+ANSWER = "None  # YOUR ANSWER HERE"
+# (solved source, generated learner copy), relative to the project's root
+FOLDERS = ((Path("solutions"), Path("exercises")),
+           (Path("solutions") / "notebooks", Path("notebooks")))
 
 
-def strip_source(source: str, where: str = "cell") -> str:
-    """``source`` with each BEGIN/END SOLUTION block replaced by the placeholder."""
+def strip_source(source: str, where: str = "cell", prediction: bool = False) -> str:
+    """``source`` with each BEGIN/END SOLUTION block replaced by the placeholder (or, in a
+    prediction cell, each assignment's value by ``None``)."""
     out, inside = [], False
     for line in source.split("\n"):
         marker = line.strip()
@@ -29,13 +39,18 @@ def strip_source(source: str, where: str = "cell") -> str:
                 raise ValueError(f"{where}: nested '{BEGIN}'")
             inside = True
             indent = line[: len(line) - len(line.lstrip())]
-            out += [indent + p for p in PLACEHOLDER]
+            if not prediction:
+                out += [indent + p for p in PLACEHOLDER]
         elif marker == END:
             if not inside:
                 raise ValueError(f"{where}: '{END}' without '{BEGIN}'")
             inside = False
         elif not inside:
             out.append(line)
+        elif prediction:
+            assignment = re.match(r"^(\s*[A-Za-z_]\w*\s*=)(?!=)", line)
+            if assignment:
+                out.append(f"{assignment.group(1).rstrip()} {ANSWER}")
     if inside:
         raise ValueError(f"{where}: '{BEGIN}' without '{END}'")
     return "\n".join(out)
@@ -47,11 +62,12 @@ def exercise_notebook(nb, name: str = "notebook"):
     for index, cell in enumerate(nb.cells):
         where = f"{name}, cell {index}"
         is_solution = cell.get("metadata", {}).get("nbgrader", {}).get("solution", False)
+        prediction = "prediction" in cell.get("metadata", {}).get("flashedu", {})
         has_markers = BEGIN in cell.source or END in cell.source
         if has_markers and not is_solution:
             raise ValueError(f"{where}: solution markers in a cell not marked nbgrader.solution")
         if is_solution and cell.cell_type == "code":
-            cell.source = strip_source(cell.source, where)
+            cell.source = strip_source(cell.source, where, prediction)
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
@@ -65,7 +81,7 @@ def render(nb) -> str:
 
 
 def plan(solutions: Path, exercises: Path) -> dict[Path, str]:
-    """Every exercise file that should exist, with its text."""
+    """Every generated notebook that should exist in ``exercises``, with its text."""
     out = {}
     for src in sorted(solutions.glob("*.ipynb")):
         import nbformat
@@ -76,7 +92,8 @@ def plan(solutions: Path, exercises: Path) -> dict[Path, str]:
 
 
 def stale(solutions: Path, exercises: Path) -> list[str]:
-    """What differs between exercises/ and what solutions/ generates (empty: up to date)."""
+    """What differs between ``exercises`` and what ``solutions`` generates (empty: up to
+    date)."""
     wanted = plan(solutions, exercises)
     problems = [f"{p}: missing" for p in wanted if not p.exists()]
     problems += [f"{p}: out of date" for p, text in wanted.items()
@@ -91,30 +108,35 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["build"])
     parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when exercises/ is out of date")
-    parser.add_argument("--solutions", type=Path, default=Path("solutions"))
-    parser.add_argument("--exercises", type=Path, default=Path("exercises"))
+                        help="write nothing; exit 1 when exercises/ or notebooks/ is out of date")
+    parser.add_argument("--root", type=Path, default=Path("."),
+                        help="the project's root, holding solutions/ (default: here)")
     args = parser.parse_args(argv)
-    if not args.solutions.is_dir():
-        print(f"no {args.solutions}/ here: run from the project's root or pass --solutions",
+    if not (args.root / "solutions").is_dir():
+        print(f"no solutions/ in {args.root}: run from the project's root or pass --root",
               file=sys.stderr)
         return 2
+    pairs = [(args.root / src, args.root / dst) for src, dst in FOLDERS
+             if (args.root / src).is_dir()]
     if args.check:
-        problems = stale(args.solutions, args.exercises)
+        problems = [line for src, dst in pairs for line in stale(src, dst)]
         for line in problems:
             print(line)
         if problems:
-            print("exercises/ is out of date: run `flashedu exercises build`", file=sys.stderr)
+            print("generated notebooks are out of date: run `flashedu exercises build`",
+                  file=sys.stderr)
             return 1
-        print(f"{args.exercises}/ is up to date with {args.solutions}/")
+        print(", ".join(f"{dst}/" for _, dst in pairs) + " up to date with their sources")
         return 0
-    args.exercises.mkdir(parents=True, exist_ok=True)
-    wanted = plan(args.solutions, args.exercises)
-    for path, text in wanted.items():
-        path.write_text(text, encoding="utf-8")
-        print(f"wrote {path}")
-    for path in sorted(args.exercises.glob("*.ipynb")):
-        if path not in wanted:
-            path.unlink()
-            print(f"removed {path} (no solution notebook)")
+    for src, dst in pairs:
+        dst.mkdir(parents=True, exist_ok=True)
+        wanted = plan(src, dst)
+        for path, text in wanted.items():
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                path.write_text(text, encoding="utf-8")
+                print(f"wrote {path}")
+        for path in sorted(dst.glob("*.ipynb")):
+            if path not in wanted:
+                path.unlink()
+                print(f"removed {path} (no solved notebook)")
     return 0

@@ -1,7 +1,7 @@
 """Launcher of ``flashedu bench numba`` (flashedu/benchmarks/numba_gpu.py), whose sanitize mode
 runs its kernel under compute-sanitizer in a child process:
 
-    python scripts/gpu_numba.py all --json $OUT/numba_h100.json   # = flashedu bench numba all ...
+    python scripts/gpu_numba.py all --json bench-out/numba_h100.json   # = flashedu bench numba all ...
 
 ``check_case`` runs one correctness case on DEV ("cpu": numba's simulator).
 """

@@ -550,3 +550,36 @@ def test_tf32_model_of_the_gpu_dots():
     err32 = np.abs(reference.naive_attention(q, k, v)[1] - L).max()
     err_tf32 = np.abs(_naive_tf32(q, k, v, False, None)[1] - L).max()
     assert err_tf32 > 100 * err32
+
+
+def _plain_attention(Q, K, V, scale):
+    # written out here: flashedu's own references are off while a check calls the function
+    S = Q @ K.T * (1.0 / np.sqrt(Q.shape[1]) if scale is None else scale)
+    m = S.max(axis=1, keepdims=True)
+    P = np.exp(S - m)
+    return P @ V / P.sum(axis=1, keepdims=True), (m + np.log(P.sum(axis=1, keepdims=True)))[:, 0]
+
+
+def test_a_nan_row_is_told_apart_from_the_rows_that_are_only_wrong():
+    def nan_first_row_rest_doubled(Q, K, V, block_q, block_k, causal=False, scale=None):
+        O, L = _plain_attention(Q, K, V, scale)
+        O = 2 * O + 1
+        O[0] = np.nan
+        return O, L
+
+    def nan_first_row_only(Q, K, V, block_q, block_k, causal=False, scale=None):
+        O, L = _plain_attention(Q, K, V, scale)
+        O[0] = np.nan
+        return O, L
+
+    from flashedu.checks import engine
+
+    ex = EXERCISES["flash_forward"]
+    case = ex.cases()[2]
+    n = case.expected[0].shape[0]
+    for fn, wrong_too in ((nan_first_row_rest_doubled, True), (nan_first_row_only, False)):
+        call = engine.execute_case(ex, fn, case)
+        _, message, status = engine.judge_case(ex, case, call)
+        assert status == "failed"
+        assert f"O contains NaN (in 1 of {n} rows (0))" in message, message
+        assert (f"all {n} rows are wrong" in message) == wrong_too, message

@@ -2,7 +2,7 @@
 forward before/after over N x d x causal x dtype, the causal backward's configs, a causal
 BlockMask against is_causal, and torch.compile through the kernels. Prints tables, writes JSON.
 
-    GIT_COMMIT=<sha> flashedu bench forward --prev .prev/forward_prev.py --json $OUT/fwd.json \\
+    GIT_COMMIT=<sha> flashedu bench forward --prev .prev/forward_prev.py --json bench-out/fwd.json \\
         [--only sparse_tma ...]
 
 ``--prev`` is the forward.py of an earlier commit, to compare with (carried beside the tree:

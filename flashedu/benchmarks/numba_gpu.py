@@ -3,7 +3,7 @@
     flashedu bench numba check        # correct at N up to 16K (and 64K by sampled rows)
     flashedu bench numba bench        # time and peak memory vs naive fp32 PyTorch
     flashedu bench numba sanitize     # memcheck + racecheck on a small odd size
-    flashedu bench numba all --json docs/bench/numba_h100.json --log-dir $OUT
+    flashedu bench numba all --json docs/bench/numba_h100.json --log-dir bench-out
 
 Every check draws fresh random inputs, poisons the outputs with NaN before the launch and compares
 with a float64 reference: the error must be at most 2x that of naive PyTorch attention computed

@@ -59,11 +59,6 @@ PAPER_FIG2 = {
     "setting": "A100, GPT-2 medium: N=1024, d=64, 16 heads, batch 64, forward + backward",
     "standard": {"gflops": 66.6, "hbm_gb": 40.3, "ms": 41.7},
     "flash": {"gflops": 75.2, "hbm_gb": 4.4, "ms": 7.3},
-    "revision_standard": {"hbm_gb": 35.3, "ms": 35.1},
-    "revision_note": ("a later revision of the figure gives 35.3 GB / 35.1 ms for standard "
-                      "attention; we could not verify which revision or setting change (the "
-                      "`search` tool found no copy of that revision's caption), so it is quoted "
-                      "as the brief gives it"),
 }
 
 
@@ -771,9 +766,7 @@ def report(data: dict) -> str:
         rows = [[f"paper A100 standard", paper["standard"]["gflops"], paper["standard"]["hbm_gb"],
                  "", paper["standard"]["ms"]],
                 [f"paper A100 FlashAttention", paper["flash"]["gflops"], paper["flash"]["hbm_gb"],
-                 "", paper["flash"]["ms"]],
-                ["paper (later revision) standard", "", paper["revision_standard"]["hbm_gb"], "",
-                 paper["revision_standard"]["ms"]]]
+                 "", paper["flash"]["ms"]]]
         for p, r in f["rows"].items():
             ncu = r["ncu"]
             rows.append([p, fmt(r["gflops_counted"], 1, 1), fmt(ncu.get("hbm_bytes"), 1e9),

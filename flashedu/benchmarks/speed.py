@@ -2,8 +2,8 @@
 against the production kernels), and the before/after backward at other sizes. Prints short
 tables, writes JSON (docs/bench/speed.md records the runs).
 
-    flashedu bench speed sweep --json $OUT/speed_sweep.json
-    flashedu bench speed regress --json $OUT/speed_regress.json
+    flashedu bench speed sweep --json bench-out/speed_sweep.json
+    flashedu bench speed regress --json bench-out/speed_regress.json
     ncu --kernel-name forward_kernel --launch-skip 1 --launch-count 1 \\
         python3 -m flashedu.bench speed ncu-fwd          # one forward launch, for ncu
     ncu ... python3 -m flashedu.bench speed ncu-bwd      # one backward, for ncu

@@ -378,7 +378,12 @@ def _wrong_text(name, got, ref, err, tol, rows) -> str:
     n = ref.shape[0] if ref.ndim else 1
     where = compare.describe_rows(rows, n)
     if np.isnan(got).any():
-        return f"{name} contains NaN (in {where})."
+        nan_rows = np.flatnonzero(np.isnan(got).reshape(n, -1).any(axis=1))
+        text = f"{name} contains NaN (in {compare.describe_rows(nan_rows, n)})"
+        if len(rows) > len(nan_rows):  # other rows are wrong too: say so, apart
+            text += f"; {compare.describe_rows(rows, n)} are wrong (NaN or off by up to " \
+                    f"{_finite_max_error(got, ref):.2e}, allowed {tol:.1e})"
+        return text + "."
     if err == float("inf"):
         return (f"{name} has -inf/inf where the reference does not, or misses one "
                 f"(in {where}).")
@@ -413,3 +418,13 @@ def _probe(case: Case, call: Call, outputs) -> str | None:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def _finite_max_error(got, ref) -> float:
+    """The largest normalized error where both are finite (NaN and inf left out)."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    both = np.isfinite(got) & np.isfinite(ref)
+    if not both.any():
+        return 0.0
+    return float(np.max(np.abs(got[both] - ref[both]) / (1.0 + np.abs(ref[both]))))

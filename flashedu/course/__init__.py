@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import html
+import importlib
 import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -108,11 +110,18 @@ def reference(step_id: str, namespace: dict | None = None):
         tmp.write_text(code, encoding="utf-8")
         os.replace(tmp, path)
     scope = dict(namespace if namespace is not None else {})
+    for name, module in _USUAL_IMPORTS.items():  # what a notebook has imported by then
+        if name not in scope and re.search(rf"\b{name}\.", code):
+            scope[name] = importlib.import_module(module)
     scope["__name__"] = f"flashedu_step_{step.id.replace('.', '_')}"
     exec(compile(code, str(path), "exec"), scope)  # noqa: S102 - the course's own solved cell
     if step.symbol not in scope:
         raise RuntimeError(f"the solved cell of {step.id} does not define {step.symbol}")
     return scope[step.symbol]
+
+
+_USUAL_IMPORTS = {"np": "numpy", "math": "math", "torch": "torch", "triton": "triton",
+                  "tl": "triton.language", "cuda": "numba.cuda"}
 
 
 def reveal(step_id: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-COURSE_NOTEBOOKS = NOTEBOOKS + sorted((ROOT / "solutions").glob("*.ipynb")) + sorted(
+COURSE_NOTEBOOKS = NOTEBOOKS + sorted((ROOT / "solutions").rglob("*.ipynb")) + sorted(
     (ROOT / "exercises").glob("*.ipynb"))
 
 # Words about how the project was made, which a reader of the course should never meet.
@@ -27,7 +27,20 @@ TEXT_FILES = [p for pattern in ("flashedu/**/*.py", "scripts/*.py", "tests/*.py"
                                 "docs/**/*.json", "docs/**/*.log", "*.md", "exercises/*.py",
                                 "solutions/*.py")
               for p in ROOT.glob(pattern) if p.name != "test_course.py"]
-FILE_NAMES = [p for p in ROOT.rglob("*") if ".git" not in p.parts and ".venv" not in p.parts]
+
+
+def _project_files() -> list[Path]:
+    import os
+
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in (".git", ".venv", "__pycache__", "bench-out")
+                   and not d.endswith(".egg-info")]
+        found += [Path(folder) / name for name in dirs + files]
+    return found
+
+
+FILE_NAMES = _project_files()
 
 
 def practice_cells(nb) -> list:

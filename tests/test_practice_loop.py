@@ -233,3 +233,42 @@ def test_progress_counts_steps_predictions_and_exercises(tmp_path):
 def test_a_broken_record_is_read_as_empty(record):
     record.write_text("{not json")
     assert progress.load() == {"steps": {}, "predictions": {}, "exercises": {}}
+
+
+# ----- a class: the released notebooks, an installation without the solutions -----------------
+
+
+def test_release_writes_the_learner_notebooks_without_solutions(tmp_path):
+    target = tmp_path / "class"
+    assert build.main(["release", str(target), "--root", str(ROOT)]) == 0
+    written = sorted(p.relative_to(target).as_posix() for p in target.rglob("*.ipynb"))
+    assert written == sorted([f"exercises/{p.name}" for p in (ROOT / "solutions").glob("*.ipynb")]
+                             + [f"notebooks/{p.name}" for p in SOLVED])
+    for path in target.rglob("*.ipynb"):
+        text = path.read_text(encoding="utf-8")
+        assert build.BEGIN not in text and build.END not in text, path
+        assert text == (ROOT / path.relative_to(target)).read_text(encoding="utf-8")
+    assert build.main(["release", str(target), "--root", str(ROOT)]) == 2  # not empty: refused
+    assert build.main(["release", "--root", str(ROOT)]) == 2  # no folder named
+
+
+def test_without_the_solved_notebooks_the_index_serves(monkeypatch, tmp_path, capsys, record):
+    full = course_notebooks.steps()
+    monkeypatch.setattr(course_notebooks, "solved_folder", lambda: tmp_path / "absent")
+    course_notebooks.steps.cache_clear()
+    try:
+        index = course_notebooks.steps()
+        assert [(s.id, s.exercise, s.symbol) for s in index] == \
+            [(s.id, s.exercise, s.symbol) for s in full]
+        with pytest.raises(FileNotFoundError, match="not in this installation"):
+            course.reveal("06.add")
+
+        def add_kernel():  # a skeleton, as the released notebook has it
+            # YOUR CODE HERE
+            raise NotImplementedError()
+
+        assert course.check("06.add", add_kernel, quiet=True) is add_kernel
+        assert "not written yet, and the solution of 06.add is not in this installation" in \
+            capsys.readouterr().out
+    finally:
+        course_notebooks.steps.cache_clear()

@@ -103,10 +103,47 @@ def stale(solutions: Path, exercises: Path) -> list[str]:
     return problems
 
 
+def release(pairs, target: Path | None) -> int:
+    """Write what a class gets: for each (solutions, learner) pair, the learner's notebooks in
+    ``target/<learner folder name>``; nothing with a solution in it."""
+    if target is None:
+        print("flashedu exercises release: name the folder to write (release DIR)",
+              file=sys.stderr)
+        return 2
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        print(f"flashedu exercises release: {target} exists and is not an empty folder",
+              file=sys.stderr)
+        return 2
+    written = 0
+    for src, dst in pairs:
+        folder = target / dst.name
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, text in plan(src, folder).items():
+            if BEGIN in text or END in text:  # the builder replaced every region
+                raise AssertionError(f"{path}: a solution survived the build")
+            path.write_text(text, encoding="utf-8")
+            written += 1
+    print(f"wrote {written} notebooks to {target}/ ({', '.join(d.name for _, d in pairs)}), "
+          "without solutions")
+    return 0
+
+
+def index_plan(root: Path) -> dict[Path, str]:
+    """The course's index of steps and predictions, generated from the solved notebooks."""
+    from ..course.notebooks import index_text, read_steps
+
+    folder = root / "solutions" / "notebooks"
+    index = root / "flashedu" / "course" / "steps.json"
+    return {index: index_text(read_steps(folder))} if folder.is_dir() else {}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flashedu exercises", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["build"])
+    parser.add_argument("action", choices=["build", "release"],
+                        help="build: regenerate exercises/ and notebooks/; release DIR: write "
+                             "the learner's notebooks and exercises, without solutions, to DIR")
+    parser.add_argument("dir", nargs="?", type=Path, help="release: the folder to write")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 when exercises/ or notebooks/ is out of date")
     parser.add_argument("--root", type=Path, default=Path("."),
@@ -118,8 +155,14 @@ def main(argv=None) -> int:
         return 2
     pairs = [(args.root / src, args.root / dst) for src, dst in FOLDERS
              if (args.root / src).is_dir()]
+    if args.action == "release":
+        return release(pairs, args.dir)
+    if args.dir is not None:
+        parser.error("build takes no folder (did you mean `release DIR`?)")
     if args.check:
         problems = [line for src, dst in pairs for line in stale(src, dst)]
+        problems += [f"{p}: out of date" for p, text in index_plan(args.root).items()
+                     if not p.exists() or p.read_text(encoding="utf-8") != text]
         for line in problems:
             print(line)
         if problems:
@@ -139,4 +182,8 @@ def main(argv=None) -> int:
             if path not in wanted:
                 path.unlink()
                 print(f"removed {path} (no solved notebook)")
+    for path, text in index_plan(args.root).items():
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
     return 0

@@ -84,9 +84,14 @@ def check(step_id: str, fn, *, seed: int | None = None, quiet: bool = False):
         if strict():
             raise AssertionError(f"step {step.id} fails its check:\n{result.message}")
         note = "does not pass yet: using the reference"
+    try:
+        fallback = reference(step_id, _caller_globals())
+    except FileNotFoundError as exc:  # an installation without the solved notebooks
+        print(f"{step.id}: {note.split(':')[0]}, and {exc}")
+        return fn
     print(f"{step.id}: {note} {step.symbol} for the cells below "
           f"(stuck? course.reveal({step.id!r}) shows this step's solution)")
-    return reference(step_id, _caller_globals())
+    return fallback
 
 
 def _caller_globals() -> dict:

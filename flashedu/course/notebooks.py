@@ -13,7 +13,11 @@ their metadata:
 - a **prediction**, ``{"prediction": "06.programs", "title": "..."}``: a code cell that sets
   ``guess``. The learner's copy sets it to ``None``; the solved one to the right answer.
 
-Only the JSON is read here (no nbformat): ``flashedu progress`` answers in a fraction of a second.
+``flashedu exercises build`` also writes the index of every step and prediction (without their
+solutions) to ``flashedu/course/steps.json``, so that checks and ``flashedu progress`` work in an
+installation without the solved notebooks; ``reveal`` and the fallback to the reference need
+them. Only JSON is read here (no nbformat): ``flashedu progress`` answers in a fraction of a
+second.
 """
 
 from __future__ import annotations
@@ -61,14 +65,11 @@ def _source(cell: dict) -> str:
     return "".join(src) if isinstance(src, list) else src
 
 
-@lru_cache(maxsize=1)
-def steps() -> tuple[Step, ...]:
-    """Every step and prediction of the course, in notebook order, from the solved notebooks."""
-    folder = solved_folder()
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"the solved notebooks are not at {folder}: the course runs from a checkout of "
-            "flashedu installed with `pip install -e .` (see the README)")
+INDEX = Path(__file__).with_name("steps.json")
+
+
+def read_steps(folder: Path) -> tuple[Step, ...]:
+    """Every step and prediction in the solved notebooks of ``folder``, in notebook order."""
     found = []
     for path in sorted(folder.glob("*.ipynb")):
         for cell in _cells(path):
@@ -80,6 +81,29 @@ def steps() -> tuple[Step, ...]:
                               title=meta.get("title", ""), exercise=meta.get("exercise", ""),
                               symbol=meta.get("symbol", ""), source=_source(cell)))
     return tuple(found)
+
+
+def index_text(items) -> str:
+    """The index as ``steps.json`` holds it: everything but the solutions."""
+    rows = [{k: v for k, v in vars(s).items() if k != "source"} for s in items]
+    return json.dumps(rows, indent=1) + "\n"
+
+
+@lru_cache(maxsize=1)
+def steps() -> tuple[Step, ...]:
+    """Every step and prediction of the course: from the solved notebooks where they are here
+    (their sources included), else from the index shipped with the package."""
+    if solved_folder().is_dir():
+        return read_steps(solved_folder())
+    return tuple(Step(**row) for row in json.loads(INDEX.read_text(encoding="utf-8")))
+
+
+def need_source(step: Step) -> Step:
+    if not step.source:
+        raise FileNotFoundError(
+            f"the solution of {step.id} is not in this installation (the solved notebooks are "
+            f"not at {solved_folder()}): write the step, or work from a checkout of flashedu")
+    return step
 
 
 def find(step_id: str, kind: str | None = None) -> Step:
@@ -94,6 +118,7 @@ def find(step_id: str, kind: str | None = None) -> Step:
 
 def solution_code(step: Step) -> str:
     """The solved cell as plain Python: the markers gone, notebook-only lines (%, !) left out."""
+    need_source(step)
     lines = [ln for ln in step.source.split("\n")
              if ln.strip() not in (BEGIN, END) and not ln.lstrip().startswith(("%", "!"))]
     return "\n".join(lines)
@@ -101,6 +126,7 @@ def solution_code(step: Step) -> str:
 
 def solution_region(step: Step) -> str:
     """Only what the learner writes: the lines between the markers, dedented to the marker."""
+    need_source(step)
     text = re.findall(rf"^([ \t]*){re.escape(BEGIN)}\n(.*?)^[ \t]*{re.escape(END)}",
                       step.source, re.MULTILINE | re.DOTALL)
     parts = []

@@ -1,5 +1,6 @@
 """Mask mods and score mods: FlexAttention's way of saying which keys a query sees and how a
-score is changed before the softmax (He, Guessous, Liang, Zhang, Ansel, 2024, "FlexAttention").
+score is changed before the softmax (Dong, Feng, Guessous, Liang, He, 2024, "Flex Attention: A
+Programming Model for Generating Optimized Attention Kernels", arXiv:2412.05496).
 
 A **mask mod** answers "may query ``q_idx`` see key ``kv_idx``?" for batch ``b`` and query head
 ``h``::

@@ -4,7 +4,7 @@ The solved notebooks in ``solutions/notebooks/`` are the source of the course; `
 generated from them (``flashedu exercises build``). Two kinds of cells carry a ``flashedu`` key in
 their metadata:
 
-- a **step**, ``{"step": "06.flash_forward", "exercise": "triton_forward_noncausal",
+- a **step**, ``{"step": "06.flash_forward", "exercise": "triton_step_flash_forward",
   "symbol": "flash_forward_kernel", "title": "..."}``: a code cell the learner writes. In the
   solved notebook its answer sits between ``### BEGIN SOLUTION`` and ``### END SOLUTION``; the
   learner's copy has ``# YOUR CODE HERE`` there. The cell only defines things (it runs nothing),

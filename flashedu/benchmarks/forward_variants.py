@@ -87,7 +87,7 @@ def forward_variants(log, prev_forward):
         log.rec("fwd prev", f"{name(base)} run{rep}", t(run(base, prev_forward)), fl)
     variants = [base, base,
                 dataclasses.replace(base, num_stages=4), dataclasses.replace(base, num_stages=2)]
-    # (speed_h100_round2.json also has a host-made 4-D descriptor variant, "tma1", since
+    # (speed_h100_variants.json also has a host-made 4-D descriptor variant, "tma1", since
     # removed; its "tma2" labels are today's tma=True)
     variants += [dataclasses.replace(base, tma=True, num_stages=st) for st in (2, 3, 4)]
     variants += [dataclasses.replace(base, warp_specialize=True, num_warps=w, num_stages=st,

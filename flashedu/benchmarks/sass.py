@@ -7,6 +7,8 @@ captured kernel is compiled by Triton's NVIDIA backend (ptxas) for the target GP
 specialization Triton gives those arguments on a GPU (16-byte aligned pointers, integers
 divisible by 16 marked so, ones as constants). ``cuobjdump`` then reports registers and stack
 bytes, and ``nvdisasm`` the SASS, whose instructions are counted by opcode.
+``compile_kernel(kernel, args, constexprs)`` does the same for a kernel of one's own (notebook 10
+compiles the learner's forward of exercise 06 with it).
 
 What the numbers say:
 - registers: with 8 warps, more than 128 per thread leaves one program per SM instead of two
@@ -35,8 +37,6 @@ import subprocess
 import sys
 import tempfile
 
-from . import core
-
 VARIANTS = ("plain", "causal", "dropout", "resume")  # resume: ring attention's forward_into
 MODES = ("fwd", "bwd")
 COUNTED = ("HGMMA", "HMMA", "MUFU", "FFMA", "FMUL", "IMAD", "LOP3", "SHF", "PRMT", "SEL",
@@ -45,6 +45,8 @@ DROPOUT_P = 0.1
 
 
 def main(argv=None) -> int:
+    from . import core
+
     args = _parser().parse_args(argv)
     if not can_compile():
         print("flashedu bench sass: this Triton has no NVIDIA backend tools (ptxas, cuobjdump, "
@@ -110,7 +112,119 @@ def kernel_stats(d, variants, modes, *, n=1024, table="sm90", dtype="bf16") -> l
     return json.loads(lines[0][5:])
 
 
+def compile_kernel(kernel, args, constexprs, *, table: str = "sm90", timeout: float = 300.0):
+    """Compile YOUR ``@triton.jit`` kernel for a GPU (an H100 by default) on this machine, as
+    ``kernel[grid](*args, **constexprs)`` would compile on that GPU, and read the result.
+
+    ``args``: the kernel's other arguments as you would pass them (torch tensors on any device:
+    only their dtype and alignment matter; Python ints and floats). ``constexprs``: its
+    ``tl.constexpr`` arguments plus the launch options (``num_warps``, ``num_stages``,
+    ``maxnreg``), one dict; or a list of such dicts, compiled in one process (a list comes back).
+
+    Each result: ``registers`` (per thread), ``stack_bytes`` (local memory per thread: spills),
+    ``spill_stores``/``spill_loads`` (STL/LDL instructions), ``shared_bytes`` (per program),
+    ``instructions`` and ``ops`` (SASS opcode -> count, static: a loop body counts once),
+    ``mufu`` (the special-function unit's instructions by function: ``EX2``, ``RCP``, ``LG2``).
+
+    The compile runs in a fresh process that imports only Triton (this one may run Triton as
+    its interpreter); the kernel travels as source, with the modules, ``tl.constexpr`` globals
+    and other ``@triton.jit`` functions it names. Raises RuntimeError with the compiler's
+    message if it fails (``can_compile()`` says first whether the tools are here)."""
+    many = isinstance(constexprs, (list, tuple))
+    variants = list(constexprs) if many else [constexprs]
+    source, name = _kernel_source(kernel.fn), kernel.fn.__name__
+    launches, keys = [], []
+    for consts in variants:
+        signature, consts_in, attrs, options = _specialize(kernel, args, dict(consts))
+        launch = {"signature": signature, "constexprs": consts_in,
+                  "attrs": [[list(k), v] for k, v in attrs.items()], "options": options}
+        launches.append(launch)
+        keys.append(json.dumps([source, name, table, launch], sort_keys=True, default=str))
+    todo = [(k, launch) for k, launch in zip(keys, launches) if k not in _COMPILED]
+    if todo:
+        request = {"source": source, "name": name, "table": table,
+                   "launches": [launch for _, launch in todo]}
+        for (key, _), row in zip(todo, _run_compile(request, timeout)):
+            _COMPILED[key] = row
+    rows = [dict(_COMPILED[k]) for k in keys]
+    return rows if many else rows[0]
+
+
+_COMPILED: dict = {}  # compile_kernel's results in this process: a repeated request is free
+
+
+def _run_compile(request: dict, timeout: float) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    what = f"compiling {request['name']} for {request['table']}"
+    try:
+        run = subprocess.run([sys.executable, "-P", os.path.abspath(__file__), "--compile"],
+                             input=json.dumps(request), env=env, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{what} took over {timeout:.0f} s") from exc
+    lines = [x for x in run.stdout.splitlines() if x.startswith("ROWS ")]
+    if run.returncode != 0 or not lines:
+        message = [x for x in run.stderr.strip().splitlines() if "FP_FUSION" not in x
+                   and "warn_once" not in x]
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(message[-25:]))
+    return json.loads(lines[0][5:])
+
+
+def _kernel_source(fn, seen=None) -> str:
+    """The kernel's source, preceded by what it names at module level: modules (imported
+    again), ``tl.constexpr`` and plain-number globals, other ``@triton.jit`` functions (their
+    source, recursively). Enough for a kernel written in a notebook cell or a module file."""
+    import inspect
+    import textwrap
+    import types
+
+    import triton.language as tl
+
+    seen = set() if seen is None else seen
+    seen.add(fn.__name__)
+    head, helpers = [], []
+    for name in fn.__code__.co_names:
+        if name not in fn.__globals__ or name in seen:
+            continue
+        value = fn.__globals__[name]
+        if isinstance(value, types.ModuleType):
+            head.append(f"import {value.__name__} as {name}")
+        elif isinstance(value, tl.constexpr):
+            head.append(f"{name} = tl.constexpr({value.value!r})")
+        elif isinstance(value, (bool, int, float)):
+            head.append(f"{name} = {value!r}")
+        elif hasattr(value, "fn") and callable(value.fn) and hasattr(value.fn, "__code__"):
+            helpers.append(_kernel_source(value.fn, seen))  # another @triton.jit function
+    body = textwrap.dedent(inspect.getsource(fn))
+    return "\n".join([*head, *helpers, body])
+
+
+def _compile_request(request: dict) -> list[dict]:
+    """The worker of ``compile_kernel``: define the kernel from its source, compile each launch."""
+    import importlib.util
+
+    header = "import math\nimport triton\nimport triton.language as tl\nfrom triton import jit\n\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "your_kernel.py")  # Triton reads a kernel's source from a file
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(header + request["source"] + "\n")
+        spec = importlib.util.spec_from_file_location("your_kernel", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["your_kernel"] = module
+        spec.loader.exec_module(module)
+        kernel = getattr(module, request["name"])
+        rows = []
+        for launch in request["launches"]:
+            attrs = {tuple(k): v for k, v in launch["attrs"]}
+            rows.append({"kernel": request["name"], **_compile_specialized(
+                kernel, launch["signature"], launch["constexprs"], attrs, launch["options"],
+                request["table"])})
+    return rows
+
+
 def _parser():
+    from . import core
+
     p = core.parser("flashedu bench sass", __doc__)
     p.add_argument("--d", type=core.head_dim, nargs="+", default=[64, 128])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]))
@@ -152,6 +266,7 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     from ..triton import fast
     from ..triton import forward as fw
     from ..triton.autograd import resolve_config
+    from . import core
 
     launches = []
 
@@ -186,14 +301,21 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
 
 def _compile_stats(kernel, args, consts, table: str) -> dict:
     """Compile one captured launch for the table's GPU; its registers, spills and opcodes."""
+    signature, constexprs, attrs, options = _specialize(kernel, args, consts)
+    return {"kernel": kernel.fn.__name__, "tiles": _tiles_text(consts),
+            **_compile_specialized(kernel, signature, constexprs, attrs, options, table)}
+
+
+def _specialize(kernel, args, consts):
+    """What a GPU launch ``kernel[grid](*args, **consts)`` compiles: the argument types
+    (signature), the constants (constexprs, and integers equal to 1), the attributes (pointers
+    16-byte aligned and integers divisible by 16 marked so) and the launch options."""
     import inspect
 
-    import triton
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, native_specialize_impl
 
-    params = kernel.params
+    params = (kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)).params
     names = [p.name for p in params]
     options = {n: c for n, c in consts.items() if n not in names}
     bound = inspect.signature(kernel.fn).bind(*args, **{n: c for n, c in consts.items()
@@ -211,11 +333,18 @@ def _compile_stats(kernel, args, consts, table: str) -> dict:
             constexprs[p.name] = spec
         elif spec == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs, options
+
+
+def _compile_specialized(kernel, signature, constexprs, attrs, options, table: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     target = GPUTarget("cuda", int(table[2:]), 32)
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                               options=options)
-    return {"kernel": kernel.fn.__name__, "tiles": _tiles_text(consts),
-            "shared_bytes": compiled.metadata.shared, **_cubin_stats(compiled.asm["cubin"])}
+    return {"shared_bytes": compiled.metadata.shared, **_cubin_stats(compiled.asm["cubin"])}
 
 
 def _tiles_text(consts: dict) -> str:
@@ -227,25 +356,42 @@ def _tiles_text(consts: dict) -> str:
     return f"{shape} w{consts.get('num_warps', 4)} s{consts.get('num_stages', 3)}{cap}{extra}"
 
 
+def _run_both(*commands) -> list[str]:
+    """The standard output of each command, the commands run side by side."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    outs = []
+    for command, proc in zip(commands, procs):
+        out, err = proc.communicate()
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, command, out, err)
+        outs.append(out)
+    return outs
+
+
 def _cubin_stats(cubin: bytes) -> dict:
     tools = _tools_dir()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path],
-                              capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
-        r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+        usage, sass = _run_both([os.path.join(tools, "cuobjdump"), "-res-usage", path],
+                                [os.path.join(tools, "nvdisasm"), "-c", path])
+    full = [m.group(1) for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)]
+    ops = collections.Counter(op.split(".")[0] for op in full)
+    mufu = collections.Counter(op.split(".")[1] for op in full
+                               if op.startswith("MUFU."))
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
             "spill_stores": ops.get("STL", 0), "spill_loads": ops.get("LDL", 0),
-            "instructions": sum(ops.values()), "ops": dict(ops.most_common())}
+            "instructions": sum(ops.values()), "ops": dict(ops.most_common()),
+            "mufu": dict(mufu.most_common())}
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--compile"]:  # compile_kernel's worker: Triton only, request on stdin
+        print("ROWS " + json.dumps(_compile_request(json.loads(sys.stdin.read()))), flush=True)
+        sys.exit(0)
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         import flashedu  # noqa: F401  (TRITON_INTERPRET=0 from the parent: compiled kernels)
 

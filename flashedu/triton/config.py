@@ -105,7 +105,7 @@ INTERPRETER = KernelConfig(Tiles(32, 16), Tiles(16, 32), Tiles(32, 16), 32)
 # at N=8192, bf16 (docs/bench/triton.md), one config serving causal and not. d=128's backward:
 # one launch with 3 stages, 1.05-1.15x one launch with 2 from N=4096 to 65536, and 1.02-1.09x
 # two launches with 3 up to 32768 (equal at 65536); two launches from 65536 on (1.04x at
-# 131072): docs/bench/long_dense_bwd_h100_0d7b6a4.json, BENCHMARKS.md "The dense d=128
+# 131072): docs/bench/long_dense_bwd_h100.json, BENCHMARKS.md "The dense d=128
 # backward with three stages". At d=64 one launch was not faster at N=8192, but shorter
 # sequences gain from it: ``split_from``.
 # Forwards of d=128 and d=256: `flashedu bench forward` (docs/bench/speed.md): TMA and warp

@@ -1,0 +1,239 @@
+"""Notebook 10's steps: the arithmetic behind three of its optimizations, as plain functions.
+
+- ``step_kv_tiles``: which K/V tiles a Q tile visits, and how many of them need no element mask
+  (the split into an unmasked and a masked loop);
+- ``step_smem``: the shared memory a forward program asks for (tile shapes and pipeline depth);
+- ``step_programs_per_sm``: how many programs fit on one H100 SM at once (registers, shared
+  memory, threads).
+
+Every expected answer is computed here from the definition itself, not from the formula the
+notebook's solution uses: tiles by looking at each key of each tile, programs per SM by
+counting down what is left of the SM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..engine import run_seed
+from ..steptools import case, function_step
+
+# An H100 (sm_90) SM, as the CUDA occupancy calculator counts it
+REGISTERS_PER_SM = 65536
+REGISTER_STEP = 8  # registers are handed out per thread in steps of 8 (256 per warp)
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED = 1024  # the system keeps 1 KiB of shared memory per program
+THREADS_PER_SM = 2048  # (and at most 32 programs: with 2 warps or more, threads bind first)
+
+
+def _rng(k):
+    return np.random.default_rng((run_seed(), k))
+
+
+# ------------------------------------------------------------------------------------------
+# 10.kv_tiles: the K/V tiles of Q tile i, and the unmasked ones among them
+# ------------------------------------------------------------------------------------------
+
+H_TILES = ("Q tile i holds query rows i*Br .. i*Br + Br - 1. It visits the K/V tiles j (keys "
+           "j*Bc .. j*Bc + Bc - 1) that hold a key it may see: all ceil(Nk / Bc) of them, or "
+           "with causal only those with a key <= its last row. A tile needs no mask when all "
+           "its keys are < Nk and, with causal, <= the tile's FIRST row.")
+H_RAGGED = ("Nk is no multiple of Bc here: the last K/V tile holds keys past Nk, so it needs "
+            "the mask: num = ceil(Nk / Bc) but num_full = Nk // Bc.")
+H_DIAG = ("Causal: a tile is unmasked only if its last key j*Bc + Bc - 1 is <= the Q tile's "
+          "first row i*Br (every row sees every key); the tiles that reach past it up to the "
+          "last row i*Br + Br - 1 cross the diagonal and need the mask.")
+
+
+def kv_tiles_by_keys(i, Br, Bc, Nk, causal):
+    """(num, num_full) from the keys themselves: every tile is judged on each of its keys."""
+    first, last = i * Br, i * Br + Br - 1
+    visited, full = [], []
+    for j in range(math.ceil(Nk / Bc)):
+        keys = range(j * Bc, j * Bc + Bc)
+        if causal and keys[0] > last:
+            break  # no row of the tile sees this tile, nor any tile after it
+        visited.append(j)
+        full.append(all(k < Nk and (not causal or k <= first) for k in keys))
+    num_full = 0
+    while num_full < len(full) and full[num_full]:
+        num_full += 1
+    assert all(not f for f in full[num_full:]), "the unmasked tiles come first"
+    return len(visited), num_full
+
+
+def _kv_cases():
+    specs = [  # (i, Br, Bc, Nk, causal, what, hint)
+        (3, 64, 64, 512, False, "dense, Nk a multiple of Bc: no tile needs the mask", H_TILES),
+        (0, 32, 32, 100, False, "dense, Nk = 100: a ragged last tile", H_RAGGED),
+        (5, 64, 64, 8192, True, "causal, Br = Bc: one diagonal tile", H_DIAG),
+        (2, 128, 64, 4096, True, "causal, Br = 2 Bc: two diagonal tiles", H_DIAG),
+        (3, 32, 64, 4096, True, "causal, Br < Bc: the diagonal inside one K/V tile", H_DIAG),
+        (0, 64, 64, 4096, True, "causal, the first Q tile: only its diagonal tile", H_DIAG),
+        (4, 16, 16, 70, True, "causal, Q tile 4 reaches past Nk = 70", H_RAGGED),
+        (0, 16, 16, 1, False, "Nk = 1", H_RAGGED),
+    ]
+    rng = _rng(0)
+    for _ in range(3):
+        Br, Bc = (int(b) for b in rng.choice([16, 32, 64, 128], 2))
+        Nk = int(rng.integers(1, 600))
+        i = int(rng.integers(0, max(1, math.ceil(Nk / Br))))
+        specs.append((i, Br, Bc, Nk, bool(rng.integers(0, 2)), "random sizes", H_TILES))
+    cases = []
+    for i, Br, Bc, Nk, causal, what, hint in specs:
+        num, num_full = kv_tiles_by_keys(i, Br, Bc, Nk, causal)
+        cases.append(case(f"i={i}, Br={Br}, Bc={Bc}, Nk={Nk}, causal={causal} ({what})", hint,
+                          (i, Br, Bc, Nk, causal), ("num", "num_full"), (num, num_full)))
+    return cases
+
+
+def _diagnose_kv(case_, wrong, outputs):
+    i, Br, Bc, Nk, causal = case_.args
+    num, num_full = (int(x) for x in case_.expected)
+    got_num, got_full = outputs.get("num"), outputs.get("num_full")
+    if got_num is None or got_full is None:
+        return None
+    got_num, got_full = float(got_num), float(got_full)
+    first, last = i * Br, i * Br + Br - 1
+    if got_num != num:
+        if causal and got_num == math.ceil(Nk / Bc):
+            return (f"with causal the program stops after the tile that holds its last row "
+                    f"{last}: num = ceil(min(Nk, (i + 1) * Br) / Bc) = {num}, not all "
+                    f"{int(got_num)} tiles of K.")
+        if got_num == Nk // Bc and Nk % Bc:
+            return f"the ragged last tile is visited too: num = ceil(Nk / Bc) = {num}."
+        return f"num should be {num}, yours is {got_num:g}."
+    if causal and got_full == min(last + 1, Nk) // Bc and got_full != num_full:
+        return (f"a tile whose keys reach past the FIRST row {first} is not seen whole by that "
+                f"row: num_full counts the tiles whose last key is <= {first}, here {num_full}.")
+    if got_full == num and num_full != num:
+        return (f"{num - num_full} of the {num} tiles need the mask (the causal diagonal or "
+                "keys past Nk): num_full counts only those that need none.")
+    return f"yours: (num, num_full) = ({got_num:g}, {got_full:g}); the right answer: ({num}, " \
+           f"{num_full})."
+
+
+# ------------------------------------------------------------------------------------------
+# 10.smem: the shared memory of one forward program
+# ------------------------------------------------------------------------------------------
+
+H_SMEM = ("A program keeps Q_i (Br x d) once, and K_j and V_j (Bc x d each) num_stages deep: "
+          "(Br * d + stages * 2 * Bc * d) * bytes_per_element bytes, divided by 1024 for KiB.")
+
+
+def smem_by_parts(Br, Bc, d, stages, bytes_per_element):
+    q = Br * d * bytes_per_element
+    kv = sum(Bc * d * bytes_per_element for _ in range(stages) for _tensor in ("K", "V"))
+    return (q + kv) / 1024
+
+
+def _smem_cases():
+    specs = [(128, 128, 128, 3, 2, "the d=128 forward, bf16"),
+             (128, 128, 128, 4, 2, "one stage more"),
+             (64, 64, 64, 3, 4, "float32 (4 bytes), the exercise's kernel"),
+             (128, 64, 256, 2, 2, "Br != Bc, d=256"),
+             (16, 32, 16, 1, 2, "one stage: no loads ahead")]
+    rng = _rng(1)
+    Br, Bc = (int(b) for b in rng.choice([16, 32, 64, 128], 2))
+    specs.append((Br, Bc, int(rng.choice([32, 64, 128])), int(rng.integers(1, 5)),
+                  int(rng.choice([2, 4])), "random tiles"))
+    return [case(f"Br={Br}, Bc={Bc}, d={d}, stages={s}, {b} bytes ({what})", H_SMEM,
+                 (Br, Bc, d, s, b), ("KiB",), (smem_by_parts(Br, Bc, d, s, b),))
+            for Br, Bc, d, s, b, what in specs]
+
+
+def _diagnose_smem(case_, wrong, outputs):
+    Br, Bc, d, s, b = case_.args
+    got = outputs.get("KiB")
+    if got is None:
+        return None
+    got = float(got)
+    want = smem_by_parts(Br, Bc, d, s, b)
+    tries = {
+        "bytes, not KiB: divide by 1024": want * 1024,
+        "K_j only: V_j is loaded num_stages deep too (2 * Bc * d per stage)":
+            (Br * d + s * Bc * d) * b / 1024,
+        "Q_i counted once per stage: it is loaded once and stays": (s * (Br + 2 * Bc) * d) * b
+        / 1024,
+        "without bytes_per_element: multiply the element count by it": (Br * d + s * 2 * Bc * d)
+        / 1024,
+        "Q_i left out: it sits in shared memory too (Br x d, once)": s * 2 * Bc * d * b / 1024,
+    }
+    for text, value in tries.items():
+        if math.isclose(got, value, rel_tol=1e-9) and not math.isclose(value, want):
+            return f"yours is {got:g} KiB, the right value {want:g}: {text}."
+    return f"yours is {got:g} KiB, the right value {want:g}."
+
+
+# ------------------------------------------------------------------------------------------
+# 10.programs_per_sm: registers, shared memory and threads of one SM
+# ------------------------------------------------------------------------------------------
+
+H_PROGRAMS = ("Three limits, take the smallest: registers (65536 per SM; a thread's count "
+              "rounded up to a multiple of 8, times 32 threads per warp, times num_warps), "
+              "shared memory (228 KiB = 233472 bytes per SM, each program asks shared_bytes + "
+              "1024), threads (2048 per SM, 32 per warp).")
+H_ROUND = ("Registers are handed out in steps of 8 per thread: 129 registers cost as much as "
+           "136. Round up before you divide.")
+H_SHARED = ("Shared memory is the limit here: 233472 bytes per SM, and each program takes its "
+            "shared_bytes plus 1024 that the system keeps for it.")
+H_THREADS = ("Few registers and little shared memory: the 2048 threads of an SM (64 warps) are "
+             "the limit here.")
+
+
+def programs_by_filling(registers, num_warps, shared_bytes):
+    """Put programs on an empty SM one at a time until the next one does not fit."""
+    regs_each = -(-registers // REGISTER_STEP) * REGISTER_STEP * 32 * num_warps
+    regs, shared, threads, n = REGISTERS_PER_SM, SHARED_PER_SM, THREADS_PER_SM, 0
+    while (regs >= regs_each and shared >= shared_bytes + SHARED_RESERVED
+           and threads >= 32 * num_warps):
+        regs -= regs_each
+        shared -= shared_bytes + SHARED_RESERVED
+        threads -= 32 * num_warps
+        n += 1
+    return n
+
+
+def _programs_cases():
+    specs = [(128, 8, 65536, "8 warps at 128 registers", H_PROGRAMS),
+             (129, 8, 65536, "129 registers: rounded up to 136", H_ROUND),
+             (169, 4, 32768, "169 registers, handed out as 176", H_ROUND),
+             (168, 4, 114688, "4 warps, 112 KiB of shared memory", H_SHARED),
+             (255, 8, 16384, "255 registers, 8 warps", H_PROGRAMS),
+             (32, 4, 0, "32 registers, no shared memory", H_THREADS),
+             (96, 4, 229376, "224 KiB of shared memory", H_SHARED)]
+    rng = _rng(2)
+    specs.append((int(rng.integers(16, 256)), int(rng.choice([2, 4, 8])),
+                  int(rng.integers(0, 200)) * 1024, "random", H_PROGRAMS))
+    return [case(f"registers={r}, num_warps={w}, shared_bytes={s} ({what})", hint, (r, w, s),
+                 ("programs",), (programs_by_filling(r, w, s),))
+            for r, w, s, what, hint in specs]
+
+
+def _diagnose_programs(case_, wrong, outputs):
+    r, w, s = case_.args
+    got = outputs.get("programs")
+    if got is None:
+        return None
+    got = float(got)
+    want = programs_by_filling(r, w, s)
+    by_regs_unrounded = REGISTERS_PER_SM // (r * 32 * w)
+    by_shared_no_reserve = SHARED_PER_SM // s if s else math.inf
+    if got == min(by_regs_unrounded, by_shared_no_reserve if s else math.inf,
+                  THREADS_PER_SM // (32 * w)) and got != want:
+        return (f"yours {got:g}, the right value {want}: registers are rounded up to a multiple "
+                "of 8 per thread, and each program's shared memory counts 1024 bytes more.")
+    if got == REGISTERS_PER_SM // (-(-r // 8) * 8 * 32 * w) and got != want:
+        return (f"yours {got:g} counts the registers only; here shared memory or threads allow "
+                f"fewer: {want}.")
+    return f"yours is {got:g} programs, the right value {want}."
+
+
+STEPS = [
+    function_step("step_kv_tiles", "kv_tile_counts", _kv_cases, diagnose=_diagnose_kv),
+    function_step("step_smem", "smem_kib", _smem_cases, diagnose=_diagnose_smem),
+    function_step("step_programs_per_sm", "programs_per_sm", _programs_cases,
+                  diagnose=_diagnose_programs),
+]

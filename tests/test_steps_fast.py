@@ -1,0 +1,196 @@
+"""Notebook 10: the checks of its steps (flashedu/checks/steps/fast.py) and the compiler behind
+its first section (`flashedu.benchmarks.sass.compile_kernel`: a learner's Triton kernel compiled
+for an H100 on a machine without a GPU).
+
+The steps are plain Python: each solved step passes, the skeleton is "not implemented yet", and
+typical wrong answers fail with a message that names the mistake. The compiler tests skip where
+this Triton has no NVIDIA tools (ptxas, cuobjdump, nvdisasm)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from flashedu import course
+from flashedu.checks import check
+from flashedu.checks.build import strip_source
+from flashedu.checks.result import NOT_IMPLEMENTED
+from flashedu.checks.steps import fast
+from flashedu.course.notebooks import find, solution_code
+
+STEPS = {  # step id -> its check
+    "10.kv_tiles": "step_kv_tiles",
+    "10.smem": "step_smem",
+    "10.programs_per_sm": "step_programs_per_sm",
+}
+
+
+def define(step_id, source):
+    """The step's function from ``source``, written to a file first (the engine reads a
+    function's source to tell a skeleton from an answer)."""
+    import importlib.util
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="steps_fast_"))
+    path = folder / f"step_{step_id.replace('.', '_')}.py"
+    path.write_text(source, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, find(step_id, "step").symbol)
+
+
+def mutant(step_id, replace):
+    """The solved step with each (old, new) replacement made."""
+    source = solution_code(find(step_id, "step"))
+    for old, new in replace:
+        assert old in source, f"the mutation no longer applies to {step_id}: {old!r}"
+        source = source.replace(old, new)
+    return define(step_id, source)
+
+
+@pytest.mark.parametrize("step_id", list(STEPS))
+def test_solved_step_passes(step_id):
+    result = check(STEPS[step_id], course.reference(step_id, {}), seed=0)
+    assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("step_id", list(STEPS))
+def test_skeleton_is_not_implemented_yet(step_id):
+    skeleton = strip_source(find(step_id, "step").source)
+    assert "# YOUR CODE HERE" in skeleton
+    result = check(STEPS[step_id], define(step_id, skeleton), seed=0)
+    assert result.status == NOT_IMPLEMENTED, str(result)
+
+
+MUTANTS = [  # step, what is wrong, replacements, words the message must hold
+    ("10.kv_tiles", "causal tiles judged by the last row",
+     [("min(Nk, first_row + 1) if causal", "min(Nk, last_row + 1) if causal")],
+     ["num_full is wrong", "FIRST row"]),
+    ("10.kv_tiles", "the ragged last tile counted as unmasked",
+     [("num_full = whole // Bc", "num_full = -(-whole // Bc)")],
+     ["num_full is wrong", "need the mask"]),
+    ("10.kv_tiles", "causal ignored when counting the visits",
+     [("end = min(Nk, last_row + 1) if causal else Nk", "end = Nk")],
+     ["num is wrong", "with causal the program stops"]),
+    ("10.smem", "V_j forgotten",
+     [("stages * 2 * Bc * d", "stages * Bc * d")], ["KiB is wrong", "V_j is loaded"]),
+    ("10.smem", "bytes, not KiB", [(" / 1024", "")], ["KiB is wrong", "bytes, not KiB"]),
+    ("10.smem", "Q_i loaded once per stage",
+     [("(Br * d + stages * 2 * Bc * d)", "stages * (Br * d + 2 * Bc * d)")],
+     ["Q_i counted once per stage"]),
+    ("10.programs_per_sm", "registers not rounded up",
+     [("per_thread = -(-registers // 8) * 8", "per_thread = registers")],
+     ["169 registers", "programs is wrong", "rounded up"]),
+    ("10.programs_per_sm", "registers only",
+     [("min(by_registers, by_shared, by_threads)", "by_registers")],
+     ["programs is wrong", "counts the registers only"]),
+]
+
+
+@pytest.mark.parametrize("step_id, mistake, replace, words", MUTANTS,
+                         ids=[f"{m[0]}: {m[1]}" for m in MUTANTS])
+def test_wrong_step_is_rejected(step_id, mistake, replace, words):
+    result = check(STEPS[step_id], mutant(step_id, replace), seed=0)
+    assert not result.passed, f"{mistake}: passed"
+    for word in words:
+        assert word in result.message, f"{mistake}: {word!r} not in\n{result.message}"
+
+
+def test_the_references_agree_with_the_package():
+    """The checks count from the definitions; the package's kernels use formulas. Same answers."""
+    solved = course.reference("10.kv_tiles", {})
+    for Nk in (1, 15, 16, 17, 100, 512):
+        for Br, Bc in ((16, 16), (32, 64), (64, 32), (128, 128)):
+            for i in range(math.ceil(Nk / Br)):
+                for causal in (False, True):
+                    want = fast.kv_tiles_by_keys(i, Br, Bc, Nk, causal)
+                    assert solved(i, Br, Bc, Nk, causal) == want, (i, Br, Bc, Nk, causal)
+    programs = course.reference("10.programs_per_sm", {})
+    for regs in (24, 64, 127, 128, 129, 168, 255):
+        for warps in (2, 4, 8):
+            for shared in (0, 16384, 65536, 114688, 229376):
+                assert programs(regs, warps, shared) == fast.programs_by_filling(regs, warps,
+                                                                                 shared)
+
+
+# ------------------------------------------------------------------------------------------
+# sass.compile_kernel: a kernel of one's own, compiled for an H100 without a GPU
+# ------------------------------------------------------------------------------------------
+
+def _compiler():
+    from flashedu.benchmarks import sass
+
+    if not sass.can_compile():
+        pytest.skip("this Triton has no NVIDIA backend tools (ptxas, cuobjdump, nvdisasm)")
+    return sass
+
+
+def test_compile_kernel_reads_registers_and_instructions_of_ones_own_kernel(tmp_path):
+    sass = _compiler()
+    import torch
+
+    module = _kernel_module(tmp_path)
+    x = torch.empty(64, 64, dtype=torch.float16)
+    out = torch.empty(64, 64, dtype=torch.float32)
+    rows = sass.compile_kernel(module.tile_kernel, (x, out, 64),
+                               [dict(BM=64, num_warps=4), dict(BM=16, num_warps=4)])
+    big, small_ = rows
+    assert big["kernel"] == "tile_kernel" and big["registers"] > 0
+    assert big["ops"].get("HGMMA", 0) > 0 and big["mufu"].get("EX2", 0) > 0  # wgmma, exp2
+    assert small_["ops"].get("HGMMA", 0) == 0 and small_["ops"].get("HMMA", 0) > 0
+    assert big["shared_bytes"] > 0 and big["stack_bytes"] == 0
+    again = sass.compile_kernel(module.tile_kernel, (x, out, 64), dict(BM=64, num_warps=4))
+    assert again == big  # remembered: no second compile
+
+
+def test_compile_kernel_says_why_a_kernel_does_not_compile(tmp_path):
+    sass = _compiler()
+    import torch
+
+    module = _kernel_module(tmp_path)
+    x = torch.empty(64, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="not_a_function"):
+        sass.compile_kernel(module.broken_kernel, (x,), dict(BM=16))
+
+
+KERNELS = '''
+import flashedu  # noqa: F401
+import triton
+import triton.language as tl
+
+SCALE = tl.constexpr(2.0)
+
+
+@triton.jit
+def _twice(x):
+    return x * SCALE
+
+
+@triton.jit
+def tile_kernel(X, OUT, stride, BM: tl.constexpr):
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, 64)
+    x = tl.load(X + rows[:, None] * stride + cols[None, :])
+    y = tl.load(X + cols[:, None] * stride + tl.arange(0, 64)[None, :])
+    acc = tl.dot(x, y)
+    tl.store(OUT + rows[:, None] * stride + cols[None, :], tl.math.exp2(_twice(acc)))
+
+
+@triton.jit
+def broken_kernel(X, BM: tl.constexpr):
+    tl.store(X + tl.arange(0, BM), tl.not_a_function(BM))
+'''
+
+
+def _kernel_module(tmp_path):
+    import importlib.util
+
+    path = tmp_path / "kernels_for_sm90.py"
+    path.write_text(KERNELS, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -26,3 +26,18 @@ __version__ = "0.1.0"
 BACKEND_NAMES = tuple(BACKENDS)
 
 __all__ = ["attention", "BlockMask", "mods", "BACKEND_NAMES", "available_backends", "__version__"]
+
+# The other modules, as attributes on first use (``flashedu.merge.merge(...)`` after a bare
+# ``import flashedu``): imported only then, so that ``import flashedu`` stays light and triton
+# and numba come after runtime.configure().
+SUBMODULES = ("reference", "tiled", "trace", "io", "roofline", "merge", "distributed", "dropout",
+              "tolerance", "numpy_backend", "numba_kernels", "triton", "models", "viz", "checks",
+              "course", "bench", "benchmarks", "cli", "tour")
+
+
+def __getattr__(name):
+    if name in SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,25 +40,33 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
               backend="auto"):
     """Exact attention softmax(scale * q k^T) v, computed by a FlashAttention backend.
 
-    q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d); returns (B, H, Nq, d) in q's dtype.
+    q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d); returns (B, H, Nq, d) in q's dtype. Empty inputs
+    give SDPA's empty result (Nk = 0: zeros, an lse of -inf).
     attn_mask: SDPA's: a bool tensor (True: the pair takes part) or a float tensor added to
-    the scores, broadcastable to (B, H, Nq, Nk); not together with is_causal (SDPA refuses that
-    too: put the causal rule in the mask, or use a block mask from flashedu.mods.causal()).
+    the scores, broadcastable to (B, H, Nq, Nk) (a 1-D (Nk,) mask too, which SDPA refuses). A
+    finite value is a bias, not a mask: a row whose every entry is ``finfo.min`` (Hugging
+    Face's "masked") weighs its keys equally (the mean of v), as the formula and SDPA's CPU
+    path do; only -inf (or False) hides a pair. Not together with is_causal: SDPA documents
+    that as an error (its CPU kernel applies both); put the causal rule into the mask, or use
+    a block mask from flashedu.mods.causal().
     The triton backend turns a bool mask into a block mask on every call; for a mask reused
     across calls, pass ``block_mask=BlockMask.from_bool_mask(mask)`` built once instead.
     is_causal: query i sees keys j <= i (top-left aligned, as SDPA's is_causal).
-    scale: defaults to 1/sqrt(d). block_mask: a :class:`flashedu.BlockMask`; tiles it marks
-    False are skipped, its mask mod masks its partial tiles element-wise
-    (:meth:`BlockMask.from_mask_mod`). score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``
-    (:mod:`flashedu.mods`), applied to scale * q k^T before attn_mask is added and the masks
-    apply. enable_gqa: allow H to be a multiple of Hkv (grouped-query attention).
+    scale: defaults to 1/sqrt(d). dropout_p: in [0, 1]; 1 drops every weight (zeros, as
+    SDPA). block_mask: a :class:`flashedu.BlockMask`; tiles it marks False are skipped, its
+    mask mod masks its partial tiles element-wise (:meth:`BlockMask.from_mask_mod`).
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` (:mod:`flashedu.mods`), applied to
+    scale * q k^T before attn_mask is added and the masks apply (``mods.alibi`` needs one
+    slope per query head). enable_gqa: allow H to be a multiple of Hkv (grouped-query
+    attention).
     return_lse: also return the natural-log logsumexp of each row's (modified) scores,
     (B, H, Nq), float32 (float64 for float64 inputs), -inf for a row that sees nothing:
     ``out, lse = attention(..., return_lse=True)``; gradients flow through it too.
     backend: "naive", "numpy", "numba", "triton", or "auto" (triton for CUDA tensors on a CUDA
     GPU, numpy for CPU tensors, naive for tensors of another device).
     A query row that sees no key gives zeros. A backend without a feature that the call uses
-    raises NotImplementedError naming the backends that have it.
+    raises NotImplementedError naming the backends that have it. numpy and triton have no
+    double backward (naive has): a second backward through their gradients raises.
 
     Accepted as SDPA accepts them: Python or NumPy bools for the flags, Python or NumPy reals for
     ``scale`` (within float32's normal range, see ``SCALE_RANGE``), and tensors that are views
@@ -98,6 +106,10 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
         raise NotImplementedError(
             f"backend {name!r} does not implement dropout (dropout_p={dropout_p}); "
             f"use one of {with_dropout}, or dropout_p=0.0")
+    if q.numel() == 0 or k.numel() == 0:
+        return _empty_attention(q, k, v, is_causal, scale, block_mask, **extras)
+    if dropout_p == 1.0:
+        return _all_dropped(spec, q, k, v, is_causal, scale, block_mask, extras)
     fn = spec.load()
     out = fn(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p,
              **extras)
@@ -109,6 +121,48 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
             REPEATS.clear()
         REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale, block_mask)
     return out
+
+
+def _empty_attention(q, k, v, is_causal, scale, block_mask, return_lse=False, **features):
+    """SDPA's result for empty inputs. No key (Nk = 0): every row sees nothing, so zeros and
+    an lse of -inf; otherwise the output is empty itself and the formula (the naive backend,
+    whose reductions run over the non-empty key axis) gives its shapes and any lse."""
+    B, H, Nq, d = q.shape
+    if k.shape[2] == 0:
+        out = _Zeros.apply(q, k, v)
+        if not return_lse:
+            return out
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return out, torch.full((B, H, Nq), float("-inf"), dtype=lse_dtype, device=q.device)
+    naive = BACKENDS["naive"].load()
+    return naive(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask,
+                 enable_gqa=True, return_lse=return_lse, **features)
+
+
+def _all_dropped(spec, q, k, v, is_causal, scale, block_mask, extras):
+    """dropout_p = 1 drops every attention weight: zeros, as SDPA gives (the kernels' 1 / (1 -
+    p) would be a division by zero). The lse, which dropout never changes, comes from the
+    backend without dropout."""
+    out = _Zeros.apply(q, k, v)
+    if not extras.get("return_lse"):
+        return out
+    _, lse = spec.load()(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask,
+                         dropout_p=0.0, **extras)
+    return out, lse
+
+
+class _Zeros(torch.autograd.Function):
+    """Zeros shaped like q whose gradients are zeros: attention where every weight is 0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        return torch.zeros_like(q, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device)
+                     for shape, dtype, device in ctx.inputs)
 
 
 def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
@@ -210,8 +264,6 @@ def _check_tensors(q, k, v, enable_gqa) -> None:
             raise ValueError(f"{arg} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")
         if str(t.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
             raise TypeError(f"{arg} must have a floating dtype {FLOAT_DTYPES}, got {t.dtype}")
-        if 0 in t.shape:
-            raise ValueError(f"{arg} must be non-empty, got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -228,7 +280,7 @@ def _check_tensors(q, k, v, enable_gqa) -> None:
         if not enable_gqa:
             raise ValueError(f"q has {H} heads but k, v have {Hkv}: pass enable_gqa=True for "
                              "grouped-query attention, or give k, v as many heads as q")
-        if H % Hkv:
+        if Hkv == 0 or H % Hkv:
             raise ValueError(f"q's head count ({H}) must be a multiple of k's ({Hkv}) with enable_gqa")
 
 
@@ -245,8 +297,8 @@ def _as_float(x, name: str) -> float:
 
 
 def _check_scale(scale, d: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d)
+    if scale is None:  # d = 0: every score is an empty sum, 0 at any scale
+        return 1.0 / math.sqrt(d) if d else 1.0
     if not _is_real(scale):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = _as_float(scale, "scale")
@@ -262,10 +314,10 @@ def _check_scale(scale, d: int) -> float:
 
 def _check_dropout(p) -> float:
     if not _is_real(p):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
+        raise TypeError(f"dropout_p must be a float in [0, 1], got {type(p).__name__}")
     p = _as_float(p, "dropout_p")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {p}")
     return p
 
 
@@ -279,10 +331,11 @@ def _check_attn_mask(attn_mask, q, k, is_causal):
     if attn_mask.is_nested or attn_mask.layout != torch.strided:
         raise TypeError("attn_mask must be a dense (strided) tensor")
     if is_causal:
-        raise ValueError("attn_mask and is_causal=True cannot be combined (SDPA refuses them "
-                         "together too): put the causal rule into attn_mask (mask & "
-                         "torch.ones(Nq, Nk, dtype=torch.bool).tril()), or pass a block mask "
-                         "from BlockMask.from_mask_mod(flashedu.mods.causal(), ...)")
+        raise ValueError("attn_mask and is_causal=True cannot be combined (SDPA documents this "
+                         "as an error; its CPU kernel applies both): put the causal rule into "
+                         "attn_mask (mask & torch.ones(Nq, Nk, dtype=torch.bool).tril()), or "
+                         "pass a block mask from BlockMask.from_mask_mod(flashedu.mods.causal(), "
+                         "...)")
     if attn_mask.dtype != torch.bool and attn_mask.dtype not in (q.dtype, torch.float32):
         raise TypeError(f"attn_mask must be bool, or float with q's dtype ({q.dtype}) or "
                         f"float32, got {attn_mask.dtype}")
@@ -307,6 +360,14 @@ def _check_score_mod(score_mod, q, k):
     if not callable(score_mod):
         raise TypeError(f"score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx) "
                         f"or None, got {type(score_mod).__name__}")
+    slopes = getattr(score_mod, "slopes", None) if getattr(score_mod, "kind", None) == "alibi" \
+        else None
+    if slopes is not None and slopes.numel() != q.shape[1]:
+        # FlexAttention's own alibi reads slopes[h] and ignores the rest: more slopes than
+        # heads is most often slopes made for another model, so it is refused
+        raise ValueError(f"score_mod=mods.alibi(slopes) has {slopes.numel()} slopes, but q has "
+                         f"{q.shape[1]} heads: pass one slope per query head "
+                         f"(mods.alibi_slopes({q.shape[1]}))")
     return bind(score_mod, (q.shape[2], k.shape[2]))
 
 

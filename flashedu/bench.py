@@ -408,6 +408,14 @@ def main(argv=None) -> int:
         return int(module.main(argv[1:]) or 0)
     args = parse_args(argv)
     if not core.gpu_available():
+        wanted = [f"--{name} {path}" for name, path in (("json", args.json), ("plot", args.plot))
+                  if path]
+        if wanted:  # a file of timings was asked for, and there is nothing to time
+            print(f"flashedu bench: {' and '.join(wanted)} asked for timings, which need a CUDA "
+                  f"GPU; none is visible here, so nothing was timed or written. Run it on a GPU "
+                  f"machine, or without --json/--plot for a correctness pass in Triton's "
+                  f"interpreter.", file=sys.stderr)
+            return 1
         cpu_check()
         return 0
     cases = build_cases(args)

@@ -47,6 +47,34 @@ def writable_file(path: str) -> str:
     return path
 
 
+def json_target(path: str) -> str:
+    """argparse type of `flashedu check --json`: '-' (print the JSON) or a writable file."""
+    return path if path == "-" else writable_file(path)
+
+
+def seconds(text: str) -> float:
+    """argparse type: a time limit in seconds, at least 1 (the grader's limits are whole
+    seconds, and anything under 1 s would round up to 1 s without saying so)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value >= 1 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be at least 1 second (and finite), got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def missing_notebooks(argv) -> list[str]:
     """The notebook paths given to `flashedu check` that are not files."""
     missing, skip = [], False

@@ -23,8 +23,11 @@ The mask keeps its mod (``block_mask.mask_mod``) through ``expand``, pickling, `
 ``from_flex``.
 
 A BlockMask is a value: immutable (its ``blocks`` array is read-only, also after pickling or
-copying), equal to another with the same tiles, block size, lengths and causal flag, and
-hashable consistently with that equality (it can key a dict of compiled kernels).
+copying), equal to another with the same tiles, full tiles, block size, lengths, causal flag and
+mask mod (everything that changes what a kernel computes), and hashable consistently with that
+equality (it can key a dict of compiled kernels). ``full_blocks`` given to the constructor must
+agree with the rule: a tile marked full whose pairs the causal flag or the mask mod partly
+hide, or that ``blocks`` skips, is refused (a kernel would run it unmasked).
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class BlockMask:
     # the element-level rule inside the selected tiles (a flashedu.mods mask mod or a user's
     # function); None: every pair of a selected tile is visible (besides is_causal)
     mask_mod: object = None
-    # bool like blocks: tiles where every pair is visible (computed from is_causal if None)
+    # bool like blocks: tiles where every pair is visible (computed from is_causal if None;
+    # given, it is checked against the causal flag and the mask mod)
     full_blocks: object = None
 
     def __post_init__(self):
@@ -107,7 +111,13 @@ class BlockMask:
             raise TypeError(f"mask_mod must be callable as mask_mod(b, h, q_idx, kv_idx) or None, "
                             f"got {type(self.mask_mod).__name__}")
         full = self.full_blocks
+        checked = isinstance(full, _Derived)
+        if checked:
+            full = full.tiles
+        elif full is not None and self.mask_mod is None and not is_causal:
+            checked = True  # without a rule inside the tiles, every selected tile is full
         if full is None:
+            checked = True
             full = blocks & _diagonal_free(blocks.shape[-2:], (Br, Bc), (Nq, Nk), is_causal)
             if self.mask_mod is not None and not (is_causal and _mods.is_causal_top_left(self.mask_mod)):
                 full = np.zeros_like(blocks)  # unknown: every selected tile is partial
@@ -117,7 +127,11 @@ class BlockMask:
         if full.dtype != np.bool_ or full.shape != blocks.shape:
             raise ValueError(f"full_blocks must be a bool array of blocks' shape {blocks.shape}, "
                              f"got {full.dtype} {full.shape}")
-        full = np.array(full & blocks, order="C")
+        if (full & ~blocks).any():
+            tile = tuple(int(x) for x in np.argwhere(full & ~blocks)[0])
+            raise ValueError(f"full_blocks marks tile (b, h, i, j) = {tile} full, but blocks "
+                             f"skips it: a full tile must be a selected one (full_blocks & blocks)")
+        full = np.array(full, order="C")
         full.setflags(write=False)
         object.__setattr__(self, "full_blocks", full)
         # tiles where blocks and is_causal alone already give the exact pairs (no mod needed)
@@ -127,6 +141,8 @@ class BlockMask:
         object.__setattr__(self, "block_size", (Br, Bc))
         object.__setattr__(self, "seq_lens", (Nq, Nk))
         object.__setattr__(self, "is_causal", is_causal)
+        if not checked:
+            _check_full(self)
 
     # ----- a value: pickles through the constructor, equal by content ---------------------
     def __reduce__(self):
@@ -142,13 +158,18 @@ class BlockMask:
         return self.mask_mod
 
     def __eq__(self, other):
+        # Everything a kernel reads of the mask: the tiles it visits, those it runs unmasked
+        # (full), whether the others need the mod, and the mod. Caches of launches and tile
+        # lists key on the mask, so two masks equal here must compute the same thing.
         if other is self:  # the kernels' caches look a mask up on every call: no array compare
             return True
         if not isinstance(other, BlockMask):
             return NotImplemented
         return (self.block_size == other.block_size and self.seq_lens == other.seq_lens
                 and self.is_causal == other.is_causal and self.blocks.shape == other.blocks.shape
+                and self._needs_mask_mod == other._needs_mask_mod
                 and bool((self.blocks == other.blocks).all())
+                and bool((self.full_blocks == other.full_blocks).all())
                 and self._mod_key() == other._mod_key())
 
     def __hash__(self):
@@ -157,7 +178,8 @@ class BlockMask:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.block_size, self.seq_lens, self.is_causal, self.blocks.shape,
-                      self.blocks.tobytes(), self._mod_key()))
+                      self._needs_mask_mod, self.blocks.tobytes(), self.full_blocks.tobytes(),
+                      self._mod_key()))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -274,7 +296,8 @@ class BlockMask:
                 m = _mods.evaluate_mask_mod(mod, t[:, 0], t[:, 1], q, kv, seq_lens=(Nq, Nk))
                 rule = (kv <= q) & (q < Nq) & (kv < Nk)
                 exact[tuple(tiles.T)] = (m == rule).flatten(1).all(1).cpu().numpy()
-        mask = cls(any_, (Br, Bc), (Nq, Nk), is_causal, mask_mod=mod, full_blocks=all_ & any_)
+        mask = cls(any_, (Br, Bc), (Nq, Nk), is_causal, mask_mod=mod,
+                   full_blocks=_Derived(all_ & any_))
         _set_exact(mask, np.array(exact & any_ | ~any_, order="C"))
         return mask
 
@@ -325,7 +348,7 @@ class BlockMask:
             return m[b * (B0 > 1), h * (H0 > 1), q_idx * (Q0 > 1), kv_idx * (K0 > 1)].to(where)
 
         out = cls(any_, (Br, Bc), (Nq, Nk), False, mask_mod=reads_mask,
-                  full_blocks=all_ & any_)
+                  full_blocks=_Derived(all_ & any_))
         _set_exact(out, np.array(all_ | ~any_, order="C"))
         return out
 
@@ -428,7 +451,8 @@ class BlockMask:
                 f"block_mask has blocks for (B, H) = {(b, h)}, which does not broadcast to {(B, H)}")
         shape = (B, H) + self.shape
         mask = BlockMask(np.broadcast_to(self.blocks, shape), self.block_size, self.seq_lens,
-                         self.is_causal, self.mask_mod, np.broadcast_to(self.full_blocks, shape))
+                         self.is_causal, self.mask_mod,
+                         _Derived(np.broadcast_to(self.full_blocks, shape)))
         _set_exact(mask, np.broadcast_to(self._exact, shape))
         return mask
 
@@ -520,7 +544,8 @@ class BlockMask:
             mod = None
         if is_causal:  # a full block of theirs is cut by our diagonal
             full = full & _diagonal_free((Tr, Tc), (Br, Bc), (Nq, Nk), True)
-        mask = cls(blocks, (Br, Bc), (Nq, Nk), is_causal, mask_mod=mod, full_blocks=full)
+        # FlexAttention's full blocks are taken as given, as FlexAttention itself runs them
+        mask = cls(blocks, (Br, Bc), (Nq, Nk), is_causal, mask_mod=mod, full_blocks=_Derived(full))
         if mod is not None:
             try:  # FlexAttention calls mods under vmap; we call them on broadcast tensors
                 mask.tile_masks(mask.partial_tiles()[:1])
@@ -537,9 +562,45 @@ def _with(mask: BlockMask, **changes) -> BlockMask:
 
 
 def _rebuild(args, exact) -> BlockMask:
-    mask = BlockMask(*args)
+    mask = BlockMask(*args[:5], _Derived(args[5]))  # checked when the original was built
     _set_exact(mask, exact)
     return mask
+
+
+class _Derived:
+    """``full_blocks`` that a constructor worked out from the mask's own rule (or took from a
+    FlexAttention mask, as FlexAttention does): the constructor does not check them again."""
+
+    __slots__ = ("tiles",)
+
+    def __init__(self, tiles):
+        self.tiles = tiles
+
+
+def _check_full(mask: BlockMask) -> None:
+    """ValueError unless every pair of every tile marked full is visible under the causal flag
+    and the mask mod (a kernel runs full tiles unmasked). Evaluates the rule on the full tiles,
+    a bounded number of them at a time."""
+    tiles = np.argwhere(mask.full_blocks)
+    Br, Bc = mask.block_size
+    Nq, Nk = mask.seq_lens
+    per_chunk = max(1, (1 << 22) // (Br * Bc))
+    for start in range(0, len(tiles), per_chunk):
+        chunk = tiles[start:start + per_chunk]
+        q = chunk[:, 2, None, None] * Br + np.arange(Br)[None, :, None]
+        kv = chunk[:, 3, None, None] * Bc + np.arange(Bc)[None, None, :]
+        hidden = ~mask.tile_masks(chunk).cpu().numpy() & (q < Nq) & (kv < Nk)
+        if hidden.any():
+            n, r, c = (int(x) for x in np.argwhere(hidden)[0])
+            rule = " and ".join(name for name, used in (("is_causal", mask.is_causal),
+                                                        ("the mask mod", mask.mask_mod is not None))
+                                if used)
+            raise ValueError(
+                f"full_blocks marks tile (b, h, i, j) = {tuple(int(x) for x in chunk[n])} full, "
+                f"but {rule} {'hide' if ' and ' in rule else 'hides'} its "
+                f"pair (q_idx, kv_idx) = ({int(q[n, r, 0])}, {int(kv[n, 0, c])}); a full tile "
+                f"runs unmasked. Leave full_blocks=None (every selected tile then applies the "
+                f"mod), or build the mask with BlockMask.from_mask_mod, which finds the full tiles")
 
 
 def _count(n, name: str) -> int:

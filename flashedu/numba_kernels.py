@@ -38,7 +38,7 @@ import torch
 # simulator or GPU. `cuda` must be a module global: the simulator swaps it in a kernel's globals.
 from numba import cuda, float32
 
-from . import runtime
+from . import ops, runtime
 from .backends import backends_with, backends_with_backward
 
 # Static shared memory one block may declare with cuda.shared.array: 48 KiB on every CUDA GPU
@@ -428,6 +428,8 @@ class _NumbaAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal, scale, block_mask):
+        if ops.holds_no_values(q, k, v):  # meta or fake tensors: the output's shape only
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
         return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=block_mask)[0]
 
     @staticmethod
@@ -456,4 +458,6 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"q, k, v: head dim d={q.shape[-1]} is larger than the numba kernel's "
                          f"maximum {MAX_HEAD_DIM}")
+    ops.refuse_transforms("flashedu.attention(backend='numba') (a kernel launch, no operator)",
+                          q, k, v)
     return _NumbaAttention.apply(q, k, v, is_causal, scale, block_mask)

@@ -31,7 +31,9 @@ The forward saves ``rng`` for the backward, which regenerates the mask from it.
 Mask mods, score mods and ``attn_mask`` (``flashedu.mods``) are Python objects or data the
 operators do not take: a call that uses them, or asks for the logsumexp, runs the same
 implementations under one ``autograd.Function`` (:class:`Mods`), a graph break under
-``torch.compile``.
+``torch.compile``. On meta and fake tensors it gives outputs and gradients of the right shapes,
+dtypes and layouts, as the operators' fake implementations do; torch.func transforms (vmap,
+grad) do not reach it and are refused with a message.
 
 The derivative is the kernels' backward. Its own derivative (a second backward, after
 ``create_graph=True``) is not implemented: asking for one raises a RuntimeError, never a
@@ -91,6 +93,14 @@ def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mas
                 f"every torch.func transform differentiates.") from None
         raise
     return out
+
+
+def holds_no_values(*tensors) -> bool:
+    """Some of ``tensors`` (None skipped) are meta or fake tensors: shapes without data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(t is not None and (isinstance(t, FakeTensor) or t.device.type == "meta")
+               for t in tensors)
 
 
 def plain_eager(*tensors) -> bool:
@@ -330,14 +340,44 @@ def _register_autograd(forward_op, backward_op, backend: str):
     forward_op.register_autograd(backward, setup_context=setup_context)
 
     def no_second_order(ctx, *grads):
-        raise RuntimeError(
-            f"flashedu.attention(backend={backend!r}) has no double backward: its gradients "
-            f"come from a backward kernel that is not itself differentiable, so a gradient of "
-            f"a gradient (create_graph=True, then backward again) cannot be computed. Use "
-            f"backend={SECOND_ORDER_BACKENDS[0]!r}: its plain torch ops are differentiated "
-            f"twice by autograd.")
+        raise second_order_error(backend)
 
     backward_op.register_autograd(no_second_order, setup_context=lambda ctx, inputs, output: None)
+
+
+def second_order_error(backend: str) -> RuntimeError:
+    return RuntimeError(
+        f"flashedu.attention(backend={backend!r}) has no double backward: its gradients "
+        f"come from a backward kernel that is not itself differentiable, so a gradient of "
+        f"a gradient (create_graph=True, then backward again) cannot be computed. Use "
+        f"backend={SECOND_ORDER_BACKENDS[0]!r}: its plain torch ops are differentiated "
+        f"twice by autograd.")
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """The gradients a backward kernel computed, as a node whose own derivative raises
+    :func:`second_order_error`: under ``create_graph=True`` they require grad as the operators'
+    do, so a second backward through them is refused instead of silently missing its term."""
+
+    @staticmethod
+    def forward(ctx, backend, grads, *inputs):
+        ctx.backend = backend
+        return tuple(grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise second_order_error(ctx.backend)
+
+
+def refuse_second_order(backend: str, grads, *inputs):
+    """``grads`` as they are, or, when the backward records a graph (``create_graph=True``),
+    linked to ``inputs`` (what the gradients depend on) through :class:`_NoSecondOrder`."""
+    if not torch.is_grad_enabled() or not any(
+            t is not None and t.requires_grad for t in inputs):
+        return grads
+    present = [g for g in grads if g is not None]
+    linked = iter(_NoSecondOrder.apply(backend, present, *(t for t in inputs if t is not None)))
+    return tuple(None if g is None else next(linked) for g in grads)
 
 
 _register_autograd(triton_forward, triton_backward, "triton")
@@ -464,10 +504,44 @@ def _triton_lse_to_natural(lse2):
 LSE_TO_NATURAL = {"triton": _triton_lse_to_natural, "numpy": lambda lse: lse}
 
 
+MODDED_CALL = "with attn_mask, score_mod, return_lse or a block mask's mask mod"
+
+
 def _modded(*args):
+    backend, q, k, v, attn_mask = args[:5]
+    refuse_transforms(f"flashedu.attention(backend={backend!r}) {MODDED_CALL} (SDPA's vmap "
+                      f"does take an attn_mask)", q, k, v, attn_mask)
     if torch.compiler.is_compiling():  # a graph break: torch.compile runs it as it is, eagerly
         return torch.compiler.disable(_ModdedAttention.apply)(*args)
     return _ModdedAttention.apply(*args)
+
+
+def refuse_transforms(call: str, *tensors) -> None:
+    """torch.func's vmap and grad wrap tensors that an ``autograd.Function`` without
+    ``setup_context`` cannot take: say what works instead of torch's internal message."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if any(t is not None and wrapped(t) for t in tensors):
+        raise NotImplementedError(
+            f"torch.func transforms (vmap, grad, jacrev, ...) do not reach {call}: give the "
+            f"mapped dimension to the batch B instead of vmap, or use backend="
+            f"{SECOND_ORDER_BACKENDS[0]!r}, plain torch ops that every transform handles")
+
+
+def _outputs_without_values(backend, q):
+    """(out, lse) of meta or fake inputs, laid out as the implementations lay out theirs (the
+    operators' fake implementations decide the same way)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if get_proxy_mode() is not None:  # a tracer would record these empty tensors as the result
+        raise NotImplementedError(
+            f"flashedu.attention(backend={backend!r}) {MODDED_CALL} computes on the host "
+            f"with the tensors' values, which a tracer (make_fx, torch.export) does not have: "
+            f"trace backend='naive', or let torch.compile run the call eagerly (a graph break)")
+    if backend == "triton":
+        out, = _triton_outputs_like(q)
+        return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:3], dtype=_numpy_lse_dtype(q.dtype)))
 
 
 class _ModdedAttention(torch.autograd.Function):
@@ -481,8 +555,11 @@ class _ModdedAttention(torch.autograd.Function):
     def forward(ctx, backend, q, k, v, attn_mask, is_causal, scale, block_mask, dropout_p, rng,
                 mods, want_lse=True):
         ctx.set_materialize_grads(False)  # an unused lse (or out) gets None, not zeros
-        out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask, dropout_p, rng,
-                                     mods=mods)
+        if holds_no_values(q, k, v, attn_mask):
+            out, lse = _outputs_without_values(backend, q)
+        else:
+            out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask, dropout_p, rng,
+                                         mods=mods)
         ctx.save_for_backward(q, k, v, out, lse, rng)
         ctx.params = (backend, is_causal, scale, block_mask, dropout_p, mods)
         if not want_lse:
@@ -499,7 +576,14 @@ class _ModdedAttention(torch.autograd.Function):
         # a float attn_mask that requires grad (a learned bias) gets dS_ij, summed to its shape
         mask_grad = bool(mods is not None and mods.attn_mask is not None
                          and mods.attn_mask.is_floating_point() and ctx.needs_input_grad[4])
+        if holds_no_values(q, k, v, dout):  # shapes only, as the operators' fake backward
+            grads = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                     for t in (q, k, v)]
+            dmask = torch.empty_like(mods.attn_mask) if mask_grad else None
+            return (None, *grads, dmask, None, None, None, None, None, None, None)
         grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask,
                                   dropout_p, rng, mods=mods, dlse=dlse, mask_grad=mask_grad)
+        grads = refuse_second_order(backend, grads, q, k, v, dout, dlse,
+                                    mods and mods.attn_mask)
         dmask = grads[3] if mask_grad else None
         return (None, *grads[:3], dmask, None, None, None, None, None, None, None)

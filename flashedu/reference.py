@@ -136,11 +136,25 @@ def visible_mask_torch(Nq, Nk, *, is_causal=False, block_mask=None, device="cpu"
 
     mask = None
     if block_mask is not None:
-        mask = torch.as_tensor(block_mask.element_mask(), device=device)
+        mask = torch.as_tensor(_element_mask(block_mask), device=device)
     if is_causal:
         tri = torch.ones(Nq, Nk, dtype=torch.bool, device=device).tril()
         mask = tri if mask is None else mask & tri
     return mask
+
+
+def _element_mask(block_mask) -> np.ndarray:
+    """The block mask's visible pairs, worked out on real tensors: they are the block mask's,
+    not the inputs', so a FakeTensorMode that gives the inputs shapes only must not reach them
+    (torch.compile traces the call as it is)."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return block_mask.element_mask()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return block_mask.element_mask()
 
 
 def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=None,
@@ -202,7 +216,9 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m).detach()
     P = torch.exp(S - m)
     l = P.sum(dim=-1, keepdim=True)
-    P = P / torch.where(l == 0, torch.ones_like(l), l)
+    seen = l != 0  # False only for a row that sees no key (NaN scores stay NaN)
+    l_safe = torch.where(seen, l, torch.ones_like(l))  # log(1), x/1: no inf * 0 in the backward
+    P = P / l_safe
     if dropout_p > 0:  # the paper's Z: one stream for every backend (flashedu.dropout)
         from .dropout import draw_rng, keep_mask_torch
 
@@ -212,7 +228,8 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
         P = torch.where(Z, P * (1.0 / (1.0 - dropout_p)), torch.zeros_like(P))
     out = P @ v
     if return_lse:
-        return out, (m + torch.log(l)).squeeze(-1)
+        lse = torch.where(seen, m + torch.log(l_safe), float("-inf"))
+        return out, lse.squeeze(-1)
     return out
 
 

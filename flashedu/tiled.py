@@ -256,7 +256,7 @@ def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout()):
             O_i = alpha[:, None] * O_i + (Z_ij * P_ij) @ V_j
             m_i = m_new
             tr.compute(i, j, S_ij=S_ij, O_i=O_i, l_i=l_i, m_i=m_i)  # all on chip, never in HBM
-        seen = l_i > 0  # False only for a row that sees no key at all
+        seen = l_i != 0  # False only for a row that sees no key (NaN scores stay NaN)
         O_i = O_i / np.where(seen, l_i, 1)[:, None]
         with np.errstate(divide="ignore"):
             L_i = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
@@ -312,7 +312,8 @@ def _forward_kv_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout()):
         rows = _tile(i, Br, Nq)
         l_i, m_i = tr.load("l", i, l[rows]), tr.load("m", i, m[rows])
         with np.errstate(divide="ignore"):
-            L[rows] = np.where(l_i > 0, m_i + np.log(np.where(l_i > 0, l_i, 1)), -np.inf)
+            seen = l_i != 0  # False only for a row that sees no key (NaN scores stay NaN)
+            L[rows] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
         tr.store("L", i, L[rows])
     return O, L
 

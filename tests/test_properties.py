@@ -431,7 +431,7 @@ def test_arguments_are_checked(value, arg):
         lo, hi = flashedu.api.SCALE_RANGE
         ok = value is None or (is_real and math.isfinite(value) and lo <= float(value) <= hi)
     else:
-        ok = is_real and 0 <= value < 1
+        ok = is_real and 0 <= value <= 1  # 1 drops everything: zeros, as SDPA
     if ok:
         out = flashedu.attention(Q, K, V, backend="naive", **{arg: value})
         assert out.shape == Q.shape

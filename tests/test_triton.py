@@ -619,7 +619,7 @@ def test_a_mask_mod_s_repeat_applies_its_rule(monkeypatch, mod):
     """A block mask whose partial tiles need its mask mod repeats too: its launches, planned
     with the mask's rule (compiled, or its element masks), start from the third call on;
     right against float64 each call, and create_graph behaves as on the general path
-    (first-order gradients that are not differentiable)."""
+    (first-order gradients right, a second backward refused)."""
     from flashedu import BlockMask
 
     repeats = _repeats(monkeypatch)
@@ -639,7 +639,9 @@ def test_a_mask_mod_s_repeat_applies_its_rule(monkeypatch, mod):
     dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     want, = torch.autograd.grad(reference_attention(q, k, v, block_mask=window,
                                                     enable_gqa=True).square().sum(), q)
-    assert _err(dq, want) < 1e-5 and not dq.requires_grad
+    assert _err(dq, want) < 1e-5 and dq.requires_grad
+    with pytest.raises(RuntimeError, match="no double backward"):
+        dq.sum().backward()
 
 
 def test_a_repeat_keeps_no_tensor_and_refuses_double_backward(monkeypatch):

@@ -276,13 +276,15 @@ def _first_line(row) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flashedu check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import json_target, positive_int, seconds  # checked before any grading starts
+
     parser.add_argument("notebooks", nargs="+", type=Path)
-    parser.add_argument("--json", metavar="FILE", help="also write every row as JSON to FILE "
-                        "('-': print the JSON instead of the table)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per cell")
-    parser.add_argument("--budget", type=float, default=1800, help="seconds per notebook")
+    parser.add_argument("--json", metavar="FILE", type=json_target, help="also write every row "
+                        "as JSON to FILE ('-': print the JSON instead of the table)")
+    parser.add_argument("--timeout", type=seconds, default=600, help="seconds per cell")
+    parser.add_argument("--budget", type=seconds, default=1800, help="seconds per notebook")
     parser.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
-    parser.add_argument("--jobs", type=int, default=1, help="notebooks graded at once")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="notebooks graded at once")
     parser.add_argument("--seed", type=int, help="the inputs' seed (default: fresh per exercise)")
     args = parser.parse_args(argv)
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:

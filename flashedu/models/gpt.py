@@ -174,3 +174,17 @@ class GPT(nn.Module):
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"ids has {ids.shape[1]} tokens per sequence, more than "
                              f"max_seq_len={self.config.max_seq_len}")
+        # Out-of-range ids would fail inside the embedding ("index out of range in self", or a
+        # device-side assert on a GPU). The check reads two numbers back from the device, so it
+        # is left out where that cannot happen: while compiling and during CUDA graph capture.
+        if (ids.numel() == 0 or torch.compiler.is_compiling()
+                or (ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return
+        low, high = (int(x) for x in torch.aminmax(ids))
+        vocab = self.config.vocab_size
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"ids must be token ids in [0, vocab_size={vocab}), got {bad} "
+                             f"(ids range over [{low}, {high}]); tokenize with the vocabulary "
+                             f"the model was built for, or build it with a larger "
+                             f"GPTConfig(vocab_size=...)")

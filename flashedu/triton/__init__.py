@@ -42,7 +42,8 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=Non
     are read element-wise), a float one a bias the kernels read tile by tile; ``score_mod``
     must be a library mod the kernels compile (``mods.SCORE_MODS``)."""
     _check(q, k, v)
-    if attn_mask is not None and not attn_mask.is_floating_point():
+    if (attn_mask is not None and not attn_mask.is_floating_point()
+            and not ops.holds_no_values(q, attn_mask)):  # meta or fake: shapes only
         block_mask = bool_mask_as_block_mask(attn_mask, block_mask, q.shape[2], k.shape[2])
         attn_mask = None
     return ops.attention("triton", q, k, v, is_causal=is_causal, scale=float(scale),

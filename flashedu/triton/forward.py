@@ -156,8 +156,9 @@ def _initial_state(O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_ob, st
 def _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
                   stride_ob, stride_oh, stride_on):
     """O_i / l_i and L_i = m_i + log2(l_i), stored. A row that saw no key (l_i = 0) gets O = 0
-    and L = +inf, so that the backward's P = exp2(S - L) is 0 there: zero gradients, no NaN."""
-    seen = l_i > 0
+    and L = +inf, so that the backward's P = exp2(S - L) is 0 there: zero gradients, no NaN.
+    A row of NaN scores (l_i NaN) keeps NaN in both: it saw keys, whose values are unknown."""
+    seen = l_i != 0
     O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
     L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
     tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dims[None, :],

@@ -17,6 +17,10 @@ the backward needs). A user's own score mod runs on the numpy and naive backends
 
 SDPA's float ``attn_mask`` is a bias added after the score mod (BIAS), read tile by tile with
 its own strides (0 where it broadcasts); a bool one is a mask mod (``bool_mask_as_block_mask``).
+A finite bias is a bias, not a mask: a row whose every score is ``finfo.min`` (Hugging Face's
+"masked") weighs its keys equally, as the formula does. The base-2 exponent s * log2(e) would
+overflow float32 to -inf there and turn the row into one that sees nothing, so finite scores
+below ``SCORE_FLOOR`` are raised to it (only -inf hides a pair).
 
 With a score mod or a bias the kernels move to natural units first: s_ij = scale * S_ij, the
 mod, the bias, then the base-2 exponent s * log2(e) (``qk_scale`` = log2(e) in that case).
@@ -28,6 +32,9 @@ import triton
 import triton.language as tl
 
 SCORE_MODS = {"softcap": 1, "alibi": 2}  # the library kinds compiled into the kernels
+# The lowest finite score the kernels keep, in natural units: -2**127 * log2(e) is still a
+# float32 with room to subtract a row maximum, where finfo(float32).min * log2(e) is -inf.
+SCORE_FLOOR = tl.constexpr(-2.0 ** 127)
 
 
 @triton.jit
@@ -86,6 +93,8 @@ def mod_scores(S, q_idx, kv_idx, Nq, Nk, mod_scale, cap, slope, B_head, stride_b
         ok = (q_idx < Nq) & (kv_idx < Nk)
         s = s + tl.load(B_head + q_idx * stride_bq + kv_idx * stride_bk, mask=ok,
                         other=0.0).to(tl.float32)
+        # a finite score stays finite in base 2 (SCORE_FLOOR); -inf and NaN pass as they are
+        s = tl.where((s < SCORE_FLOOR) & (s != float("-inf")), SCORE_FLOOR, s)
     return s, ds
 
 

@@ -115,11 +115,12 @@ class _Repeated(torch.autograd.Function):
         q, k, v, o, lse2 = ctx.saved_tensors
         repeat = ctx.repeat
         # create_graph=True: the operator, whose derivative says no (a mask mod's call has no
-        # operator: its gradients, as the general path's, are not differentiable)
+        # operator: its gradients, as the general path's, refuse a second backward)
         if torch.is_grad_enabled() and repeat.mods is None:
             grads = ops.BACKWARD_OPS["triton"](q, k, v, o, lse2, do, repeat.is_causal,
                                                repeat.scale, *ops.mask_args(repeat.block_mask),
                                                0.0, None)
         else:
-            grads = repeat.backward(q, k, v, o, lse2, do)
+            grads = ops.refuse_second_order("triton", repeat.backward(q, k, v, o, lse2, do),
+                                            q, k, v, do)
         return (None, *grads)

@@ -146,9 +146,11 @@ def test_a_written_step_that_fails_says_so_and_is_strict_in_the_solved_notebooks
 
 
 def test_reveal_shows_one_step_and_records_it(record, capsys):
-    course.reveal("06.add")
+    course.reveal("06.add")  # a notebook shows it as a code block (_repr_markdown_)
     out = capsys.readouterr().out
     assert "tl.program_id(0)" in out and "BEGIN SOLUTION" not in out
+    markdown = course.Solution(course_notebooks.find("06.add"), "x = 1")._repr_markdown_()
+    assert "```python\nx = 1\n```" in markdown
     assert json.loads(record.read_text())["steps"]["06.add"]["revealed"] is True
     with pytest.raises(ValueError, match="no step or prediction called"):
         course.reveal("06.nothing")

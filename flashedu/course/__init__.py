@@ -132,21 +132,31 @@ _USUAL_IMPORTS = {"np": "numpy", "math": "math", "torch": "torch", "triton": "tr
 def reveal(step_id: str) -> None:
     """Show the solution of one step (what goes where the cell says # YOUR CODE HERE)."""
     step = find(step_id)
-    code = solution_region(step)
+    solution = Solution(step, solution_region(step))
     if step.kind == "step":
         progress.record("steps", step.id, **{**progress.load()["steps"].get(step.id, {}),
                                              "revealed": True})
-    title = f"{step.id}: {step.title}" if step.title else step.id
-    try:
-        from IPython import get_ipython
-        from IPython.display import Markdown, display
-    except ImportError:
-        get_ipython = None
-    if get_ipython is not None and get_ipython() is not None:
-        display(Markdown(f"**Solution of {title}** (in `solutions/notebooks/{step.notebook}`)"
-                         f"\n```python\n{code}\n```"))
-    else:
-        print(f"Solution of {title}:\n{code}")
+    _show(solution)
+
+
+@dataclass
+class Solution:
+    """One step's solution: plain text in a terminal, a code block in a notebook."""
+
+    step: Step
+    code: str
+
+    def _title(self) -> str:
+        return f"{self.step.id}: {self.step.title}" if self.step.title else self.step.id
+
+    def __str__(self) -> str:
+        return f"Solution of {self._title()}:\n{self.code}"
+
+    __repr__ = __str__
+
+    def _repr_markdown_(self) -> str:
+        return (f"**Solution of {self._title()}** (in `solutions/notebooks/{self.step.notebook}`)"
+                f"\n```python\n{self.code}\n```")
 
 
 # ------------------------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def test_progress_counts_steps_predictions_and_exercises(tmp_path):
     steps06 = sum(s.kind == "step" for s in n06)
     assert f"1/{steps06}" in row and "1/1 of" in row
     assert f"exercises passed: 1/{len(EXERCISES)} (safe_softmax)" in done.stdout
-    assert f"next: " in done.stdout and first.id in done.stdout
+    assert "next: " in done.stdout and first.id in done.stdout
     assert _progress(path, "--reset").returncode == 0 and not path.exists()
 
 

@@ -32,9 +32,7 @@ import math
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import progress
 from .notebooks import Step, find, solution_code, solution_region, steps
@@ -103,10 +101,12 @@ def reference(step_id: str, namespace: dict | None = None):
     """The solved step's ``symbol``: its cell run in a copy of ``namespace`` (the notebook's
     globals: the step may use the notebook's imports and earlier definitions). The cell is
     compiled from a real file, because Triton's @jit reads a kernel's source from its file."""
+    from ..models.learner import cache_folder
+
     step = find(step_id, "step")
     code = solution_code(step)
     digest = hashlib.sha256(code.encode()).hexdigest()[:12]
-    folder = Path(os.environ.get("FLASHEDU_CACHE", Path(tempfile.gettempdir()) / "flashedu"))
+    folder = cache_folder()
     folder = folder / "course_steps"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step.id.replace('.', '_')}_{digest}.py"

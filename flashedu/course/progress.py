@@ -54,7 +54,7 @@ def record(section: str, key: str, **entry) -> None:
 def table(record_: dict | None = None) -> str:
     """The learner's progress by notebook, then the next thing to do."""
     from ..checks import EXERCISES
-    from .notebooks import notebook_number, steps
+    from .notebooks import steps
 
     data = load() if record_ is None else record_
     rows, next_up = [], None

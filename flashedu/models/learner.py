@@ -182,6 +182,13 @@ def _read_cells(path):
     return {"graded": graded, "checks": checks}
 
 
+def cache_folder() -> Path:
+    """Where notebook cells are written as modules: ``FLASHEDU_CACHE``, else a folder in the
+    temp directory (not named ``flashedu``: a script run from the temp directory would import
+    that folder as the package)."""
+    return Path(os.environ.get("FLASHEDU_CACHE", Path(tempfile.gettempdir()) / "flashedu-cache"))
+
+
 def _import_cells(notebook, cells):
     """Write the cells to <cache>/<notebook>_<hash>.py and import it (a hash of the source
     names the file, so an edited cell gives a new module and the old one is never reused)."""
@@ -190,7 +197,7 @@ def _import_cells(notebook, cells):
     name = "flashedu_exercise_" + re.sub(r"\W", "_", notebook) + "_" + digest
     if name in sys.modules:
         return sys.modules[name]
-    folder = Path(os.environ.get("FLASHEDU_CACHE", Path(tempfile.gettempdir()) / "flashedu"))
+    folder = cache_folder()
     folder = folder / "exercise_kernels"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.py"

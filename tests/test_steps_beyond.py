@@ -4,18 +4,17 @@ fail with a message that names the mistake. NumPy only: seconds."""
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import math
 
 import numpy as np
 import pytest
+import step_loading
 
 from flashedu import course
 from flashedu.checks import check
 from flashedu.checks.build import strip_source
 from flashedu.checks.result import NOT_IMPLEMENTED
-from flashedu.course.notebooks import find, solution_code
+from flashedu.course.notebooks import find
 
 STEPS = {  # step id -> its check
     "00.intensity": "step_intensity_matmul",
@@ -25,7 +24,6 @@ STEPS = {  # step id -> its check
     "12.split_kv": "step_split_kv",
 }
 HEADER = "import math\n\nimport numpy as np\n\n"
-_counter = itertools.count()
 
 
 def namespace():
@@ -37,26 +35,8 @@ def namespace():
     return scope
 
 
-def load(step_id, source, tmp_path):
-    """The step's function from ``source``, written to a file (the skeleton check reads the
-    function's source), with the notebook's earlier steps beside it."""
-    path = tmp_path / f"step_{next(_counter)}.py"
-    path.write_text(HEADER + source, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    for name, value in namespace().items():
-        setattr(module, name, value)
-    spec.loader.exec_module(module)
-    return getattr(module, find(step_id, "step").symbol)
-
-
-def mutant(step_id, replace, tmp_path):
-    """The solved step with each (old, new) replacement made."""
-    source = solution_code(find(step_id, "step"))
-    for old, new in replace:
-        assert old in source, f"the mutation no longer applies to {step_id}: {old!r}"
-        source = source.replace(old, new)
-    return load(step_id, source, tmp_path)
+# the step's function with the notebook's earlier steps beside it
+load, mutant = step_loading.loaders(HEADER, namespace)
 
 
 @pytest.mark.parametrize("step_id", list(STEPS))

@@ -4,12 +4,11 @@ message that names the mistake, and the checks' own answers agree with flashedu.
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import math
 
 import numpy as np
 import pytest
+import step_loading
 
 from flashedu.checks import check
 from flashedu.checks.build import strip_source
@@ -32,26 +31,7 @@ STEPS = {  # step id -> its check
     "08b.my_mask": "step_own_mask_mod",
 }
 HEADER = "import math\nimport numpy as np\nimport torch\nimport flashedu\nfrom flashedu import mods\n\n"
-_counter = itertools.count()
-
-
-def load(step_id, source, tmp_path):
-    """The step's function from ``source``, written to a file (the skeleton test reads it)."""
-    path = tmp_path / f"step_{next(_counter)}.py"
-    path.write_text(HEADER + source, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, find(step_id, "step").symbol)
-
-
-def mutant(step_id, replace, tmp_path):
-    """The solved step with each (old, new) replacement made."""
-    source = solution_code(find(step_id, "step"))
-    for old, new in replace:
-        assert old in source, f"the mutation no longer applies to {step_id}: {old!r}"
-        source = source.replace(old, new)
-    return load(step_id, source, tmp_path)
+load, mutant = step_loading.loaders(HEADER)
 
 
 @pytest.mark.parametrize("step_id", list(STEPS))

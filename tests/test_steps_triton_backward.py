@@ -6,10 +6,9 @@ CPU: small cases, seconds."""
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 
 import pytest
+import step_loading
 
 import flashedu
 from flashedu import course
@@ -17,7 +16,7 @@ from flashedu.checks import EXERCISES, check
 from flashedu.checks import STEPS as CHECKS
 from flashedu.checks.build import strip_source
 from flashedu.checks.result import NOT_IMPLEMENTED
-from flashedu.course.notebooks import find, solution_code
+from flashedu.course.notebooks import find
 
 pytestmark = pytest.mark.skipif(flashedu.available_backends()["triton"] is not None,
                                 reason="triton backend unavailable (no triton, or no GPU and no "
@@ -29,26 +28,7 @@ STEPS = {  # step id -> its check
     "07.dq": "triton_step_dq",
 }
 HEADER = "import triton\nimport triton.language as tl\n\n"
-_counter = itertools.count()
-
-
-def load(step_id, source, tmp_path):
-    """The step's kernel from ``source`` (a file: @triton.jit reads its function's source)."""
-    path = tmp_path / f"step_{next(_counter)}.py"
-    path.write_text(HEADER + source, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, find(step_id, "step").symbol)
-
-
-def mutant(step_id, replace, tmp_path):
-    """The solved step with each (old, new) replacement made."""
-    source = solution_code(find(step_id, "step"))
-    for old, new in replace:
-        assert old in source, f"the mutation no longer applies to {step_id}: {old!r}"
-        source = source.replace(old, new)
-    return load(step_id, source, tmp_path)
+load, mutant = step_loading.loaders(HEADER)
 
 
 def namespace():

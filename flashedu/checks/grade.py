@@ -3,14 +3,16 @@
     flashedu check submissions/*/*.ipynb                      # the table
     flashedu check submissions/*/*.ipynb --json grades.json   # and every row as JSON in a file
 
-Each notebook runs top to bottom in a fresh kernel (nbclient), errors allowed so that one broken
+Each submission is copied, graded by a supervisor process of its own, and its kernel runs in a
+jail (:mod:`.classroom`, :mod:`.jail`: what a notebook cannot reach, and why). In it, the
+notebook runs top to bottom in a fresh kernel (nbclient), errors allowed so that one broken
 cell does not stop the grading, the notebook's own check cells left out (they only show the
-learner a result). Then the grader, in this process, checks each exercise that the notebook owns
+learner a result). Then the grader, in the supervisor, checks each exercise that the notebook owns
 (by its name, e.g. ``02_flash_forward`` owns ``flash_forward``; see NOTEBOOK_EXERCISES): it draws
 fresh inputs, asks the kernel to call the learner's function on them, one case at a time (see
 :mod:`.worker`), and compares what comes back with its own float64 reference. Expected answers,
-tolerances and the comparison never enter the learner's kernel; the score comes from this
-process, never from the notebook's output.
+tolerances and the comparison never enter the learner's kernel; the score comes from the
+supervisor, never from the notebook's output.
 
 Time: each cell has ``--timeout`` seconds and each notebook ``--budget`` seconds in all; a cell
 that runs past either (one that swallows KeyboardInterrupt included) has its kernel killed, and
@@ -27,10 +29,10 @@ import json
 import re
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -119,10 +121,43 @@ class _Kernel:
         return cell
 
 
-def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = None,
-                   budget: float = 1800, seed: int | None = None) -> tuple[list[dict], bool]:
-    """(one row per exercise the notebook at ``path`` owns, whether it could be graded)."""
+def _grading_client(nb, **kwargs):
+    """nbclient's NotebookClient, keeping no output: the grade never reads a cell's output,
+    and a notebook that prints without end must not fill the grader's memory."""
     from nbclient import NotebookClient
+
+    class GradingClient(NotebookClient):
+        def output(self, outs, msg, display_id, cell_index):
+            return None
+
+    return GradingClient(nb, **kwargs)
+
+
+def _kernel_manager(kernel_name: str, jail):
+    """A kernel manager whose kernel starts inside ``jail`` (:mod:`.jail`), its connection
+    file in the jail's home."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    from .jail import prefix
+
+    before = prefix(jail)
+
+    class JailedKernelManager(AsyncKernelManager):
+        def format_kernel_cmd(self, extra_arguments=None):
+            return before + super().format_kernel_cmd(extra_arguments)
+
+    km = JailedKernelManager(kernel_name=kernel_name)
+    km.connection_file = str(jail.home / ".kernel.json")
+    return km
+
+
+def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = None,
+                   budget: float = 1800, seed: int | None = None,
+                   jail=None) -> tuple[list[dict], bool]:
+    """(one row per exercise the notebook at ``path`` owns, whether it could be graded).
+
+    With ``jail`` (a :class:`.jail.Jail`), the kernel runs inside it and the cases go through
+    its exchange folder; :mod:`.classroom` builds one per submission."""
     from nbclient.exceptions import DeadKernelError
 
     path = Path(path)
@@ -139,16 +174,18 @@ def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = N
     for cell in nb.cells:  # the learner's check cells: feedback for them, not the grade
         if cell.cell_type == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("grade"):
             cell.source = ""
-    client = NotebookClient(nb, timeout=int(timeout), allow_errors=True,
-                            interrupt_on_timeout=False, shutdown_kernel="immediate",
-                            kernel_name=kernel_name or nb.metadata.get("kernelspec", {}).get("name", "python3"),
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    kernel_name = kernel_name or nb.metadata.get("kernelspec", {}).get("name", "python3")
+    km = _kernel_manager(kernel_name, jail) if jail is not None else None
+    client = _grading_client(nb, km=km, timeout=int(timeout), allow_errors=True,
+                     interrupt_on_timeout=False, shutdown_kernel="immediate",
+                     kernel_name=kernel_name,
+                     resources={"metadata": {"path": str(path.parent.resolve())}})
     kernel = _Kernel(client, time.monotonic() + budget, timeout)
-    folder = Path(tempfile.mkdtemp(prefix="flashedu-check-"))
+    folder = jail.exchange if jail is not None else Path(tempfile.mkdtemp(prefix="flashedu-check-"))
     results: dict[str, CheckResult] = {}
     problem = None
     try:
-        with client.setup_kernel():
+        with client.setup_kernel(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
             for index, cell in enumerate(nb.cells):
                 if cell.cell_type != "code" or not cell.source.strip():
                     continue
@@ -174,7 +211,8 @@ def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = N
     except Exception as exc:  # noqa: BLE001 - e.g. a missing kernel: one row per exercise
         problem = f"could not run the notebook: {type(exc).__name__}: {exc}"
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if jail is None:
+            shutil.rmtree(folder, ignore_errors=True)
     rows = []
     for name in names:
         r = results.get(name)
@@ -287,16 +325,21 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=positive_int, default=1, help="notebooks graded at once")
     parser.add_argument("--seed", type=int, help="the inputs' seed (default: fresh per exercise)")
     args = parser.parse_args(argv)
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        graded = list(pool.map(lambda p: grade_notebook(p, args.timeout, args.kernel,
-                                                         args.budget, args.seed), args.notebooks))
+    from . import classroom, jail
+
+    if jail.unavailable():
+        print(f"flashedu check: the notebooks' kernels run without a jail ({jail.unavailable()}): "
+              "a notebook can read and change files this user can; see the README's "
+              "instructor section", file=sys.stderr)
+    graded = classroom.grade_class(args.notebooks, args.timeout, args.kernel, args.budget,
+                                   args.seed, args.jobs)
     rows = [row for rows, _ in graded for row in rows]
     if args.json == "-":
         print(json.dumps(rows, indent=1))
     else:
         print(table(rows))
         if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+            classroom.write_json(rows, Path(args.json))
     failed = [str(p) for p, (_, ok) in zip(args.notebooks, graded) if not ok]
     if failed:
         print(f"could not grade {len(failed)} notebook(s): {', '.join(failed)}", file=sys.stderr)

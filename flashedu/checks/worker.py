@@ -16,6 +16,7 @@ a dict travels as its type name only (:class:`Opaque`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -76,19 +77,32 @@ def decode(value, arrays):
 
 
 def write(path: Path, payload) -> None:
+    """``path.npz`` then ``path.json`` (the reader waits for the second), each written to a new
+    file and renamed into place: a link planted in the folder is replaced, never followed."""
     arrays: dict = {}
     meta = encode(payload, arrays)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path.with_suffix(".npz"))
-    path.with_suffix(".json").write_text(json.dumps(meta))
+    with _new_file(path.with_suffix(".tmp.npz")) as out:
+        np.savez(out, **arrays)
+    path.with_suffix(".tmp.npz").replace(path.with_suffix(".npz"))
+    with _new_file(path.with_suffix(".tmp.json")) as out:
+        out.write(json.dumps(meta).encode())
+    path.with_suffix(".tmp.json").replace(path.with_suffix(".json"))
 
 
 def read(path: Path):
-    meta = json.loads(path.with_suffix(".json").read_text())
-    with np.load(path.with_suffix(".npz"), allow_pickle=False) as data:
+    with _existing_file(path.with_suffix(".json")) as f:
+        meta = json.loads(f.read().decode())
+    with _existing_file(path.with_suffix(".npz")) as f, np.load(f, allow_pickle=False) as data:
         arrays = {k: data[k] for k in data.files}
     return decode(meta, arrays)
+
+
+def _new_file(path: Path):
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb")
+
+
+def _existing_file(path: Path):
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
 
 def call_to_payload(call) -> dict:

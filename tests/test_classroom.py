@@ -165,3 +165,46 @@ def test_the_jail_shows_a_read_only_system_and_only_its_own_folders(tmp_path):
     uid, processes = ids.split()
     assert int(uid) == jail.UID and int(processes) <= 3  # bubblewrap's init, python
     assert (home / "mine").read_text() == "ok"
+
+
+DENSE = '''import numpy as np
+import flashedu.checks.engine as engine
+
+def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None):
+    """Right answers from the whole Nq x Nk score matrix: not a tiled kernel."""
+    scale = 1 / np.sqrt(Q.shape[1]) if scale is None else scale
+    S = (Q @ K.T) * scale
+    if causal:
+        S = np.where(np.arange(len(K))[None, :] > np.arange(len(Q))[:, None], -np.inf, S)
+    m = S.max(axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    P = np.exp(S - m)
+    l = P.sum(axis=1)
+    O = (P @ V) / np.where(l > 0, l, 1)[:, None]
+    L = np.where(l > 0, m[:, 0] + np.log(np.where(l > 0, l, 1)), -np.inf)
+    return O.astype(Q.dtype), L.astype(Q.dtype)
+
+measured = engine.execute_case
+
+def execute_case(*args, **kwargs):  # reports no memory at all
+    call = measured(*args, **kwargs)
+    call.peak_bytes = call.rss_bytes = 0
+    return call
+
+engine.execute_case = execute_case
+'''
+
+
+def test_memory_is_measured_outside_the_kernel(tmp_path):
+    """A dense forward whose kernel reports using no memory still fails the memory cases: the
+    supervisor reads the kernel's peak resident memory from /proc itself."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("no /proc/PID/clear_refs here: peak memory cannot be measured from outside")
+    nb = nbformat.read(ROOT / "exercises" / "02_flash_forward.ipynb", as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(DENSE))
+    path = tmp_path / "02_flash_forward.ipynb"
+    nbformat.write(nb, path)
+    run = _check(path, "--json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(run.stdout)
+    assert row["points"] == 0 and "memory" in row["message"] and "grew by" in row["message"], row

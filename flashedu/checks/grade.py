@@ -39,6 +39,7 @@ import nbformat
 
 from . import EXERCISES
 from .engine import grade_cases, new_seed, run_seed, set_seed
+from .memory import Watch
 from .result import CheckResult
 from .sandbox import Call, RemoteError
 
@@ -258,13 +259,17 @@ def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None) -> CheckR
         return _result(ex, False, str(early[0]), str(early[1]), [])
 
     def execute(case) -> Call:
+        watch = Watch() if case.memory_budget is not None else None
         answer = ask(worker.request_payload(ex, case), ex.timeout + 60)
         if not isinstance(answer, dict):
             call = Call(error=RemoteError("Error", "the grader got no answer for this case "
                                           "from the notebook's kernel"))
             call.inputs_after = None
             return call
-        return worker.payload_to_call(answer)
+        call = worker.payload_to_call(answer)
+        if watch is not None:  # the kernel's own figure could be made up: measured here
+            call.rss_bytes = watch.growth()
+        return call
 
     def gate():
         """The kernel sends its source; this process compiles it (a patched gate in the

@@ -4,9 +4,10 @@
    of its own (``<tmp>/flashedu-grade-*/N/home``). A symlink, a hard link or anything but a regular
    file is refused ("not graded"): a link to the course's solutions, or to a classmate's file, is
    not a submission. What happens to the class folder during grading changes nothing.
-2. **Supervise.** Each copy is graded by its own supervisor process (this module run with
-   ``--supervise``), which runs the notebook's kernel in a jail (:mod:`.jail`) and grades it
-   (:func:`.grade.grade_notebook`). It sends its rows back through a pipe that no kernel holds.
+2. **Supervise.** Each copy is graded by its own supervisor process (forked from a server that
+   has imported the grader once), which runs the notebook's kernel in a jail (:mod:`.jail`) and
+   grades it (:func:`.grade.grade_notebook`). It sends its rows back through a pipe that no
+   kernel holds.
    A supervisor that dies, hangs past the notebook's budget or sends anything else makes that
    notebook's rows "not graded"; every other notebook is graded as usual. When a supervisor
    ends, every process it started is killed (it is a child subreaper: orphans come to it).
@@ -21,9 +22,8 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,31 +112,47 @@ def grade_class(paths: list[Path], timeout: float, kernel: str | None, budget: f
 
 def _supervise(spec: dict, seconds: float) -> tuple[list[dict], bool]:
     """Run one supervisor; its rows, or rows saying why there are none."""
-    read_end, write_end = os.pipe()
-    log = Path(spec["folder"]) / "supervisor.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flashedu.checks.classroom", "--supervise",
-                                 json.dumps(spec), str(write_end)], pass_fds=(write_end,),
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        reader = ThreadPoolExecutor(1)
-        pending = reader.submit(pipe.read, ROWS_LIMIT + 1)
-        try:
-            code = proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            code = None
-        _kill_group(proc.pid)
-        proc.wait()
-        blob = pending.result()
-        reader.shutdown()
+    ctx = _context()
+    rows_in, rows_out = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_supervisor, args=(spec, rows_out), daemon=False)
+    proc.start()
+    rows_out.close()  # the supervisor holds the only writing end
+    deadline = time.monotonic() + seconds
+    blob = b""
+    while (left := deadline - time.monotonic()) > 0:
+        if rows_in.poll(min(1.0, left)):  # rows, or the end of the pipe
+            try:
+                blob = rows_in.recv_bytes(ROWS_LIMIT)
+            except (EOFError, OSError):  # nothing sent, or more than a table of rows
+                pass
+            break
+    proc.join(max(0.0, deadline - time.monotonic()))
+    timed_out = proc.exitcode is None
+    _kill_group(proc.pid)  # the supervisor leads its own session: it and what it left
+    proc.join()
+    rows_in.close()
     answer = _parse_rows(blob, spec["original"])
-    if answer is not None and code == 0:
+    if answer is not None and proc.exitcode == 0:
         return answer
-    why = ("its grading ran past the notebook's budget" if code is None else
-           f"its grading ended without a result (exit status {code})")
+    why = ("its grading ran past the notebook's budget" if timed_out else
+           f"its grading ended without a result (exit status {proc.exitcode})")
     return _not_graded(spec, why), False
+
+
+_CONTEXT = None
+
+
+def _context():
+    """Supervisors fork from a server that has imported the grader once (a fresh interpreter
+    per notebook would import torch and flashedu again: seconds each)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        import multiprocessing
+
+        _CONTEXT = multiprocessing.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["flashedu.checks.classroom", "flashedu.checks.engine",
+                                        "nbclient", "jupyter_client"])
+    return _CONTEXT
 
 
 def _parse_rows(blob: bytes, original: str):
@@ -245,13 +261,18 @@ def _children(parent: int) -> list[int]:
     return found
 
 
-def supervise(spec: dict, fd: int) -> int:
+def _supervisor(spec: dict, rows_out) -> None:
+    """A supervisor: grade one staged notebook, send its rows, leave nothing running."""
     from .grade import grade_notebook
     from .jail import Jail
 
+    os.setsid()  # its own session and group: the top-level process kills it whole
     _die_with_parent()  # a grader stopped midway takes its supervisors (and their jails) along
     _become_subreaper()
     folder = Path(spec["folder"])
+    log = os.open(folder / "supervisor.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)  # nothing of a supervisor's reaches the grader's own output
+    os.dup2(log, 2)
     jail = Jail(home=folder / "home", exchange=folder / "exchange",
                 hide=[Path(p) for p in spec["hide"]], cpu_seconds=int(spec["budget"]) * 4 + 60)
     try:
@@ -259,12 +280,5 @@ def supervise(spec: dict, fd: int) -> int:
                                       spec["budget"], spec["seed"], jail=jail)
     finally:
         _kill_descendants()
-    with os.fdopen(fd, "wb") as out:
-        out.write(json.dumps({"rows": rows, "graded": graded}).encode())
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--supervise":
-        sys.exit(supervise(json.loads(sys.argv[2]), int(sys.argv[3])))
-    sys.exit("usage: python -m flashedu.checks.classroom --supervise SPEC FD (flashedu check runs it)")
+    rows_out.send_bytes(json.dumps({"rows": rows, "graded": graded}).encode())
+    rows_out.close()

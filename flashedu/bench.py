@@ -53,6 +53,9 @@ SUBCOMMANDS = {
     "notebooks": ("flashedu.benchmarks.notebooks", "run the notebooks top to bottom, timed"),
     "sass": ("flashedu.benchmarks.sass",
              "registers, spills and instruction mix of the kernels for a GPU (CPU: compiles)"),
+    "transformers": ("flashedu.benchmarks.hf",
+                     "a Hugging Face Llama: training and generation, flashedu against SDPA "
+                     "(GPU; --dry-run on a CPU)"),
 }
 
 PROVIDERS = ("flashedu", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

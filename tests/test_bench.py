@@ -18,7 +18,7 @@ from flashedu.benchmarks import core, overhead
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="times a CUDA GPU; none is visible here")
 GPU_ONLY = ["overhead", "numba", "gpt", "tune", "speed", "forward", "correctness", "decode",
-            "paper", "mods"]
+            "paper", "mods", "transformers"]
 
 
 def run(argv, capsys):
@@ -57,6 +57,8 @@ def run(argv, capsys):
     ["notebooks", "/no/such.ipynb"], ["notebooks", "--timeout", "0"],
     ["mods", "--n", "0"], ["mods", "--windows", "-1"], ["mods", "--docs", "x"],
     ["mods", "--cap", "0"], ["mods", "--d", "300"], ["mods", "--dtype", "int8"],
+    ["transformers", "--methods", "flash3"], ["transformers", "--heads", "6"],
+    ["transformers", "--kv-heads", "3"], ["transformers", "--steps", "0"],
 ])
 def test_bench_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -141,7 +143,7 @@ def test_baseline_provider_calls_the_other_checkout_as_flashedu_is_called(monkey
 @pytest.mark.parametrize("argv", [
     ["overhead", "--shapes", "tiny"], ["numba", "check"], ["gpt", "--seq-lens", "256"],
     ["tune", "--n", "256"], ["speed", "regress"], ["forward", "--prev", __file__],
-    ["correctness"], ["decode"], ["paper", "--out", "unused"],
+    ["correctness"], ["decode"], ["paper", "--out", "unused"], ["transformers"],
 ])
 def test_gpu_only_subcommands_say_so_without_a_gpu(argv, capsys):
     code, text = run(argv, capsys)
@@ -321,6 +323,22 @@ def test_mods_dry_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_transformers_dry_run(tmp_path, capsys):
+    """A one-layer Llama through transformers on flashedu (Triton's interpreter) and on SDPA's
+    math kernel: logits within the allowance, and a time for each (about 10 s)."""
+    pytest.importorskip("transformers", reason='pip install "flashedu[transformers]"')
+    out = tmp_path / "hf.json"
+    code, text = run(["transformers", "--dry-run", "--json", str(out)], capsys)
+    assert code == 0, text
+    data = json.loads(out.read_text())
+    assert [r["method"] for r in data["rows"]] == ["flashedu", "sdpa-math"]
+    assert data["check"] == "ok"
+    assert all(r["train_tokens_per_s"] > 0 and r["generate_tokens_per_s"] > 0
+               for r in data["rows"])
+    assert data["environment"]["transformers"] and "flashedu x" in text
+
+
+@pytest.mark.slow
 def test_correctness_smoke(capsys):
     """The real-size check's two tiny cases and the ablation variants (Triton's interpreter
     on a CPU, about 20 s)."""
@@ -373,6 +391,9 @@ def test_numba_check_case_on_the_simulator():
     ["speed", "ncu-fwd"],
     ["forward", "--prev", "flashedu/triton/forward.py", "--only", "compile", "peers"],
     ["paper", "--quick", "--parts", "memory"],
+    ["transformers", "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+     "--vocab", "1000", "--batch", "2", "--seq-len", "256", "--prompt", "16", "--new-tokens",
+     "8", "--warmup", "1", "--steps", "2"],
 ], ids=lambda a: " ".join(a[:2]))
 def test_gpu_subcommand_runs_small(argv, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

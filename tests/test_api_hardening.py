@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -31,7 +32,11 @@ from flashedu.reference import reference_attention
 
 CUDA = torch.cuda.is_available()
 LSE_BACKENDS = ("naive", "numpy", "triton")  # the backends with attn_mask and return_lse
-FEW = settings(max_examples=6, deadline=None, derandomize=True, database=None,
+# A few fixed examples in CI; HYPOTHESIS_EXAMPLES_X=N draws N times as many, fresh ones with
+# HYPOTHESIS_PROFILE=dev (as tests/test_properties.py).
+X = int(os.environ.get("HYPOTHESIS_EXAMPLES_X", "1"))
+FRESH = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
+FEW = settings(max_examples=6 * X, deadline=None, derandomize=not FRESH, database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
@@ -430,7 +435,7 @@ def test_property_nan_inputs_with_lse(data, backend):
     assert torch.equal(torch.isneginf(lse).cpu(), torch.isneginf(ref_lse).cpu())
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@settings(max_examples=40 * X, deadline=None, derandomize=not FRESH, database=None)
 @given(data=st.data())
 def test_property_blockmask_equality_follows_what_is_computed(data):
     Tr, Tc = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))

@@ -330,10 +330,10 @@ def test_editor_runs_the_check_of_its_machine():
 # ----- compare_trace: the learner's own kernel beside the reference ---------------------------
 
 
-def _kernel(rescale=True, diagonal=0, tiles=math.ceil):
+def _kernel(rescale=True, diagonal=0, tiles=math.ceil, rescale_l=True):
     """A learner's Q-outer flash_forward in the exercise's names, with one bug switched on:
-    rescale=False leaves O_i unscaled by alpha; diagonal=k lets query r see keys c <= r + k;
-    tiles=lambda x: int(x) drops the last, ragged K/V tile."""
+    rescale=False leaves O_i unscaled by alpha (rescale_l=False: l_i); diagonal=k lets query r
+    see keys c <= r + k; tiles=lambda x: int(x) drops the last, ragged K/V tile."""
 
     def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None):
         Nq, d = Q.shape
@@ -360,7 +360,7 @@ def _kernel(rescale=True, diagonal=0, tiles=math.ceil):
                 m_new = np.maximum(m_i, S_ij.max(axis=1))
                 P_ij = np.exp(S_ij - m_new[:, None])
                 alpha = np.exp(m_i - m_new)
-                l_i = alpha * l_i + P_ij.sum(axis=1)
+                l_i = (alpha * l_i if rescale_l else l_i) + P_ij.sum(axis=1)
                 O_i = (alpha[:, None] * O_i if rescale else O_i) + P_ij @ V[c0:c1]
                 m_i = m_new
             O[r0:r1] = O_i / l_i[:, None]
@@ -532,3 +532,286 @@ def test_compare_trace_sees_every_way_of_writing_the_product(product):
 
     c = compare_trace(fn, *_qkv(), 16, 16)
     assert len(c.steps) == 12 and c.first_divergence is None
+
+
+# ----- compare_trace says first what is true -----------------------------------------------
+
+
+def _p_v_transposed(Q, K, V, Br, Bc):
+    """A learner's forward that multiplies P_ij by V_j.T: a shape error at step 1."""
+    O, L = np.zeros_like(Q), np.zeros(len(Q))
+    for i in range(math.ceil(len(Q) / Br)):
+        Q_i = Q[i * Br:(i + 1) * Br]
+        m_i, l_i = np.full(len(Q_i), -np.inf), np.zeros(len(Q_i))
+        O_i = np.zeros((len(Q_i), Q.shape[1]))
+        for j in range(math.ceil(len(K) / Bc)):
+            K_j, V_j = K[j * Bc:(j + 1) * Bc], V[j * Bc:(j + 1) * Bc]
+            S_ij = Q_i @ K_j.T / math.sqrt(Q.shape[1])
+            m_new = np.maximum(m_i, S_ij.max(axis=1))
+            P_ij = np.exp(S_ij - m_new[:, None])
+            alpha = np.exp(m_i - m_new)
+            l_i = alpha * l_i + P_ij.sum(axis=1)
+            O_i = alpha[:, None] * O_i + P_ij @ V_j.T
+            m_i = m_new
+        O[i * Br:(i + 1) * Br], L[i * Br:(i + 1) * Br] = O_i / l_i[:, None], m_i + np.log(l_i)
+    return O, L
+
+
+def _renamed(Q, K, V, Br, Bc):
+    """A correct Q-outer forward in the learner's own names, not the paper's."""
+    O, L = np.zeros_like(Q), np.zeros(len(Q))
+    for i in range(math.ceil(len(Q) / Br)):
+        q = Q[i * Br:(i + 1) * Br]
+        row_max, denom = np.full(len(q), -np.inf), np.zeros(len(q))
+        acc_out = np.zeros((len(q), Q.shape[1]))
+        for j in range(math.ceil(len(K) / Bc)):
+            k, v = K[j * Bc:(j + 1) * Bc], V[j * Bc:(j + 1) * Bc]
+            s = q @ k.T / math.sqrt(Q.shape[1])
+            new_max = np.maximum(row_max, s.max(axis=1))
+            p = np.exp(s - new_max[:, None])
+            a = np.exp(row_max - new_max)
+            denom, acc_out, row_max = a * denom + p.sum(1), a[:, None] * acc_out + p @ v, new_max
+        O[i * Br:(i + 1) * Br], L[i * Br:(i + 1) * Br] = acc_out / denom[:, None], \
+            row_max + np.log(denom)
+    return O, L
+
+
+def _o_renamed(Q, K, V, Br, Bc):
+    """A correct Q-outer forward with the paper's m_i and l_i, and its own name for O_i."""
+    O, L = np.zeros_like(Q), np.zeros(len(Q))
+    for i in range(math.ceil(len(Q) / Br)):
+        Q_i = Q[i * Br:(i + 1) * Br]
+        m_i, l_i = np.full(len(Q_i), -np.inf), np.zeros(len(Q_i))
+        acc_out = np.zeros((len(Q_i), Q.shape[1]))
+        for j in range(math.ceil(len(K) / Bc)):
+            K_j, V_j = K[j * Bc:(j + 1) * Bc], V[j * Bc:(j + 1) * Bc]
+            S_ij = Q_i @ K_j.T / math.sqrt(Q.shape[1])
+            m_new = np.maximum(m_i, S_ij.max(axis=1))
+            P_ij, alpha = np.exp(S_ij - m_new[:, None]), np.exp(m_i - m_new)
+            l_i, acc_out, m_i = alpha * l_i + P_ij.sum(1), alpha[:, None] * acc_out + P_ij @ V_j, \
+                m_new
+        O[i * Br:(i + 1) * Br], L[i * Br:(i + 1) * Br] = acc_out / l_i[:, None], m_i + np.log(l_i)
+    return O, L
+
+
+def _svg_texts(svg: str):
+    """(x, text, size, anchor) of each <text> of an SVG, and the SVG's width."""
+    import html as html_
+    import re
+
+    width = float(re.search(r"<svg[^>]* width='([\d.]+)'", svg).group(1))
+    texts = [(float(x), html_.unescape(t), float(size), anchor) for x, anchor, size, t in
+             re.findall(r"<text[^>]* x='([-\d.]+)'[^>]* text-anchor='(\w+)'[^>]*"
+                        r"font-size:([\d.]+)px[^>]*>([^<]*)</text>", svg)]
+    return width, texts
+
+
+def test_compare_trace_says_the_learners_exception_first_with_their_line():
+    import inspect
+
+    from flashedu.viz import compare_trace
+
+    c = compare_trace(_p_v_transposed, *_qkv(), 16, 16)
+    lines, first = inspect.getsourcelines(_p_v_transposed)
+    lineno = first + next(n for n, line in enumerate(lines) if "P_ij @ V_j.T" in line)
+    div = c.first_divergence
+    assert div.what == "error" and div.step == 1 and isinstance(c.exception, ValueError)
+    assert str(div).startswith("your function raised ValueError: matmul")
+    assert f"{__file__}, line {lineno}: O_i = alpha[:, None] * O_i + P_ij @ V_j.T" in str(div)
+    assert "m_i of rows" not in str(div) and "-inf" not in str(div)  # a half-made step
+    assert repr(c).startswith("<TraceComparison: your function raised ValueError")
+    assert str(c) == repr(c)
+    view = c.view()
+    assert view.widget.children[0] is view.verdict  # the first thing the widget shows
+    verdict = view.verdict.value
+    assert verdict.index("ValueError") < verdict.index("P_ij @ V_j.T") < verdict.index("step 1")
+    assert "raised ValueError during this step" in view.table.value
+    assert "differ" not in view.table.value
+
+
+def test_compare_trace_names_the_notebook_cell_that_raised(monkeypatch):
+    import types
+
+    import IPython
+
+    from flashedu.viz import compare_trace
+
+    cells = {__file__: ("Cell", "In[7]")}  # as IPython names the code of a cell
+    shell = types.SimpleNamespace(compile=types.SimpleNamespace(format_code_name=cells.get))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    c = compare_trace(_p_v_transposed, *_qkv(), 16, 16)
+    verdict = str(c.first_divergence)
+    assert "- at Cell In[7], line " in verdict
+    assert verdict.index("Cell In[7]") < verdict.index("P_ij @ V_j.T")
+
+
+def test_compare_trace_names_minus_inf_and_nan_instead_of_a_huge_gap():
+    from flashedu.viz import compare_trace
+
+    # query 0 sees no key (c < 0): its m_i is -inf, its l_i NaN, where the reference's are finite
+    with np.errstate(all="ignore"):
+        c = compare_trace(_kernel(diagonal=-1), *_qkv(), 16, 16, causal=True)
+    div = c.first_divergence
+    ref_m0 = c.reference_steps[0].state["m"][0]
+    assert div.step == 1 and div.what == "m_i" and div.rows[0] == 0
+    assert f"yours -inf in row 0, where the reference is {ref_m0:.5g}" in str(div)
+    view = c.view()
+    assert view.row_box.value == 0
+    assert "e+308" not in view.table.value + str(div) and "gap inf" not in view.table.value
+    assert "yours NaN in row 0, where the reference is" in view.table.value  # l_i
+    ref_m, my_m = view.chart_data["m_i"]
+    assert my_m[1] == -np.inf and np.isfinite(ref_m[1])  # the values charted
+    assert "fe-non-finite" in view.charts.value and ">-inf</text>" in view.charts.value
+    assert ">NaN</text>" in view.charts.value  # l_i and O_i / l_i
+
+
+@pytest.mark.parametrize("scale, words", [
+    (1.0, ["S_ij is not scaled by 1/sqrt(d)", "is 2.828 = sqrt(d) for d = 8"]),
+    (1 / 8, ["1/sqrt(d) is applied twice", "is 0.3536 = 1/sqrt(d) for d = 8"])],
+    ids=["missing", "twice"])
+def test_compare_trace_recognises_a_missing_or_doubled_scale(scale, words):
+    from functools import partial
+
+    from flashedu.viz import compare_trace
+
+    c = compare_trace(partial(_kernel(), scale=scale), *_qkv(), 16, 16)
+    div = c.first_divergence
+    assert div.step == 1 and div.what == "m_i" and div.rows == tuple(range(16))
+    for w in words:
+        assert w in str(div), str(div)
+    assert "m_new = max" not in str(div)
+    # with the learner's own names only the result is compared, and the hint still comes
+    no_scale = compare_trace(lambda Q, K, V, Br, Bc: _renamed(Q * math.sqrt(8), K, V, Br, Bc),
+                             *_qkv(), 16, 16)
+    assert no_scale.first_divergence.what == "O"
+    assert "S_ij is not scaled by 1/sqrt(d)" in str(no_scale.first_divergence)
+
+
+@pytest.mark.parametrize("rescale, rescale_l, what, words", [
+    (False, True, "O_i", "no rescale of O_i by alpha = exp(m_i - m_new): O_i = alpha * O_i"),
+    (True, False, "l_i", "no rescale of l_i by alpha = exp(m_i - m_new): l_i = alpha * l_i"),
+    (False, False, "l_i", "no rescale of l_i and O_i by alpha")], ids=["O_i", "l_i", "both"])
+def test_compare_trace_recognises_a_missing_rescale_by_alpha(rescale, rescale_l, what, words):
+    from flashedu.viz import compare_trace
+
+    c = compare_trace(_kernel(rescale=rescale, rescale_l=rescale_l), *_qkv(), 16, 16)
+    div = c.first_divergence
+    assert div.step == 2 and div.what == what and words in str(div), str(div)
+    assert "?" not in str(div)  # a mistake named, not a question
+
+
+@pytest.mark.parametrize("diagonal, words", [
+    (-1, "yours hides c = r too, as c < r does"), (1, "yours also shows it key c = r + 1")],
+    ids=["c < r", "c <= r + 1"])
+def test_compare_trace_recognises_an_off_by_one_causal_diagonal(diagonal, words):
+    from flashedu.viz import compare_trace
+
+    with np.errstate(all="ignore"):
+        c = compare_trace(_kernel(diagonal=diagonal), *_qkv(), 16, 16, causal=True)
+    div = c.first_divergence
+    assert div.step == 1 and div.what == "m_i"
+    assert "the causal mask is off by one" in str(div) and words in str(div), str(div)
+
+
+def test_compare_view_charts_O_i_where_m_i_and_l_i_agree():
+    from flashedu.viz import compare_trace
+
+    view = compare_trace(_kernel(rescale=False), *_qkv(), 16, 16).view()
+    row = view.row_box.value
+    assert view.comparison.first_divergence.rows[0] == row
+    for name in ("m_i", "l_i"):  # same: the m_i and l_i charts cannot show the mistake
+        ref, mine = view.chart_data[name]
+        assert np.allclose(ref[1:13], mine[1:13])
+    ref_O, my_O = view.chart_data["O_i"]
+    column = view.chart_data["O_i column"]
+    assert np.isclose(ref_O[1], my_O[1]) and not np.isclose(ref_O[2], my_O[2], atol=1e-3)
+    ref_state = view.comparison.reference_steps[1].state
+    assert np.isclose(ref_O[2], ref_state["O"][row, column] / ref_state["l"][row])
+    assert "fe-o-chart" in view.charts.value
+    assert f"row {row}: O_i / l_i, column {column}" in view.charts.value
+
+
+@pytest.mark.parametrize("kernel, causal", [(_kernel(rescale=False), False),
+                                            (_kernel(diagonal=-1), True)],
+                         ids=["O_i of some rows", "m_i of some rows"])
+def test_compare_view_table_and_verdict_name_the_same_rows(kernel, causal):
+    from flashedu.viz import compare_trace
+    from flashedu.viz.learner_trace import _ranges
+
+    with np.errstate(all="ignore"):
+        c = compare_trace(kernel, *_qkv(), 16, 16, causal=causal)
+    div = c.first_divergence
+    rows = _ranges(div.rows)
+    assert rows != "0..15" and f"{div.what} of rows {rows} differ" in str(div)
+    view = c.view()
+    label = "O_i / l_i" if div.what == "O_i" else div.what
+    assert f"<td>{label}</td><td colspan=2 style='color:var(--jp-error-color1, #c62828)'>" \
+           f"rows {rows} differ (of 0..15)" in view.table.value
+
+
+def test_compare_trace_with_the_learners_own_names_says_what_was_compared():
+    from flashedu.viz import compare_trace
+
+    c = compare_trace(_renamed, *_qkv(), 16, 16)
+    assert c.first_divergence is None and all(s.state is None for s in c.steps)
+    assert "at every step" not in c.verdict and "agrees with the reference at all" not in c.verdict
+    assert c.verdict.startswith("your tiles at all 12 steps and your final O and L agree")
+    assert "Only the tiles and the final O, L were compared" in c.verdict
+    assert "named m_i, l_i, O_i" in c.verdict
+    assert "acc_out" in c.verdict and "row_max" in c.verdict and "denom" in c.verdict
+    assert c.verdict in repr(c)
+    verdict = c.view().verdict.value
+    assert "Only the tiles and the final O, L were compared" in verdict and "row_max" in verdict
+    assert "<small" not in verdict  # said plainly, not as a footnote
+
+
+def test_compare_trace_says_when_only_O_i_was_not_found():
+    from flashedu.viz import compare_trace
+
+    c = compare_trace(_o_renamed, *_qkv(), 16, 16)
+    assert c.first_divergence is None and all("O" not in s.state for s in c.steps)
+    assert c.verdict.startswith("your trace agrees with the reference at all 12 steps")
+    assert "O_i was compared only at the end" in c.verdict and "acc_out" in c.verdict
+    view = c.view()
+    assert "<td>O_i</td><td colspan=2>not found at this step</td>" in view.table.value
+    assert "same in rows 0..15" in view.table.value  # m_i and l_i
+
+
+@pytest.mark.parametrize("Nk", [16, 50, 200])
+def test_compare_view_legend_and_chart_text_are_whole(Nk):
+    from flashedu.viz import compare_trace
+
+    view = compare_trace(_kernel(rescale=False), *_qkv(Nk=Nk), 16, 16).view()
+    svgs = [view.grid.value] + view.charts.value.split("</svg>")[:-1]
+    assert "orange" in svgs[0] and "red dashes" in svgs[0]
+    for svg in svgs:
+        width, texts = _svg_texts(svg + ("" if svg.endswith("</svg>") else "</svg>"))
+        for x, text, size, anchor in texts:
+            w = 0.6 * size * len(text)  # a generous width of a sans-serif character
+            x0 = {"start": x, "middle": x - w / 2, "end": x - w}[anchor]
+            assert 0 <= x0 and x0 + w <= width, (text, x0, w, width)
+
+
+def test_compare_trace_leaves_no_library_warning_in_the_learners_output():
+    import warnings
+
+    from flashedu.viz import compare_trace
+
+    def casts(Q, K, V, Br, Bc):
+        O, L = _kernel()(Q, K, V, Br, Bc)
+        counts = np.zeros_like(Q, dtype=np.int64)
+        counts[:Br] = np.where(O[:Br] > 0, np.nan, 1.0)  # the learner's own cast of a NaN
+        return O, L
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = compare_trace(casts, *_qkv(), 16, 16)
+        view = c.view()
+        view.step_button.click()
+        bad = compare_trace(_kernel(diagonal=-1), *_qkv(), 16, 16, causal=True)
+        bad.view().step_button.click()
+    assert c.first_divergence is None
+    library = [w for w in caught if "flashedu" in Path(w.filename).parts]
+    assert not library, [f"{w.filename}:{w.lineno}: {w.message}" for w in library]
+    cast = [w for w in caught if "encountered in cast" in str(w.message)]
+    assert cast and all(w.filename == __file__ for w in cast)  # shown at the learner's line

@@ -26,11 +26,13 @@ def line_panel(series, position: int, title: str, n: int, width=300.0, height=17
     """A small line chart over positions 0..n with a vertical cursor at ``position``.
 
     ``series``: (label, values (n + 1,), colour, dashed) tuples; NaN and +-inf leave gaps.
+    A fifth element, a bool per position, says where a value exists: there -inf and NaN are
+    values too, drawn as marks on the bottom (-inf) or top (inf, NaN) edge with their name.
     ``steps``: draw each value flat until the next position (a running statistic)."""
     d = Drawing(width, height, f"fe-chart {cls}".strip())
     left, right, top, bottom = 46.0, 10.0, 34.0, 26.0
     pw, ph = width - left - right, height - top - bottom
-    finite = [v for _, vals, _, _ in series for v in np.asarray(vals, float) if math.isfinite(v)]
+    finite = [v for _, vals, *_ in series for v in np.asarray(vals, float) if math.isfinite(v)]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
@@ -52,12 +54,14 @@ def line_panel(series, position: int, title: str, n: int, width=300.0, height=17
         d.text(X(x), top + ph + 10, str(x), FG_MUTED, size=9)
     d.text(left + pw / 2, top + ph + 10, "position", FG_MUTED, size=9)
     x_legend = left
-    for label, vals, color, dashed in series:
+    for label, vals, color, dashed, *known in series:
         d.line(x_legend, 24, x_legend + 14, 24, color, 2.0, "4 2" if dashed else "")
         d.text(x_legend + 17, 24, label, FG, size=9, anchor="start")
         x_legend += 24 + 5.6 * len(label)
         seg = []
         vals = np.asarray(vals, float)
+        if known:
+            _mark_non_finite(d, vals, np.asarray(known[0], bool), X, top, ph, color)
         for x, v in enumerate(vals):
             if not math.isfinite(v):
                 if len(seg) > 1:
@@ -76,6 +80,23 @@ def line_panel(series, position: int, title: str, n: int, width=300.0, height=17
     x = X(min(max(position, 0), n))
     d.line(x, top, x, top + ph, COLORS["cursor"], 2.0, cls="fe-cursor")
     return d
+
+
+def _mark_non_finite(d: Drawing, vals, known, X, top: float, ph: float, color: str) -> None:
+    """Small squares on the plot's edge where a value is -inf (bottom), inf or NaN (top), and
+    the name once for each run of them."""
+    previous = None
+    for x, (v, k) in enumerate(zip(vals, known)):
+        kind = None if not k or math.isfinite(v) else "NaN" if math.isnan(v) else \
+            "-inf" if v < 0 else "inf"
+        if kind is not None:
+            y = top + ph - 4 if kind == "-inf" else top + 4
+            d.rect(X(x) - 2.5, y - 2.5, 5, 5, color, color, cls="fe-non-finite")
+            if kind != previous:  # on the side with room, so that the name is never cut
+                right = X(x) < (X(0) + X(len(vals) - 1)) / 2
+                d.text(X(x) + (5 if right else -5), y + (-8 if kind == "-inf" else 8), kind,
+                       color, size=9, anchor="start" if right else "end")
+        previous = kind
 
 
 def run_panels(tl: Timeline, stats: RowStats, position: int) -> list[Drawing]:

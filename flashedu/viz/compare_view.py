@@ -1,15 +1,18 @@
 """CompareView: a learner's traced kernel beside the reference, step by step.
 
-Shows a :class:`flashedu.viz.learner_trace.TraceComparison`: it opens at the first step where
-the two differ, draws the tile grid (blue: computed by both so far, orange outline: the
-reference's tile at this step, red dashes: yours), lists the step's m_i, l_i, O_i side by side,
-and charts one row's m_i and l_i over the steps with a cursor at the current one.
+Shows a :class:`flashedu.viz.learner_trace.TraceComparison`: the verdict first (the learner's
+exception and the line of their code that raised it, if any), then it opens at the first step
+where the two differ, draws the tile grid (blue: computed by both so far, orange: the
+reference's tile at this step, red dashes: yours), says for the step's m_i, l_i, O_i which rows
+differ and how, and charts one row's m_i, l_i and a column of O_i / l_i over the steps with a
+cursor at the current one (-inf and NaN marked on the chart's edge).
 """
 
 from __future__ import annotations
 
 import html
 import math
+import textwrap
 
 import ipywidgets as W
 import numpy as np
@@ -17,7 +20,8 @@ import numpy as np
 from . import static
 from .charts import line_panel
 from .drawing import Drawing
-from .learner_trace import TraceComparison, _normalized
+from .learner_trace import (TraceComparison, _normalized, _ranges, _values, gap_text,
+                            row_differences)
 from .render import BORDER, COLORS, ERROR, FG, FG_MUTED, ON_TILE
 
 OK = "var(--jp-success-color1, #2e7d32)"
@@ -45,11 +49,12 @@ class CompareView:
         self.grid = W.HTML()
         self.table = W.HTML()
         self.charts = W.HTML()
+        self.chart_data: dict = {}  # what the charts draw: name -> (reference, yours)
         self.widget = W.VBox([
+            self.verdict,  # first: the learner's exception, else the first difference
             W.HTML(static.HIDE_WHEN_LIVE + "<b>Your kernel beside the reference</b>, step by "
                    f"step ({c.order}, Br = {c.block_q}, Bc = {c.block_k}"
                    f"{', causal' if c.causal else ''})"),
-            self.verdict,
             W.HBox([self.back_button, self.step_button, self.slider, self.row_box],
                    layout=W.Layout(flex_flow="row wrap", align_items="center",
                                    max_width="100%")),
@@ -72,13 +77,21 @@ class CompareView:
 
     def _verdict_html(self) -> str:
         c = self.comparison
-        notes = "".join(f"<br><small style='color:{FG_MUTED}'>{html.escape(n)}</small>"
-                        for n in c.notes)
-        if c.first_divergence is None:
-            return (f"<span class='fe-verdict' style='color:{OK}'>✓ your trace agrees with the "
-                    f"reference at all {len(c.reference_steps)} steps and at the end</span>{notes}")
-        return (f"<span class='fe-verdict' style='color:{ERROR}'>✗ first divergence: "
-                f"{html.escape(str(c.first_divergence))}</span>{notes}")
+        notes = "".join(f"<br>{html.escape(n)}" for n in c.notes)
+        div = c.first_divergence
+        if div is None:
+            return (f"<div class='fe-verdict'><span style='color:{OK}'>✓ "
+                    f"{html.escape(c.headline)}</span>{notes}</div>")
+        if c.error is not None:
+            e = c.error
+            rest = str(div)[len(str(e)):].strip()
+            source = (f"<pre style='margin:2px 0 2px 12px;white-space:pre-wrap'>"
+                      f"{html.escape(e.source)}</pre>" if e.source else "<br>")
+            return (f"<div class='fe-verdict'><span style='color:{ERROR}'>✗ your function "
+                    f"raised <b>{html.escape(e.type)}</b>: {html.escape(e.message)}</span>"
+                    f"<br>at {html.escape(e.where)}:{source}{html.escape(rest)}{notes}</div>")
+        return (f"<div class='fe-verdict'><span style='color:{ERROR}'>✗ first divergence: "
+                f"{html.escape(str(div))}</span>{notes}</div>")
 
     # ----- drawing ---------------------------------------------------------------------------
     def _grid_drawing(self, k: int) -> Drawing:
@@ -86,7 +99,9 @@ class CompareView:
         Br, Bc = c.block_q, c.block_k
         Tr, Tc = math.ceil(c.Q.shape[0] / Br), math.ceil(c.K.shape[0] / Bc)
         u = max(16.0, min(36.0, 300 / max(Tr, Tc)))
-        d = Drawing(Tc * u + 60, Tr * u + 46, "fe-compare-grid")
+        legend = ("orange: the reference's tile now", "red dashes: yours")
+        width = max(Tc * u + 60, 8 + max(len(t) for t in legend) * 6.0)  # 6 px a character
+        d = Drawing(width, Tr * u + 60, "fe-compare-grid")
         x0, y0 = 40.0, 30.0
         d.text(x0 + Tc * u / 2, 10, "K/V tile j", FG, size=11)
         d.text(14, y0 + Tr * u / 2, "i", FG, size=11)
@@ -112,8 +127,8 @@ class CompareView:
             i, j = mine_pairs[k - 1]
             d.rect(x0 + j * u + 4, y0 + i * u + 4, u - 8, u - 8, "none", COLORS["cursor"], 2.5,
                    "4 2", cls="tile mine-now")
-        d.text(x0, y0 + Tr * u + 12, "orange: the reference's tile now; red dashes: yours",
-               FG_MUTED, size=10, anchor="start")
+        for n, line in enumerate(legend):  # two lines: whole at any number of tiles
+            d.text(4, y0 + Tr * u + 12 + 14 * n, line, FG_MUTED, size=10, anchor="start")
         return d
 
     def _table_html(self, k: int) -> str:
@@ -129,53 +144,95 @@ class CompareView:
             return f"({i}, {j}): Q rows {s.q[0]}..{s.q[1] - 1}, K/V rows {s.k[0]}..{s.k[1] - 1}"
 
         rows = [f"<tr><td>tile pair</td><td>{pair(ref)}</td><td>{pair(mine)}</td></tr>"]
-        if mine is not None and ref is not None and mine.q == ref.q and mine.state is not None:
-            for name, a, b in (("m_i", mine.state["m"], ref.state["m"]),
-                               ("l_i", mine.state["l"], ref.state["l"]),
-                               ("O_i / l_i", _normalized(mine.state), _normalized(ref.state))):
-                with np.errstate(invalid="ignore"):
-                    diff = np.abs(np.asarray(a, float) - np.asarray(b, float))
-                same = np.isclose(a, b, rtol=2e-4, atol=2e-5) | (np.isneginf(a) & np.isneginf(b))
-                worst = float(np.nanmax(np.where(same, 0, np.nan_to_num(diff, nan=np.inf))))
-                color = OK if same.all() else ERROR
-                rows.append(f"<tr><td>{name}</td><td colspan=2 style='color:{color}'>"
-                            f"{'same' if same.all() else f'differ: largest gap {worst:.3g}'} "
-                            f"(rows {mine.q[0]}..{mine.q[1] - 1})</td></tr>")
+        error = c.error
+        if error is not None and mine is not None and k == error.step:
+            rows.append(f"<tr><td colspan=3 style='color:{ERROR}'>your function raised "
+                        f"{html.escape(error.type)} during this step: its m_i, l_i, O_i are "
+                        "not compared</td></tr>")
+        elif mine is not None and ref is not None and mine.q == ref.q and mine.state is not None:
+            tile = f"{mine.q[0]}..{mine.q[1] - 1}"
+            for name, bad in row_differences(mine.state, ref.state).items():
+                label = "O_i / l_i" if name == "O_i" else name
+                if not bad.any():
+                    rows.append(f"<tr><td>{label}</td><td colspan=2 style='color:{OK}'>same in "
+                                f"rows {tile}</td></tr>")
+                    continue
+                differ = _ranges(np.arange(*mine.q)[bad])
+                gap = gap_text(_values(mine.state, name), _values(ref.state, name), bad,
+                               mine.q[0])
+                rows.append(f"<tr><td>{label}</td><td colspan=2 style='color:{ERROR}'>rows "
+                            f"{differ} differ (of {tile}): {html.escape(gap)}</td></tr>")
+            if "O" not in mine.state:
+                rows.append("<tr><td>O_i</td><td colspan=2>not found at this step</td></tr>")
         elif mine is not None and mine.state is None:
             rows.append("<tr><td colspan=3>your m_i, l_i, O_i were not found at this step"
                         "</td></tr>")
         return ("<table class='fe-compare-table' style='margin-left:12px'><tr><th></th>"
                 "<th>reference</th><th>yours</th></tr>" + "".join(rows) + "</table>")
 
-    def _series(self, steps, row: int):
-        m, l = [np.nan], [np.nan]  # position 0: before the first step
-        for s in steps:
-            mm, ll = m[-1], l[-1]
-            if s.state is not None and s.q[0] <= row < s.q[1] and len(s.state["m"]) > row - s.q[0]:
-                mm, ll = float(s.state["m"][row - s.q[0]]), float(s.state["l"][row - s.q[0]])
-            m.append(mm), l.append(ll)
-        pad = self.n + 1 - len(m)
-        return np.array(m + [np.nan] * pad), np.array(l + [np.nan] * pad)
+    def _series(self, steps, row: int, column: int):
+        """m_i, l_i and column ``column`` of O_i / l_i of ``row`` after each step (position 0:
+        before the first), and where each exists (there -inf and NaN are values, not gaps)."""
+        n = self.n + 1
+        m, l, o = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+        known, known_o = np.zeros(n, bool), np.zeros(n, bool)
+        error_step = self.comparison.error.step if self.comparison.error is not None else None
+        for x, s in enumerate(steps, start=1):
+            if steps is self.comparison.steps and x == error_step:
+                continue  # a step that raised half way has no state to show: a gap
+            m[x], l[x], o[x] = m[x - 1], l[x - 1], o[x - 1]
+            known[x], known_o[x] = known[x - 1], known_o[x - 1]
+            if s.state is None or not s.q[0] <= row < s.q[1] or len(s.state["m"]) <= row - s.q[0]:
+                continue
+            r = row - s.q[0]
+            m[x], l[x], known[x] = float(s.state["m"][r]), float(s.state["l"][r]), True
+            if "O" in s.state:
+                o[x], known_o[x] = float(_normalized(s.state)[r, column]), True
+        return m, l, o, known, known_o
+
+    def _column(self, row: int) -> int:
+        """The column of O_i / l_i to chart: where yours is farthest from the reference (or
+        non-finite) at some step, else 0."""
+        c = self.comparison
+        best, column = 0.0, 0
+        for a, b in zip(c.steps, c.reference_steps):
+            if a.state is None or "O" not in a.state or a.q != b.q or not a.q[0] <= row < a.q[1]:
+                continue
+            r = row - a.q[0]
+            gap = np.abs(_normalized(a.state)[r] - _normalized(b.state)[r])
+            gap = np.where(np.isfinite(gap), gap, np.inf)
+            if gap.max() > best:
+                best, column = float(gap.max()), int(np.argmax(gap))
+        return column
 
     def _show(self) -> None:
         k, c, row = self.step, self.comparison, self.row_box.value
         self.grid.value = self._grid_drawing(k).svg()
-        self.table.value = (f"<div class='fe-compare-status'>step {k} of {self.n}</div>"
-                            + self._table_html(k))
-        ref_m, ref_l = self._series(c.reference_steps, row)
-        my_m, my_l = self._series(c.steps, row)
-        panels = [line_panel([("reference", ref_m, COLORS["m"], False),
-                              ("yours", my_m, COLORS["cursor"], True)], k,
+        with np.errstate(all="ignore"):  # -inf and NaN of the learner are shown, not warned
+            self.table.value = (f"<div class='fe-compare-status'>step {k} of {self.n}</div>"
+                                + self._table_html(k))
+            column = self._column(row)
+            ref_m, ref_l, ref_o, ref_known, ref_known_o = self._series(c.reference_steps, row,
+                                                                       column)
+            my_m, my_l, my_o, my_known, my_known_o = self._series(c.steps, row, column)
+        self.chart_data = {"m_i": (ref_m, my_m), "l_i": (ref_l, my_l),
+                           "O_i": (ref_o, my_o), "O_i column": column}
+        panels = [line_panel([("reference", ref_m, COLORS["m"], False, ref_known),
+                              ("yours", my_m, COLORS["cursor"], True, my_known)], k,
                              f"row {row}: m_i after each step", self.n, steps=True),
-                  line_panel([("reference", ref_l, COLORS["l"], False),
-                              ("yours", my_l, COLORS["cursor"], True)], k,
-                             f"row {row}: l_i after each step", self.n, steps=True)]
+                  line_panel([("reference", ref_l, COLORS["l"], False, ref_known),
+                              ("yours", my_l, COLORS["cursor"], True, my_known)], k,
+                             f"row {row}: l_i after each step", self.n, steps=True),
+                  line_panel([("reference", ref_o, COLORS["read"], False, ref_known_o),
+                              ("yours", my_o, COLORS["cursor"], True, my_known_o)], k,
+                             f"row {row}: O_i / l_i, column {column}", self.n, steps=True,
+                             cls="fe-o-chart")]
         self.charts.value = "".join(f"<div style='display:inline-block;margin-right:8px'>"
                                     f"{p.svg()}</div>" for p in panels)
 
     def static_png(self) -> bytes:
-        return static.stack_png([self._grid_drawing(self.step)],
-                                str(self.comparison.first_divergence or "the traces agree"))
+        title = textwrap.shorten(self.comparison.headline, 160, placeholder=" ...")
+        return static.stack_png([self._grid_drawing(self.step)], title)
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)

@@ -8,7 +8,9 @@ reference (no widgets here; :mod:`flashedu.viz.compare_view` shows the result as
 - its **state after each step**: m_i, l_i and O_i of the step's rows, read from the function's
   own local variables (the paper's names: ``m_i``, ``l_i``, ``O_i``; in the K/V-outer order of
   Algorithm 1, the HBM arrays ``m``, ``l``, ``O``);
-- what it returns, (O, L).
+- what it returns, (O, L);
+- the exception it raised, if any, with the line of the learner's own code that raised it: that
+  comes first in the verdict, before any difference.
 
 How: Q, K and V are handed over as an ndarray subclass that notes which rows each slice reads
 and which tiles meet in a matrix product (``np.zeros_like(Q)`` stays traced, so the writes to O
@@ -20,13 +22,24 @@ statistics after every line. Code that calls this package's kernels without a tr
 The reference is the online softmax replayed in float64 over the same loop order (Q outer as
 FlashAttention-2, or K/V outer as the paper's Algorithm 1, whichever the learner's steps follow),
 with the tiles the reference kernel computes (under ``causal``, tiles wholly above the diagonal
-are skipped; the last tiles are cut at Nq and Nk).
+are skipped; the last tiles are cut at Nq and Nk). Where the two differ, the same replay with one
+known mistake (no 1/sqrt(d), 1/sqrt(d) twice, no rescale by alpha, the causal diagonal off by
+one) names the mistake when the learner's values are exactly that replay's.
+
+NumPy's floating-point warnings: the learner's arithmetic on the traced arrays runs inside this
+module, so its warnings are re-issued at the learner's line; the comparison's own arithmetic
+warns about nothing.
 """
 
 from __future__ import annotations
 
+import linecache
 import math
+import os
 import sys
+import sysconfig
+import traceback
+import warnings
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
@@ -52,6 +65,21 @@ class Step:
 
 
 @dataclass(frozen=True)
+class LearnerError:
+    """The exception the learner's function raised, at the line of their own code."""
+
+    type: str  # e.g. "ValueError"
+    message: str
+    where: str  # "Cell In[5], line 12" in a notebook, else "path/to/file.py, line 12"
+    source: str  # the text of that line ("" when it cannot be read)
+    step: int  # the steps begun when it raised (0: before the first S_ij = Q_i K_j^T)
+
+    def __str__(self) -> str:
+        line = f": {self.source}" if self.source else ""
+        return f"your function raised {self.type}: {self.message} - at {self.where}{line}"
+
+
+@dataclass(frozen=True)
 class Divergence:
     """Where the learner's trace first leaves the reference."""
 
@@ -59,6 +87,7 @@ class Divergence:
     what: str  # "tile", "V tile", "m_i", "l_i", "O_i", "O", "L", "error"
     rows: tuple[int, ...]  # query rows that differ (empty for a tile difference)
     message: str
+    error: LearnerError | None = None  # set when what == "error"
 
     def __str__(self) -> str:
         return self.message
@@ -81,17 +110,37 @@ class TraceComparison:
     causal: bool
     O: np.ndarray | None = None  # what the learner returned
     L: np.ndarray | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was not compared, and why
+    error: LearnerError | None = None  # the learner's exception, where it was raised
+    exception: BaseException | None = None  # the exception itself (``raise c.exception``)
 
     @property
     def agrees(self) -> bool:
         return self.first_divergence is None
 
+    @property
+    def headline(self) -> str:
+        """The first line of the verdict: the learner's exception, else the first difference,
+        else what agrees."""
+        if self.first_divergence is not None:
+            return str(self.first_divergence)
+        n = len(self.reference_steps)
+        if not self.steps:
+            return "your final O and L agree with the reference"
+        if all(s.state is None for s in self.steps):
+            return f"your tiles at all {n} steps and your final O and L agree with the reference"
+        return f"your trace agrees with the reference at all {n} steps and at the end"
+
+    @property
+    def verdict(self) -> str:
+        """The headline, then what was not compared and why."""
+        return ". ".join([self.headline] + self.notes)
+
     def __repr__(self) -> str:
-        verdict = ("the traces agree at every step and at the end" if self.agrees
-                   else str(self.first_divergence))
-        return (f"<TraceComparison: {len(self.steps)} steps of yours, "
-                f"{len(self.reference_steps)} of the reference ({self.order}): {verdict}>")
+        return (f"<TraceComparison: {self.verdict} ({len(self.steps)} steps of yours, "
+                f"{len(self.reference_steps)} of the reference, {self.order})>")
+
+    __str__ = __repr__
 
     def view(self):
         """The comparison as a widget (a stepper opened at the first divergence)."""
@@ -117,6 +166,7 @@ class _Recorder:
         self.loads: list[tuple] = []
         self.stores: list[tuple] = []
         self.snapshots: list[tuple[int, dict]] = []  # (steps started so far, locals)
+        self.arrays: set[str] = set()  # names of the function's own float arrays
         self.via_hook = False
 
     # --- the flashedu.trace hook (package kernels called without a trace) ---------------
@@ -161,6 +211,63 @@ class _Recorder:
 
 
 _ACTIVE: _Recorder | None = None
+
+# Frames in these folders are not the learner's: this package, NumPy, the standard library and
+# installed packages. A learner's exception or warning is reported at the innermost other frame.
+_LIBRARY_DIRS = tuple(sorted({
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(np.__file__)) + os.sep,
+    *(os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
+      if (p := sysconfig.get_paths().get(key)))}))
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith("<frozen") or (os.path.isabs(filename) and os.path.abspath(
+        filename).startswith(_LIBRARY_DIRS))
+
+
+def _learner_frame(frame):
+    """The innermost frame from ``frame`` outwards that runs the learner's code (else ``frame``)."""
+    f = frame
+    while f is not None and _is_library(f.f_code.co_filename):
+        f = f.f_back
+    return f or frame
+
+
+class _as_learners:
+    """``with _as_learners(name):`` runs one NumPy operation the learner wrote on a traced array
+    (it executes in this module's methods) and issues its floating-point warnings at the
+    learner's line, as NumPy would have without the trace. Errors set to ignore or raise by
+    ``np.errstate`` stay so."""
+
+    def __init__(self, name: str):
+        self.name, self.kinds, self.state = name, [], None
+
+    def _call(self, kind, flag):
+        self.kinds.append(kind)
+
+    def __enter__(self):
+        modes = np.geterr()
+        if "warn" in modes.values() and "call" not in modes.values():  # keep a learner's call
+            self.state = np.errstate(call=self._call, **{k: "call" if v == "warn" else v
+                                                         for k, v in modes.items()})
+            self.state.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.state is None:
+            return False
+        self.state.__exit__(*exc)
+        if self.kinds and exc[0] is None:
+            frame = _learner_frame(sys._getframe(1))
+            g = frame.f_globals
+            for kind in dict.fromkeys(self.kinds):
+                warnings.warn_explicit(f"{kind} encountered in {self.name}", RuntimeWarning,
+                                       frame.f_code.co_filename, frame.f_lineno,
+                                       module=g.get("__name__", "__main__"),
+                                       registry=g.setdefault("__warningregistry__", {}),
+                                       module_globals=g)
+        return False
 
 
 def _row_range(key, n):
@@ -220,14 +327,16 @@ class _Traced(np.ndarray):
             if rows is not None:
                 name = "O" if self.ndim == 2 else "L"
                 _ACTIVE.stores.append((name, rows, len(_ACTIVE.steps)))
-        super().__setitem__(key, _plain(value))
+        with _as_learners("cast"):
+            super().__setitem__(key, _plain(value))
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         tags = [_tag(x) for x in inputs]
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = tuple(_plain(o) for o in out)
-        result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
+        with _as_learners(ufunc.__name__):
+            result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
         if out is not None:
             return out[0] if len(out) == 1 else out
         if ufunc is np.matmul and method == "__call__":
@@ -245,13 +354,15 @@ class _Traced(np.ndarray):
     def dot(self, b, out=None):  # the method does not dispatch through __array_function__
         if _ACTIVE is not None:
             _ACTIVE.matmul([self._fe, _tag(b)])
-        return np.dot(self.view(np.ndarray), _plain(b), out=_plain(out))
+        with _as_learners("dot"):
+            return np.dot(self.view(np.ndarray), _plain(b), out=_plain(out))
 
     def __array_function__(self, func, types, args, kwargs):
         plain_args, plain_kwargs = _plain(args), {k: _plain(v) for k, v in kwargs.items()}
         if func in (np.dot, np.inner, np.tensordot, np.einsum, np.matmul) and _ACTIVE is not None:
             _ACTIVE.matmul([_tag(a) for a in args])
-        result = func(*plain_args, **plain_kwargs)
+        with _as_learners(func.__name__):
+            result = func(*plain_args, **plain_kwargs)
         if func in (np.zeros_like, np.empty_like, np.ones_like, np.full_like, np.copy) \
                 and isinstance(result, np.ndarray):
             result = result.view(_Traced)
@@ -274,13 +385,48 @@ def _function_code(fn):
     return getattr(fn, "__code__", None)
 
 
-def _snapshot(frame) -> dict:
+def _snapshot(frame, arrays: set) -> dict:
+    """Copies of the statistics among the frame's locals; adds the names of its own float
+    arrays (not Q, K, V or their tiles) to ``arrays``."""
     snap = {}
-    for name in STATE_NAMES:
-        v = frame.f_locals.get(name)
-        if isinstance(v, np.ndarray) and v.dtype.kind == "f":
+    for name, v in frame.f_locals.items():
+        if not isinstance(v, np.ndarray) or v.dtype.kind != "f":
+            continue
+        tag = v._fe if isinstance(v, _Traced) else None
+        if tag is None or tag[0] == "new":
+            arrays.add(name)
+        if name in STATE_NAMES:
             snap[name] = np.array(v, np.float64)
     return snap
+
+
+def _where(filename: str, lineno: int) -> str:
+    """"Cell In[5], line 12" for a notebook cell (as IPython's tracebacks say), else the file."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    try:
+        label = shell.compile.format_code_name(filename) if shell is not None else None
+    except Exception:  # noqa: BLE001 - a label is a nicety
+        label = None
+    return f"{label[0]} {label[1]}, line {lineno}" if label else f"{filename}, line {lineno}"
+
+
+def _learner_error(exc: BaseException, code, steps: int) -> LearnerError:
+    """``exc`` at the innermost line of the learner's own code (not NumPy's, not this
+    package's); at the function's ``def`` line when it never ran (e.g. a wrong signature)."""
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    mine = [(f, n) for f, n in frames if not _is_library(f.f_code.co_filename)]
+    if mine:
+        frame, lineno = mine[-1]
+        filename, g = frame.f_code.co_filename, frame.f_globals
+    elif code is not None:
+        filename, lineno, g = code.co_filename, code.co_firstlineno, None
+    else:
+        frame, lineno = frames[-1]
+        filename, g = frame.f_code.co_filename, frame.f_globals
+    source = linecache.getline(filename, lineno, g).strip()
+    message = str(exc) or "(no message)"
+    return LearnerError(type(exc).__name__, message, _where(filename, lineno), source, steps)
 
 
 def _record(fn, Q, K, V, block_q, block_k, causal):
@@ -291,7 +437,7 @@ def _record(fn, Q, K, V, block_q, block_k, causal):
 
     def local(frame, event, arg):
         if event in ("line", "return"):
-            rec.snapshots.append((len(rec.steps), _snapshot(frame)))
+            rec.snapshots.append((len(rec.steps), _snapshot(frame, rec.arrays)))
         return local
 
     def global_(frame, event, arg):
@@ -315,7 +461,7 @@ def _record(fn, Q, K, V, block_q, block_k, causal):
         error = exc
     finally:
         _ACTIVE = None
-    return rec, out, error
+    return rec, out, error, code
 
 
 # ----------------------------------------------------------------------------------------
@@ -373,12 +519,17 @@ def _attach_states(rec: _Recorder, Nq: int, order: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# The reference
+# The reference, and the reference with one known mistake
 # ----------------------------------------------------------------------------------------
 
 
-def reference_steps(Q, K, V, Br, Bc, causal, order, scale) -> list[Step]:
-    """The steps the reference kernel computes in ``order``, each with its exact state."""
+def reference_steps(Q, K, V, Br, Bc, causal, order, scale, *, rescale_l=True, rescale_O=True,
+                    diagonal=0) -> list[Step]:
+    """The steps the reference kernel computes in ``order``, each with its exact state.
+
+    The keywords replay one known mistake instead: ``rescale_l`` / ``rescale_O`` False leave
+    l_i / O_i unscaled by alpha = exp(m_i - m_new); ``diagonal=k`` lets query r see the keys
+    c <= r + k (on the tiles the reference computes)."""
     Nq, Nk = Q.shape[0], K.shape[0]
     Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
     mask = TileMask(Nq, Nk, Br, Bc, causal)
@@ -393,18 +544,111 @@ def reference_steps(Q, K, V, Br, Bc, causal, order, scale) -> list[Step]:
         if mask.skip(i, j):
             continue
         q, k = (i * Br, min((i + 1) * Br, Nq)), (j * Bc, min((j + 1) * Bc, Nk))
-        S = mask.apply(i, j, scale * (Q64[q[0]:q[1]] @ K64[k[0]:k[1]].T))
+        S = scale * (Q64[q[0]:q[1]] @ K64[k[0]:k[1]].T)
+        if causal:
+            S = np.where(np.arange(*k)[None, :] <= np.arange(*q)[:, None] + diagonal, S, -np.inf)
         m_old = m[q[0]:q[1]]
         m_new = np.maximum(m_old, S.max(axis=1))
         safe = np.where(np.isneginf(m_new), 0.0, m_new)
         P = np.exp(S - safe[:, None])
         alpha = np.exp(np.where(np.isneginf(m_old), -np.inf, m_old - safe))
-        l[q[0]:q[1]] = alpha * l[q[0]:q[1]] + P.sum(axis=1)
-        O[q[0]:q[1]] = alpha[:, None] * O[q[0]:q[1]] + P @ V64[k[0]:k[1]]
+        l[q[0]:q[1]] = (alpha * l[q[0]:q[1]] if rescale_l else l[q[0]:q[1]]) + P.sum(axis=1)
+        O[q[0]:q[1]] = ((alpha[:, None] * O[q[0]:q[1]] if rescale_O else O[q[0]:q[1]])
+                        + P @ V64[k[0]:k[1]])
         m[q[0]:q[1]] = m_new
         steps.append(Step(q, k, k, {"m": m[q[0]:q[1]].copy(), "l": l[q[0]:q[1]].copy(),
                                      "O": O[q[0]:q[1]].copy(), "O_normalized": False}))
     return steps
+
+
+# name: (replay settings, the hint in the paper's names). In a hint, {ratio} becomes ", yours /
+# the reference is 2.828 = sqrt(d) for d = 8" where m_i shows that ratio on every row.
+_MISTAKES = {
+    "no scale": ({"scale": lambda d: 1.0},
+                 " (S_ij is not scaled by 1/sqrt(d){ratio}; S_ij = Q_i K_j^T / sqrt(d))"),
+    "scale twice": ({"scale": lambda d: 1.0 / d},
+                    " (1/sqrt(d) is applied twice{ratio}; S_ij = Q_i K_j^T / sqrt(d), scaled "
+                    "once)"),
+    "no rescale of l_i and O_i": ({"rescale_l": False, "rescale_O": False},
+                                  " (no rescale of l_i and O_i by alpha = exp(m_i - m_new): "
+                                  "l_i = alpha * l_i + rowsum(P_ij), O_i = alpha * O_i + "
+                                  "P_ij V_j)"),
+    "no rescale of l_i": ({"rescale_l": False},
+                          " (no rescale of l_i by alpha = exp(m_i - m_new): "
+                          "l_i = alpha * l_i + rowsum(P_ij))"),
+    "no rescale of O_i": ({"rescale_O": False},
+                          " (no rescale of O_i by alpha = exp(m_i - m_new): "
+                          "O_i = alpha * O_i + P_ij V_j)"),
+    "diagonal c < r": ({"diagonal": -1},
+                       " (the causal mask is off by one: query r sees the keys c <= r, its "
+                       "own key c = r included; yours hides c = r too, as c < r does)"),
+    "diagonal c <= r + 1": ({"diagonal": 1},
+                            " (the causal mask is off by one: query r sees the keys c <= r; "
+                            "yours also shows it key c = r + 1)"),
+}
+_RATIOS = {"no scale": "sqrt(d)", "scale twice": "1/sqrt(d)"}  # yours / the reference of m_i
+
+
+class _Mistakes:
+    """The reference replayed with each known mistake, in the learner's loop order (computed
+    when first needed: only a comparison that finds a difference asks)."""
+
+    def __init__(self, cmp: TraceComparison):
+        self.cmp, self._traces = cmp, None
+
+    def traces(self) -> dict[str, list[Step]]:
+        if self._traces is None:
+            c = self.cmp
+            d = c.Q.shape[1]
+            self._traces = {}
+            for name, (settings, _) in _MISTAKES.items():
+                if "diagonal" in settings and not c.causal:
+                    continue
+                kw = {"scale": 1.0 / math.sqrt(d)} | {
+                    k: (v(d) if callable(v) else v) for k, v in settings.items()}
+                self._traces[name] = reference_steps(c.Q, c.K, c.V, c.block_q, c.block_k,
+                                                     c.causal, c.order, **kw)
+        return self._traces
+
+    def at_step(self, k: int, mine: Step, what: str) -> str | None:
+        """The mistake whose replay gives the learner's ``what`` at step ``k`` on every row of
+        the tile (of several, the one that also gives most of the other statistics)."""
+        best = None
+        for name, steps in self.traces().items():
+            if k > len(steps) or (steps[k - 1].q, steps[k - 1].k) != (mine.q, mine.k):
+                continue
+            differ = row_differences(mine.state, steps[k - 1].state)
+            if what not in differ or differ[what].any():
+                continue
+            score = sum(not v.any() for v in differ.values())
+            if best is None or score > best[0]:
+                best = (score, name)
+        return best and best[1]
+
+    def at_end(self, O) -> str | None:
+        """The mistake whose replay ends with the learner's O."""
+        for name, steps in self.traces().items():
+            O_alt, _ = _final(self.cmp, steps)
+            if O_alt.shape == O.shape and _close(O, O_alt).all():
+                return name
+        return None
+
+    def hint(self, name: str, mine=None, ref=None) -> str:
+        """The mistake's hint; with m_i (``mine``, ``ref``) the ratio that shows a scale."""
+        ratio = _ratio(mine, ref) if mine is not None and name in _RATIOS else None
+        text = (f", yours / the reference is {ratio:.4g} = {_RATIOS[name]} for d = "
+                f"{self.cmp.Q.shape[1]}" if ratio is not None else "")
+        return _MISTAKES[name][1].format(ratio=text)
+
+
+def _ratio(mine, ref) -> float | None:
+    """yours / the reference, when it is one number for every row where both are finite."""
+    mine, ref = np.asarray(mine, np.float64), np.asarray(ref, np.float64)
+    ok = np.isfinite(mine) & np.isfinite(ref) & (np.abs(ref) > 1e-6)
+    if not ok.any():
+        return None
+    r = mine[ok] / ref[ok]
+    return float(np.median(r)) if np.allclose(r, np.median(r), rtol=1e-3) else None
 
 
 # ----------------------------------------------------------------------------------------
@@ -413,7 +657,7 @@ def reference_steps(Q, K, V, Br, Bc, causal, order, scale) -> list[Step]:
 
 
 def _ranges(rows) -> str:
-    rows = sorted(rows)
+    rows = sorted(int(r) for r in rows)
     parts, start = [], None
     for a, b in zip(rows, rows[1:] + [None]):
         start = a if start is None else start
@@ -427,7 +671,8 @@ def _close(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape:
         return np.zeros(b.shape[:1], bool)
-    ok = np.isclose(a, b, rtol=2e-4, atol=2e-5) | (np.isneginf(a) & np.isneginf(b))
+    with np.errstate(all="ignore"):
+        ok = np.isclose(a, b, rtol=2e-4, atol=2e-5) | (np.isneginf(a) & np.isneginf(b))
     return ok.reshape(ok.shape[0], -1).all(axis=1) if ok.ndim > 1 else ok
 
 
@@ -439,14 +684,91 @@ def _normalized(state):
         return O / np.where(l > 0, l, 1)[:, None]
 
 
+def row_differences(mine: dict, ref: dict) -> dict[str, np.ndarray]:
+    """For each of m_i, l_i, O_i in the learner's state ``mine``: one bool per row of the step's
+    Q tile, True where it differs from ``ref``. The verdict and the stepper's table both read
+    it, so both name the same rows. O_i agrees when O_i / l_i does (or O_i, for a kernel that
+    keeps O_i normalized)."""
+    out = {"m_i": ~_close(mine["m"], ref["m"]), "l_i": ~_close(mine["l"], ref["l"])}
+    if "O" in mine:
+        ref_O = _normalized(ref)
+        out["O_i"] = ~(_close(_normalized(mine), ref_O) | _close(mine["O"], ref_O))
+    return out
+
+
+def _values(state: dict, what: str):
+    """The values the comparison of ``what`` reads (O_i as O_i / l_i)."""
+    return _normalized(state) if what == "O_i" else state["m" if what == "m_i" else "l"]
+
+
+def _num(v: float) -> str:
+    return "NaN" if math.isnan(v) else "-inf" if v == -math.inf else "inf" if v == math.inf \
+        else f"{v:.5g}"
+
+
+def _kind(row) -> str | None:
+    """"NaN", "-inf" or "inf" when the row holds one (in that order), else None."""
+    if np.isnan(row).any():
+        return "NaN"
+    if np.isneginf(row).any():
+        return "-inf"
+    return "inf" if np.isposinf(row).any() else None
+
+
+def gap_text(mine, ref, bad, first_row: int = 0) -> str:
+    """What differs on the rows where ``bad`` is True (index 0 is query row ``first_row``):
+    each kind of -inf, inf and NaN by name, where it is and how many rows have it; then the
+    largest gap among the rows where both are finite. A gap is never inf."""
+    mine, ref = np.asarray(mine, np.float64), np.asarray(ref, np.float64)
+    if mine.shape != ref.shape:
+        return f"yours has shape {mine.shape}, the reference {ref.shape}"
+    scalar = mine.ndim == 1
+    m2, r2 = mine.reshape(len(mine), -1), ref.reshape(len(ref), -1)
+    bad = np.asarray(bad, bool)
+    groups: dict[tuple, list[int]] = {}
+    finite = np.zeros(len(m2), bool)
+    for r in np.flatnonzero(bad):
+        km, kr = _kind(m2[r]), _kind(r2[r])
+        if km is None and kr is None:
+            finite[r] = True
+        else:
+            groups.setdefault((km, kr), []).append(int(r))
+    parts = []
+    for (km, kr), rows in groups.items():
+        r, where = rows[0], _ranges([first_row + x for x in rows])
+        if len(rows) == 1:
+            yours = _num(m2[r, 0]) if scalar else (km or "finite")
+            theirs = _num(r2[r, 0]) if scalar else (kr or "finite")
+            parts.append(f"yours {yours} in row {where}, where the reference is {theirs}")
+        else:
+            example = ""
+            if scalar and kr is None:
+                example = f" (the reference {_num(r2[r, 0])} in row {first_row + r})"
+            elif scalar and km is None:
+                example = f" (yours {_num(m2[r, 0])} in row {first_row + r})"
+            parts.append(f"yours {km or 'finite'} in rows {where}, where the reference is "
+                         f"{kr or 'finite'}{example}")
+    if finite.any():
+        with np.errstate(all="ignore"):
+            gaps = np.where(finite, np.abs(m2 - r2).max(axis=1), -1.0)
+        r = int(np.argmax(gaps))
+        values = (f": yours {_num(m2[r, 0])}, the reference {_num(r2[r, 0])}" if scalar
+                  else "")
+        parts.append(f"largest gap {gaps[r]:.3g} at row {first_row + r}{values}")
+    return "; ".join(parts)
+
+
 def _tile_text(step: Step, Br, Bc) -> str:
     i, j = step.pair(Br, Bc)
     return (f"tile pair (i={i}, j={j}): Q rows {step.q[0]}..{step.q[1] - 1}, "
             f"K/V rows {step.k[0]}..{step.k[1] - 1}")
 
 
-def _compare_steps(mine, ref, cmp: TraceComparison) -> Divergence | None:
-    Br, Bc, Nq, Nk = cmp.block_q, cmp.block_k, cmp.Q.shape[0], cmp.K.shape[0]
+def _compare_steps(mine, ref, cmp: TraceComparison, mistakes: _Mistakes,
+                   states_until: int | None = None) -> Divergence | None:
+    """The first step where ``mine`` leaves ``ref``: its tile, then m_i, l_i, O_i. Values are
+    compared up to step ``states_until`` (all when None)."""
+    Br, Bc = cmp.block_q, cmp.block_k
     for k, (a, b) in enumerate(zip_longest(mine, ref), start=1):
         if a is None:
             return Divergence(k, "tile", (), f"step {k}: your kernel computes no more tiles; "
@@ -469,33 +791,42 @@ def _compare_steps(mine, ref, cmp: TraceComparison) -> Divergence | None:
             return Divergence(k, "V tile", (), f"step {k}: P_ij @ V_j used V rows "
                               f"{a.v[0]}..{a.v[1] - 1}, but S_ij used K rows "
                               f"{a.k[0]}..{a.k[1] - 1}: K_j and V_j must be the same tile")
-        if a.state is None:
+        if a.state is None or (states_until is not None and k > states_until):
             continue
-        rows = np.arange(*a.q)
-        on_diagonal = cmp.causal and a.k[1] - 1 > a.q[0]
-        m_prev = _previous_m(ref, k - 1, b.q)
-        checks = [("m_i", a.state["m"], b.state["m"],
-                   " (the causal mask: query r sees key c only when c <= r)" if on_diagonal
-                   else " (m_new = max(m_i, rowmax(S_ij)))"),
-                  ("l_i", a.state["l"], b.state["l"],
-                   " (l_i = alpha * l_i + rowsum(P_ij), alpha = exp(m_i - m_new): is l_i "
-                   "rescaled?)")]
-        for what, mine_v, ref_v, hint in checks:
-            bad = ~_close(mine_v, ref_v)
+        for what, bad in row_differences(a.state, b.state).items():
             if bad.any():
-                return _value_divergence(k, what, rows[bad], mine_v, ref_v, hint)
-        if "O" in a.state:
-            ref_O = _normalized(b.state)
-            ok = _close(_normalized(a.state), ref_O) | _close(a.state["O"], ref_O)
-            if not ok.all():
-                moved = m_prev is not None and np.any(
-                    ~np.isclose(m_prev, b.state["m"])[~ok] & np.isfinite(m_prev)[~ok])
-                hint = (" (no rescale of O_i by alpha = exp(m_i - m_new)?)" if moved
-                        else " (O_i = alpha * O_i + P_ij @ V_j)")
-                return Divergence(k, "O_i", tuple(int(r) for r in rows[~ok]),
-                                  f"step {k}: O_i of rows {_ranges(list(rows[~ok]))} differ"
-                                  f"{hint}")
+                return _value_divergence(k, what, a, b, bad, cmp, ref, mistakes)
     return None
+
+
+def _value_divergence(k, what, a: Step, b: Step, bad, cmp, ref, mistakes) -> Divergence:
+    rows = np.arange(*a.q)[bad]
+    gap = gap_text(_values(a.state, what), _values(b.state, what), bad, a.q[0])
+    name = mistakes.at_step(k, a, what)
+    if name is not None:
+        hint = mistakes.hint(name, a.state["m"], b.state["m"]) if what == "m_i" \
+            else mistakes.hint(name)
+    else:
+        hint = _generic_hint(k, what, a, b, bad, cmp, ref)
+    return Divergence(k, what, tuple(int(r) for r in rows),
+                      f"step {k}: {what} of rows {_ranges(rows)} differ ({gap}){hint}")
+
+
+def _generic_hint(k, what, a, b, bad, cmp, ref) -> str:
+    """The formula to check, when no known mistake gives the learner's values."""
+    if what == "m_i":
+        if cmp.causal and a.k[1] - 1 > a.q[0]:
+            return " (the causal mask: query r sees key c only when c <= r)"
+        return " (m_new = max(m_i, rowmax(S_ij)), S_ij = Q_i K_j^T / sqrt(d))"
+    m_prev = _previous_m(ref, k - 1, b.q)
+    moved = m_prev is not None and bool(np.any(
+        (~np.isclose(m_prev, b.state["m"]) & np.isfinite(m_prev))[bad]))
+    if what == "l_i":
+        return (" (no rescale of l_i by alpha = exp(m_i - m_new)? l_i = alpha * l_i + "
+                "rowsum(P_ij))" if moved else " (l_i = alpha * l_i + rowsum(P_ij), "
+                "alpha = exp(m_i - m_new))")
+    return (" (no rescale of O_i by alpha = exp(m_i - m_new)?)" if moved
+            else " (O_i = alpha * O_i + P_ij @ V_j)")
 
 
 def _missing_hint(b: Step, mine: list[Step], cmp) -> str:
@@ -521,16 +852,7 @@ def _previous_m(ref, upto, q):
     return None
 
 
-def _value_divergence(k, what, bad_rows, mine_v, ref_v, hint) -> Divergence:
-    first = int(bad_rows[0])
-    idx = list(np.flatnonzero(~_close(mine_v, ref_v)))[0]
-    return Divergence(k, what, tuple(int(r) for r in bad_rows),
-                      f"step {k}: {what} of rows {_ranges([int(r) for r in bad_rows])} differ "
-                      f"(row {first}: yours {float(mine_v[idx]):.5g}, the reference "
-                      f"{float(ref_v[idx]):.5g}){hint}")
-
-
-def _compare_end(cmp: TraceComparison, ref) -> Divergence | None:
+def _compare_end(cmp: TraceComparison, ref, mistakes: _Mistakes) -> Divergence | None:
     k = len(ref) + 1
     O_ref, L_ref = _final(cmp, ref)
     try:
@@ -544,15 +866,18 @@ def _compare_end(cmp: TraceComparison, ref) -> Divergence | None:
     bad = ~_close(O, O_ref)
     if bad.any():
         rows = np.flatnonzero(bad)
+        name = mistakes.at_end(O)
+        hint = mistakes.hint(name) if name else " (O_i = O_i / l_i after the last tile)"
         return Divergence(k, "O", tuple(int(r) for r in rows),
-                          f"at the end (after step {k - 1}): O of rows {_ranges(list(rows))} "
-                          "differ (O_i = O_i / l_i after the last tile)")
+                          f"at the end (after step {k - 1}): O of rows {_ranges(rows)} "
+                          f"differ ({gap_text(O, O_ref, bad)}){hint}")
     bad = ~_close(L, L_ref)
     if bad.any():
         rows = np.flatnonzero(bad)
         return Divergence(k, "L", tuple(int(r) for r in rows),
-                          f"at the end (after step {k - 1}): L of rows {_ranges(list(rows))} "
-                          "differ (L_i = m_i + log(l_i), the natural log)")
+                          f"at the end (after step {k - 1}): L of rows {_ranges(rows)} "
+                          f"differ ({gap_text(L, L_ref, bad)}) (L_i = m_i + log(l_i), the "
+                          "natural log)")
     return None
 
 
@@ -576,37 +901,67 @@ def _common_prefix(a: list[Step], b: list[Step]) -> int:
     return n
 
 
+# the names the comparison reads the statistics from (see _state_from)
+_WANTED = ("m_i", "l_i", "O_i", "acc", "m", "l", "O")
+
+
+def _coverage_notes(rec: _Recorder, steps: list[Step]) -> list[str]:
+    """What was not compared, and why, in plain words (empty when everything was)."""
+    if not steps:
+        return ["No tile product Q_i @ K_j.T was seen: were Q, K, V converted to plain arrays "
+                "(np.asarray)? Only the result is compared"]
+    if rec.via_hook:
+        return []
+    found = [n for n in _WANTED if n in rec.arrays]
+    yours = ", ".join(sorted(rec.arrays, key=str.lower)) or "none"
+    if all(s.state is None for s in steps):
+        return [f"Only the tiles and the final O, L were compared, not m_i, l_i, O_i step by "
+                f"step: the comparison reads them from your local variables named m_i, l_i, O_i "
+                f"(Q outer) or m, l, O (Algorithm 1, K/V outer) and found "
+                f"{'only ' + ', '.join(found) if found else 'none of these names'} (your "
+                f"arrays: {yours})"]
+    if not any("O" in s.state for s in steps if s.state is not None):
+        return ["O_i was compared only at the end: step by step the comparison reads it from a "
+                f"local variable named O_i (or acc; O in Algorithm 1) and found none (your "
+                f"arrays: {yours})"]
+    return []
+
+
 def compare_trace(fn, Q, K, V, block_q, block_k, causal=False) -> TraceComparison:
     """Run ``fn(Q, K, V, block_q, block_k[, causal=True]) -> (O, L)`` traced, replay it beside
     the reference, and return a :class:`TraceComparison`: ``.first_divergence`` is None when
-    they agree, else the first step where they differ and what differs there."""
+    they agree, else the exception ``fn`` raised (with the line of ``fn``'s code) or the first
+    step where they differ and what differs there; ``.verdict`` says it in words, with what was
+    not compared."""
     Q, K, V = (np.asarray(a) for a in (Q, K, V))
-    rec, out, error = _record(fn, Q, K, V, block_q, block_k, causal)
+    rec, out, error, code = _record(fn, Q, K, V, block_q, block_k, causal)
     steps = rec.steps
-    scale = 1.0 / math.sqrt(Q.shape[1])
-    refs = {o: reference_steps(Q, K, V, block_q, block_k, causal, o, scale)
-            for o in ("q_outer", "kv_outer")}
-    order = max(refs, key=lambda o: (_common_prefix(steps, refs[o]), o == "q_outer"))
-    ref = refs[order]
-    if not rec.via_hook:
-        _attach_states(rec, Q.shape[0], order)
-    cmp = TraceComparison(None, steps, ref, order, Q, K, V, block_q, block_k, causal)
-    if not steps and error is None:
-        cmp.notes.append("no tile product Q_i @ K_j.T was seen: were Q, K, V converted to "
-                         "plain arrays (np.asarray)? Only the result is compared")
-    elif steps and all(s.state is None for s in steps):
-        cmp.notes.append("m_i, l_i, O_i were not found among the function's local variables "
-                         "(the paper's names): the steps' tiles and the result are compared")
-    if error is not None:
-        k = len(steps)
-        div = _compare_steps(steps, ref[:k], cmp) if k else None
-        cmp.first_divergence = div or Divergence(
-            max(k, 1), "error", (), f"step {max(k, 1)}: your function raised "
-            f"{type(error).__name__}: {error}")
-        return cmp
-    cmp.O, cmp.L = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
-    cmp.first_divergence = (_compare_steps(steps, ref, cmp) if steps else None) \
-        or _compare_end(cmp, ref)
+    # the comparison's own arithmetic meets the learner's -inf and NaN: findings, not warnings
+    with np.errstate(all="ignore"):
+        scale = 1.0 / math.sqrt(Q.shape[1])
+        refs = {o: reference_steps(Q, K, V, block_q, block_k, causal, o, scale)
+                for o in ("q_outer", "kv_outer")}
+        order = max(refs, key=lambda o: (_common_prefix(steps, refs[o]), o == "q_outer"))
+        ref = refs[order]
+        if not rec.via_hook:
+            _attach_states(rec, Q.shape[0], order)
+        cmp = TraceComparison(None, steps, ref, order, Q, K, V, block_q, block_k, causal)
+        mistakes = _Mistakes(cmp)
+        if error is not None:
+            k = len(steps)
+            cmp.error, cmp.exception = _learner_error(error, code, k), error
+            # the state of the step that raised is half made: its values are not compared
+            before = _compare_steps(steps, ref[:k], cmp, mistakes, states_until=k - 1)
+            where = (f"during step {k}, {_tile_text(steps[-1], block_q, block_k)}" if k
+                     else "before its first tile product S_ij = Q_i K_j^T")
+            also = f"; also {before}" if before is not None else ""
+            cmp.first_divergence = Divergence(max(k, 1), "error", (),
+                                              f"{cmp.error} ({where}){also}", cmp.error)
+            return cmp
+        cmp.notes.extend(_coverage_notes(rec, steps))
+        cmp.O, cmp.L = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+        cmp.first_divergence = (_compare_steps(steps, ref, cmp, mistakes) if steps else None) \
+            or _compare_end(cmp, ref, mistakes)
     return cmp
 
 

@@ -151,3 +151,41 @@ def test_a_broken_submission_is_graded_on_what_the_learner_wrote(graded):
     assert "several tiles" in row["message"] and "rescale" in row["message"]
     # the stepper's line, computed in the learner's kernel from the failed case's inputs
     assert "open the stepper at step" in row["message"], row["message"]
+
+
+# ------------------------------------------------------------------------------------------
+# The kernel exercises' solutions pass on every draw of the inputs
+# ------------------------------------------------------------------------------------------
+
+KERNEL_EXERCISES = ["numba_forward_kernel", "triton_forward_kernel",
+                    "triton_backward_dkdv_kernel", "triton_backward_dq_kernel"]
+
+
+def _seeds() -> range:
+    """FLASHEDU_SEEDS draws (default 5), from FLASHEDU_SEED_START (default 1): the same seeds
+    on every run unless asked otherwise."""
+    import os
+
+    start = int(os.environ.get("FLASHEDU_SEED_START", "1"))
+    return range(start, start + int(os.environ.get("FLASHEDU_SEEDS", "5")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", KERNEL_EXERCISES)
+def test_kernel_solution_passes_every_seed(name, tmp_path):
+    """The course's solution of each kernel exercise passes every case on each seed: each
+    allowance is derived from the draw (the error of correct float32 computations on it, and
+    the rounding a correct kernel can make on it), so no draw may fail a correct kernel. The
+    cases run in this process; the compile gate, which no seed changes, is tested elsewhere."""
+    from flashedu.checks import engine
+    from test_checks import load
+
+    ex = EXERCISES[name]
+    fn = load(name, (), tmp_path)
+    failed = []
+    for seed in _seeds():
+        engine.set_seed(seed)
+        result = engine.grade_cases(ex, lambda case: engine.execute_case(ex, fn, case))
+        if not result.passed:
+            failed.append(f"seed {seed}: {result.message}")
+    assert not failed, f"{len(failed)} of {len(_seeds())} seeds failed:\n" + "\n".join(failed[:3])

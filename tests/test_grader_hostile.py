@@ -62,7 +62,7 @@ WRONG = [
      [("end = tl.minimum(Nk, (i + 1) * Br)", "end = tl.minimum(Nk, (i + 1) * Bc)")], ["causal"]),
     (TFWD, "only the first 128 keys",
      [("for start in range(0, end, Bc):", "for start in range(0, tl.minimum(end, 128), Bc):")],
-     ["Nk=200"]),
+     ["Nq=Nk=300"]),
     (TFWD, "exp of unmasked scores in float16",
      [("P_ij = tl.exp(S_ij - m_new[:, None])", "P_ij = tl.exp((S_ij - m_new[:, None]).to(tl.float16)).to(tl.float32)")],
      []),
@@ -77,9 +77,9 @@ WRONG = [
      [("L_i = tl.load(L + rows, mask=row_ok, other=0.0)", "L_i = tl.where(row_ok, tl.load(L + rows), 0.0)")],
      ["outside its tensors"]),
     (DKDV, "only the first 128 query rows",
-     [("for start in range(lo, Nq, Br):", "for start in range(lo, tl.minimum(Nq, 128), Br):")], ["Nq=Nk=200"]),
+     [("for start in range(lo, Nq, Br):", "for start in range(lo, tl.minimum(Nq, 128), Br):")], ["Nq=Nk=300"]),
     (DQ, "only the first 128 keys",
-     [("for start in range(0, end, Bc):", "for start in range(0, tl.minimum(end, 128), Bc):")], ["Nq=Nk=200"]),
+     [("for start in range(0, end, Bc):", "for start in range(0, tl.minimum(end, 128), Bc):")], ["Nq=Nk=300"]),
     (DKDV, "dK addressed with stride_dv",
      [("cols[:, None] * stride_dk", "cols[:, None] * stride_dv")], ["row strides differ"]),
     (DQ, "dO addressed with stride_q",
@@ -103,7 +103,7 @@ WRONG = [
      [("K_j[r, c] = K[start + r, c]", "K_j[r, c] = K[start + r, c] if start + r > 0 or K[start + r - 1, c] == K[start + r - 1, c] else 0.0")],
      ["negative index"]),
     (NUMBA, "only the first 128 keys",
-     [("for start in range(0, end, BC):", "for start in range(0, min(end, 128), BC):")], ["Nk=200"]),
+     [("for start in range(0, end, BC):", "for start in range(0, min(end, 128), BC):")], ["Nq=Nk=300"]),
     (NUMBA, "no syncthreads after the copy",
      [("        cuda.syncthreads()  # the tile is complete before anyone reads it\n", "")],
      ["data race on shared memory", "wrote", "syncthreads"]),
@@ -549,10 +549,96 @@ def test_kernel_that_only_interprets_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(not _can_compile_for_cuda(), reason="this Triton has no CUDA backend")
-def test_gate_passes_the_solutions(tmp_path):
-    from flashedu.checks.gate import triton_gate
-    for name, which in ((TFWD, "forward"), (DKDV, "dkdv"), (DQ, "dq")):
-        assert triton_gate(load(name, (), tmp_path), which) is None, name
+def test_gate_passes_the_solutions_for_every_launch_of_the_cases(tmp_path):
+    from flashedu.checks import engine, gate
+    from flashedu.checks.kernels import gate_launches
+
+    names = (TFWD, DKDV, DQ)
+    specs = [EXERCISES[n].gate.source(load(n, (), tmp_path)) for n in names]
+    for name, which, verdict in zip(names, ("forward", "dkdv", "dq"), gate.compile_specs(specs)):
+        assert isinstance(verdict, engine.Remark) and verdict.startswith("Compiled for a GPU"), verdict
+        launches = gate_launches(which)
+        configs = {(a["config"].split(", N")[0]) for a in launches}
+        assert len(configs) >= 6 and any("CAUSAL=False" in c for c in configs), configs
+        assert f"{len({a['config'] for a in launches})} distinct launches" in verdict, verdict
+
+
+def _only_interprets(tmp_path):
+    replace = [("        cols = start + tl.arange(0, Bc)\n",
+                "        if start >= Nk:\n            break\n        cols = start + tl.arange(0, Bc)\n")]
+    return load(TFWD, replace, tmp_path)
+
+
+@pytest.mark.skipif(not _can_compile_for_cuda(), reason="this Triton has no CUDA backend")
+def test_no_setting_of_the_learners_process_turns_the_gate_off(tmp_path, monkeypatch):
+    """The switch that once turned the gate off is gone; the grader's side refuses a missing
+    or garbled description instead of passing it."""
+    from flashedu.checks import engine, gate
+
+    monkeypatch.setenv("FLASHEDU_COMPILE_GATE", "0")
+    verdict = gate.triton_gate(_only_interprets(tmp_path), "forward")
+    assert not isinstance(verdict, engine.Remark) and "does not compile for a GPU" in verdict
+    for spec in (None, {}, {"kind": "triton"}, {"kind": "triton", "which": "forward",
+                                                 "functions": "x", "globals": []}):
+        verdict = gate.compile_spec(spec)
+        assert not isinstance(verdict, engine.Remark) and "no description" in verdict, spec
+
+
+def test_anything_but_an_explicit_ok_is_a_refusal(tmp_path, monkeypatch):
+    """The compiling process must say OK for the kernel exactly once and exit cleanly; a crash
+    (a module that does not import, an exception), silence or two answers are refusals. Only
+    an explicit skip (no CUDA backend here) passes, with the reason in the message."""
+    from flashedu.checks import engine, gate
+
+    spec = gate.triton_gate_source(load(TFWD, (), tmp_path), "forward")
+    ok = 'print("GATE-OK:" + json.dumps({"job": 0, "verdict": {"launches": 1, "helpers": 0}}))\n'
+    head = "import json, sys\nsys.stdin.read()\n"
+    for script, passes in ((head + ok, True), (head + "import no_such_module\n" + ok, False),
+                           (head + ok + "raise SystemExit(1)\n", False), (head, False),
+                           (head + ok + ok, False)):
+        monkeypatch.setattr(gate, "_SCRIPT", script)
+        verdict = gate.compile_spec(spec)
+        assert isinstance(verdict, engine.Remark) == passes, (script, verdict)
+        if not passes:
+            assert "counts as not compiling" in verdict, verdict
+    monkeypatch.setattr(gate, "_SCRIPT", head + 'print("GATE-SKIP:" + json.dumps({"job": 0, '
+                        '"verdict": "Triton cannot compile for CUDA here (no backend)"}))\n')
+    verdict = gate.compile_spec(spec)
+    assert isinstance(verdict, engine.Remark) and "Not compiled for a GPU" in verdict and \
+        "no backend" in verdict, verdict
+
+
+def test_what_the_gate_runs_is_checked_before_it_runs(tmp_path):
+    """The description comes from the learner's side: the compiling process writes the module
+    itself and refuses, before running any of it, code at module level, modules outside the
+    kernel language and a module that does not load."""
+    from flashedu.checks import engine, gate
+
+    spec = gate.triton_gate_source(load(TFWD, (), tmp_path), "forward")
+    name, source = spec["functions"][0]
+
+    def variant(globals_=(), old=None, new=None):
+        out = dict(spec, globals=spec["globals"] + [list(g) for g in globals_])
+        out["functions"] = [[name, source.replace(old, new) if old else source]]
+        return out
+
+    cases = [
+        (variant([["os", "module", "os"]]), "module os"),
+        (variant([["run", "from", "subprocess", "run"]]), "subprocess"),
+        (variant(old="CAUSAL: tl.constexpr)", new="CAUSAL: tl.constexpr = print('GATE-OK'))"),
+         "only names and constants"),
+        (variant(old="@triton.jit", new="@triton.autotune(configs=[], key=[])\n@triton.jit"),
+         "a plain @triton.jit"),
+        (variant(old="    end = Nk\n", new="    end = Nk\n    tl.core.builtins.print('x')\n"),
+         "reaches the module builtins"),
+        (variant(old="    end = Nk\n", new="    end = Nk\n    g = getattr(tl, '__dict__')\n"),
+         "getattr"),
+        (variant(old="CAUSAL: tl.constexpr)", new="CAUSAL: tl.constexpr = NOT_DEFINED)"),
+         "does not load"),
+    ]
+    verdicts = gate.compile_specs([c[0] for c in cases])
+    for (_, words), verdict in zip(cases, verdicts):
+        assert not isinstance(verdict, engine.Remark) and words in verdict, (words, verdict)
 
 
 @pytest.mark.skipif(not _can_compile_for_cuda(), reason="this Triton has no CUDA backend")
@@ -600,12 +686,22 @@ def test_numba_kernel_that_only_simulates_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(_NUMBA_GATE is not None, reason=f"no NVVM for numba here: {_NUMBA_GATE}")
-def test_numba_gate_passes_the_solution_and_device_functions(tmp_path):
-    from flashedu.checks.gate import numba_gate
-    assert numba_gate(load(NUMBA, (), tmp_path)) is None
+def test_numba_gate_compiles_the_solution_and_its_device_functions(tmp_path):
+    """Without a CUDA driver numba cannot ask which GPU to compile a device function for; the
+    gate compiles them for sm_90, so a device function is checked, not skipped, and the
+    message says what was compiled."""
+    from flashedu.checks import engine
+    from flashedu.checks.gate import compile_specs
     helper = [("@cuda.jit\ndef flash_forward_kernel",
                "@cuda.jit(device=True)\ndef rescaled(x, a):\n    return x * a\n\n\n"
                "@cuda.jit\ndef flash_forward_kernel"),
               ("                    o[c] *= alpha\n", "                    o[c] = rescaled(o[c], alpha)\n")]
+    wrong_helper = [(helper[0][0], helper[0][1].replace("return x * a", "t = [x, a]\n    return t[0] * t[1]")),
+                    helper[1]]
+    specs = [EXERCISES[NUMBA].gate.source(load(NUMBA, r, tmp_path)) for r in ((), helper, wrong_helper)]
+    plain, with_helper, refused = compile_specs(specs)
+    assert isinstance(plain, engine.Remark) and "with NVVM" in plain, plain
+    assert isinstance(with_helper, engine.Remark) and "the 1 function it calls" in with_helper
+    assert not isinstance(refused, engine.Remark) and "does not compile for a GPU" in refused
     result = check(NUMBA, load(NUMBA, helper, tmp_path))
-    assert result.passed, str(result)
+    assert result.passed and "Compiled for a GPU" in result.message, str(result)

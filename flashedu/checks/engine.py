@@ -45,6 +45,11 @@ _TOLERANCE, _ERROR, _BAD_ROWS = compare.tolerance, compare.error, compare.bad_ro
 _SEED = threading.local()  # each grading thread (flashedu check --jobs) its own
 
 
+class Remark(str):
+    """A gate's verdict that is not a refusal: a line for the passing result (what the gate
+    compiled, or why this machine could not compile for a GPU)."""
+
+
 def run_seed() -> int:
     """The random seed of the inputs of the check being built (fresh for every check)."""
     return getattr(_SEED, "value", 0)
@@ -77,6 +82,10 @@ class Case:
     probe: Callable | None = None  # probe(call, outputs) -> problem text or None
     needs_pass: bool = False  # run only if every earlier case passed (the costly probes)
     floor_scale: float = 1.0  # widen the dtype's error floor (e.g. TF32 dots on a GPU)
+    # each output's allowance from the rounding a correct kernel can make on this draw
+    # (flashedu.tolerance.attention_rounding), normalized as compare.error is; the allowance is
+    # the larger of it and NAIVE_FACTOR x the error of the candidates (naive, variants)
+    rounding: tuple = ()
     block_q: int | None = None  # Br, when the case has Q tiles (for the diagnosis)
     # (name, *params) of a PREPARE function run where the learner's code runs, just before the
     # call: it wraps the inputs in watchers; what they saw comes back as call.evidence
@@ -96,8 +105,8 @@ class Exercise:
     unfilled: Callable | None = None  # (fn) -> True while it is still the exact skeleton
     inspect: Callable | None = None  # (fn) -> problem text when fn is not a kernel (or None)
     blocked: bool = True  # flashedu's references, torch softmax/SDPA off during the call
-    # (fn) -> problem text or None, run once every case has passed (it costs seconds): the
-    # Triton compile gate
+    # (fn) -> problem text, or None / a Remark when it passes; run once every case has passed
+    # (it costs seconds): the compile gate
     gate: Callable | None = None
     # (fn, args) -> one more line for the first failed case's message, or None (e.g. where the
     # stepper shows the learner's kernel leaving the reference); runs where the learner's
@@ -202,8 +211,8 @@ HINT_SECONDS = 10.0
 def grade_cases(ex: Exercise, execute: Callable, gate: Callable | None = None,
                 hint: Callable | None = None) -> CheckResult:
     """Judge every case of ``ex``; ``execute(case) -> Call`` runs the learner's code; ``gate()``
-    (problem or None) runs last, once every case passed; ``hint(case)`` (text or None) adds a
-    line to the message of the first failed case."""
+    (a problem; None or a :class:`Remark` when it passes) runs last, once every case passed;
+    ``hint(case)`` (text or None) adds a line to the message of the first failed case."""
     rows, first = [], None
     stop = False
     for case in ex.cases():
@@ -221,10 +230,13 @@ def grade_cases(ex: Exercise, execute: Callable, gate: Callable | None = None,
                     first += f"\nStepper: {extra}"
         stop = stop or status == "timeout"
     seed_note = f"(inputs drawn with seed {run_seed()}: check(..., seed={run_seed()}) repeats them)"
+    note = ""
     if first is None and gate is not None:
         first = gate()
+        if isinstance(first, Remark):
+            note, first = f" {first}", None
     if first is None:
-        return _result(ex, True, PASSED, f"All {len(rows)} cases passed. {seed_note}", rows)
+        return _result(ex, True, PASSED, f"All {len(rows)} cases passed.{note} {seed_note}", rows)
     return _result(ex, False, FAILED, f"{first}\n{seed_note}", rows)
 
 
@@ -352,14 +364,22 @@ def _mutated(case: Case, arrays, after) -> str | None:
     return None
 
 
+def allowance(case: Case, k: int) -> float:
+    """The largest error allowed for output ``k`` of ``case``: NAIVE_FACTOR x the worst error
+    of the correct computations in the case's dtype (naive, variants) on this draw, or the
+    case's rounding allowance, or the dtype's floor times floor_scale, whichever is larger."""
+    naive = case.naive[k] if case.naive else None
+    candidates = [naive] + [v[k] for v in case.variants]
+    tol = _TOLERANCE(case.dtype, candidates, case.expected[k], case.floor_scale)
+    return max(tol, float(case.rounding[k])) if case.rounding else tol
+
+
 def _compare(ex: Exercise, case: Case, outputs: dict):
     """(problem or None, max error over outputs)."""
-    naive = case.naive or (None,) * len(case.outputs)
     wrong, lines, worst = {}, [], 0.0
-    for k, (name, ref, slow) in enumerate(zip(case.outputs, case.expected, naive)):
+    for k, (name, ref) in enumerate(zip(case.outputs, case.expected)):
         got = outputs[name]
-        candidates = [slow] + [v[k] for v in case.variants]
-        tol = _TOLERANCE(case.dtype, candidates, ref, case.floor_scale)
+        tol = allowance(case, k)
         err = _ERROR(got, ref)
         worst = max(worst, err)
         if err > tol:
@@ -375,19 +395,42 @@ def _compare(ex: Exercise, case: Case, outputs: dict):
 
 
 def _wrong_text(name, got, ref, err, tol, rows) -> str:
+    """'O is wrong in all 37 rows: NaN in row 0 of 37; elsewhere off by up to 2.10e+00
+    (allowed 2.0e-05).' Rows are the first axis (query rows; key rows for dK and dV)."""
     n = ref.shape[0] if ref.ndim else 1
-    where = compare.describe_rows(rows, n)
-    if np.isnan(got).any():
-        nan_rows = np.flatnonzero(np.isnan(got).reshape(n, -1).any(axis=1))
-        text = f"{name} contains NaN (in {compare.describe_rows(nan_rows, n)})"
-        if len(rows) > len(nan_rows):  # other rows are wrong too: say so, apart
-            text += f"; {compare.describe_rows(rows, n)} are wrong (NaN or off by up to " \
-                    f"{_finite_max_error(got, ref):.2e}, allowed {tol:.1e})"
-        return text + "."
-    if err == float("inf"):
-        return (f"{name} has -inf/inf where the reference does not, or misses one "
-                f"(in {where}).")
-    return f"{name} is wrong: max error {err:.2e} (allowed {tol:.1e}), in {where}."
+    text = f"{name} is wrong in {rows_text(rows, n)}"
+
+    def per_row(mask):
+        return np.flatnonzero(np.asarray(mask).reshape(n, -1).any(axis=1))
+
+    nan_rows = per_row(np.isnan(got))
+    with np.errstate(invalid="ignore"):
+        inf_rows = per_row(np.isinf(got) & ~np.isinf(ref))
+        missed = per_row(np.isinf(ref) & (got != ref) & ~np.isnan(got))
+    odd = [f"{what} in {rows_text(where, n)}" for what, where in (
+        ("NaN", nan_rows), ("inf or -inf where the answer is finite", inf_rows),
+        ("another value where the answer is -inf", missed)) if len(where)]
+    if not odd:
+        return f"{text}: off by up to {err:.2e} (allowed {tol:.1e})."
+    if list(nan_rows) == [int(r) for r in rows] and len(odd) == 1:
+        return f"{text}: NaN" + (" in all of them." if len(rows) > 1 else " in that row.")
+    text += ": " + "; ".join(odd)
+    if len(rows) > len(np.union1d(np.union1d(nan_rows, inf_rows), missed)):  # others too
+        text += f"; elsewhere off by up to {_finite_max_error(got, ref):.2e} (allowed {tol:.1e})"
+    return text + "."
+
+
+def rows_text(rows, n: int) -> str:
+    """'all 37 rows', 'row 0 of 37', 'rows 3 and 7 of 37', '5 of 37 rows (0, 1, 2, 3, 4)'."""
+    rows = [int(r) for r in rows]
+    if len(rows) == n and n > 1:
+        return f"all {n} rows"
+    if len(rows) == 1:
+        return f"row {rows[0]} of {n}"
+    if len(rows) == 2:
+        return f"rows {rows[0]} and {rows[1]} of {n}"
+    shown = ", ".join(str(r) for r in rows[:8]) + (", ..." if len(rows) > 8 else "")
+    return f"{len(rows)} of {n} rows ({shown})"
 
 
 # Peak resident memory moves in pages and allocator arenas, not bytes: allowed this much above

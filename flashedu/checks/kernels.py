@@ -9,6 +9,18 @@ What the checks enforce beyond the values:
 - bounds: inputs are views into buffers padded with NaN, and outputs into buffers padded with a
   sentinel, so a kernel that reads past the last row (a missing load mask) returns NaN and one
   that writes past it is caught; in numba's simulator an unguarded index raises IndexError;
+- outputs that start as garbage: the outputs start as NaN (``torch.empty`` may hold anything),
+  so an output row never stored, or an accumulator that adds to what the output held, shows;
+  one case per exercise calls the kernel twice into the same outputs (holding the first
+  call's answer), so a kernel that accumulates across calls fails;
+- every tile: one case per exercise has Nq = Nk = 300, more than a 256-row tile, so a kernel
+  that loads all of Q or K as one tile fails;
+- the allowance: each output may be off by 4x the error of correct float32 computations on
+  the same draw (naive attention, FlashAttention's loop at the case's tiles, O kept normalized
+  key by key; the backward's two ways to get Delta_i), or by the rounding a correct kernel can
+  make on that draw (:func:`flashedu.tolerance.attention_rounding`), whichever is larger;
+- compiling: once every case passed, the kernel is compiled for a GPU for every launch the
+  cases made (:mod:`.gate`);
 - strides (Triton backward): one case hands views whose rows are further apart than d, each
   tensor its own row stride, with NaN and the sentinel in the gaps, so a kernel that addresses
   row r as ``X + r * D`` instead of ``X + r * stride_x`` fails;
@@ -30,7 +42,7 @@ import numpy as np
 
 from .. import reference, runtime, tiled
 from . import compare
-from .engine import Case, Exercise
+from .engine import Case, Exercise, allowance, rows_text
 from .numpy_exercises import (
     F64,
     H_CAUSAL,
@@ -198,19 +210,83 @@ def _race_watch():
         kernelapi.FakeCUDAShared.array, sim_kernel.BlockThread.syncthreads = shared, sync
 
 
+@contextlib.contextmanager
+def _polite_blocks(pause=1e-4):
+    """numba's simulator runs a block's threads as Python threads while its own thread polls
+    them, round after round without a pause, holding the interpreter lock the threads need:
+    most of a launch's time goes to the polling. This is the same loop with a pause between
+    rounds (a 300-row case runs ten times faster); what the threads do is unchanged."""
+    import time
+
+    from numba.cuda.simulator import kernel as sim_kernel
+
+    original = sim_kernel.BlockManager.run
+
+    def run(self, grid_point, *args):
+        threads, blocked = [], set()
+        for block_point in np.ndindex(*self._block_dim):
+            def target():
+                self._f(*args)
+            thread = sim_kernel.BlockThread(target, self, grid_point, block_point, self._debug)
+            thread.start()
+            threads.append(thread)
+        live = set(threads)
+        while live:
+            time.sleep(pause)
+            for thread in live:
+                if thread.syncthreads_blocked:
+                    blocked.add(thread)
+                elif thread.exception:
+                    for other in threads:  # abort the others, as the simulator does
+                        other.abort = True
+                        other.syncthreads_blocked = False
+                        other.syncthreads_event.set()
+                    raise thread.exception[0].with_traceback(thread.exception[1])
+            if live == blocked:  # every live thread waits at cuda.syncthreads(): release them
+                for thread in blocked:
+                    thread.syncthreads_blocked = False
+                    thread.syncthreads_event.set()
+                blocked = set()
+            live = {thread for thread in live if thread.is_alive()}
+        for thread in threads:
+            if thread.exception:
+                raise thread.exception[0].with_traceback(thread.exception[1])
+
+    known = all(hasattr(sim_kernel, n) for n in ("BlockManager", "BlockThread"))
+    if known:
+        sim_kernel.BlockManager.run = run
+    try:
+        yield
+    finally:
+        if known:
+            sim_kernel.BlockManager.run = original
+
+
 def _numba_invoke(fn, case, timeout, measure):
     if not runtime.numba_simulated():
         return _numba_invoke_gpu(fn, case, timeout, measure)
     # The simulator bounds-checks every index (IndexError) and lets us count reads and find
     # races on shared memory.
-    Q, K, V, causal, scale, threads = case.args
+    Q, K, V, causal, scale, threads, twice, watch_races = _numba_args(case.args)
     Q, K, V = (a.view(type(f"{n}_counted", (_CountedReads,), {"reads": 0, "negative": 0}))
                for n, a in zip("QKV", (Q, K, V)))
-    with _race_watch() as watched:
-        call = call_limited(launch_numba_forward, (fn, Q, K, V, causal, scale, threads),
-                            timeout=timeout, measure_memory=measure)
+    again = []
+
+    def run():
+        O, L = launch_numba_forward(fn, Q, K, V, causal, scale, threads)
+        if not twice:
+            return O, L
+        first = (O.copy(), L.copy())
+        launch_numba_forward(fn, Q, K, V, causal, scale, threads, out=(O, L))
+        again.extend([("O", O.copy()), ("L", L.copy())])
+        return first
+
+    with _polite_blocks(), _race_watch() if watch_races else contextlib.nullcontext([]) as watched:
+        call = call_limited(run, timeout=timeout, measure_memory=measure)
     call.reads = {"K": type(K).reads, "V": type(V).reads,
                   "negative": sum(type(a).negative for a in (Q, K, V))}
+    if twice:
+        call.buffers = {"again": again}
     races = [w._race for w in watched if w._race]
     if races and not call.timed_out:
         call.finding = (f"{races[0]} Put a cuda.syncthreads() between the threads' writes of "
@@ -219,12 +295,20 @@ def _numba_invoke(fn, case, timeout, measure):
     return call
 
 
+def _numba_args(args):
+    """(Q, K, V, causal, scale, threads, twice, watch_races) of a numba case's arguments."""
+    q, k, v, causal, scale, threads, *rest = args
+    twice = bool(rest[0]) if len(rest) > 0 else False
+    watch_races = bool(rest[1]) if len(rest) > 1 else True
+    return q, k, v, causal, scale, threads, twice, watch_races
+
+
 def _numba_invoke_gpu(fn, case, timeout, measure):
     """On a GPU nothing bounds-checks: the arrays are views into device buffers padded with
     NaN (inputs) and a sentinel (outputs), checked after the launch, as in the Triton check."""
     from numba import cuda
 
-    q, k, v, causal, scale, threads = case.args
+    q, k, v, causal, scale, threads, twice, _ = _numba_args(case.args)
 
     def padded(a, fill):
         buf = np.full((a.shape[0] + PAD,) + a.shape[1:], fill, dtype=F32)
@@ -234,18 +318,27 @@ def _numba_invoke_gpu(fn, case, timeout, measure):
     ins = [padded(a, np.nan) for a in (q, k, v)]
     outs = [padded(np.full_like(a, np.nan), SENTINEL) for a in (q, q[:, 0])]
 
-    def run():
+    again = []
+
+    def launch():
         launch_numba_forward(fn, *(d[: len(a)] for (d, _), a in zip(ins, (q, k, v))), causal,
                              scale, threads, out=tuple(d[: len(q)] for d, _ in outs))
         cuda.synchronize()
         return tuple(d.copy_to_host()[: len(q)] for d, _ in outs)
+
+    def run():
+        first = launch()
+        if twice:  # the same output buffers, holding the first call's answer
+            again.extend(zip("OL", launch()))
+        return first
 
     call = call_limited(run, timeout=timeout, measure_memory=measure)
     # reads cannot be counted on a GPU; the compiled kernel's loads from shared memory can
     call.reads = {"shared_loads": shared_loads(fn)}
     if call.error is None and not call.timed_out:
         call.buffers = {"in": [(n, d.copy_to_host(), b) for n, (d, b) in zip("QKV", ins)],
-                        "out": [(n, d.copy_to_host(), len(q)) for n, (d, _) in zip("OL", outs)]}
+                        "out": [(n, d.copy_to_host(), len(q)) for n, (d, _) in zip("OL", outs)],
+                        "again": again}
     return call
 
 
@@ -306,45 +399,115 @@ H_NUMBA_GUARD = (" Threads past the last row (row >= Nq) and key rows past Nk (j
                  "not read or write; but every thread must still reach each syncthreads().")
 
 
-def _numba_case(label, hint, shape, causal, scale, kind, threads, seed, **extra):
+def _numba_case(label, hint, shape, causal, scale, kind, threads, seed, twice=False,
+                races=True, **extra):
     (Q, K, V), (q, k, v) = _inputs(shape, kind, F32, seed)
-    O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
-    naive = reference.naive_attention(q, k, v, causal=causal, scale=scale)
-    # NumPy 2 keeps float32 * a Python float in float32 in the simulator, where a GPU would
-    # compute in float64: a correct kernel may be as far off as float32 arithmetic throughout
-    variants = (normalized_key_by_key(q, k, v, causal, scale),)
-    return Case(label, hint, (q, k, v, causal, scale, threads), ("O", "L"), (O, L), naive,
-                inputs=("Q", "K", "V"), dtype=F32, probe=_bounds_probe, variants=variants,
-                **extra)
+
+    def compute():
+        ref = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
+        naive = reference.naive_attention(q, k, v, causal=causal, scale=scale)
+        # NumPy 2 keeps float32 * a Python float in float32 in the simulator, where a GPU would
+        # compute in float64: a correct kernel may be as far off as float32 arithmetic
+        # throughout, e.g. with O kept normalized key by key
+        variant = normalized_key_by_key(q, k, v, causal, scale)
+        return ref, naive, variant, _forward_rounding(q, k, v, causal, scale, ref, gpu=False)
+
+    (O, L), naive, variant, rounding = _memo(("numba", label), compute)
+    rounding = tuple(float(r) for r in rounding)
+    case = Case(label, hint, (q, k, v, causal, scale, threads, twice, races), ("O", "L"),
+                (O, L), naive, inputs=("Q", "K", "V"), dtype=F32, probe=_bounds_probe,
+                variants=(variant,), rounding=rounding, floor_scale=0.0, **extra)
+    if twice:
+        case.probe = _repeat_probe(case, _bounds_probe)
+    return case
+
+
+# A case: (label, hint, (Nq, Nk, d), causal, scale, kind of inputs, threads a block, seed,
+# extra keywords of _numba_case). The simulator runs each thread as a Python thread: the long
+# case has d = 1 and is causal (half the pairs), and leaves the race watch to the others.
+def _numba_specs():
+    T, H = 8, H_THREADS
+    return [
+        ("one block, Nq=Nk=8, d=4", H_NUMBA, (8, 8, 4), False, None, "normal", T, 1, {}),
+        ("several K tiles, Nq=16, Nk=40", H_TILES, (16, 40, 4), False, None, "normal", T, 2, {}),
+        ("edge: Nq=13, Nk=21", H_EDGE + H_NUMBA_GUARD, (13, 21, 8), False, None, "normal", T, 3,
+         {}),
+        ("N=1", H_N1 + H_NUMBA_GUARD, (1, 1, 4), False, None, "normal", T, 4, {}),
+        ("Nq=20 > Nk=6", H_NQNK + H_NUMBA_GUARD, (20, 6, 4), False, None, "normal", T, 5, {}),
+        ("explicit scale=0.3", H_SCALE, (9, 18, 4), False, 0.3, "normal", T, 6, {}),
+        ("logits in the hundreds", H_WIDE, (8, 24, 4), False, None, "wide", T, 7, {}),
+        ("causal, Nq=Nk=19", H_CAUSAL, (19, 19, 4), True, None, "normal", T, 8, {}),
+        ("causal, Nq=12, Nk=33", H_CAUSAL, (12, 33, 4), True, None, "normal", T, 9, {}),
+        ("causal, a future key dominates", H_FUTURE, (24, 24, 4), True, None, "future", T, 11,
+         {}),
+        ("called twice into the same O and L, causal, Nq=12, Nk=20", H_TWICE, (12, 20, 4), True,
+         None, "normal", T, 15, {"twice": True}),
+        ("32 threads a block, causal, Nq=Nk=300, d=1", H_LONG + " " + H + " " + H_CAUSAL,
+         (300, 300, 1), True, None, "normal", 32, 12, {"races": False}),
+        ("64 threads a block, causal, Nq=Nk=70", H + " " + H_CAUSAL, (70, 70, 2), True, None,
+         "normal", 64, 13, {}),
+        ("128 threads a block, Nq=130, Nk=24", H, (130, 24, 2), False, None, "normal", 128, 14,
+         {}),
+    ]
 
 
 def _numba_cases():
-    T = 8  # threads per block: the simulator runs each as a Python thread
-    cases = [
-        _numba_case("one block, Nq=Nk=8, d=4", H_NUMBA, (8, 8, 4), False, None, "normal", T, 1),
-        _numba_case("several K tiles, Nq=16, Nk=40", H_TILES, (16, 40, 4), False, None,
-                    "normal", T, 2),
-        _numba_case("edge: Nq=13, Nk=21", H_EDGE + H_NUMBA_GUARD, (13, 21, 8), False, None,
-                    "normal", T, 3),
-        _numba_case("N=1", H_N1 + H_NUMBA_GUARD, (1, 1, 4), False, None, "normal", T, 4),
-        _numba_case("Nq=20 > Nk=6", H_NQNK + H_NUMBA_GUARD, (20, 6, 4), False, None, "normal", T, 5),
-        _numba_case("explicit scale=0.3", H_SCALE, (9, 18, 4), False, 0.3, "normal", T, 6),
-        _numba_case("logits in the hundreds", H_WIDE, (8, 24, 4), False, None, "wide", T, 7),
-        _numba_case("causal, Nq=Nk=19", H_CAUSAL, (19, 19, 4), True, None, "normal", T, 8),
-        _numba_case("causal, Nq=12, Nk=33", H_CAUSAL, (12, 33, 4), True, None, "normal", T, 9),
-        _numba_case("causal, a future key dominates", H_FUTURE, (24, 24, 4), True, None,
-                    "future", T, 11),
-        _numba_case("32 threads a block, Nq=40, Nk=200", H_THREADS, (40, 200, 2), False, None,
-                    "normal", 32, 12),
-        _numba_case("64 threads a block, causal, Nq=Nk=70", H_THREADS + " " + H_CAUSAL,
-                    (70, 70, 2), True, None, "normal", 64, 13),
-        _numba_case("128 threads a block, Nq=130, Nk=24", H_THREADS, (130, 24, 2), False, None,
-                    "normal", 128, 14),
-    ]
+    cases = [_numba_case(*spec[:8], **spec[8]) for spec in _numba_specs()]
     shared = _numba_case("shared memory: Nq=Nk=32, 4 blocks of 8 threads", H_NUMBA,
-                         (32, 32, 4), False, None, "normal", T, 10, needs_pass=True)
+                         (32, 32, 4), False, None, "normal", 8, 10, needs_pass=True)
     shared.probe = _shared_memory_probe(shared)
     return cases + [shared]
+
+
+H_TWICE = ("The check calls your kernel twice with the same inputs, into the same output "
+           "buffers (which hold the first call's answer: an output may hold anything when a "
+           "kernel starts): start every accumulator at zero inside the kernel and write each "
+           "output once; never add to what an output held.")
+H_LONG = ("Nq = Nk = 300: more rows and keys than one tile of any size a kernel might hard-code "
+          "(256): cover every query row and loop over every key tile up to Nk.")
+
+
+def _forward_rounding(q, k, v, causal, scale, ref, gpu):
+    """Each output's allowance from rounding on this draw (flashedu.tolerance): what a correct
+    kernel in float32 can be off by, TF32 dot operands included on a GPU."""
+    from .. import tolerance
+
+    bounds = tolerance.attention_rounding(q, k, v, causal=causal, scale=scale, dtype="float32",
+                                          dot_unit=tolerance.TF32_UNIT if gpu else None)
+    return tuple(tolerance.ROUNDING_FACTOR * tolerance.normalized(b, r)
+                 for b, r in zip(bounds, ref))
+
+
+def _repeat_probe(case, base):
+    """``base``, then: the second call, into the output buffers that hold the first call's
+    answer, must be as right as the first."""
+    def probe(call, outputs):
+        problem = base(call, outputs)
+        if problem:
+            return problem
+        again = dict((entry[0], entry[1]) for entry in
+                     (getattr(call, "buffers", None) or {}).get("again", ()))
+        names = " and ".join(case.outputs)
+        for k, name in enumerate(case.outputs):
+            got = again.get(name)
+            if got is None:
+                return f"the grader got no {name} back from the second call of your kernel."
+            got = np.asarray(got, dtype=np.float64)
+            ref, tol = case.expected[k], allowance(case, k)
+            err = compare.error(got, ref)
+            if err > tol:
+                rows = compare.bad_rows(got, ref, tol)
+                n = ref.shape[0]
+                nan_rows = np.flatnonzero(np.isnan(got).reshape(n, -1).any(axis=1))
+                how = (f"NaN in {rows_text(nan_rows, n)}" if len(nan_rows)
+                       else f"off by up to {err:.2e}, allowed {tol:.1e}")
+                return (f"the first call was right, but a second call with the same inputs, into "
+                        f"the same {names} (still holding the first call's answer), gave {name} "
+                        f"wrong in {rows_text(rows, n)} ({how}). Your kernel adds to what an "
+                        "output held, or leaves part of it unwritten: set every accumulator to "
+                        "zero inside the kernel and store each output once.")
+        return None
+    return probe
 
 
 def _numba_unavailable():
@@ -430,28 +593,38 @@ def _padded(a, fill, device):
 def _triton_invoke(fn, case, timeout, measure):
     import torch
 
-    q, k, v, causal, scale, Br, Bc, strided = case.args
+    q, k, v, causal, scale, Br, Bc, strided = case.args[:8]
+    twice = bool(case.args[8]) if len(case.args) > 8 else False
     device = runtime.kernel_device()
     width = (lambda name: STRIDES.get(name)) if strided else (lambda name: None)
     ins = [_padded_rows(a, float("nan"), device, width(n)) for n, a in zip("QKV", (q, k, v))]
-    outs = [_padded_rows(np.zeros_like(a), SENTINEL, device, width(n))
+    # O and L start as NaN, as torch.empty may leave them: a row never stored shows
+    outs = [_padded_rows(np.full_like(a, np.nan), SENTINEL, device, width(n))
             for n, a in zip("OL", (q, q[:, 0]))]
     before = [buf.clone() for buf, _ in ins]
+    again = []
+
+    def launch():
+        launch_triton_forward(fn, *(view for _, view in ins), causal, scale, Br, Bc,
+                              out=tuple(view for _, view in outs))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return tuple(view.cpu().numpy().copy() for _, view in outs)
 
     def run():
         with _watch_loads([view for _, view in ins + outs]) as seen:
-            launch_triton_forward(fn, *(view for _, view in ins), causal, scale, Br, Bc,
-                                  out=tuple(view for _, view in outs))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+            first = launch()
+            if twice:  # the same O and L, holding the first call's answer
+                again.extend(zip("OL", launch()))
         call.reads = dict(seen)
-        return tuple(view.cpu().numpy().copy() for _, view in outs)
+        return first
 
     call = Call()
     done = call_limited(run, timeout=timeout, measure_memory=measure)
     done.reads = call.reads
     done.buffers = {"in": [(name, buf, old) for name, (buf, _), old in zip("QKV", ins, before)],
-                    "out": [(name, buf, tuple(view.shape)) for name, (buf, view) in zip("OL", outs)]}
+                    "out": [(name, buf, tuple(view.shape)) for name, (buf, view) in zip("OL", outs)],
+                    "again": again}
     return done
 
 
@@ -474,13 +647,11 @@ def _bounds_probe(call, outputs):
     problem = _loads_problem(call)
     if problem:
         return problem
-    buffers = getattr(call, "buffers", None)
-    if buffers is None:
-        return None
-    for name, buf, old in buffers["in"]:
+    buffers = getattr(call, "buffers", None) or {}
+    for name, buf, old in buffers.get("in", ()):
         if not np.array_equal(_numpy(buf), _numpy(old), equal_nan=True):
             return f"your kernel wrote into its input {name}. Store only into O and L."
-    for name, buf, n in buffers["out"]:
+    for name, buf, n in buffers.get("out", ()):
         if not (_numpy(buf)[n:] == SENTINEL).all():
             return (f"your kernel wrote past the end of {name} (rows >= Nq): guard or mask "
                     f"the store (rows < Nq).")
@@ -499,21 +670,29 @@ H_TRITON_MASK = (" Rows past Nq and keys past Nk: load with mask=... and other=0
                  "the last row holds NaN: an unmasked load brings it in.)")
 
 
-def _triton_case(label, hint, shape, tiles, causal, scale, kind, seed, strided=False):
+def _triton_case(label, hint, shape, tiles, causal, scale, kind, seed, strided=False,
+                 twice=False):
     (Q, K, V), (q, k, v) = _inputs(shape, kind, F32, seed)
-    O, L = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
     on_gpu = not runtime.triton_interpreted()
-    naive = (_naive_tf32 if on_gpu else reference.naive_attention)(q, k, v, causal=causal,
-                                                                   scale=scale)
-    # correct kernels in float32 set the allowance too: the key-by-key normalized one, and
-    # FlashAttention's own loop at this case's tiles (with logits in the hundreds its rounding
-    # can be 8x the naive formula's: a correct kernel missed a naive-only allowance 1 seed in 60)
-    variants = (normalized_key_by_key(q, k, v, causal, scale),
-                tiled.flash_forward(q, k, v, *tiles, causal=causal, scale=scale))
-    return Case(label, hint, (q, k, v, causal, scale) + tiles + (strided,), ("O", "L"), (O, L),
-                naive, inputs=("Q", "K", "V"), dtype=F32, probe=_backward_bounds_probe,
-                variants=variants,
-                floor_scale=100.0 if on_gpu else 1.0)  # TF32 dots: ~1e-3 relative
+
+    def compute():
+        ref = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
+        naive = (_naive_tf32 if on_gpu else reference.naive_attention)(q, k, v, causal=causal,
+                                                                       scale=scale)
+        # correct kernels in float32 set the allowance too: O kept normalized key by key, and
+        # FlashAttention's own loop at this case's tiles
+        variants = (normalized_key_by_key(q, k, v, causal, scale),
+                    tiled.flash_forward(q, k, v, *tiles, causal=causal, scale=scale))
+        return ref, naive, variants, _forward_rounding(q, k, v, causal, scale, ref, on_gpu)
+
+    (O, L), naive, variants, rounding = _memo(("triton forward", label), compute)
+    case = Case(label, hint, (q, k, v, causal, scale) + tiles + (strided, twice), ("O", "L"),
+                (O, L), naive, inputs=("Q", "K", "V"), dtype=F32, probe=_backward_bounds_probe,
+                variants=variants, rounding=tuple(float(r) for r in rounding),
+                floor_scale=100.0 if on_gpu else 0.0)  # TF32 dots: ~1e-3 relative
+    if twice:
+        case.probe = _repeat_probe(case, _backward_bounds_probe)
+    return case
 
 
 def tf32(a):
@@ -545,8 +724,18 @@ def _naive_tf32(q, k, v, causal, scale):
 
 
 def _triton_cases():
-    d, t16, t = 16, (16, 16), _triton_case
+    return [_triton_case(*spec) for spec in _triton_specs()]
+
+
+# A case: (label, hint, (Nq, Nk, d), (Br, Bc), causal, scale, kind of inputs, seed, strided,
+# called twice).
+def _triton_specs():
+    d, t16 = 16, (16, 16)
     M = H_TRITON_MASK
+
+    def t(label, hint, shape, tiles, causal, scale, kind, seed, strided=False, twice=False):
+        return (label, hint, shape, tiles, causal, scale, kind, seed, strided, twice)
+
     return [
         t("one tile, Nq=Nk=16", H_TRITON, (16, 16, d), t16, False, None, "normal", 1),
         t("several tiles, Nq=Nk=64", H_TILES, (64, 64, d), t16, False, None, "normal", 2),
@@ -572,8 +761,10 @@ def _triton_cases():
           None, "normal", 19, strided=True),
         t("causal, Br=16, Bc=32, row strides differ from d", H_CAUSAL + " " + H_STRIDES_FWD,
           (45, 45, d), (16, 32), True, None, "normal", 20, strided=True),
-        t("Nk=200, Br=32, Bc=16", H_TILES + M, (24, 200, d), (32, 16), False, None, "normal",
-          21),
+        t("Nq=Nk=300, Br=64, Bc=32", H_LONG + M, (300, 300, d), (64, 32), False, None,
+          "normal", 21),
+        t("called twice into the same O and L, causal, Nq=37, Nk=45", H_TWICE, (37, 45, d), t16,
+          True, None, "normal", 22, twice=True),
     ]
 
 
@@ -594,9 +785,11 @@ def _triton_unavailable():
 
 def _diagnose_kernel(case, wrong, outputs):
     if any(np.isnan(outputs[name]).any() for name in wrong):
-        return ("NaN: a row was never written (the numba check starts O and L as NaN), a load "
-                "read past the last row (the Triton check keeps NaN there: mask the load), or "
-                "exp(-inf - (-inf)) for a row whose keys are all masked so far.")
+        return ("NaN: a row was never stored (the check starts O and L as NaN, as torch.empty "
+                "may leave them: every program stores all its rows, also where causal masking "
+                "skips every tile), an accumulator added to what O held instead of starting at "
+                "zero, a load that read past the last row (the Triton check keeps NaN there: mask "
+                "the load), or exp(-inf - (-inf)) for a row whose keys are all masked so far.")
     if "L" in wrong and "O" not in wrong:
         return "O is right but L is not: L_i = m_i + log(l_i), natural log."
     if "O" in wrong and "L" not in wrong:
@@ -632,17 +825,54 @@ def _kernel_problem(kernel, kind: str) -> str | None:
     return _calls_problem(inner, kind, set())
 
 
+def gate_launches(which: str) -> list[dict]:
+    """The launches the cases of kernel ``which`` ("numba", "forward", "dkdv", "dq") make, as
+    plain data for the compile gate (:mod:`.gate`): each with the label of the first case
+    that makes it. Triton: every argument (pointers by dtype, the scale, the integers, the
+    constexprs), as the launcher passes it. numba: the argument types."""
+    from .gate import parameters
+
+    if which == "numba":
+        # Q, K, V, O: C-contiguous float32 rows; L a float32 vector; a float32 scale; a bool
+        array2, array1 = "float32[:, ::1]", "float32[::1]"
+        signature = f"({', '.join([array2] * 4)}, {array1}, float32, boolean)"
+        return [{"label": _numba_specs()[0][0], "signature": signature,
+                 "config": "float32 arrays, a float32 scale, a bool causal"}]
+    specs = _triton_specs() if which == "forward" else _backward_specs(which)
+    pointers = parameters(which)[: parameters(which).index("scale")]
+    launches = []
+    for label, _, (Nq, Nk, d), (Br, Bc), causal, scale, _, _, strided, _ in specs:
+        stride = {name: (STRIDES[name] if strided else d) for name in STRIDES}
+        ints = {"Nq": Nq, "Nk": Nk, **{f"stride_{n.lower()}": stride[n] for n in STRIDES}}
+        constexprs = {"D": d, "Br": Br, "Bc": Bc, "CAUSAL": bool(causal)}
+        args = []
+        for name in parameters(which):
+            if name in pointers:
+                args.append([name, "ptr", "float32"])
+            elif name == "scale":
+                args.append([name, "float", 1.0 / math.sqrt(d) if scale is None else scale])
+            elif name in constexprs:
+                args.append([name, "constexpr", constexprs[name]])
+            else:
+                args.append([name, "int", ints[name]])
+        config = ", ".join(f"{k}={v}" for k, v in constexprs.items())
+        ones = [n for n in ("Nq", "Nk") if ints[n] == 1]
+        config += "".join(f", {n}=1" for n in ones)
+        launches.append({"label": label, "config": config, "args": args})
+    return launches
+
+
 def _gate(which):
     def source(kernel):
-        """The kernel's side of the gate (see :mod:`.gate`): what the compile needs."""
+        """The kernel's side of the gate (see :mod:`.gate`): its description, plain data."""
         from .gate import numba_gate_source, triton_gate_source
 
-        if which == "numba":
-            # on a GPU numba has just compiled the kernel for real: nothing to add
-            return numba_gate_source(kernel) if runtime.numba_simulated() else None
-        return triton_gate_source(kernel, which)
+        return numba_gate_source(kernel) if which == "numba" else \
+            triton_gate_source(kernel, which)
 
     def gate(kernel):
+        """The grader's side: compile what was described, for the cases' launches; what
+        decides (the launches, a GPU present) is read in the grader's process."""
         from .gate import compile_spec
 
         return compile_spec(source(kernel))
@@ -800,7 +1030,8 @@ def _backward_invoke(which):
     def invoke(fn, case, timeout, measure):
         import torch
 
-        q, k, v, o, do, l, causal, scale, Br, Bc, strided = case.args
+        q, k, v, o, do, l, causal, scale, Br, Bc, strided = case.args[:11]
+        twice = bool(case.args[11]) if len(case.args) > 11 else False
         device = runtime.kernel_device()
         width = (lambda name: STRIDES.get(name)) if strided else (lambda name: None)
         ins = {name: _padded_rows(a, float("nan"), device, width(name))
@@ -810,32 +1041,41 @@ def _backward_invoke(which):
         before = {name: buf.clone() for name, (buf, _) in ins.items()}
         names = ("dK", "dV") if which == "dkdv" else ("dQ",)
         like = {"dQ": q, "dK": k, "dV": v}
-        outs = {name: _padded_rows(np.zeros_like(like[name]), SENTINEL, device, width(name))
+        # the outputs start as NaN, as torch.empty may leave them: a tile never stored, or an
+        # accumulator added to what the output held, shows
+        outs = {name: _padded_rows(np.full_like(like[name], np.nan), SENTINEL, device,
+                                   width(name))
                 for name in names}
         s = 1.0 / math.sqrt(q.shape[1]) if scale is None else scale
         views = {name: view for name, (_, view) in ins.items()}
 
-        seen = {}
+        seen, again = {}, []
 
-        def run():
+        def launch():
             args = (fn, views["Q"], views["K"], views["V"], views["dO"], views["L"],
                     views["Delta"])
-            watched = list(views.values()) + [view for _, view in outs.values()]
-            with _watch_loads(watched) as counted:
-                if which == "dkdv":
-                    launch_dkdv(*args, outs["dK"][1], outs["dV"][1], causal, s, Br, Bc)
-                else:
-                    launch_dq(*args, outs["dQ"][1], causal, s, Br, Bc)
-            seen.update(counted)
+            if which == "dkdv":
+                launch_dkdv(*args, outs["dK"][1], outs["dV"][1], causal, s, Br, Bc)
+            else:
+                launch_dq(*args, outs["dQ"][1], causal, s, Br, Bc)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            got = tuple(view.cpu().numpy().copy() for _, view in outs.values())
+            return tuple(view.cpu().numpy().copy() for _, view in outs.values())
+
+        def run():
+            watched = list(views.values()) + [view for _, view in outs.values()]
+            with _watch_loads(watched) as counted:
+                got = launch()
+                if twice:  # the same outputs, holding the first call's answer
+                    again.extend(zip(names, launch()))
+            seen.update(counted)
             return got if len(got) > 1 else got[0]
 
         call = call_limited(run, timeout=timeout, measure_memory=measure)
         call.reads = dict(seen)
         call.buffers = {"in": [(name, buf, before[name]) for name, (buf, _) in ins.items()],
-                        "out": [(name, buf, like[name].shape) for name, (buf, _) in outs.items()]}
+                        "out": [(name, buf, like[name].shape) for name, (buf, _) in outs.items()],
+                        "again": again}
         return call
 
     return invoke
@@ -847,13 +1087,11 @@ def _backward_bounds_probe(call, outputs):
     problem = _loads_problem(call)
     if problem:
         return problem
-    buffers = getattr(call, "buffers", None)
-    if buffers is None:
-        return None
-    for name, buf, old in buffers["in"]:
+    buffers = getattr(call, "buffers", None) or {}
+    for name, buf, old in buffers.get("in", ()):
         if not np.array_equal(_numpy(buf), _numpy(old), equal_nan=True):
             return f"your kernel wrote into its input {name}. Store only into its outputs."
-    for name, buf, shape in buffers["out"]:
+    for name, buf, shape in buffers.get("out", ()):
         outside = np.ones(buf.shape, dtype=bool)
         outside[tuple(slice(0, n) for n in shape)] = False
         if not (_numpy(buf)[outside] == SENTINEL).all():
@@ -897,7 +1135,7 @@ H_BWD_WIDE = ("Logits differ by hundreds: P_ij = exp(S_ij - L_i) with the saved 
 
 
 def _backward_triton_case(label, hint, shape, tiles, causal, scale, kind, seed, outputs,
-                          strided=False):
+                          strided=False, twice=False):
     (Q, K, V), (q, k, v) = _inputs(shape, kind, F32, seed)
     on_gpu = not runtime.triton_interpreted()
 
@@ -910,22 +1148,39 @@ def _backward_triton_case(label, hint, shape, tiles, causal, scale, kind, seed, 
         naive = (_naive_backward_tf32 if on_gpu else _backward_in_dtype)(q, k, v, o, do, l,
                                                                          causal, scale)
         other = _backward_in_dtype(q, k, v, o, do, l, causal, scale, delta="P dP")
-        return (o, l, do), grads, naive, other
+        return (o, l, do), grads, naive, other, _backward_rounding(q, k, v, o, do, l, causal,
+                                                                   scale, grads, on_gpu)
 
-    (o, l, do), grads, naive, other = _memo(("triton backward", label), compute)
+    (o, l, do), grads, naive, other, rounding = _memo(("triton backward", label), compute)
     pick = {"dQ": 0, "dK": 1, "dV": 2}
     case = Case(label, hint, (q, k, v, o.copy(), do.copy(), l.copy(), causal, scale) + tiles
-                + (strided,), outputs, tuple(grads[pick[n]] for n in outputs),
+                + (strided, twice), outputs, tuple(grads[pick[n]] for n in outputs),
                 tuple(naive[pick[n]] for n in outputs), inputs=("Q", "K", "V", "O", "dO", "L"),
                 dtype=F32, probe=_backward_bounds_probe,
                 variants=(tuple(other[pick[n]] for n in outputs),),
+                rounding=tuple(float(rounding[pick[n]]) for n in outputs),
                 # TF32 dots on a GPU: the gradients chain two of them (dP, then dS^T Q), and
                 # Triton's TF32 rounding is not cuBLAS's; measured on an H100, a correct kernel
                 # reached 4.4x the naive TF32 error (2.7e-3) where the forward stays under 4x.
                 # A wrong kernel misses by 1e-1 or more.
-                floor_scale=250.0 if on_gpu else 1.0)
+                floor_scale=250.0 if on_gpu else 0.0)
     case.float64_inputs = (Q, K, V, do.astype(F64), l.astype(F64), o.astype(F64))
+    if twice:
+        case.probe = _repeat_probe(case, _backward_bounds_probe)
     return case
+
+
+def _backward_rounding(q, k, v, o, do, l, causal, scale, grads, gpu):
+    """(dQ, dK, dV)'s allowances from rounding on this draw (flashedu.tolerance), with Delta as
+    the launcher computes it (float32)."""
+    from .. import tolerance
+
+    delta = (do * o).sum(axis=1, dtype=F32)
+    bounds = tolerance.attention_backward_rounding(
+        q, k, v, do, l, delta, causal=causal, scale=scale, dtype="float32",
+        dot_unit=tolerance.TF32_UNIT if gpu else None)
+    return tuple(tolerance.ROUNDING_FACTOR * tolerance.normalized(b, r)
+                 for b, r in zip(bounds, grads))
 
 
 def _naive_backward_tf32(q, k, v, o, do, l, causal, scale):
@@ -941,14 +1196,22 @@ def _naive_backward_tf32(q, k, v, o, do, l, causal, scale):
 
 
 def _backward_triton_cases(which):
-    outputs, hint = {"dkdv": (("dK", "dV"), H_DKDV), "dq": (("dQ",), H_DQ)}[which]
+    outputs = {"dkdv": ("dK", "dV"), "dq": ("dQ",)}[which]
+    return [_backward_triton_case(*spec[:8], outputs, *spec[8:])
+            for spec in _backward_specs(which)]
+
+
+# A case: (label, hint, (Nq, Nk, d), (Br, Bc), causal, scale, kind of inputs, seed, strided,
+# called twice).
+def _backward_specs(which):
+    hint = {"dkdv": H_DKDV, "dq": H_DQ}[which]
     d, t16, M = 16, (16, 16), H_BWD_MASK
 
-    def t(label, h, shape, tiles, causal, scale, kind, seed, strided=False):
-        return _backward_triton_case(label, h, shape, tiles, causal, scale, kind, seed,
-                                     outputs, strided)
+    def t(label, h, shape, tiles, causal, scale, kind, seed, strided=False, twice=False):
+        return (label, h, shape, tiles, causal, scale, kind, seed, strided, twice)
 
     C = H_BWD_CAUSAL[which]
+    out = {"dkdv": "dK and dV", "dq": "dQ"}[which]
     return [
         t("one tile, Nq=Nk=16", hint, (16, 16, d), t16, False, None, "normal", 1),
         t("several tiles, Nq=Nk=64", hint, (64, 64, d), t16, False, None, "normal", 2),
@@ -977,8 +1240,10 @@ def _backward_triton_cases(which):
           20),
         t("causal, a future key dominates", C + " " + H_BWD_WIDE, (40, 40, d), t16, True, None,
           "future", 21),
-        t("Nq=Nk=200, Br=32, Bc=16", hint + M, (200, 200, d), (32, 16), False, None, "normal",
-          22),
+        t("Nq=Nk=300, Br=64, Bc=32", H_LONG + " " + hint + M, (300, 300, d), (64, 32), False,
+          None, "normal", 22),
+        t(f"called twice into the same {out}, causal, Nq=37, Nk=45", H_TWICE, (37, 45, d), t16,
+          True, None, "normal", 23, twice=True),
     ]
 
 
@@ -1029,20 +1294,25 @@ H_VARIANT = {
 def _diagnose_backward_kernel(case, wrong, outputs):
     notes = []
     if any(np.isnan(outputs[name]).any() for name in wrong):
+        names = " and ".join(case.outputs)
         notes.append("NaN:")
-        if case.args[-1]:  # the strided case
+        if case.args[10]:  # the strided case
             notes.append("here each tensor has its own row stride, with NaN between the rows: "
                          "a kernel that addresses row r as X + r * D, or with another tensor's "
-                         "stride, reads it. Or")
-        notes.append("a load read past the end of its tensor (the check keeps NaN after "
+                         "stride, reads it, and a store addressed that way leaves rows of "
+                         f"{names} never stored (address row r of {case.outputs[0]} as "
+                         f"{case.outputs[0]} + r * stride_{case.outputs[0].lower()}). Or")
+        notes.append(f"rows of {names} never stored (the check starts them as NaN, as "
+                     "torch.empty may leave them: each program stores all of its tile), an "
+                     "accumulator added to what the output held instead of starting at zero, a "
+                     "load that read past the end of its tensor (the check keeps NaN after "
                      "each input: mask the loads of Q_i, dO_i, L_i, Delta_i with rows < Nq and "
-                     "of K_j, V_j with cols < Nk, other=0.0), or exp overflowed for a masked "
-                     "pair (apply the mask before the exp) and inf * 0 became NaN.")
+                     "of K_j, V_j with cols < Nk, other=0.0), or exp that overflowed for a "
+                     "masked pair (apply the mask before the exp) so that inf * 0 became NaN.")
         return " ".join(notes)
     pick = {"dQ": 0, "dK": 1, "dV": 2}
     ref = {name: case.expected[case.outputs.index(name)] for name in wrong}
-    tol = {name: compare.tolerance(case.dtype, case.naive[case.outputs.index(name)], ref[name],
-                                   case.floor_scale) for name in wrong}
+    tol = {name: allowance(case, case.outputs.index(name)) for name in wrong}
     with np.errstate(all="ignore"):  # a mistake's gradients may overflow: they only compare
         variants = _variants(case)
     for label, grads in variants.items():

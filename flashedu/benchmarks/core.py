@@ -252,6 +252,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def names_of(choices):
+    """argparse type: comma-separated names, each one of ``choices`` (a dict or a list)."""
+    def names(text: str) -> list[str]:
+        found = text.split(",")
+        bad = [n for n in found if n not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown method {', '.join(bad)}; choose from {', '.join(choices)}")
+        return found
+
+    return names
+
+
 def head_dim(text: str) -> int:
     """argparse type: a head dim the triton backend takes (1..256)."""
     value = positive_int(text)

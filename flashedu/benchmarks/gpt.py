@@ -16,7 +16,6 @@ A second, smaller measurement isolates one attention call (forward + backward, B
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -45,14 +44,7 @@ def seq_lens(text: str) -> list[int]:
     return [core.positive_int(t) for t in text.split(",")]
 
 
-def methods(text: str) -> list[str]:
-    """argparse type: comma-separated names of METHODS."""
-    names = text.split(",")
-    bad = [m for m in names if m not in METHODS]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown method {', '.join(bad)}; choose from {', '.join(METHODS)}")
-    return names
+methods = core.names_of(METHODS)  # argparse type: comma-separated names of METHODS
 
 
 def parse_args(argv):

@@ -35,16 +35,7 @@ METHODS = {"flashedu": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUD
 DTYPES = ("bf16", "fp16", "fp32")
 
 
-def methods(text: str) -> list[str]:
-    """argparse type: comma-separated names of METHODS."""
-    import argparse
-
-    names = text.split(",")
-    bad = [m for m in names if m not in METHODS]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown method {', '.join(bad)}; choose from {', '.join(METHODS)}")
-    return names
+methods = core.names_of(METHODS)  # argparse type: comma-separated names of METHODS
 
 
 def parse_args(argv):

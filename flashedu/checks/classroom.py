@@ -230,35 +230,23 @@ def _die_with_parent() -> None:
 
 def _kill_descendants() -> None:
     """Kill every process below this one until none is left."""
+    from .memory import descendants
+
     me = os.getpid()
     for _ in range(100):
-        children = _children(me)
-        if not children:
+        below = descendants(me)
+        if not below:
             return
-        for pid in children:
+        for pid in below:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pid in children:
+        for pid in below:
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
-
-
-def _children(parent: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            found.append(int(entry.name))
-    return found
 
 
 def _supervisor(spec: dict, rows_out) -> None:

@@ -151,9 +151,14 @@ def attention_rounding(Q, K, V, *, causal=False, scale=None, dtype="float32", do
 
 
 def attention_backward_rounding(Q, K, V, dO, L, Delta, *, causal=False, scale=None,
-                                dtype="float32", dot_unit=None):
+                                dtype="float32", dot_unit=None, delta_from_p=False):
     """(rounding of dQ, of dK, of dV), elementwise, for a correct kernel of the backward that
-    is given Q, K, V, dO, the forward's L and Delta_i = rowsum(dO_i * O_i) in ``dtype``."""
+    is given Q, K, V, dO, the forward's L and Delta_i = rowsum(dO_i * O_i) in ``dtype``.
+
+    ``delta_from_p``: the kernel may compute Delta_i itself as rowsum(P_ij * dP_ij), equal in
+    exact arithmetic. Then Delta_i carries every P_ij's rounding, and dS_ij = P_ij (dP_ij -
+    Delta_i) keeps it where dP_ij - Delta_i cancels (logits in the hundreds: P almost one-hot,
+    where a tiled rowsum misses by several times an untiled one)."""
     import numpy as np
 
     Q, K, V, dO = (np.asarray(a, dtype=np.float64) for a in (Q, K, V, dO))
@@ -179,6 +184,14 @@ def attention_backward_rounding(Q, K, V, dO, L, Delta, *, causal=False, scale=No
     dQ = abs(scale) * ((ddS + (2 * w + cols) * np.abs(dS)) @ np.abs(K))
     dK += u * np.abs(scale * dS.T @ Q)
     dQ += u * np.abs(scale * dS @ K)
+    if delta_from_p:
+        # Delta_i's rounding, times P_ij: one error shared by row i of dS, so it adds up
+        # linearly into dQ_i; rows round independently, so into dK_j as a sqrt.
+        dDelta = (P * (eps * np.abs(dP) + (2 * w + np.sqrt(d) * u) * B + cols * np.abs(dP))
+                  ).sum(axis=1, keepdims=True)
+        E = P * dDelta
+        dQ += abs(scale) * (E @ np.abs(K))
+        dK += abs(scale) * np.sqrt((E * E).T @ (Q * Q))
     return dQ, dK, dV
 
 

@@ -24,6 +24,7 @@ from flashedu.checks.result import NOT_IMPLEMENTED
 from test_checks import ROOT, assert_rejected, load, solution_source
 
 DKDV, DQ = "triton_backward_dkdv_kernel", "triton_backward_dq_kernel"
+SEED = 20250611  # the correct variants run on one fixed draw; every draw: see below
 TFWD, NUMBA = "triton_forward_kernel", "numba_forward_kernel"
 
 
@@ -432,8 +433,30 @@ CORRECT = [
 
 @pytest.mark.parametrize("name, variant, replace", CORRECT, ids=[f"{c[0]}: {c[1]}" for c in CORRECT])
 def test_correct_variant_passes(name, variant, replace, tmp_path):
-    result = check(name, load(name, replace, tmp_path))
+    result = check(name, load(name, replace, tmp_path), seed=SEED)
     assert result.passed, str(result)
+
+
+def test_tiled_delta_from_p_passes_every_draw(tmp_path, monkeypatch):
+    """D_i = rowsum(P_ij * dP_ij) summed tile by tile misses by several times the untiled sum
+    where dP_ij - D_i cancels (logits in the hundreds, float32): the allowance derived from the
+    draw covers it on every seed, not only on the one the test above pins. The function runs
+    here, on every case but the memory ones (those need no new allowance)."""
+    from flashedu.checks import compare, engine, numpy_exercises
+
+    monkeypatch.setattr(numpy_exercises, "MEMORY_SPECS", [])
+    name, _, replace = next(c for c in CORRECT if c[0] == "flash_backward")
+    fn = load(name, replace, tmp_path)
+    failed = []
+    for seed in range(1, 101):
+        engine.set_seed(seed)
+        for case in numpy_exercises._backward_cases():
+            for k, got in enumerate(fn(*case.args)):
+                err, tol = compare.error(got, case.expected[k]), engine.allowance(case, k)
+                if not err <= tol:
+                    failed.append(f"seed {seed}, {case.label}: {case.outputs[k]} off by "
+                                  f"{err:.2e} (allowed {tol:.1e})")
+    assert not failed, f"{len(failed)} failures:\n" + "\n".join(failed[:5])
 
 
 # ------------------------------------------------------------------------------------------

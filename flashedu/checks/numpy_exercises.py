@@ -441,14 +441,28 @@ def _backward_case(label, hint, Q, K, V, q, k, v, Br, Bc, causal, scale, dtype, 
         # backward that takes D from P dP can miss by over the float64 floor (5% of seeds did)
         naive = _backward_in_dtype(q, k, v, o, do, l, causal, scale)
         other = _backward_in_dtype(q, k, v, o, do, l, causal, scale, delta="P dP")
-        return (o, l, do), reference.naive_attention_backward(Q, K, V, dO, causal=causal,
-                                                              scale=scale), naive, other
+        grads = reference.naive_attention_backward(Q, K, V, dO, causal=causal, scale=scale)
+        return (o, l, do), grads, naive, other, _backward_rounding(q, k, v, o, do, l, causal,
+                                                                   scale, grads)
 
-    given, (dQ, dK, dV), naive, other = _memo(("backward", label), compute)
+    given, (dQ, dK, dV), naive, other, rounding = _memo(("backward", label), compute)
     o, l, do = (a.copy() for a in given)  # the learner's own, writable copies
     return Case(label, hint, (q, k, v, o, do, l, Br, Bc, causal, scale), ("dQ", "dK", "dV"),
                 (dQ, dK, dV), naive, inputs=("Q", "K", "V", "O", "dO", "L"), dtype=dtype,
-                variants=(other,), **extra)
+                variants=(other,), rounding=tuple(float(r) for r in rounding), **extra)
+
+
+def _backward_rounding(q, k, v, o, do, l, causal, scale, grads):
+    """(dQ, dK, dV)'s allowances from rounding on this draw (flashedu.tolerance). The learner
+    computes D_i, by either formula: a tiled rowsum(P_ij * dP_ij) can miss by several times
+    the untiled one where dP_ij - D_i cancels, so the two candidates alone do not bound it."""
+    from .. import tolerance
+
+    bounds = tolerance.attention_backward_rounding(
+        q, k, v, do, l, (do * o).sum(axis=1), causal=causal, scale=scale,
+        dtype=tolerance.dtype_name(q.dtype), delta_from_p=True)
+    return tuple(tolerance.ROUNDING_FACTOR * tolerance.normalized(b, r)
+                 for b, r in zip(bounds, grads))
 
 
 def _backward_in_dtype(Q, K, V, O, dO, L, causal, scale, delta="dO O"):

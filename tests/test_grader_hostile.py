@@ -545,6 +545,31 @@ def test_the_grade_comes_from_the_graders_process(tmp_path):
     assert not rows["b"]["passed"] and rows["b"]["points"] == 0, rows["b"]
 
 
+def test_a_gpu_kernel_runs_in_a_process_of_the_graders(tmp_path):
+    """Only a kernel's description leaves the notebook: a wrong kernel whose notebook swaps in
+    a correct one where the kernel's process calls it (or turns off the watcher of its loads)
+    is graded on what it defines, in the grader's own process."""
+    symbol = EXERCISES[TFWD].symbol
+    nb = nbformat.read(ROOT / "solutions" / "06_triton_kernel.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if f"def {symbol}(" in c.source)
+    good = cell.source.replace(f"def {symbol}(", "def _good(")
+    cell.source = cell.source.replace("cols[None, :] <= rows[:, None]", "cols[None, :] < rows[:, None]")
+    nb.cells += [nbformat.v4.new_code_cell(source) for source in (
+        good,
+        "import contextlib\n"
+        "import flashedu.checks.engine as _e, flashedu.checks.kernels as _k\n"
+        "_real = _e.execute_case\n"
+        "_e.execute_case = lambda ex, fn, case: _real(ex, _good, case)\n"
+        "_k._watch_loads = lambda tensors: contextlib.nullcontext({})\n")]
+    (tmp_path / "swap").mkdir()
+    nbformat.write(nb, tmp_path / "swap" / "06_triton_kernel.ipynb")
+    run, _ = _flashedu_check(tmp_path / "swap" / "06_triton_kernel.ipynb", "--json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(run.stdout)
+    assert row["points"] == 0 and not row["passed"], row
+    assert "causal" in row["message"], row["message"]
+
+
 # ------------------------------------------------------------------------------------------
 # The compile gate: a Triton kernel must compile for a GPU (sm_90), not only interpret
 # ------------------------------------------------------------------------------------------

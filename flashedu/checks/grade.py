@@ -12,7 +12,9 @@ learner a result). Then the grader, in the supervisor, checks each exercise that
 fresh inputs, asks the kernel to call the learner's function on them, one case at a time (see
 :mod:`.worker`), and compares what comes back with its own float64 reference. Expected answers,
 tolerances and the comparison never enter the learner's kernel; the score comes from the
-supervisor, never from the notebook's output.
+supervisor, never from the notebook's output. A GPU kernel's cases do not run in the notebook's
+kernel at all: it sends only the kernel's description, which a process of the grader's checks,
+loads and runs (:mod:`.runner`).
 
 Time: each cell has ``--timeout`` seconds and each notebook ``--budget`` seconds in all; a cell
 that runs past either (one that swallows KeyboardInterrupt included) has its kernel killed, and
@@ -25,6 +27,7 @@ missing or unreadable file, a kernel that died or ran out of time); 2 for a usag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import secrets
@@ -39,6 +42,7 @@ import nbformat
 
 from . import EXERCISES
 from .engine import grade_cases, new_seed, run_seed, set_seed
+from .gate import compile_spec
 from .memory import Watch
 from .result import CheckResult
 from .sandbox import Call, RemoteError
@@ -203,7 +207,7 @@ def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = N
             kernel.run("for _flashedu_cbs in get_ipython().events.callbacks.values():\n"
                        "    _flashedu_cbs.clear()\n", timeout=30)
             for name in names:
-                results[name] = _grade_remote(EXERCISES[name], kernel, folder, seed)
+                results[name] = _grade_remote(EXERCISES[name], kernel, folder, seed, jail)
     except TimeoutError as exc:
         problem = (f"{exc}: the kernel was stopped ({timeout:g} s a cell, {budget:g} s a "
                    "notebook; an endless loop, or a cell that ignores interrupts?)")
@@ -225,9 +229,11 @@ def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = N
     return rows, problem is None
 
 
-def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None) -> CheckResult:
-    """Grade exercise ``ex``: the learner's calls in the kernel, everything else here."""
-    from . import engine, worker
+def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None, jail=None) -> CheckResult:
+    """Grade exercise ``ex``: the learner's calls in the kernel, everything else here. A GPU
+    kernel's cases run in a process of the grader's instead (:mod:`.runner`): only the kernel's
+    description comes from the notebook."""
+    from . import worker
     from .engine import _result
 
     counter = iter(range(10**9))
@@ -258,28 +264,42 @@ def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None) -> CheckR
     if early:
         return _result(ex, False, str(early[0]), str(early[1]), [])
 
+    if ex.gate is not None:
+        spec = ask({"what": "gate", "exercise": ex.name}, 120)
+        spec = spec.get("gate") if isinstance(spec, dict) else None
+        with _kernel_runner(ex, spec, folder, jail) as runner:
+            if isinstance(runner, str):
+                return _result(ex, False, "failed", runner, [])
+            return _grade_cases(ex, runner.ask, lambda: compile_spec(spec))
+
+    def gate():
+        """The kernel sends its source; this process compiles it (a patched gate in the
+        learner's kernel changes nothing)."""
+        answer = ask({"what": "gate", "exercise": ex.name}, 120)
+        if not isinstance(answer, dict):
+            return "the grader got no answer from the notebook's kernel about compiling it"
+        return compile_spec(answer.get("gate"))
+
+    return _grade_cases(ex, ask, gate if ex.gate else None)
+
+
+def _grade_cases(ex, ask, gate) -> CheckResult:
+    """The cases of ``ex``, each call made through ``ask`` (the notebook's worker, or the
+    grader's own process for a GPU kernel), compared here."""
+    from . import engine, worker
+
     def execute(case) -> Call:
         watch = Watch() if case.memory_budget is not None else None
         answer = ask(worker.request_payload(ex, case), ex.timeout + 60)
         if not isinstance(answer, dict):
             call = Call(error=RemoteError("Error", "the grader got no answer for this case "
-                                          "from the notebook's kernel"))
+                                          "(the call did not end, or its process died)"))
             call.inputs_after = None
             return call
         call = worker.payload_to_call(answer)
         if watch is not None:  # the kernel's own figure could be made up: measured here
             call.rss_bytes = watch.growth()
         return call
-
-    def gate():
-        """The kernel sends its source; this process compiles it (a patched gate in the
-        learner's kernel changes nothing)."""
-        from .gate import compile_spec
-
-        answer = ask({"what": "gate", "exercise": ex.name}, 120)
-        if not isinstance(answer, dict):
-            return "the grader got no answer from the notebook's kernel about compiling it"
-        return compile_spec(answer.get("gate"))
 
     def hint(case):
         payload = dict(worker.request_payload(ex, case), what="hint")
@@ -288,9 +308,38 @@ def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None) -> CheckR
         return text[:800] if isinstance(text, str) else None
 
     seed_used = run_seed()
-    result = grade_cases(ex, execute, gate if ex.gate else None, hint if ex.hint else None)
+    result = grade_cases(ex, execute, gate, hint if ex.hint else None)
     assert run_seed() == seed_used
     return result
+
+
+@contextlib.contextmanager
+def _kernel_runner(ex, spec, folder: Path, jail):
+    """A started :class:`.runner.Runner` for the kernel ``spec`` describes, in a jail of its
+    own beside the notebook's; or, when it cannot start, why (the gate's words)."""
+    from .runner import Runner
+
+    if not isinstance(spec, dict):  # the kernel side's own problem text, or nothing
+        yield str(compile_spec(spec))
+        return
+    if jail is not None:
+        from .jail import Jail
+
+        base = jail.home.parent
+        (base / "runner-home").mkdir(exist_ok=True)
+        own = Jail(home=base / "runner-home", exchange=base / f"runner-{ex.name}",
+                   hide=[*jail.hide, jail.home, jail.exchange], cpu_seconds=jail.cpu_seconds,
+                   memory_bytes=jail.memory_bytes)
+        own.exchange.mkdir()
+        where = own.exchange
+    else:
+        own, where = None, Path(tempfile.mkdtemp(prefix="flashedu-runner-", dir=folder))
+    runner = Runner(ex, spec, where, own)
+    problem = runner.start()
+    try:
+        yield problem if problem else runner
+    finally:
+        runner.close()
 
 
 def table(rows: list[dict]) -> str:

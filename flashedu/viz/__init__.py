@@ -5,6 +5,7 @@
     SRAMOccupancy()        # what one thread block holds in shared memory, against a real GPU
     BlockMaskEditor()      # click tiles of a block-sparse mask; model, check and time it
     compare_trace(my_flash_forward, Q, K, V, 16, 16)   # your kernel beside the reference
+    trace_kernel(my_kernel, (Tr,), Q, K, V, ...)      # your GPU kernel's loads and stores
 
 One notebook, one state: ``TileLoopStepper(state=editor.state)`` and
 ``SRAMOccupancy(state=editor.state)`` follow a mask editor (:mod:`flashedu.viz.state`).
@@ -29,6 +30,8 @@ _WIDGETS = {
     "CompareView": "compare_view",
     "compare_trace": "learner_trace",  # pure: no ipywidgets until the result is displayed
     "SharedMask": "state",
+    "trace_kernel": "kernel_trace",  # pure: no ipywidgets until the trace is displayed
+    "KernelTraceView": "kernel_view",
 }
 
 __all__ = list(_WIDGETS)

@@ -314,7 +314,8 @@ def test_lanes_between_the_rows_of_a_strided_tensor():
     load = trace.accesses(0)[0]
     assert (load.elements, load.out_of_bounds) == (block([0, 1], range(4)), 8)
     assert load.outside == block([0, 1], range(4, 8))
-    assert "8 elements between the rows of src (columns 4 and up)" in trace.describe(load)
+    assert "8 elements between the rows of src (columns 4..7; src has 4)" in \
+        trace.describe(load)
     last = trace.accesses(2)[0]  # row 4 real, row 5 masked off
     assert (len(last.elements), last.masked_off, last.out_of_bounds) == (4, 8, 4)
 

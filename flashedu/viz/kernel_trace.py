@@ -212,15 +212,20 @@ class KernelTrace:
             groups[key].append((r, c))
         if len(access.outside) < n:  # where they point is unknown (an unusual layout)
             return f"{_count(n)} outside {name}"
+        # numba indexes by (row, column): a column out of range; Triton addresses memory: a
+        # lane in a strided tensor's gap between two rows
+        beside = "outside the columns" if self.backend == "numba" else "between the rows"
         words = {"before": f"before the first {unit} of {name}",
                  "past": (f"past the last row of {name}" if unit == "row"
                           else f"past the end of {name}"),
-                 "between": f"between the rows of {name} (columns {cols} and up)"}
+                 "between": f"{beside} of {name}"}
         texts = []
         for key, lanes in groups.items():
+            if key == "between" and lanes:
+                at = f" (columns {_ranges({c for _, c in lanes})}; {name} has {cols})"
+            else:
+                at = f" ({unit}s {_ranges({r for r, _ in lanes})} if {name} went on)"
             if lanes:
-                at = _ranges({r for r, _ in lanes}) if key != "between" else ""
-                at = f" ({unit}s {at} if {name} went on)" if at else ""
                 texts.append(f"{_count(len(lanes))} {words[key]}{at}")
         into = (f"; these addresses lie inside {', '.join(access.into)}, which this access "
                 "did not address" if access.into else "")
@@ -372,8 +377,8 @@ class _TritonRecorder:
 
     def _owner(self, addr: np.ndarray):
         """The tensor an access addresses: the one holding its lowest address (a tile that
-        runs past the last row starts inside its tensor); else the nearest one that lowest
-        address is past the end of, or just before."""
+        runs past the last row starts inside its tensor, whatever lies after it); else the
+        nearest one that lowest address is past the end of, or just before."""
         low = int(addr.min())
         best = None
         for name, base, layout in self.regions:
@@ -390,7 +395,9 @@ class _TritonRecorder:
         on = (np.ones(addr.shape, dtype=bool) if mask is None
               else np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape))
         flat_addr, flat_on = addr.ravel(), on.ravel()
-        name, base, layout = self._owner(flat_addr) if flat_addr.size else (None, 0, None)
+        # the lanes that take part say where the access goes; all of them when none does
+        lanes = flat_addr[flat_on] if flat_on.any() else flat_addr
+        name, base, layout = self._owner(lanes) if lanes.size else (None, 0, None)
         line, source = self._line()
         program = tuple(int(i) for i in builder.grid_idx)
         if layout is None:
@@ -575,7 +582,7 @@ class _NumbaRecorder:
         earliest point of a thread's own sequence where the group began (each thread's
         sequence is the same from run to run, their interleaving is not)."""
         groups: dict = {}
-        for ev in self.events:
+        for ev in list(self.events):  # threads of a block that raised may still be running
             block, tid, epoch, seq, kind, name, line, pos, oob = ev
             groups.setdefault((block, epoch, line, kind, name), []).append(ev)
         out: dict = {}
@@ -595,8 +602,8 @@ class _NumbaRecorder:
 
 def _raw_position(idx: tuple, layout: _Layout) -> tuple[int, int]:
     """(row, column) of an index tuple of the whole array, out of range or not."""
-    if len(idx) == 1:
-        return idx[0], 0
+    if len(idx) < 2:
+        return (idx[0] if idx else 0), 0
     row = sum(i * math.prod(layout.shape[k + 1:-1]) for k, i in enumerate(idx[:-1]))
     return row, idx[-1]
 

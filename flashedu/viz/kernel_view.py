@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 
 import ipywidgets as W
 import numpy as np
@@ -33,7 +34,7 @@ STATE_NAMES = {UNTOUCHED: "untouched", EARLIER: "earlier", MASKED: "masked", CUR
                OUT: "oob"}
 FILL = {UNTOUCHED: BG, EARLIER: COLORS["done"], MASKED: COLORS["skipped"],
         CURRENT: COLORS["sram"], OUT: COLORS["over"]}
-LEGEND_TEXT = ((CURRENT, "this access"), (EARLIER, "earlier in this program"),
+LEGEND_TEXT = ((CURRENT, "this access"), (EARLIER, "earlier in this {unit}"),
                (MASKED, "masked off"), (OUT, "out of bounds"))
 MAX_CELLS = 40  # squares a grid draws along each axis; more elements share a square
 MAX_PAST, MAX_BEFORE, MAX_GAP = 16, 4, 8  # rows past the end, before the start, columns between
@@ -49,16 +50,12 @@ class KernelTraceView:
 
     def __init__(self, trace: KernelTrace, program=None):
         self.trace = t = trace
+        self.unit = "program" if t.backend == "triton" else "block"
         self.shown = [n for n in t.tensors if any(a.tensor == n for a in t.all_accesses())]
-        if program is None:
-            program = next((a.program for a in t.out_of_bounds()),
-                           next((p for p in t.programs if t.accesses(p)), t.programs[0]
-                                if t.programs else (0, 0, 0)))
         options = [(f"{t.program_name(p)} ({len(t.accesses(p))} accesses)", p)
                    for p in t.programs] or [("no programs", (0, 0, 0))]
-        self.picker = W.Dropdown(options=options, value=t.program_id(program) if t.programs
-                                 else (0, 0, 0), description="program" if t.backend == "triton"
-                                 else "block", layout=W.Layout(width="260px"))
+        self.picker = W.Dropdown(options=options, value=self._start(program),
+                                 description=self.unit, layout=W.Layout(width="260px"))
         self.slider = W.IntSlider(1, min=1, max=1, description="access",
                                   layout=W.Layout(flex="1 1 240px", min_width="200px",
                                                   max_width="420px"))
@@ -72,14 +69,12 @@ class KernelTraceView:
         self.notes_html = W.HTML()
         self.widget = W.VBox([
             W.HTML(static.HIDE_WHEN_LIVE + f"<b>Inside {html.escape(t.kernel_name)}</b>: its "
-                   f"loads and stores, {'program' if t.backend == 'triton' else 'block'} by "
-                   f"{'program' if t.backend == 'triton' else 'block'} (grid "
-                   f"{t.grid_text()})"),
+                   f"loads and stores, {self.unit} by {self.unit} (grid {t.grid_text()})"),
             self.headline,
             W.HBox([self.picker, self.back_button, self.step_button, self.slider],
                    layout=W.Layout(flex_flow="row wrap", align_items="center",
                                    max_width="100%")),
-            self.status_html, self.grids, W.HTML(_legend_html()), self.notes_html,
+            self.status_html, self.grids, W.HTML(_legend_html(self.unit)), self.notes_html,
         ], layout=W.Layout(max_width="100%", overflow="hidden"))
         self.widget.add_class("flashedu-kernel-trace")
         self.widget.add_class("flashedu-live")
@@ -87,6 +82,18 @@ class KernelTraceView:
         self.picker.observe(lambda _: self._new_program(), names="value")
         self.slider.observe(lambda _: None if self._holding else self._show(), names="value")
         self._new_program()
+
+    def _start(self, program) -> tuple[int, int, int]:
+        """The program to open at: ``program``, else the first that goes out of bounds, else
+        the first that loads or stores anything."""
+        t = self.trace
+        if not t.programs:
+            return (0, 0, 0)
+        if program is not None:
+            return t.program_id(program)
+        bad = t.out_of_bounds()
+        return bad[0].program if bad else next((p for p in t.programs if t.accesses(p)),
+                                               t.programs[0])
 
     # ----- state -------------------------------------------------------------------------------
     @property
@@ -115,13 +122,9 @@ class KernelTraceView:
     def _new_program(self) -> None:
         n = max(len(self.accesses), 1)
         self._extent = {name: _extent(self.trace, name, self.accesses) for name in self.shown}
-        # value first, so that a smaller max never clips it into a redraw of its own
+        # the value first: then the new max never clips it into a redraw of its own
         set_quietly(self, [(self.slider, 1)])
-        self._holding = True
-        try:
-            self.slider.max = n
-        finally:
-            self._holding = False
+        self.slider.max = n
         self.slider.disabled = self.step_button.disabled = self.back_button.disabled = n == 1
         self._show()
 
@@ -132,8 +135,13 @@ class KernelTraceView:
             self.cells[name] = self._cells(name)
         a = self.access
         k, n = self.position, len(self.accesses)
-        self.status = (f"access {k} of {n}: {self.trace.describe(a)}" if a is not None
-                       else f"{self.trace.program_name(self.program)} made no loads or stores")
+        if a is not None:
+            self.status = f"access {k} of {n}: {self.trace.describe(a)}"
+        elif self.trace.programs:
+            self.status = f"{self.trace.program_name(self.program)} made no loads or stores"
+        else:
+            self.status = "the grid has no programs"
+
         color = ERROR if a is not None and a.out_of_bounds else FG
         self.status_html.value = (f"<div class='fe-kernel-status' style='color:{color}'>"
                                   f"{html.escape(self.status)}</div>")
@@ -187,8 +195,8 @@ class KernelTraceView:
                 f"{html.escape(t.headline)}</div>")
 
     def static_png(self) -> bytes:
-        return static.stack_png([_legend_drawing()] + self.drawings(),
-                                f"{self.trace.program_name(self.program)}, {self.status}"[:160])
+        return static.stack_png([_legend_drawing(self.unit)] + self.drawings(),
+                                textwrap.shorten(self.status, 160, placeholder=" ..."))
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
@@ -285,22 +293,23 @@ def _grid(trace: KernelTrace, name: str, cells: np.ndarray, top: int, u: float) 
     return d
 
 
-def _legend_html() -> str:
+def _legend_html(unit: str) -> str:
     def swatch(state):
         return (f"<span style='display:inline-block;width:12px;height:12px;"
                 f"background:{FILL[state]};border:1px solid {BORDER};vertical-align:middle'>"
                 "</span>")
 
     return ("<div class='fe-legend' style='font-size:12px'>"
-            + " ".join(f"<span style='white-space:nowrap'>{swatch(s)} {text}</span> &nbsp;"
-                       for s, text in LEGEND_TEXT)
+            + " ".join(f"<span style='white-space:nowrap'>{swatch(s)} "
+                       f"{text.format(unit=unit)}</span> &nbsp;" for s, text in LEGEND_TEXT)
             + " &nbsp; dashed: where lanes point beyond the tensor</div>")
 
 
-def _legend_drawing() -> Drawing:
+def _legend_drawing(unit: str) -> Drawing:
     d = Drawing(560, 22)
     x = 4.0
     for state, text in LEGEND_TEXT:
+        text = text.format(unit=unit)
         d.rect(x, 5, 12, 12, FILL[state], BORDER)
         d.text(x + 16, 11, text, FG, size=11, anchor="start")
         x += 26 + 6.5 * len(text)

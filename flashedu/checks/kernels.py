@@ -638,7 +638,9 @@ def _loads_problem(call) -> str | None:
         return (f"the answer is right, but your kernel loaded {reads['oob_loads']} values from "
                 "outside its tensors (past the last row, or between the rows of a strided "
                 "tensor) and then threw them away. On a GPU such a load can fault or read "
-                "another tensor: mask every load (mask=rows < Nq, cols < Nk, other=0.0).")
+                "another tensor: mask every load (mask=rows < Nq, cols < Nk, other=0.0). "
+                "flashedu.viz.trace_kernel(kernel, grid, *args) shows each load of each "
+                "program, its out-of-bounds lanes in red.")
     return None
 
 

@@ -21,7 +21,7 @@ import pytest
 from flashedu import runtime
 from flashedu.checks import EXERCISES, check
 from flashedu.checks.result import NOT_IMPLEMENTED
-from test_checks import ROOT, assert_rejected, load, solution_source
+from test_checks import ROOT, assert_rejected, load
 
 DKDV, DQ = "triton_backward_dkdv_kernel", "triton_backward_dq_kernel"
 SEED = 20250611  # the correct variants run on one fixed draw; every draw: see below
@@ -431,10 +431,35 @@ CORRECT = [
 ]
 
 
+@pytest.fixture(scope="module")
+def graded_variants(tmp_path_factory):
+    """{variant: (result of every case, gate verdict or None)}: the cases as ``check`` runs
+    them on one fixed draw, and the compile gate of every kernel variant in one process of
+    each kind (as ``check`` would compile each, one at a time)."""
+    from flashedu.checks import engine, gate
+
+    tmp = tmp_path_factory.mktemp("variants")
+    out, specs, keys = {}, [], []
+    for name, variant, replace in CORRECT:
+        ex, fn = EXERCISES[name], load(name, replace, tmp)
+        engine.set_seed(SEED)
+        out[variant] = [engine.grade_cases(ex, lambda case: engine.execute_case(ex, fn, case)), None]
+        if ex.gate is not None:
+            specs.append(ex.gate.source(fn))
+            keys.append(variant)
+    for key, verdict in zip(keys, gate.compile_specs(specs)):
+        out[key][1] = verdict
+    return out
+
+
 @pytest.mark.parametrize("name, variant, replace", CORRECT, ids=[f"{c[0]}: {c[1]}" for c in CORRECT])
-def test_correct_variant_passes(name, variant, replace, tmp_path):
-    result = check(name, load(name, replace, tmp_path), seed=SEED)
+def test_correct_variant_passes(name, variant, replace, graded_variants):
+    from flashedu.checks import engine
+
+    result, verdict = graded_variants[variant]
     assert result.passed, str(result)
+    if EXERCISES[name].gate is not None:
+        assert isinstance(verdict, engine.Remark), verdict
 
 
 def test_tiled_delta_from_p_passes_every_draw(tmp_path, monkeypatch):

@@ -201,6 +201,20 @@ def test_a_host_tensor_descriptor_is_traced_as_its_tensor():
         ("src_desc", block(range(16, 20), range(16)), 192)
 
 
+@needs_triton
+def test_one_row_or_one_column_is_named_in_the_singular():
+    src, dst = torch.arange(20.0).reshape(5, 4), torch.zeros(5, 4)
+    trace = trace_kernel(copy_rows, 3, src, dst, 5, 4, 4, 1, ROWS=2, COLS=4)
+    last = trace.accesses(2)[0]  # row 4 real, row 5 masked off
+    assert trace.describe(last).startswith("program 2 loaded 4 elements of src (row 4, columns "
+                                           "0..3); 4 lanes masked off")
+    src1, dst1 = src[:, :1], torch.zeros(5, 1)  # one column, rows 4 apart
+    trace = trace_kernel(copy_rows, 1, src1, dst1, 5, 4, 1, 1, ROWS=8, COLS=1)
+    assert torch.equal(dst1, src1)
+    assert trace.describe(trace.accesses(0)[0]).startswith(
+        "program 0 loaded 5 elements of src (rows 0..4, column 0); 3 lanes masked off")
+
+
 # ------------------------------------------------------------------------------------------
 # (c) the course's Triton forward kernel
 # ------------------------------------------------------------------------------------------

@@ -278,7 +278,8 @@ def _where_text(elements, shape) -> str:
     rows, cols = set(rc[:, 0].tolist()), set(rc[:, 1].tolist())
     if len(shape) < 2:
         return f" (element{'s' if len(rows) > 1 else ''} {_ranges(rows)})"
-    return f" (rows {_ranges(rows)}, columns {_ranges(cols)})"
+    return (f" (row{'s' if len(rows) > 1 else ''} {_ranges(rows)}, "
+            f"column{'s' if len(cols) > 1 else ''} {_ranges(cols)})")
 
 
 # ----------------------------------------------------------------------------------------

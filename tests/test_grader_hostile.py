@@ -708,6 +708,8 @@ def test_what_the_gate_runs_is_checked_before_it_runs(tmp_path):
          "getattr"),
         (variant(old="CAUSAL: tl.constexpr)", new="CAUSAL: tl.constexpr = NOT_DEFINED)"),
          "does not load"),
+        (variant(old="    end = Nk\n", new="    end = Nk\n    eval(\"print('x')\")\n"), "`eval`"),
+        (variant(old="    end = Nk\n", new="    end = Nk\n    f = open('/tmp/x', 'w')\n"), "`open`"),
     ]
     verdicts = gate.compile_specs([c[0] for c in cases])
     for (_, words), verdict in zip(cases, verdicts):

@@ -291,6 +291,14 @@ def decorator(node, fname):
     return keywords
 
 
+# Python's ways to run or reach code beyond the kernel. No GPU compiler takes them, but Triton's
+# interpreter and numba's simulator (where the grader runs a kernel's cases, .runner) would run
+# them before the gate ever compiles the kernel.
+ESCAPES = {"eval", "exec", "compile", "open", "globals", "locals", "vars", "setattr", "delattr",
+           "breakpoint", "input", "help", "exit", "quit", "memoryview", "type", "object",
+           "super", "classmethod", "staticmethod", "property"}
+
+
 def function(name, source, env, root):
     tree = ast.parse(source)
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef) or \
@@ -313,6 +321,9 @@ def function(name, source, env, root):
     for node in ast.walk(body):
         if isinstance(node, ast.Name) and node.id.startswith("__"):
             raise Refused(f"{name} names `{node.id}`")
+        if isinstance(node, ast.Name) and node.id in ESCAPES:
+            raise Refused(f"{name} names `{node.id}`, Python's way to run or reach other "
+                          "code: no GPU kernel can call it")
         if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
             raise Refused(f"{name} reads `{ast.unparse(node)}`")
         if KIND == "triton" and isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \

@@ -270,17 +270,10 @@ def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None, jail=None
         with _kernel_runner(ex, spec, folder, jail) as runner:
             if isinstance(runner, str):
                 return _result(ex, False, "failed", runner, [])
+            # the gate compiles the description the cases ran, here (a patched gate in the
+            # learner's kernel changes nothing)
             return _grade_cases(ex, runner.ask, lambda: compile_spec(spec))
-
-    def gate():
-        """The kernel sends its source; this process compiles it (a patched gate in the
-        learner's kernel changes nothing)."""
-        answer = ask({"what": "gate", "exercise": ex.name}, 120)
-        if not isinstance(answer, dict):
-            return "the grader got no answer from the notebook's kernel about compiling it"
-        return compile_spec(answer.get("gate"))
-
-    return _grade_cases(ex, ask, gate if ex.gate else None)
+    return _grade_cases(ex, ask, None)
 
 
 def _grade_cases(ex, ask, gate) -> CheckResult:

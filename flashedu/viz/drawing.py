@@ -76,17 +76,19 @@ class Drawing:
     # ----- PNG ---------------------------------------------------------------------------
     def draw_into(self, ax) -> None:
         """Draw on a matplotlib Axes whose data coordinates are this drawing's pixels."""
+        from matplotlib.collections import PatchCollection
         from matplotlib.patches import Rectangle
 
         ax.set_xlim(0, self.width)
         ax.set_ylim(self.height, 0)
         ax.set_axis_off()
         k = 0.75  # px -> pt at 96 dpi, for line widths and font sizes
+        rects = []  # one collection: a grid has thousands of squares, each a patch is slow
         for s in self.shapes:
             kind = s[0]
             if kind == "rect":
                 _, x, y, w, h, fill, stroke, sw, dash, _, _ = s
-                ax.add_patch(Rectangle((x, y), w, h, facecolor=_plain(fill),
+                rects.append(Rectangle((x, y), w, h, facecolor=_plain(fill),
                                        edgecolor=_plain(stroke), lw=sw * k,
                                        ls="--" if dash else "-"))
             elif kind == "line":
@@ -103,6 +105,8 @@ class Drawing:
                 ax.text(x, y, text, color=_plain(color), fontsize=size * k,
                         ha={"middle": "center", "end": "right"}.get(anchor, "left"),
                         va="center", fontweight="bold" if bold else "normal")
+        # rectangles lie under lines and text, in the order drawn, as separate patches did
+        ax.add_collection(PatchCollection(rects, match_original=True, zorder=1))
 
     def png(self, scale: float = 1.0) -> bytes:
         fig = new_figure(self.width / 90 * scale, self.height / 90 * scale)

@@ -176,13 +176,13 @@ def test_stepper_steps_and_has_a_cursor(page):
     page, shots, *_ = page
     stepper = page.locator(".flashedu-stepper").first
     status, read = stepper.locator(".fe-status"), stepper.locator(".fe-read")
-    expect(status).to_contain_text("step 1 of 16")
-    expect(stepper.locator("svg.fe-tiles rect.sram").first).to_be_visible()
+    expect(status).to_contain_text("step 0 of 16")  # the start: nothing loaded yet
     cursor = stepper.locator("line.fe-cursor").first
     x_before, read_before = cursor.get_attribute("x1"), read.inner_text()
     start = time.perf_counter()
     stepper.get_by_role("button", name="step ▶").click()
-    expect(status).to_contain_text("step 2 of 16")
+    expect(status).to_contain_text("step 1 of 16")
+    expect(stepper.locator("svg.fe-tiles rect.sram").first).to_be_visible()
     print(f"\nclick -> redrawn stepper: {time.perf_counter() - start:.2f} s")
     expect(read).not_to_have_text(read_before)
     expect(cursor).not_to_have_attribute("x1", x_before)  # the charts' cursor moved with it
@@ -214,7 +214,7 @@ def test_stepper_invalid_setting_shows_no_old_run(page):
     expect(stepper.locator(".fe-status")).to_have_count(0)
     selects.nth(1).select_option("16")
     selects.nth(2).select_option("16")
-    expect(stepper.locator(".fe-status")).to_contain_text("step 1 of 49")
+    expect(stepper.locator(".fe-status")).to_contain_text("step 0 of 49")
     expect(stepper.locator(".fe-run-info")).to_contain_text("Nq = 100, Nk = 100")
     expect(step).to_be_enabled()
 

@@ -31,17 +31,19 @@ def stepper():
 def test_stepper_steps_and_counters_grow(stepper):
     stepper.configure(Nq=48, Nk=40, d=8, Br=16, Bc=8, order="kv_outer", causal=False, mask="none")
     assert stepper.position == 0 and stepper.done == 3 * 5
+    assert stepper.current is None and stepper.bytes_read == 0  # the start: nothing loaded yet
+    stepper.step()
     first = stepper.current
     assert (first.i, first.j) == (0, 0) and first.computed
     assert {"Q", "K", "V", "O", "S_ij"} <= set(stepper.sram_live)
     read0 = stepper.bytes_read
     stepper.step()
-    assert stepper.position == 1 and stepper.bytes_read > read0
+    assert stepper.position == 2 and stepper.bytes_read > read0
     assert (stepper.current.i, stepper.current.j) == (1, 0)  # K/V outer: i moves fastest
     stepper.back()
-    assert stepper.position == 0 and stepper.bytes_read == read0
-    stepper.play.value = 4  # the Play widget drives the slider
-    assert stepper.position == 4
+    assert stepper.position == 1 and stepper.bytes_read == read0
+    stepper.play.value = 5  # the Play widget drives the slider
+    assert stepper.position == 5
     assert "step 5 of 15" in stepper.status.value
     assert f"{stepper.bytes_read:,} B" in stepper.counters.value
     assert stepper.tiles.value.count("class='tile sram'") >= 4  # Q, K, V, O tiles + S_ij
@@ -97,7 +99,7 @@ def test_stepper_invalid_setting_turns_stepping_off_and_shows_no_old_run():
     assert s.position == 0 and s.current is None and "too many" in s.status.value
     s.configure(Br=16, Bc=16)  # valid again: the new run, from its start
     assert s.valid and not s.step_button.disabled and s.done == 49
-    assert "Nq = 100" in s.run_info.value and "step 1 of 49" in s.status.value
+    assert "Nq = 100" in s.run_info.value and "step 0 of 49" in s.status.value
 
 
 def test_stepper_charts_have_a_cursor_at_the_position():
@@ -815,3 +817,104 @@ def test_compare_trace_leaves_no_library_warning_in_the_learners_output():
     assert not library, [f"{w.filename}:{w.lineno}: {w.message}" for w in library]
     cast = [w for w in caught if "encountered in cast" in str(w.message)]
     assert cast and all(w.filename == __file__ for w in cast)  # shown at the learner's line
+
+
+# ----- linked widgets: one honest state ------------------------------------------------------
+
+
+def test_editor_slider_leaves_the_learners_causal_choice():
+    e = BlockMaskEditor(tiles=8, preset="sliding window")
+    e.controls["causal"].value = False  # the learner unticks it
+    e.controls["window"].value = 3
+    assert not e.controls["causal"].value and not e.block_mask.is_causal
+    e.controls["tiles"].value = 6
+    e.controls["preset"].value = "strided"
+    assert not e.controls["causal"].value and "your choice" in e.info.value
+
+
+def test_editor_stale_note_follows_the_density():
+    e = BlockMaskEditor(tiles=4, preset="causal")
+    e.run()
+    e.toggle(3, 0)
+    e.toggle(2, 0)
+    assert e.results_stale and f"now {e.density:.3f})" in e.run_output.value
+
+
+def test_stepper_saved_picture_follows_the_view():
+    class Handle:
+        def update(self, bundle, raw):
+            self.caption = bundle["text/plain"]
+
+    s = TileLoopStepper(Nq=32, Nk=32, Br=8, Bc=8)
+    s._static_handle = Handle()
+    s.position = s.done
+    assert f"step {s.done} of {s.done}" in s._static_handle.caption
+    s.back()
+    assert f"step {s.done - 1} of {s.done}" in s._static_handle.caption
+
+
+def test_linked_stepper_shows_the_mask_and_no_tile_at_position_0():
+    e = BlockMaskEditor(tiles=4, block=16, preset="sliding window")
+    s = TileLoopStepper(state=e.state)
+    s.position = 0
+    svg = s.tiles.value
+    n_skipped = int((~e.block_mask.blocks[0, 0]).sum())
+    assert n_skipped > 0 and svg.count("class='tile skipped'") == n_skipped
+    assert "current" not in svg and "class='tile sram'" not in svg and s.current is None
+
+
+def test_sram_capacity_line_has_its_own_colour_on_top_of_the_bars():
+    from matplotlib.colors import same_color
+
+    from flashedu.viz import sram
+
+    w = SRAMOccupancy(gpu="T4", Br=256, Bc=256, d=128)  # over capacity: the line inside a bar
+    ax = sram.bar_figure(w.footprint, w.capacity_bytes, "t").axes[0]
+    (line,) = ax.lines
+    bars = ax.patches
+    assert not any(same_color(line.get_color(), b.get_facecolor()) for b in bars)
+    assert line.get_zorder() > max(b.get_zorder() for b in bars)
+
+
+def test_linked_stepper_takes_long_masks_and_names_only_enabled_controls():
+    e = BlockMaskEditor(tiles=12, block=128, preset="causal")
+    s = TileLoopStepper(state=e.state)
+    assert s.valid and s.controls["Nq"].value == 1536 and s.done == 144
+    s.configure(Br=64)  # a tiling the editor's mask does not fit
+    assert not s.valid and "Br" not in s.status.value.split("needs")[1]
+    assert "block-mask editor" in s.status.value
+
+
+def test_linked_widgets_describe_one_problem():
+    e = BlockMaskEditor(tiles=4, block=64, preset="causal", d=64, gpu="H100 SXM5")
+    s = TileLoopStepper(state=e.state)
+    w = SRAMOccupancy(state=e.state)
+    v = {k: c.value for k, c in w.controls.items()}
+    assert (v["gpu"], v["d"], v["dtype"], v["N"]) == ("H100 SXM5", 64, "float16", e.model_N)
+    assert (v["Br"], v["Bc"]) == e.block_mask.block_size and s.controls["d"].value == 64
+    w.controls["gpu"].value = "A100 SXM4 40GB"  # a change in one linked view reaches the others
+    assert e.controls["gpu"].value == "A100 SXM4 40GB" and e.state.problem["gpu"] == e.controls[
+        "gpu"].value
+    assert e.prediction == predict(scaled(e.block_mask, e.model_N), 64, "A100 SXM4 40GB")
+    w.controls["d"].value = 128  # the stepper traces d <= 64: it says so
+    assert e.d == 128 and "d = 64" in s.linked_note.value and "float32" in s.linked_note.value
+    assert "A100 SXM4 40GB" in s.linked_note.value and f"N = {e.model_N}" in s.linked_note.value
+
+
+def test_stepper_slider_and_status_say_the_same_step():
+    s = TileLoopStepper(Nq=32, Nk=32, Br=16, Bc=16)
+    assert s.slider.description == "step" and "step 0 of 4" in s.status.value
+    for k in range(1, s.done + 1):
+        s.slider.value = k
+        assert f"step {k} of {s.done}:" in s.status.value
+    assert "final writes" in s.status.value
+
+
+def test_editor_counts_tiles_that_differ_from_the_preset():
+    e = BlockMaskEditor(tiles=8, preset="causal")
+    e.toggle(7, 0)
+    e.toggle(7, 0)  # toggled back: the same as the preset
+    e.toggle(0, 7)
+    assert e.clicked_count == 1 and "1 tile(s) clicked" in e.clicks_note.value
+    e.toggle(0, 7)
+    assert e.clicks_note.value == ""

@@ -10,9 +10,12 @@ Everything shown is derived from one mask, :attr:`BlockMaskEditor.block_mask`: w
 inside diagonal tiles" a kept tile that lies wholly above the diagonal is skipped by the kernel,
 so it is drawn striped (not blue), and the density, traffic and speedup all count it as skipped.
 The mask is published on :attr:`state` (a :class:`flashedu.viz.state.SharedMask`) for the
-widgets that follow it. Tiles the learner clicked stay clicked when a preset's slider moves; a
-new preset or grid size starts from the preset. A result of "check"/"measure" is marked stale
-as soon as the mask changes.
+widgets that follow it, with the settings the model uses (N, d, dtype, GPU): a linked widget
+that changes one changes it here too. Tiles the learner clicked stay clicked when a preset's
+slider moves; a new preset or grid size starts from the preset. The causal box is set by a
+preset until the learner ticks or unticks it; from then on no control changes it. A result of
+"check"/"measure" is marked stale as soon as the mask changes, and its note is redrawn at
+every change.
 """
 
 from __future__ import annotations
@@ -47,15 +50,18 @@ class BlockMaskEditor:
     """State: ``blocks`` (the (T, T) bool grid of kept tiles, as clicked), ``block_mask`` (what
     the kernel computes: kept tiles, less those above the diagonal when causal), ``density``,
     ``prediction`` (the model's dict), ``results`` (the last run's numbers) and
-    ``results_stale`` (the mask changed since), ``clicked`` ((i, j) -> value the learner set),
-    ``buttons[i][j]``, ``state`` (the shared mask)."""
+    ``results_stale`` (the mask changed since), ``clicked`` ((i, j) -> value the learner set,
+    only tiles that differ from the preset), ``causal_choice`` (None, or the learner's own
+    tick of the causal box), ``buttons[i][j]``, ``state`` (the shared mask and settings)."""
 
     def __init__(self, tiles=8, block=64, preset="causal", d=64, gpu="H100 SXM5", model_N=8192,
-                 state=None):
-        self.block, self.d, self.model_N = block, d, model_N
+                 state=None, dtype="float16"):
+        self.block, self.d, self.model_N, self.dtype = block, d, model_N, dtype
         self.results, self.results_stale, self._results_mask = None, False, None
         self.clicked: dict[tuple[int, int], bool] = {}
+        self.causal_choice: bool | None = None
         self.state = state if state is not None else SharedMask()
+        self.state.update(N=model_N, d=d, dtype=dtype, gpu=gpu)
         self._holding = False
         c = self.controls = {
             "tiles": W.Dropdown(options=[4, 6, 8, 12, 16], value=tiles, description="tiles",
@@ -101,8 +107,10 @@ class BlockMaskEditor:
         for name in KNOBS:
             c[name].observe(lambda _: None if self._holding else self.apply_preset(),
                             names="value")
-        for name in ("causal", "gpu"):
-            c[name].observe(lambda _: None if self._holding else self._update(), names="value")
+        c["causal"].observe(self._on_causal, names="value")
+        c["gpu"].observe(lambda ch: None if self._holding else self.state.update(gpu=ch.new),
+                         names="value")
+        self.state.follow_settings(self._follow_settings)
         self._rebuild()
 
     # ----- public ------------------------------------------------------------------------
@@ -148,10 +156,12 @@ class BlockMaskEditor:
         N = self.tiles * self.block
         values = {k: self.controls[k].value for k in KNOBS}
         blocks = presets.make(name, (N, N), (self.block, self.block), **values).blocks[0, 0].copy()
+        self._preset_blocks = blocks.copy()
         for (i, j), value in self.clicked.items():
             blocks[i, j] = value
         self._set_blocks(blocks)
-        set_quietly(self, [(self.controls["causal"], name in CAUSAL_PRESETS)])
+        causal = name in CAUSAL_PRESETS if self.causal_choice is None else self.causal_choice
+        set_quietly(self, [(self.controls["causal"], causal)])
         for knob, users in KNOBS.items():
             self.controls[knob].disabled = name not in users
         self._update()
@@ -213,8 +223,30 @@ class BlockMaskEditor:
 
     def _on_toggle(self, change):
         if not self._holding:
-            self.clicked[change.owner._fe_ij] = bool(change.new)
+            i, j = change.owner._fe_ij
+            if bool(change.new) == self._preset_blocks[i, j]:
+                self.clicked.pop((i, j), None)  # toggled back: no longer a change
+            else:
+                self.clicked[(i, j)] = bool(change.new)
             self._update()
+
+    def _on_causal(self, change):
+        if not self._holding:
+            self.causal_choice = bool(change.new)
+            self._update()
+
+    def _follow_settings(self, settings):
+        self.model_N, self.d, self.dtype = settings["N"], settings["d"], settings["dtype"]
+        if settings["gpu"] != self.controls["gpu"].value:
+            set_quietly(self, [(self.controls["gpu"], settings["gpu"])])
+        if hasattr(self, "prediction"):
+            self._update()
+
+    @property
+    def clicked_count(self) -> int:
+        """Tiles whose state differs from the preset's (a tile toggled back does not count)."""
+        preset = self._preset_blocks
+        return sum(value != preset[i, j] for (i, j), value in self.clicked.items())
 
     def _paint(self):
         skipped = self.causal_skipped
@@ -235,7 +267,7 @@ class BlockMaskEditor:
         self._paint()
         mask = self.block_mask
         big = block_sparse.scaled(mask, self.model_N)
-        self.prediction = block_sparse.predict(big, self.d, self.controls["gpu"].value)
+        self.prediction = block_sparse.predict(big, self.d, self.controls["gpu"].value, self.dtype)
         p = self.prediction
         n_causal = int(self.causal_skipped.sum())
         causal_note = (f"; {n_causal} kept tile(s) wholly above the diagonal skipped by causal"
@@ -244,18 +276,27 @@ class BlockMaskEditor:
             f"density <b class='fe-density'>{mask.density:.3f}</b> "
             f"({int(mask.blocks.sum())} of {mask.blocks[0, 0].size} tiles computed"
             f"{causal_note})<br>"
-            f"model, one head, N = {big.seq_lens[0]} (this pattern scaled), d = {self.d}, fp16:"
+            f"model, one head, N = {big.seq_lens[0]} (this pattern scaled: tiles of "
+            f"{big.block_size[0]} x {big.block_size[1]}), d = {self.d}, {self.dtype}:"
             f"<br>HBM traffic <span class='fe-traffic'>{kib(p['sparse_bytes'])}</span> vs "
             f"{kib(p['dense_bytes'])} dense"
             f"<br>roofline time {p['sparse_s'] * 1e6:.1f} µs vs {p['dense_s'] * 1e6:.1f} µs: "
             f"predicted speedup <b class='fe-speedup'>{p['speedup']:.2f}x</b>"
             "<br><small>(FlexAttention measured about (1.1 · density)x the dense time)</small>")
+        preset_causal = self.controls["preset"].value in CAUSAL_PRESETS
+        if self.causal_choice is not None and self.causal_choice != preset_causal:
+            self.info.value += (
+                f"<br><small class='fe-causal-choice' style='color:{FG_MUTED}'>causal "
+                f"{'on' if self.causal_choice else 'off'}: your choice (this preset has it "
+                f"{'on' if preset_causal else 'off'}); presets and sliders leave it as you set it"
+                "</small>")
+        n_clicked = self.clicked_count
         self.clicks_note.value = (
-            f"<small class='fe-clicks' style='color:{FG_MUTED}'>{len(self.clicked)} tile(s) "
-            "clicked: kept when a slider moves; a new preset or grid size clears them</small>"
-            if self.clicked else "")
-        if self._results_mask is not None and not self.results_stale and mask != self._results_mask:
-            self.results_stale = True
+            f"<small class='fe-clicks' style='color:{FG_MUTED}'>{n_clicked} tile(s) "
+            "clicked (differ from the preset): kept when a slider moves; a new preset or grid size clears "
+            "them</small>" if n_clicked else "")
+        if self._results_mask is not None and mask != self._results_mask:
+            self.results_stale = True  # the note is redrawn at every change: its numbers are now's
             self.run_output.value = (
                 f"<div class='fe-stale-note' style='color:{WARN}'>stale: this result is for the "
                 f"previous mask (density {self._results_mask.density:.3f}, now "

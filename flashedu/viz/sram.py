@@ -5,6 +5,9 @@ stages: a stacked bar of :func:`flashedu.io.sram_footprint` against the SM's cap
 it does not fit, the largest square tile that does, and what the tile buys: the paper's M (SRAM
 in elements), its block sizes, and the predicted HBM traffic (:func:`flashedu.io`'s exact count)
 as the tile grows, which is the paper's block-size effect (Fig. 2, middle).
+
+Made with ``state=editor.state`` it describes the editor's problem: Br, Bc are the editor's tile,
+and N, d, dtype and GPU are shared (a change here reaches the editor and back).
 """
 
 from __future__ import annotations
@@ -15,12 +18,37 @@ import ipywidgets as W
 
 from .. import io
 from . import static
-from .charts import block_size_effect, sram_bar
+from .charts import block_size_effect
 from .controls import set_quietly
-from .render import FG_MUTED, kib
+from .render import FG_MUTED, kib, new_figure, png
 
 TILES = [16, 32, 64, 128, 256, 512]
 ORDER_NAMES = {"kv_outer": "FA1 (K/V outer)", "q_outer": "FA2 (Q outer)"}
+BAR_COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1"]
+CAPACITY_COLOR = "#1f1f1f"  # no buffer's colour, so the line never vanishes into a bar
+SHARED = ("N", "d", "dtype", "gpu")  # the settings a linked widget shares with the editor
+
+
+def bar_figure(footprint: dict, capacity: int, title: str):
+    """A horizontal stacked bar of what one thread block keeps in shared memory, against the
+    SM's capacity: a dashed line in a colour of its own, drawn on top of the bars."""
+    fig = new_figure(8.0, 2.1)
+    ax = fig.subplots()
+    start = 0.0
+    for (name, nbytes), color in zip(footprint.items(), BAR_COLORS):
+        ax.barh(0, nbytes / 1024, left=start, color=color, edgecolor="k", lw=0.5, label=name,
+                zorder=2)
+        start += nbytes / 1024
+    over = start * 1024 > capacity
+    ax.axvline(capacity / 1024, color=CAPACITY_COLOR, ls="--", lw=2, zorder=5,
+               label="SM capacity (exceeded)" if over else "SM capacity")
+    ax.set_xlim(0, max(start * 1024, capacity) * 1.08 / 1024)
+    ax.set_yticks([])
+    ax.set_xlabel("KiB of shared memory (SRAM) per thread block", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(labelsize=7)
+    fig.legend(ncol=8, fontsize=7, frameon=False, loc="outside lower center")
+    return fig
 
 
 @functools.lru_cache(maxsize=512)
@@ -67,15 +95,40 @@ class SRAMOccupancy:
         self.widget.add_class("flashedu-sram")
         self.widget.add_class("flashedu-live")
         self._holding = False
-        for w in c.values():
-            w.observe(lambda _: None if self._holding else self._update(), names="value")
+        self.state = state
+        for name, w in c.items():
+            w.observe(lambda ch, name=name: None if self._holding else self._on_control(name),
+                      names="value")
         if state is not None:
             c["Br"].disabled = c["Bc"].disabled = True
-            self.linked_note.value = (f"<small style='color:{FG_MUTED}'>Br and Bc follow the "
-                                      "block-mask editor's tiles.</small>")
+            self._take_settings(state.settings)
+            state.follow_settings(self._follow_settings)
             state.follow(self._follow)
         else:
             self._update()
+
+    def _on_control(self, name) -> None:
+        if self.state is not None and name in SHARED:
+            self.state.update(**{name: self.controls[name].value})  # comes back to us redrawn
+        else:
+            self._update()
+
+    def _take_settings(self, settings) -> None:
+        """Set N, d, dtype, GPU quietly to the shared ones (adding an option that is missing)."""
+        self._holding = True
+        try:
+            for name in SHARED:
+                w = self.controls[name]
+                if settings[name] not in w.options:
+                    w.options = sorted({*w.options, settings[name]}, key=str) \
+                        if name in ("dtype", "gpu") else sorted({*w.options, settings[name]})
+                w.value = settings[name]
+        finally:
+            self._holding = False
+
+    def _follow_settings(self, settings) -> None:
+        self._take_settings(settings)
+        self._update()
 
     def _follow(self, block_mask) -> None:
         Br, Bc = block_mask.block_size
@@ -128,9 +181,10 @@ class SRAMOccupancy:
             "Theorem 2: N²d²/M": io.flash_hbm_elements_theta(N, d, self.paper_M) * isz,
         }
         self.summary.value = self._summary_html(v, gpu)
-        self.bar.value = sram_bar(self.footprint, self.capacity_bytes,
-                                  f"{gpu.name}: {kib(self.total_bytes)} of "
-                                  f"{kib(self.capacity_bytes)} per SM")
+        self.linked_note.value = self._linked_html(v) if self.state is not None else ""
+        self.bar.value = png(bar_figure(self.footprint, self.capacity_bytes,
+                                        f"{gpu.name}: {kib(self.total_bytes)} of "
+                                        f"{kib(self.capacity_bytes)} per SM"))
         self.effect.value = self._effect_png(N, d, dtype, stages, isz, gpu, v)
         static.update(self)
 
@@ -148,6 +202,19 @@ class SRAMOccupancy:
         return block_size_effect(tiles, traffic, fits, self.chart_points, self.largest_tile,
                                  f"block-size effect: N = {N}, d = {d}, {dtype} on {gpu.name}",
                                  f"your tile {v['Br']} x {v['Bc']}")
+
+    def _linked_html(self, v) -> str:
+        mask = self.state.block_mask
+        where = ""
+        if mask is not None:
+            T = mask.shape[0]
+            where = (f" The editor's model runs the same pattern at N = {v['N']} with its "
+                     f"{T} x {T} tiles grown to {v['N'] // T}; here the tile is the mask's own "
+                     f"{v['Br']} x {v['Bc']}, the one a kernel would keep in SRAM.")
+        return (f"<small class='fe-linked' style='color:{FG_MUTED}'>Linked to the block-mask "
+                f"editor: N = {v['N']}, d = {v['d']}, {v['dtype']}, {v['gpu']} are shared (a "
+                "change here changes the editor too); Br and Bc are the editor's tiles." + where
+                + "</small>")
 
     def _summary_html(self, v, gpu) -> str:
         if self.fits:

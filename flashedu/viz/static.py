@@ -2,7 +2,7 @@
 
 A widget lives in the kernel: after saving and reopening a notebook its view has no model and
 JupyterLab writes "Error displaying widget". So each widget is displayed as two outputs: the
-live widget, and a PNG of what it shows (updated when its settings change). While the widget
+live widget, and a PNG of what it shows (updated when what it shows changes). While the widget
 is live, a style sheet inside it hides the PNG of its own output area; in a reopened notebook
 the style sheet is gone with the widget, and the picture shows.
 """
@@ -50,9 +50,11 @@ def message_png(text: str) -> bytes:
 
 def _bundle(owner) -> dict:
     data = owner.static_png()
+    caption = owner.static_caption() if hasattr(owner, "static_caption") else ""
     return {"image/png": base64.b64encode(data).decode("ascii"),
-            "text/plain": f"<static picture of {type(owner).__name__}: run the cell for the live "
-                          "widget>"}
+            "text/plain": f"<static picture of {type(owner).__name__}"
+                          + (f" ({caption})" if caption else "")
+                          + ": run the cell for the live widget>"}
 
 
 def display_with_fallback(owner) -> None:

@@ -8,7 +8,13 @@ trace (through :mod:`flashedu.viz.timeline`), so at the last position the byte c
 The view never shows a run the controls do not describe: a setting that cannot be traced (too
 many tiles, a block mask of another tiling) clears the picture, turns stepping off and says why.
 Made with ``state=editor.state`` the stepper follows a :class:`BlockMaskEditor`: its tiling,
-causal flag and block mask are the editor's, re-traced at every edit.
+causal flag and block mask are the editor's, re-traced at every edit, and d is the shared one
+where the stepper can trace it; its note says where the traced run differs from the editor's
+model (float32 on the CPU, the mask's own N).
+
+Positions count the steps done, and the slider shows the same number as the status: 0 is the
+start (the mask, no tile highlighted, nothing loaded), k is step k of n, and n also carries the
+final writes. The static picture for a saved notebook follows the position.
 """
 
 from __future__ import annotations
@@ -40,9 +46,10 @@ class TileLoopStepper:
     """Controls for the tiling, loop order, causal and a block mask; step / play / scrub.
 
     State for tests and notebooks: ``error`` (None, or why the controls' setting cannot be
-    stepped; then ``trace`` is None and stepping is off), ``position`` (0 .. ``done``; ``done``
-    is after the last step), ``trace``, ``timeline``, ``bytes_read`` / ``bytes_written`` (so
-    far), ``predicted`` (flashedu.io's totals), ``current`` (the Step, None at done),
+    stepped; then ``trace`` is None and stepping is off), ``position`` (steps done: 0 is the
+    start, ``done`` = n the last step with the final writes), ``trace``, ``timeline``,
+    ``bytes_read`` / ``bytes_written`` (so far), ``predicted`` (flashedu.io's totals),
+    ``current`` (the Step shown, None at the start),
     ``sram_live``, ``row_stats`` (m_i, l_i of the chosen row), ``block_mask`` (the (Tr, Tc)
     grid or None).
     """
@@ -70,7 +77,7 @@ class TileLoopStepper:
                                layout=W.Layout(width="240px")),
             "row": W.BoundedIntText(row, min=0, max=Nq - 1, description="row", layout=_narrow()),
         }
-        self.slider = W.IntSlider(0, min=0, max=1, description="position", continuous_update=True,
+        self.slider = W.IntSlider(0, min=0, max=1, description="step", continuous_update=True,
                                   layout=W.Layout(flex="1 1 260px", min_width="220px",
                                                   max_width="480px"))
         self.play = W.Play(0, min=0, max=1, interval=700, description="play")
@@ -105,13 +112,14 @@ class TileLoopStepper:
         for name, w in c.items():
             w.observe(self._on_config if name != "row" else self._on_row, names="value")
         self.slider.observe(lambda ch: self._show(), names="value")
+        # while playing, the static picture waits for the stop (a PNG takes about half a second)
+        self.play.observe(lambda ch: None if ch.new or self._holding else static.update(self),
+                          names="playing")
         if state is not None:
             for name in LINKED:
                 c[name].disabled = True
-            self.linked_note.value = (
-                f"<small style='color:{FG_MUTED}'>Nq, Nk, Br, Bc, causal and the block mask "
-                "follow the block-mask editor: edit the mask there and this stepper re-traces "
-                "it.</small>")
+            self._take_settings(state.settings)
+            state.follow_settings(self._follow_settings)
             state.follow(self._follow)
         elif block_mask is not None:
             self.use_mask(block_mask)
@@ -153,13 +161,15 @@ class TileLoopStepper:
         taken over) or a (Tr, Tc) bool array for the current tiling."""
         if isinstance(block_mask, BlockMask):
             (Nq, Nk), (Br, Bc) = block_mask.seq_lens, block_mask.block_size
-            for name, size in (("Br", Br), ("Bc", Bc)):
-                if size not in self.controls[name].options:
-                    self._holding = True
-                    try:
+            self._holding = True
+            try:
+                for name, size in (("Br", Br), ("Bc", Bc)):
+                    if size not in self.controls[name].options:
                         self.controls[name].options = sorted({*self.controls[name].options, size})
-                    finally:
-                        self._holding = False
+                for name, n in (("Nq", Nq), ("Nk", Nk)):  # never clamp the mask's N
+                    self.controls[name].max = max(self.controls[name].max, n)
+            finally:
+                self._holding = False
             self._custom_mask = np.asarray(block_mask.blocks[0, 0], bool)
             self._ensure_custom_option()
             self.configure(Nq=Nq, Nk=Nk, Br=Br, Bc=Bc, causal=block_mask.is_causal, mask="custom")
@@ -179,10 +189,7 @@ class TileLoopStepper:
 
     @property
     def current(self):
-        if not self.valid:
-            return None
-        steps = self.trace.steps
-        return steps[self.position] if self.position < len(steps) else None
+        return self.timeline.step_at(self.position) if self.valid else None
 
     @property
     def sram_live(self) -> dict:
@@ -201,12 +208,54 @@ class TileLoopStepper:
             return static.message_png(f"tile loop: {self.error}")
         return static.stack_png([drawing(self.timeline, self.position),
                                  *run_panels(self.timeline, self.row_stats, self.position)],
-                                f"tile loop, {self._describe()}, position {self.position} "
-                                f"of {self.done}")
+                                self.static_caption())
+
+    def static_caption(self) -> str:
+        """The title of the static picture: the run and the step it shows."""
+        if not self.valid:
+            return f"tile loop: {self.error}"
+        return f"tile loop, {self._describe()}, step {self.position} of {self.done}"
 
     # ----- internals --------------------------------------------------------------------------
     def _follow(self, block_mask) -> None:
         self.use_mask(block_mask)
+
+    def _take_settings(self, settings) -> None:
+        """d from the shared settings when the stepper can trace it; the note says the rest."""
+        if settings["d"] in self.controls["d"].options:
+            set_quietly(self, [(self.controls["d"], settings["d"])])
+        self._linked_settings = dict(settings)
+
+    def _follow_settings(self, settings) -> None:
+        before = self.controls["d"].value
+        self._take_settings(settings)
+        if self.controls["d"].value != before:
+            self._run()
+        else:
+            self._show()
+
+    def _linked_html(self) -> str:
+        st = self._linked_settings
+        Nq = self.controls["Nq"].value
+        d = self.controls["d"].value
+        differs = [f"N = {Nq} (the mask's own tiles; the editor's model scales the pattern to "
+                   f"N = {st['N']})" if Nq != st["N"] else "",
+                   f"d = {d} (the stepper traces d up to {max(self.controls['d'].options)}; "
+                   f"the others use d = {st['d']})" if d != st["d"] else "",
+                   f"float32 on the CPU (the others model {st['dtype']} on the {st['gpu']})"
+                   if st["dtype"] != "float32" else ""]
+        differs = [x for x in differs if x]
+        return (f"<small class='fe-linked' style='color:{FG_MUTED}'>Nq, Nk, Br, Bc, causal and "
+                "the block mask follow the block-mask editor: edit the mask there and this "
+                "stepper re-traces it."
+                + (" This traced run differs from the editor's model in: " + "; ".join(differs)
+                   + "." if differs else "") + "</small>")
+
+    def _advice(self, unlinked: str) -> str:
+        """What to do, naming only controls that are enabled."""
+        if self.state is None:
+            return unlinked
+        return "change the tiles or the preset in the block-mask editor, which this stepper follows"
 
     def _ensure_custom_option(self):
         if "custom" not in self.controls["mask"].options:
@@ -227,8 +276,8 @@ class TileLoopStepper:
             if self._custom_mask is None or self._custom_mask.shape != (Tr, Tc):
                 shape = None if self._custom_mask is None else self._custom_mask.shape
                 raise ValueError(f"the custom block mask has shape {shape},"
-                                 f" this tiling needs (Tr, Tc) = {(Tr, Tc)}: set Br, Bc back, or "
-                                 "pick another mask")
+                                 f" this tiling needs (Tr, Tc) = {(Tr, Tc)}: "
+                                 + self._advice("set Br, Bc back, or pick another mask"))
             return self._custom_mask
         mask = presets.make(name, (cfg["Nq"], cfg["Nk"]), (cfg["Br"], cfg["Bc"]), window=1,
                             stride=3, density=0.35, seed=self.seed)
@@ -263,6 +312,8 @@ class TileLoopStepper:
         for w in (self.run_info, self.counters, self.tiles, self.hbm_panel, self.sram_panel,
                   self.charts):
             w.value = ""
+        if self.state is not None:
+            self.linked_note.value = self._linked_html()
         static.update(self)
 
     def _run(self):
@@ -273,7 +324,8 @@ class TileLoopStepper:
         try:
             if Tr * Tc > MAX_STEPS:
                 raise ValueError(f"{Tr} x {Tc} = {Tr * Tc} tile pairs: too many to step through "
-                                 f"(at most {MAX_STEPS}); use larger tiles or shorter sequences")
+                                 f"(at most {MAX_STEPS}); "
+                                 + self._advice("use larger tiles or shorter sequences"))
             blocks = self._mask_grid(cfg, Tr, Tc)
         except ValueError as exc:
             self._invalid(str(exc))
@@ -304,7 +356,6 @@ class TileLoopStepper:
             self._holding = False
         self._row_stats()
         self._show()
-        static.update(self)
 
     def _row_stats(self):
         row = min(self.controls["row"].value, self.Q.shape[0] - 1)
@@ -326,11 +377,16 @@ class TileLoopStepper:
         p, tl = self.position, self.timeline
         s = self.current
         if s is None:
-            where = f"done: all {tl.done} steps and the final writes"
+            where = (f"step 0 of {tl.done}, the start: nothing loaded yet; the grid shows the "
+                     "mask (grey: tile pairs the run skips)")
         else:
             what = "computed" if s.computed else "skipped (masked out: nothing loaded)"
-            where = f"step {p + 1} of {tl.done}: tile pair (i={s.i}, j={s.j}) {what}"
+            where = f"step {p} of {tl.done}: tile pair (i={s.i}, j={s.j}) {what}"
+            if p == tl.done:
+                where += ", then the final writes: done"
         self.status.value = f"<span class='fe-status'>{where}</span>"
+        if self.state is not None:
+            self.linked_note.value = self._linked_html()
         self.run_info.value = (f"<small class='fe-run-info' style='color:{FG_MUTED}'>traced run: "
                                f"{self._describe()}</small>")
         self.counters.value = self._counters_html()
@@ -340,6 +396,8 @@ class TileLoopStepper:
         self.charts.value = "".join(
             f"<div style='display:inline-block;margin:0 8px 4px 0'>{d.svg()}</div>"
             for d in run_panels(tl, self.row_stats, p))
+        if not self.play.playing:
+            static.update(self)
 
     def _counters_html(self) -> str:
         read, written = self.bytes_read, self.bytes_written

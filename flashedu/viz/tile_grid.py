@@ -5,7 +5,9 @@ and a browser test can read the tiles (``rect`` elements carry a class: sram, do
 todo, acc). Layout: Q is a column of Tr tiles left of S; K^T and V^T are rows of Tc tiles
 above S; O (and l, m, L) are columns right of S. A tile of an HBM tensor is orange while the
 trace lists it in SRAM; each is annotated with how often it has been read (r) and written (w)
-so far, which is where the two loop orders differ.
+so far, which is where the two loop orders differ. The mask shows from the start: a tile pair
+the run skips is grey before the loop reaches it, so position 0 (no tile highlighted, nothing
+loaded) is the mask itself.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def drawing(tl: Timeline, position: int) -> Drawing:
     info = tl.trace.info
     Tr, Tc, order = info["Tr"], info["Tc"], info["order"]
     steps = tl.trace.steps
-    current = steps[position] if position < len(steps) else None
+    current = tl.step_at(position)
     live = current.sram if current is not None else {}
     counts = _io_counts(tl, position)
     right_cols = ["O", "l", "m", "L"] if order == "kv_outer" else ["O", "L"]
@@ -95,8 +97,8 @@ def drawing(tl: Timeline, position: int) -> Drawing:
         g.text(x_S - 0.2, y + 0.5, name + "ᵀ", bold=True, anchor="end")
         for j in range(Tc):
             g.tile(x_S + j, y, 1, 1, kind_of(name, j), _rw(counts, name, j), name=f"{name}{j}")
-    state = {}
-    for s in (steps[:position + 1] if current is not None else steps):
+    state = {(s.i, s.j): "skipped" for s in steps if not s.computed}  # the mask, from the start
+    for s in steps[:position]:
         state[(s.i, s.j)] = "done" if s.computed else "skipped"
     for i in range(Tr):
         for j in range(Tc):

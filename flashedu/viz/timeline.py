@@ -3,14 +3,15 @@
 A :class:`flashedu.trace.Trace` numbers each HBM transfer with the index of the loop step that
 comes next (``Event.step``), so a store made right after step k carries k + 1, and the
 Algorithm-1 epilogue (L = m + log l) carries ``len(steps)``. To show a step together with the
-traffic it causes, each transfer is given an *owner* position:
+traffic it causes, each transfer is given an *owner* position. Positions count the steps done:
 
-- a load belongs to the step it feeds (``Event.step``);
-- a store belongs to the step just computed (``Event.step - 1``), unless a load of the same
-  index came before it (then it is part of that later step, e.g. the epilogue).
+- position 0 is the start, before any step: nothing loaded yet;
+- position k (1 .. n) is step k, the k-th (i, j) tile pair; a load belongs to the step it
+  feeds (``Event.step`` + 1), a store to the step just computed (``Event.step``), unless a load
+  of the same index came before it (then it is part of that later step);
+- the last position, n, also carries the final writes (the epilogue), so it is "done".
 
-Positions ``0 .. n-1`` are the (i, j) steps; position ``n`` is "done", after every transfer.
-Totals at "done" are the trace's own ``bytes_read`` / ``bytes_written``, which
+Totals at n are the trace's own ``bytes_read`` / ``bytes_written``, which
 :func:`flashedu.io.flash_forward_hbm_bytes` predicts exactly.
 """
 
@@ -32,8 +33,12 @@ class Timeline:
 
     @property
     def done(self) -> int:
-        """The last position: after every step and every transfer."""
+        """The last position: step n, and every transfer."""
         return len(self.trace.steps)
+
+    def step_at(self, position: int):
+        """The Step shown at ``position`` (None at the start, position 0)."""
+        return self.trace.steps[position - 1] if position >= 1 else None
 
     def totals(self, position: int) -> tuple[int, int]:
         """(bytes read, bytes written) from the start through ``position``."""
@@ -62,7 +67,7 @@ def build(trace: Trace) -> Timeline:
             owner[t] = e.step
         else:
             owner[t] = e.step if loaded_at == e.step else e.step - 1
-    owner = np.clip(owner, 0, n)
+    owner = np.clip(owner + 1, 1, n)  # position 0, the start, makes no transfer
     reads, writes = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)
     for e, p in zip(trace.events, owner):
         (reads if e.op == "load" else writes)[p] += e.nbytes
@@ -74,7 +79,7 @@ class RowStats:
     """The online-softmax statistics of one query row after each position."""
 
     row: int
-    m: np.ndarray  # (n + 1,) running max m_i of the row's scaled scores (-inf before any)
+    m: np.ndarray  # (n + 1,) running max m_i after each position (-inf at the start)
     l: np.ndarray  # (n + 1,) running sum l_i of exp(score - m_i)
     tiles_seen: np.ndarray  # (n + 1,) K/V tiles folded into the row so far
 
@@ -95,7 +100,7 @@ def row_stats(trace: Trace, Q, K, row: int, scale: float, causal: bool) -> RowSt
     if causal:
         scores = np.where(np.arange(Nk) <= row, scores, -np.inf)
     m, l, seen = -np.inf, 0.0, 0
-    ms, ls, counts = [], [], []
+    ms, ls, counts = [m], [l], [seen]  # position 0, the start
     for s in trace.steps:
         if s.computed and s.i == row // Br:
             S = scores[s.j * Bc:min((s.j + 1) * Bc, Nk)]
@@ -105,5 +110,4 @@ def row_stats(trace: Trace, Q, K, row: int, scale: float, causal: bool) -> RowSt
                 m = m_new
             seen += 1
         ms.append(m), ls.append(l), counts.append(seen)
-    ms.append(m), ls.append(l), counts.append(seen)  # "done" repeats the last state
     return RowStats(row, np.array(ms), np.array(ls), np.array(counts))

@@ -5,7 +5,8 @@ in this process, without the compile gate (which no seed changes).
     PYTHONPATH=$PWD python docs/bench/experiments/solution_seeds.py SEEDS [EXERCISE ...]
 
 Seeds 1..SEEDS, spread over the CPU's cores (the GPU's exercises share the one GPU). Prints one
-line per exercise and writes solution_seeds.json (to $OUT, else here).
+line per exercise and writes solution_seeds.json into the folder that the OUT environment
+variable names (the current folder without it).
 """
 
 import json

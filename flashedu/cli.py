@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
     if args.command == "doctor":
+        from . import backends  # noqa: F401  adds its table of backends to the report
         from .runtime import doctor
 
         print(doctor())

@@ -23,13 +23,31 @@ INTERPRET_VARS = ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")
 
 
 def has_cuda() -> bool:
-    """True when torch sees a CUDA GPU (never imports triton or numba)."""
+    """True when torch sees a CUDA GPU (never imports triton or numba). A machine without
+    NVIDIA's driver has none, and learns it without importing torch (seconds on a laptop)."""
+    if not _driver_present():
+        return False
     import torch
 
     try:
         return bool(torch.cuda.is_available())
     except Exception:  # a broken driver is a machine without a GPU for our purposes
         return False
+
+
+def _driver_present() -> bool:
+    """Whether NVIDIA's driver library loads here (no GPU is touched: the driver is not
+    initialised, so a later fork stays free to use CUDA)."""
+    import ctypes
+
+    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+    for name in names:
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def configure() -> dict:
@@ -141,7 +159,7 @@ def doctor() -> str:
     """A report of versions, the device, and what each backend will run on."""
     import torch
 
-    import flashedu  # the package imports its backend registry, which adds its section
+    import flashedu
 
     cfg = configure()
     lines = [

@@ -586,3 +586,19 @@ def test_a_nan_row_is_told_apart_from_the_rows_that_are_only_wrong():
                 in message, message
         else:
             assert f"O is wrong in row 0 of {n}: NaN in that row." in message, message
+
+
+def test_the_api_is_refused_before_its_first_use(monkeypatch):
+    """``import flashedu`` loads the API on first use; a learner's function that reaches for
+    it during a check meets the refusal, and the name loads as usual afterwards."""
+    import flashedu
+
+    monkeypatch.delitem(vars(flashedu), "attention", raising=False)  # as if never used yet
+
+    def safe_softmax(x):
+        return flashedu.attention(x, x, x)
+
+    assert_rejected(check("safe_softmax", safe_softmax), "flashedu.attention",
+                    "off during a check")
+    assert "attention" not in vars(flashedu)  # put back as it was: still lazy
+    assert callable(flashedu.attention)

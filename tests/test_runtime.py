@@ -1,6 +1,10 @@
 """flashedu.runtime.git_commit: what benchmark records name as their commit."""
 
 import shutil
+import subprocess
+import sys
+
+import pytest
 
 from flashedu import runtime
 
@@ -59,3 +63,19 @@ def test_doctor_ends_with_the_sections_added_by_higher_layers(monkeypatch):
     report = runtime.doctor()
     assert report.splitlines()[-1] == "extra: a section"
     assert "backends:" in report and "  auto   -> " in report  # flashedu.backends' section
+
+
+def test_import_flashedu_imports_no_torch_on_a_machine_without_a_gpu():
+    """A NumPy notebook's first cell and the grader's command line start in well under a
+    second: torch, triton and numba come with the first use of what needs them."""
+    if runtime._driver_present():
+        pytest.skip("NVIDIA's driver is here: import flashedu asks torch whether a GPU is")
+    code = ("import sys, flashedu\nfrom flashedu.checks import check\n"
+            "import flashedu.course, flashedu.cli\n"
+            "print(sorted(m for m in ('torch', 'triton', 'numba') if m in sys.modules))\n"
+            "flashedu.attention\n"  # the API's first use brings torch and the operators
+            "print('torch' in sys.modules, hasattr(sys.modules['torch'].ops, 'flashedu'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert out[0] == "[]"
+    assert out[1] == "True True"

@@ -206,7 +206,7 @@ def _shortcut_objects() -> dict[int, str]:
         if module is None:
             continue
         for name in names:
-            obj = getattr(module, name, None)
+            obj = vars(module).get(name)  # not getattr: a lazy name would be imported
             if obj is not None:
                 found[id(obj)] = f"{module_name}.{name}"
     for module_name, module in list(sys.modules.items()):
@@ -276,10 +276,15 @@ def shortcuts_blocked(active: bool = True):
         module = sys.modules.get(module_name)
         if module is None:
             continue
+        loaded = vars(module)
         for name in names:
-            if hasattr(module, name):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, _refuse(f"{module_name}.{name}"))
+            if name in loaded:
+                saved.append((module, name, loaded[name]))
+            elif name in getattr(module, "__all__", ()):  # a name the module imports on first
+                saved.append((module, name, _LAZY))  # use (flashedu.attention): refused as is
+            else:
+                continue
+            setattr(module, name, _refuse(f"{module_name}.{name}"))
     tensor = sys.modules.get("torch")
     tensor = getattr(tensor, "Tensor", None)
     if tensor is not None:
@@ -290,7 +295,13 @@ def shortcuts_blocked(active: bool = True):
         yield
     finally:
         for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
+            if value is _LAZY:
+                delattr(owner, name)  # its first use imports it again
+            else:
+                setattr(owner, name, value)
+
+
+_LAZY = object()  # a module's name that was not loaded when the check began
 
 
 def _refuse(name):

@@ -2,13 +2,15 @@
 correct answer. Each seed draws fresh inputs for every case (as ``check`` does); the cases run
 in this process, without the compile gate (which no seed changes).
 
-    PYTHONPATH=$PWD python docs/bench/experiments/solution_seeds.py SEEDS [EXERCISE ...]
+    PYTHONPATH=$PWD python docs/bench/experiments/solution_seeds.py LAST [EXERCISE ...] [--first N]
 
-Seeds 1..SEEDS, spread over the CPU's cores (the GPU's exercises share the one GPU). Prints one
-line per exercise and writes solution_seeds.json into the folder that the OUT environment
-variable names (the current folder without it).
+Seeds FIRST..LAST (FIRST 1 unless given), spread over the CPU's cores (the GPU's exercises share
+the one GPU), each worker with one BLAS thread (a worker per core already fills the CPU: more
+threads only contend). Prints one line per exercise and writes solution_seeds.json into the
+folder that the OUT environment variable names (the current folder without it).
 """
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -40,20 +42,27 @@ def grade(job):
 
 
 def main():
-    seeds = int(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("last", type=int)
+    parser.add_argument("exercises", nargs="*")
+    parser.add_argument("--first", type=int, default=1)
+    args = parser.parse_args()
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = "1"  # before any worker imports NumPy
     from flashedu import runtime
     from flashedu.checks import EXERCISES
 
-    names = sys.argv[2:] or list(EXERCISES)
+    names = args.exercises or list(EXERCISES)
     workers = max(1, (os.cpu_count() or 2) - 1)
     # small jobs, seeds in rounds across the exercises: a run stopped early has every
     # exercise's first seeds, and the JSON is rewritten after each job
-    chunk = 25
-    jobs = [(n, s, min(seeds, s + chunk - 1)) for s in range(1, seeds + 1, chunk) for n in names]
+    chunk = 10
+    jobs = [(n, s, min(args.last, s + chunk - 1))
+            for s in range(args.first, args.last + 1, chunk) for n in names]
     start = time.perf_counter()
     totals = {n: [0, []] for n in names}
     record = {"device": "interpreter" if runtime.triton_interpreted() else "gpu",
-              "seconds": 0.0, "exercises": {}}
+              "first_seed": args.first, "last_seed": args.last, "seconds": 0.0, "exercises": {}}
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         for name, count, failures in pool.imap_unordered(grade, jobs):
             totals[name][0] += count

@@ -208,3 +208,34 @@ def test_memory_is_measured_outside_the_kernel(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(run.stdout)
     assert row["points"] == 0 and "memory" in row["message"] and "grew by" in row["message"], row
+
+
+def test_cpu_time_is_measured_outside_the_kernel(tmp_path):
+    """A block-sparse forward that computes every tile on plain copies of K and V (so no read
+    is seen) and makes the kernel's clocks report no time still fails the work case: the
+    supervisor reads the kernel's CPU time from /proc itself."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_grader_hostile import WRONG
+
+    (replace,) = [w[2] for w in WRONG if w[0] == "block_sparse_forward" and "plain" in w[1]]
+    nb = nbformat.read(ROOT / "solutions" / "04_block_sparse.ipynb", as_version=4)
+    (cell,) = [c for c in nb.cells if "def block_sparse_forward" in c.source]
+    for old, new in replace:
+        cell.source = cell.source.replace(old, new)
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "import time\ntime.process_time = lambda: 0.0  # the kernel's own clock says nothing"))
+    path = tmp_path / "04_block_sparse.ipynb"
+    nbformat.write(nb, path)
+    run = _check(path, "--json", "-")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(run.stdout)
+    assert row["points"] == 0 and "CPU time" in row["message"], row
+
+
+def test_a_watch_counts_the_cpu_time_of_processes_below_it():
+    from flashedu.checks.memory import Watch
+
+    watch = Watch()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert 0.25 <= watch.cpu() < 5

@@ -119,6 +119,16 @@ WRONG = [
       ("alpha = np.exp(m_i - m_new)", "alpha = np.where(np.isinf(m_new), 1.0, np.exp(m_i - m_safe))"),
       ("P_ij @ V[c0:c1]", "P_ij @ np.where(keep, V[c0:c1], 0.0)")],
      ["block_mask skips", "not be read"]),
+    ("block_sparse_forward", "computes every tile on plain copies of K and V (no read to see)",
+     [("    for i in range(math.ceil(Nq / Br)):\n",
+       "    K, V = np.array(K), np.array(V)  # plain arrays: reads leave no trace\n"
+       "    K[np.isnan(K)] = 0.0\n    V[np.isnan(V)] = 0.0\n"
+       "    for i in range(math.ceil(Nq / Br)):\n"),
+      ("for j in np.flatnonzero(block_mask[i]):", "for j in range(block_mask.shape[1]):"),
+      ("S_ij = scale * (Q_i @ K[c0:c1].T)", "S_ij = np.where(block_mask[i, j], scale * (Q_i @ K[c0:c1].T), -np.inf)"),
+      ("P_ij = np.exp(S_ij - m_new[:, None])", "m_safe = np.where(np.isinf(m_new), 0.0, m_new)\n            P_ij = np.exp(S_ij - m_safe[:, None])"),
+      ("alpha = np.exp(m_i - m_new)", "alpha = np.where(np.isinf(m_new), 1.0, np.exp(m_i - m_safe))")],
+     ["CPU time", "skip"]),
     ("block_sparse_forward", "K @ whole, then picks the kept tiles",
      [("S_ij = scale * (Q_i @ K[c0:c1].T)", "S_ij = scale * (Q_i @ np.nan_to_num(K).T)[:, c0:c1]")],
      ["whole of K"]),

@@ -68,8 +68,9 @@ def _send(fd: int, blob: bytes) -> None:
 
 
 def _recv(fd: int, deadline: float | None = None) -> bytes | None:
-    """One message, or None at end of file or past the deadline."""
-    out = b""
+    """One message, or None at end of file or past the deadline. A pipe hands over 64 KiB a
+    read: the message grows in a bytearray (appending to bytes would copy it every time)."""
+    out = bytearray()
     need = None
     while need is None or len(out) < need:
         if deadline is not None:
@@ -82,7 +83,7 @@ def _recv(fd: int, deadline: float | None = None) -> bytes | None:
         out += chunk
         if need is None and len(out) >= _HEADER.size:
             need = _HEADER.size + _HEADER.unpack_from(out)[0]
-    return out[_HEADER.size:need]
+    return bytes(out[_HEADER.size:need])
 
 
 def usable(ex) -> str | None:
@@ -147,6 +148,7 @@ class Child:
             return Call(error=RemoteError("Crash", "not run: the process running your code "
                                           "died in an earlier case"))
         start = time.perf_counter()
+        cpu = self._cpu() if case.cpu_budget is not None else None
         answer = self._ask(worker.request_payload(self.ex, case), self.ex.timeout + 30)
         if not isinstance(answer, dict):
             alive = self._alive()
@@ -157,7 +159,16 @@ class Child:
                                          "during this case (a crash, exit() or running out "
                                          "of memory)")
             return call
-        return worker.payload_to_call(answer)
+        call = worker.payload_to_call(answer)
+        if cpu is not None:  # read here, from /proc: the child's own figure could be made up
+            call.cpu_seconds = self._cpu() - cpu
+        return call
+
+    def _cpu(self) -> float:
+        """CPU seconds the child and the processes below it have spent so far."""
+        from .memory import cpu_seconds, descendants
+
+        return cpu_seconds([self.pid, *descendants(self.pid)])
 
     def hint(self, case):
         from .engine import HINT_SECONDS
@@ -206,7 +217,7 @@ def _serve(ex, fn, rfd: int, wfd: int) -> None:
                 sys.modules["torch"].set_num_threads(1)  # OpenMP pools do not survive a fork
             except Exception:  # noqa: BLE001
                 pass
-        from .engine import Case, execute_case, learner_hint
+        from .engine import execute_case, learner_hint
 
         while True:
             blob = _recv(rfd)
@@ -218,10 +229,7 @@ def _serve(ex, fn, rfd: int, wfd: int) -> None:
             elif ask.get("what") == "hint":
                 reply = {"hint": learner_hint(ex, fn, tuple(ask["args"])) if ex.hint else None}
             else:
-                case = Case(label=ask["label"], hint="", args=tuple(ask["args"]), outputs=(),
-                            expected=(), kwargs=ask["kwargs"],
-                            prepare=tuple(ask["prepare"]) if ask["prepare"] else None,
-                            memory_budget=ask["memory_budget"])
+                case = worker.case_from_request(ask)
                 reply = worker.call_to_payload(execute_case(ex, fn, case))
             reply["stdout"] = out.getvalue()[-10000:]
             out.seek(0)

@@ -29,8 +29,10 @@ for fixed inputs can pass.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,6 +92,10 @@ class Case:
     # (name, *params) of a PREPARE function run where the learner's code runs, just before the
     # call: it wraps the inputs in watchers; what they saw comes back as call.evidence
     prepare: tuple | None = None
+    # () -> (most CPU seconds the call may take, what that stands for): work measured where the
+    # learner's code cannot reach it (the supervisor reads the kernel's CPU time from /proc
+    # under flashedu check). Called only once everything else about the case has passed.
+    cpu_budget: Callable | None = None
 
 
 @dataclass
@@ -266,14 +272,30 @@ def execute_case(ex: Exercise, fn, case: Case) -> Call:
         args, collect = PREPARE[case.prepare[0]](args, *case.prepare[1:])
     measure = case.memory_budget is not None
     view = _CaseView(case, args)
-    with shortcuts_blocked(ex.blocked):
+    cpu = time.process_time()
+    with shortcuts_blocked(ex.blocked), one_blas_thread(case.cpu_budget is not None):
         if ex.invoke is None:
             call = call_limited(fn, args, case.kwargs, timeout=ex.timeout, measure_memory=measure)
         else:
             call = ex.invoke(fn, view, ex.timeout, measure)
+    if case.cpu_budget is not None:  # this process's own figure; a supervisor takes its own
+        call.cpu_seconds = time.process_time() - cpu
     call.inputs_after = [np.asarray(a) for a in args if isinstance(a, np.ndarray)]
     call.evidence = collect() if collect is not None else {}
     return call
+
+
+@contextlib.contextmanager
+def one_blas_thread(active: bool = True):
+    """NumPy's BLAS on one thread while active: where a case's CPU time is measured, since
+    OpenBLAS's idle threads spin and bill CPU time in proportion to the cores, not the work."""
+    if not active:
+        yield
+        return
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 class _CaseView:
@@ -439,6 +461,19 @@ RSS_SLACK = 16 * 2**20
 
 
 def _probe(case: Case, call: Call, outputs) -> str | None:
+    problem = _memory_problem(case, call)
+    if problem is None and case.probe is not None:
+        problem = case.probe(call, outputs)
+    if problem is None and case.cpu_budget is not None and call.cpu_seconds is not None:
+        limit, meaning = case.cpu_budget()
+        if call.cpu_seconds > limit:
+            problem = (f"the answer is right, but your function took {call.cpu_seconds:.2f} s "
+                       f"of CPU time, where {meaning} takes {limit:.2f} s here: it does work "
+                       "on tiles it was told to skip.")
+    return problem
+
+
+def _memory_problem(case: Case, call: Call) -> str | None:
     if case.memory_budget is not None and call.peak_bytes is not None \
             and call.peak_bytes > case.memory_budget:
         return (f"the answer is right, but your function allocated {_mib(call.peak_bytes)} at "
@@ -454,8 +489,6 @@ def _probe(case: Case, call: Call, outputs) -> str | None:
                 f"tiled kernel needs at most about {_mib(case.memory_budget)} here. "
                 f"{case.memory_note} FlashAttention never holds an Nq x Nk array, in any "
                 "library: work on one Br x Bc tile S_ij at a time.")
-    if case.probe is not None:
-        return case.probe(call, outputs)
     return None
 
 

@@ -282,7 +282,8 @@ def _grade_cases(ex, ask, gate) -> CheckResult:
     from . import engine, worker
 
     def execute(case) -> Call:
-        watch = Watch() if case.memory_budget is not None else None
+        measured = case.memory_budget is not None or case.cpu_budget is not None
+        watch = Watch() if measured else None
         answer = ask(worker.request_payload(ex, case), ex.timeout + 60)
         if not isinstance(answer, dict):
             call = Call(error=RemoteError("Error", "the grader got no answer for this case "
@@ -290,8 +291,9 @@ def _grade_cases(ex, ask, gate) -> CheckResult:
             call.inputs_after = None
             return call
         call = worker.payload_to_call(answer)
-        if watch is not None:  # the kernel's own figure could be made up: measured here
-            call.rss_bytes = watch.growth()
+        if watch is not None:  # the kernel's own figures could be made up: measured here
+            call.rss_bytes = watch.growth() if case.memory_budget is not None else None
+            call.cpu_seconds = watch.cpu() if case.cpu_budget is not None else None
         return call
 
     def hint(case):

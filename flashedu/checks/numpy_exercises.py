@@ -10,12 +10,13 @@ tolerance (see :mod:`.compare`).
 from __future__ import annotations
 
 import math
+import time
 from typing import ClassVar
 
 import numpy as np
 
 from .. import reference
-from .engine import PREPARE, Case, Exercise, run_seed
+from .engine import PREPARE, Case, Exercise, one_blas_thread, run_seed
 
 F32, F64 = np.float32, np.float64
 LN2 = math.log(2.0)
@@ -685,7 +686,59 @@ def _block_sparse_cases():
         cases.append(_sparse_case(label + ", banded mask", H_MEMORY, (Nq, Nk, d), Br, Bc, band,
                                   None, F64, seed, memory_budget=budget,
                                   memory_note=_memory_note(Nq, Nk, Br), needs_pass=True))
+    cases.append(_work_case(400))
     return cases
+
+
+H_WORK = ("The work must follow the mask: with 1 tile in 32 kept, a block-sparse kernel does "
+          "about 1/32 of a dense one's work. Test block_mask[i, j] before computing "
+          "S_ij, and skip the tile entirely when it is False.")
+# Big enough that a dense pass costs a few tenths of a second of NumPy work (CPU time is read in
+# ticks of 10 ms), with tiles large enough that NumPy, not Python's loop, sets the cost, and d
+# small: the cost is the Nq x Nk exponentials, while the inputs that travel to the learner's
+# process and back (a fixed cost of the call) stay small. Computing every tile and dropping the
+# skipped ones costs about a dense tiled pass, however it is written.
+WORK_SHAPE, WORK_TILE = (4096, 4096, 8), 128
+# A sparse call may take this share of the grader's own dense tiled pass: the solution takes
+# 0.15-0.25 of it (1/32 of the tiles, plus reading the inputs and sending the answer), a kernel
+# that computes every tile and drops the skipped ones 1.4 (measured on a 2-core CPU).
+WORK_SHARE = 0.5
+
+
+def _work_case(seed):
+    """One key tile kept per query tile row (32 of 1024 tiles; half the key tiles skipped by
+    every row and filled with NaN), judged by its CPU time against a dense pass."""
+    from .. import tiled
+
+    Nq, Nk, d = WORK_SHAPE
+    Tr, Tc = Nq // WORK_TILE, Nk // WORK_TILE
+    blocks = np.zeros((Tr, Tc), dtype=bool)
+    blocks[np.arange(Tr), 2 * (np.arange(Tr) // 2)] = True
+    (Q, K, V), _ = _inputs(WORK_SHAPE, "normal", F64, seed)
+    O, L = tiled.block_sparse_forward(Q, K, V, blocks, WORK_TILE, WORK_TILE)
+    k, v = K.copy(), V.copy()
+    for j in np.flatnonzero(~blocks.any(axis=0)):
+        k[j * WORK_TILE:(j + 1) * WORK_TILE] = np.nan
+        v[j * WORK_TILE:(j + 1) * WORK_TILE] = np.nan
+
+    def budget():
+        """WORK_SHARE of the grader's own dense tiled pass on these inputs, timed here (the
+        best of two, in this process's CPU time)."""
+        dense = np.ones((Tr, Tc), dtype=bool)
+        best = math.inf
+        with one_blas_thread():  # as the learner's call ran
+            for _ in range(2):
+                start = time.process_time()
+                tiled.block_sparse_forward(Q, K, V, dense, WORK_TILE, WORK_TILE)
+                best = min(best, time.process_time() - start)
+        return WORK_SHARE * best, (f"{WORK_SHARE:g} of a pass over every tile (the grader's "
+                                   f"own, {best:.2f} s; yours keeps {int(blocks.sum())} of "
+                                   f"{blocks.size})")
+
+    return Case(f"work follows the mask: Nq=Nk={Nq}, Br=Bc={WORK_TILE}, 1 tile in 32 kept",
+                H_WORK, (Q.copy(), k, v, blocks, WORK_TILE, WORK_TILE, None), ("O", "L"),
+                (O, L), inputs=("Q", "K", "V", "block_mask"), dtype=F64, block_q=WORK_TILE,
+                needs_pass=True, cpu_budget=budget)
 
 
 def _diagnose_sparse(case, wrong, outputs):

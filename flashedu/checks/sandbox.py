@@ -45,6 +45,7 @@ class Call:
     error: BaseException | None = None
     timed_out: bool = False
     seconds: float = 0.0
+    cpu_seconds: float | None = None  # CPU time of the call, where a case measures it
     peak_bytes: int | None = None  # most bytes allocated at once during the call (if measured)
     rss_bytes: int | None = None  # growth of the process's peak resident memory (if measured)
     inputs_after: list | None = None  # the array arguments after the call (mutation check)

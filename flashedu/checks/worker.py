@@ -153,7 +153,7 @@ def payload_to_call(payload: dict):
 def serve(namespace: dict, folder: str, request: str) -> None:
     """Answer one request of the grader (called from the cell the grader adds)."""
     from flashedu.checks import EXERCISES
-    from flashedu.checks.engine import Case, execute_case, preflight
+    from flashedu.checks.engine import execute_case, preflight
 
     folder = Path(folder)
     ask = read(folder / request)
@@ -173,10 +173,7 @@ def serve(namespace: dict, folder: str, request: str) -> None:
         text = learner_hint(ex, fn, tuple(ask["args"])) if ex.hint else None
         write(folder / (request + "-reply"), {"hint": text})
         return
-    case = Case(label=ask["label"], hint="", args=tuple(ask["args"]), outputs=(), expected=(),
-                kwargs=ask["kwargs"], prepare=tuple(ask["prepare"]) if ask["prepare"] else None,
-                memory_budget=ask["memory_budget"])
-    call = execute_case(ex, fn, case)
+    call = execute_case(ex, fn, case_from_request(ask))
     write(folder / (request + "-reply"), call_to_payload(call))
 
 
@@ -186,4 +183,18 @@ def request_payload(ex, case) -> dict:
             "args": tuple(np.asarray(a).view(np.ndarray) if isinstance(a, np.ndarray) else a
                           for a in case.args),
             "kwargs": dict(case.kwargs), "prepare": list(case.prepare) if case.prepare else None,
-            "memory_budget": case.memory_budget}
+            "memory_budget": case.memory_budget, "timed": case.cpu_budget is not None}
+
+
+def case_from_request(ask: dict):
+    """The case as the learner's side sees it: inputs and how to call, no expected answer."""
+    from flashedu.checks.engine import Case
+
+    return Case(label=ask["label"], hint="", args=tuple(ask["args"]), outputs=(), expected=(),
+                kwargs=ask["kwargs"], prepare=tuple(ask["prepare"]) if ask["prepare"] else None,
+                memory_budget=ask["memory_budget"],
+                cpu_budget=_judged_by_the_grader if ask.get("timed") else None)
+
+
+def _judged_by_the_grader():
+    raise RuntimeError("a case's CPU budget is computed and judged on the grader's side")

@@ -531,3 +531,78 @@ def test_view_draws_shared_memory_of_a_numba_block(tmp_path):
         (view.cells["K_j"][:, 4:] == UNTOUCHED).all()
     assert "block 0 wrote 64 elements of K_j (rows 0..15, columns 0..3); by 8 threads" in \
         view.status
+
+
+# ------------------------------------------------------------------------------------------
+# (e) a wrong output traced back to the store that wrote it
+# ------------------------------------------------------------------------------------------
+
+
+def _expected_O(args, causal):
+    Q, K, V = (a.double().numpy() for a in args[:3])
+    return reference.naive_attention(Q, K, V, causal=causal)[0]
+
+
+@needs_triton
+def test_a_wrong_diagonal_is_found_in_the_store_that_wrote_it(tmp_path):
+    """Keys strictly below the diagonal (< for <=): every row loses its own key; the first
+    store with wrong elements is program 0's store of O, and row 0 (no key left) is NaN."""
+    kernel = solved("triton_forward_kernel", tmp_path, replace=[(
+        "(cols[None, :] <= rows[:, None])", "(cols[None, :] < rows[:, None])")])
+    args = _forward_args(20, 20, 16)
+    trace = trace_kernel(kernel, (2,), *args, D=16, Br=16, Bc=16, CAUSAL=True)
+    found = trace.compare("O", _expected_O(args, True))
+    assert not found.agrees and found.nan
+    assert found.first.program == (0, 0, 0) and found.first.kind == "store"
+    assert found.first.line == line_of(kernel, "tl.store(O + rows")
+    assert {r for r, _ in found.elements} == set(range(16))  # every row of the tile
+    assert found.wrong > 300 and found.never_stored == []  # a few land within 1e-3 by chance
+    got, want = args[3].double().numpy(), _expected_O(args, True)
+    wrong = ~(np.abs(got - want) <= 1e-3 * (1 + np.abs(want)))
+    assert set(found.elements) == {(r, c) for r, c in np.argwhere(wrong) if r < 16}
+    text = found.verdict
+    assert text.startswith(f"O is wrong in {found.wrong} of 320 elements (NaN among them).")
+    assert f"First: program 0 stored {len(found.elements)} wrong of the 256 it wrote there, " \
+        "rows 0..15, columns 0..15 (line" in text
+    view = found.view()
+    assert view.program == (0, 0, 0) and view.access is found.first
+    cells = view.cells["O"]  # wrong (5) wins over "this access" (3), the rest of the tile
+    assert ((cells[:16] == 5) == wrong[:16]).all() and (cells[:16][~wrong[:16]] == 3).all()
+
+
+@needs_triton
+def test_a_right_kernel_agrees_and_rows_no_program_stored_are_named(tmp_path):
+    kernel = solved("triton_forward_kernel", tmp_path)
+    args = _forward_args(20, 20, 16)
+    args[3].fill_(float("nan"))  # O as torch.empty may leave it
+    trace = trace_kernel(kernel, (2,), *args, D=16, Br=16, Bc=16, CAUSAL=False)
+    right = trace.compare("O", _expected_O(args, False), tol=1e-5)
+    assert right.agrees and right.verdict == "O is right in all 320 elements (within 1e-05)."
+    args[3].fill_(float("nan"))
+    short = trace_kernel(kernel, (1,), *args, D=16, Br=16, Bc=16, CAUSAL=False)
+    missing = short.compare("O", _expected_O(args, False))
+    assert missing.first is None and missing.wrong == 4 * 16
+    assert {r for r, _ in missing.never_stored} == set(range(16, 20))
+    assert "No program stored rows 16..19 of O" in missing.verdict
+    with pytest.raises(ValueError, match="tensor: 'P'"):
+        trace.compare("P", _expected_O(args, False))
+    with pytest.raises(ValueError, match=r"expected: shape \(20,\)"):
+        trace.compare("O", np.zeros(20))
+    with pytest.raises(ValueError, match="tol"):
+        trace.compare("O", _expected_O(args, False), tol=-1)
+
+
+def test_numba_output_compared_block_by_block(tmp_path):
+    if not NUMBA:
+        pytest.skip("numba's CUDA simulator is off here (a GPU machine): trace_kernel needs it")
+    kernel = solved("numba_forward_kernel", tmp_path, replace=[("L[i] = ", "L[i] = 1.0 + ")])
+    rng = np.random.default_rng(4)
+    Q, K, V = (rng.standard_normal((n, 4)).astype(np.float32) for n in (16, 20, 20))
+    O, L = np.full((16, 4), np.nan, np.float32), np.full(16, np.nan, np.float32)
+    trace = trace_kernel(kernel, (2, 8), Q, K, V, O, L, np.float32(0.5), False)
+    _, L_ref = reference.naive_attention(*(a.astype(np.float64) for a in (Q, K, V)), scale=0.5)
+    found = trace.compare("L", L_ref)
+    assert found.first.program == (0, 0, 0) and found.wrong == 16
+    assert {r for r, _ in found.elements} == set(range(8))  # block 0 wrote L[0..7]
+    assert trace.compare("O", reference.naive_attention(
+        *(a.astype(np.float64) for a in (Q, K, V)), scale=0.5)[0]).agrees

@@ -6,6 +6,7 @@
     BlockMaskEditor()      # click tiles of a block-sparse mask; model, check and time it
     compare_trace(my_flash_forward, Q, K, V, 16, 16)   # your kernel beside the reference
     trace_kernel(my_kernel, (Tr,), Q, K, V, ...)      # your GPU kernel's loads and stores
+    trace.compare("O", O_expected)                  # the first store that wrote a wrong element
 
 One notebook, one state: ``TileLoopStepper(state=editor.state)`` and
 ``SRAMOccupancy(state=editor.state)`` follow a mask editor (:mod:`flashedu.viz.state`).

@@ -104,6 +104,7 @@ class KernelTrace:
         self._records: dict = records
         self.error: LearnerError | None = None
         self.exception: BaseException | None = None
+        self.values: dict = {}  # tensor name -> the argument itself (its values after the launch)
 
     # ----- queries ---------------------------------------------------------------------------
     def program_id(self, program) -> tuple[int, int, int]:
@@ -147,6 +148,49 @@ class KernelTrace:
             if a.tensor is not None:
                 out[(a.tensor, a.kind)] = out.get((a.tensor, a.kind), 0) + len(a.elements)
         return out
+
+    def compare(self, tensor: str, expected, tol: float = 1e-3) -> "StoreComparison":
+        """Where ``tensor`` went wrong, element by element: its values after the launch
+        against ``expected`` (same shape), and the first program, in the order they ran, whose
+        stores wrote a wrong element (``|got - expected| > tol * (1 + |expected|)``, NaN
+        wrong), with the access that stored it; elements no program stored are named apart.
+        A kernel's output is right or wrong where a store put it: that store's program and
+        line are where to look (``view()`` opens there)."""
+        if tensor not in self.values:
+            raise ValueError(f"tensor: {tensor!r} is not an argument of the traced launch; "
+                             f"the traced tensors are {', '.join(self.values) or 'none'}")
+        got = _as_float64(self.values[tensor])
+        want = _as_float64(expected)
+        if want.shape != got.shape:
+            raise ValueError(f"expected: shape {tuple(want.shape)}, but {tensor} has shape "
+                             f"{tuple(got.shape)}")
+        if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
+            raise ValueError(f"tol: {tol!r}; expected a number >= 0")
+        with np.errstate(invalid="ignore"):
+            gap = np.abs(got - want) / (1.0 + np.abs(want))
+            same_inf = np.isinf(want) & (got == want)
+        wrong = ~same_inf & ~(gap <= tol)  # NaN counts as wrong
+        wrong2 = _as_rows(wrong)
+        stored = _as_rows(self.touched(None, tensor, "store"))
+        first = None
+        for program in self.programs:
+            for a in self.accesses(program):
+                if a.kind != "store" or a.tensor != tensor or not a.elements:
+                    continue
+                rc = np.asarray(a.elements)
+                bad = wrong2[rc[:, 0], rc[:, 1]]
+                if bad.any():
+                    first = (a, [tuple(int(x) for x in e) for e in rc[bad]])
+                    break
+            if first is not None:
+                break
+        never = np.argwhere(~stored & wrong2)
+        finite = np.where(np.isfinite(gap) & wrong, gap, 0.0)
+        return StoreComparison(self, tensor, int(wrong.sum()), wrong.size,
+                               first[0] if first else None, first[1] if first else [],
+                               [tuple(int(x) for x in e) for e in never],
+                               float(finite.max()) if wrong.any() else 0.0,
+                               bool(np.isnan(got[wrong]).any()), tol)
 
     def out_of_bounds(self) -> list[Access]:
         """The accesses with lanes out of bounds, in the order the programs ran."""
@@ -268,6 +312,84 @@ class KernelTrace:
 
 def _count(n: int) -> str:
     return f"{n} element{'s' if n != 1 else ''}"
+
+
+def _as_float64(x) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor
+        x = x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _as_rows(a: np.ndarray) -> np.ndarray:
+    """As the trace counts elements: a 1-D tensor is one column, more dimensions are rows of
+    the last."""
+    if a.ndim == 0:
+        return a.reshape(1, 1)
+    return a.reshape(-1, 1) if a.ndim == 1 else a.reshape(-1, a.shape[-1])
+
+
+@dataclass
+class StoreComparison:
+    """:meth:`KernelTrace.compare`'s answer. ``first`` is the first store (in the order the
+    programs ran) that wrote a wrong element and ``elements`` its wrong (row, column)s;
+    ``never_stored`` the wrong elements no program stored."""
+
+    trace: KernelTrace
+    tensor: str
+    wrong: int  # wrong elements in all
+    size: int
+    first: Access | None
+    elements: list[tuple[int, int]]
+    never_stored: list[tuple[int, int]]
+    largest_gap: float
+    nan: bool
+    tol: float
+
+    @property
+    def agrees(self) -> bool:
+        return self.wrong == 0
+
+    @property
+    def verdict(self) -> str:
+        t, name = self.trace, self.tensor
+        if self.agrees:
+            return f"{name} is right in all {self.size} elements (within {self.tol:g})."
+        gap = "NaN among them" if self.nan else f"largest gap {self.largest_gap:.3g}"
+        parts = [f"{name} is wrong in {self.wrong} of {self.size} elements ({gap})."]
+        if t.error is not None:
+            parts.insert(0, f"Your kernel raised {t.error.type}: {t.error.message} - at "
+                         f"{t.error.where}.")
+        if self.first is not None:
+            a = self.first
+            rows = _ranges({r for r, _ in self.elements})
+            cols = _ranges({c for _, c in self.elements})
+            parts.append(f"First: {t.program_name(a.program)} stored {len(self.elements)} wrong "
+                         f"of the {len(a.elements)} it wrote there, rows {rows}, columns "
+                         f"{cols} (line {a.line}: {a.source}).")
+        if self.never_stored:
+            rows = _ranges({r for r, _ in self.never_stored})
+            parts.append(f"No program stored rows {rows} of {name}: they keep what the "
+                         "tensor held before the launch.")
+        return " ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"<StoreComparison of {self.tensor}: {self.verdict}>"
+
+    __str__ = __repr__
+
+    def view(self):
+        """The trace's view, opened at the program and the store that went wrong first, the
+        wrong elements marked."""
+        from .kernel_view import KernelTraceView
+
+        return KernelTraceView(self.trace, program=self.first.program if self.first else None,
+                               wrong={self.tensor: self.elements + self.never_stored},
+                               at=self.first)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.view())
 
 
 def _where_text(elements, shape) -> str:
@@ -475,6 +597,7 @@ def _trace_triton(kernel, grid, args, constexprs) -> KernelTrace:
     trace = KernelTrace("triton", fn.__name__, grid,
                         {n: Operand(n, tuple(t.shape)) for n, t in tensors.items()},
                         rec.records)
+    trace.values = dict(tensors)
     with _triton_hooks(rec):
         try:
             kernel[grid](*args, **constexprs)
@@ -667,6 +790,8 @@ def _trace_numba(kernel, grid, args, constexprs) -> KernelTrace:
     rec = _NumbaRecorder(fn)
     launch_args = [_watched_arg(rec, name, a) for name, a in zip(names, args)]
     trace = KernelTrace("numba", fn.__name__, blocks, rec.operands, {}, block=threads)
+    trace.values = {name: getattr(a, "_ary", a) for name, a in zip(names, args)
+                    if isinstance(getattr(a, "_ary", a), np.ndarray)}
     error = None
     with _numba_hooks(rec):
         try:

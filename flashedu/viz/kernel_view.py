@@ -4,7 +4,8 @@ Shows a :class:`flashedu.viz.kernel_trace.KernelTrace`: pick a program (a Triton
 a numba block), then step through its accesses in order. Each tensor is a small grid of its
 elements (rows down, columns across; a 1-D tensor is one column); shared memory has grids of
 its own. Orange: the elements the current access touches; blue: touched earlier by this
-program; grey with a cross: lanes the mask switched off; red: lanes out of bounds. Lanes that
+program; grey with a cross: lanes the mask switched off; red: lanes out of bounds; purple:
+elements whose value is wrong (:meth:`KernelTrace.compare`'s view). Lanes that
 point past the last row (or between the rows of a strided tensor) are drawn in a dashed area
 beyond the tensor, as if its rows went on.
 
@@ -29,13 +30,13 @@ from .kernel_trace import Access, KernelTrace
 from .render import BG, BORDER, COLORS, ERROR, FG, FG_MUTED
 
 # States of an element at the current access; a larger number wins where blocks are merged.
-UNTOUCHED, EARLIER, MASKED, CURRENT, OUT = 0, 1, 2, 3, 4
+UNTOUCHED, EARLIER, MASKED, CURRENT, OUT, WRONG = 0, 1, 2, 3, 4, 5
 STATE_NAMES = {UNTOUCHED: "untouched", EARLIER: "earlier", MASKED: "masked", CURRENT: "current",
-               OUT: "oob"}
+               OUT: "oob", WRONG: "wrong"}
 FILL = {UNTOUCHED: BG, EARLIER: COLORS["done"], MASKED: COLORS["skipped"],
-        CURRENT: COLORS["sram"], OUT: COLORS["over"]}
+        CURRENT: COLORS["sram"], OUT: COLORS["over"], WRONG: COLORS["l"]}
 LEGEND_TEXT = ((CURRENT, "this access"), (EARLIER, "earlier in this {unit}"),
-               (MASKED, "masked off"), (OUT, "out of bounds"))
+               (MASKED, "masked off"), (OUT, "out of bounds"), (WRONG, "wrong value"))
 MAX_CELLS = 40  # squares a grid draws along each axis; more elements share a square
 MAX_PAST, MAX_BEFORE, MAX_GAP = 16, 4, 8  # rows past the end, before the start, columns between
 
@@ -46,10 +47,16 @@ class KernelTraceView:
     without any), ``status`` (the access in words), ``cells`` (tensor -> array of states,
     UNTOUCHED .. OUT, one per element of the rows ``first_row[tensor]`` onwards, including the
     rows and columns drawn beyond the tensor) and ``notes`` (the program's out-of-bounds
-    accesses in words)."""
+    accesses in words). ``wrong`` ({tensor: [(row, column), ...]}) marks elements whose value
+    is wrong, at every step; ``at`` (an :class:`Access` of ``program``) is where to open."""
 
-    def __init__(self, trace: KernelTrace, program=None):
+    def __init__(self, trace: KernelTrace, program=None, wrong=None, at=None):
         self.trace = t = trace
+        self.wrong = {name: list(points) for name, points in (wrong or {}).items()}
+        unknown = [name for name in self.wrong if name not in t.tensors]
+        if unknown:
+            raise ValueError(f"wrong: {', '.join(unknown)} is not traced here; the traced "
+                             f"tensors are {', '.join(t.tensors)}")
         self.unit = "program" if t.backend == "triton" else "block"
         self.shown = [n for n in t.tensors if any(a.tensor == n for a in t.all_accesses())]
         options = [(f"{t.program_name(p)} ({len(t.accesses(p))} accesses)", p)
@@ -74,7 +81,8 @@ class KernelTraceView:
             W.HBox([self.picker, self.back_button, self.step_button, self.slider],
                    layout=W.Layout(flex_flow="row wrap", align_items="center",
                                    max_width="100%")),
-            self.status_html, self.grids, W.HTML(_legend_html(self.unit)), self.notes_html,
+            self.status_html, self.grids, W.HTML(_legend_html(self.unit, bool(self.wrong))),
+            self.notes_html,
         ], layout=W.Layout(max_width="100%", overflow="hidden"))
         self.widget.add_class("flashedu-kernel-trace")
         self.widget.add_class("flashedu-live")
@@ -82,6 +90,8 @@ class KernelTraceView:
         self.picker.observe(lambda _: self._new_program(), names="value")
         self.slider.observe(lambda _: None if self._holding else self._show(), names="value")
         self._new_program()
+        if at is not None and at in self.accesses:
+            self.slider.value = self.accesses.index(at) + 1
 
     def _start(self, program) -> tuple[int, int, int]:
         """The program to open at: ``program``, else the first that goes out of bounds, else
@@ -178,6 +188,7 @@ class KernelTraceView:
             paint(a.masked, MASKED)
             paint(a.elements, CURRENT)
             paint(a.outside, OUT)
+        paint(self.wrong.get(name, []), WRONG)
         return cells
 
     # ----- drawing -----------------------------------------------------------------------------
@@ -195,7 +206,7 @@ class KernelTraceView:
                 f"{html.escape(t.headline)}</div>")
 
     def static_png(self) -> bytes:
-        return static.stack_png([_legend_drawing(self.unit)] + self.drawings(),
+        return static.stack_png([_legend_drawing(self.unit, bool(self.wrong))] + self.drawings(),
                                 textwrap.shorten(self.status, 160, placeholder=" ..."))
 
     def _repr_mimebundle_(self, **kwargs):
@@ -293,7 +304,11 @@ def _grid(trace: KernelTrace, name: str, cells: np.ndarray, top: int, u: float) 
     return d
 
 
-def _legend_html(unit: str) -> str:
+def _legend(wrong: bool):
+    return [(s, text) for s, text in LEGEND_TEXT if wrong or s != WRONG]
+
+
+def _legend_html(unit: str, wrong: bool = False) -> str:
     def swatch(state):
         return (f"<span style='display:inline-block;width:12px;height:12px;"
                 f"background:{FILL[state]};border:1px solid {BORDER};vertical-align:middle'>"
@@ -301,14 +316,14 @@ def _legend_html(unit: str) -> str:
 
     return ("<div class='fe-legend' style='font-size:12px'>"
             + " ".join(f"<span style='white-space:nowrap'>{swatch(s)} "
-                       f"{text.format(unit=unit)}</span> &nbsp;" for s, text in LEGEND_TEXT)
+                       f"{text.format(unit=unit)}</span> &nbsp;" for s, text in _legend(wrong))
             + " &nbsp; dashed: where lanes point beyond the tensor</div>")
 
 
-def _legend_drawing(unit: str) -> Drawing:
-    d = Drawing(560, 22)
+def _legend_drawing(unit: str, wrong: bool = False) -> Drawing:
+    d = Drawing(660, 22)
     x = 4.0
-    for state, text in LEGEND_TEXT:
+    for state, text in _legend(wrong):
         text = text.format(unit=unit)
         d.rect(x, 5, 12, 12, FILL[state], BORDER)
         d.text(x + 16, 11, text, FG, size=11, anchor="start")

@@ -46,7 +46,23 @@ DEMO_CELLS = [
     "sram = SRAMOccupancy()\nsram",
     "editor = BlockMaskEditor(tiles=6)\neditor",
     "linked = TileLoopStepper(state=editor.state)\nlinked",
+    # a learner's Triton kernel whose load has no mask: its last program reads past the end of x
+    "import torch\nimport triton\nimport triton.language as tl\n"
+    "from flashedu.viz import trace_kernel\n\n\n"
+    "@triton.jit\ndef copy(x, out, N, BLOCK: tl.constexpr):\n"
+    "    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+    "    tl.store(out + i, tl.load(x + i), mask=i < N)\n\n\n"
+    "trace = trace_kernel(copy, 3, torch.arange(10.0), torch.zeros(10), 10, BLOCK=4)\ntrace",
+    # and a numba kernel with shared memory
+    "import numpy as np\nfrom numba import cuda, float64\n\n\n"
+    "@cuda.jit\ndef reverse_in_block(a, out):\n"
+    "    tile = cuda.shared.array(4, float64)\n"
+    "    t, i = cuda.threadIdx.x, cuda.grid(1)\n"
+    "    tile[t] = a[i]\n    cuda.syncthreads()\n    out[i] = tile[3 - t]\n\n\n"
+    "numba_trace = trace_kernel(reverse_in_block, (2, 4), np.arange(8.0), np.zeros(8))\n"
+    "numba_trace",
 ]
+TRACE_CELLS = (5, 6)  # the cells above that show a kernel trace
 
 
 def _free_port() -> int:
@@ -264,6 +280,35 @@ def test_sram_widget_redraws_and_agrees_with_its_table(page):
     _shot(page, shots, "light_theme.png")
 
 
+def test_kernel_tracer_on_a_learners_triton_and_numba_kernels(page):
+    from playwright.sync_api import expect
+
+    page, shots, *_ = page
+    page.locator(".flashedu-kernel-trace").nth(1).wait_for(timeout=90_000)
+    page.wait_for_function(KERNEL_IDLE)
+    tracer = page.locator(".flashedu-kernel-trace").first
+    # it opens at program 2, whose unmasked load runs past x: two lanes, red, beyond the tensor
+    expect(tracer.locator(".fe-kernel-headline")).to_contain_text("out of bounds")
+    status = tracer.locator(".fe-kernel-status")
+    expect(status).to_contain_text("access 1 of 2: program 2 loaded 2 elements of x")
+    expect(tracer.locator("rect.cell.oob.beyond")).to_have_count(2)
+    expect(tracer.locator("rect.cell.current")).to_have_count(2)  # x[8], x[9]
+    tracer.get_by_role("button", name="step ▶").click()
+    expect(status).to_contain_text("access 2 of 2: program 2 stored 2 elements of out")
+    expect(tracer.locator("rect.cell.oob")).to_have_count(0)  # the store's mask held
+    tracer.locator("select").select_option(label="program 0 (2 accesses)")
+    expect(status).to_contain_text("access 1 of 2: program 0 loaded 4 elements of x")
+    _shot(page, shots, "light_kernel_trace.png", tracer)
+    blocks = page.locator(".flashedu-kernel-trace").nth(1)
+    expect(blocks.locator(".fe-kernel-headline")).to_contain_text("none out of bounds")
+    expect(blocks.locator("svg.fe-kernel-grid")).to_have_count(3)  # a, out and the shared tile
+    expect(blocks.locator(".fe-kernel-status")).to_contain_text("block 0 read 4 elements of a")
+    blocks.get_by_role("button", name="step ▶").click()
+    expect(blocks.locator(".fe-kernel-status")).to_contain_text("block 0 wrote 4 elements of")
+    expect(blocks.locator("svg.fe-kernel-grid").nth(2)).to_contain_text("shared")
+    _shot(page, shots, "light_numba_trace.png", blocks)
+
+
 def _luminance(rgb: str) -> float:
     r, g, b = (int(x) for x in re.findall(r"\d+", rgb)[:3])
     return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
@@ -278,10 +323,14 @@ def test_dark_theme_labels_are_readable(page):
     stepper = page.locator(".flashedu-stepper").first
     background = page.evaluate("getComputedStyle(document.querySelector('.jp-Notebook'))"
                                ".backgroundColor")
-    for selector in ("svg.fe-tiles text", "svg.fe-chart text"):
-        label = stepper.locator(selector).first
+    tracer = page.locator(".flashedu-kernel-trace").first
+    for root, selector in ((stepper, "svg.fe-tiles text"), (stepper, "svg.fe-chart text"),
+                           (tracer, "svg.fe-kernel-grid text")):
+        label = root.locator(selector).first
         fill = label.evaluate("e => getComputedStyle(e).fill")
         assert _luminance(fill) - _luminance(background) > 0.4, (selector, fill, background)
+    status = tracer.locator(".fe-kernel-status")
+    assert _luminance(status.evaluate("e => getComputedStyle(e).color")) > 0.5
     status = stepper.locator(".fe-status")
     color = status.evaluate("e => getComputedStyle(e).color")
     assert _luminance(color) > 0.5, color
@@ -297,7 +346,8 @@ def test_narrow_window_with_the_file_browser_open(page):
     page.evaluate("window.jupyterapp.shell.activateById('filebrowser')")
     page.wait_for_function("() => !window.jupyterapp.shell.leftCollapsed")
     page.wait_for_timeout(800)
-    for widget in (".flashedu-stepper", ".flashedu-mask-editor", ".flashedu-sram"):
+    for widget in (".flashedu-stepper", ".flashedu-mask-editor", ".flashedu-sram",
+                   ".flashedu-kernel-trace"):
         root = page.locator(widget).first
         outside = root.evaluate("""root => {
             const area = root.closest('.jp-OutputArea-output').getBoundingClientRect();
@@ -331,7 +381,7 @@ def test_saved_notebook_shows_pictures_after_reopening(page):
                               method="DELETE"))  # the kernel and its widget models are gone
     page.goto(f"{url}/lab/tree/demo.ipynb?token={token}")
     page.wait_for_function(KERNEL_IDLE)
-    for cell in (1, 2, 3, 4):
+    for cell in (1, 2, 3, 4, *TRACE_CELLS):
         out = _cell_output(page, cell)
         expect(out.locator(".jp-RenderedImage img")).to_be_visible()
         expect(out.locator(".flashedu-live")).to_have_count(0)

@@ -271,12 +271,13 @@ def test_sram_widget_redraws_and_agrees_with_its_table(page):
     fit = sram.locator(".fe-fit")
     expect(fit).to_have_text("fits")
     expect(sram).to_contain_text("99.0 MiB")  # FA1 with Bc = 64 at N = 4096, fp16
-    bar, effect = sram.locator("img").first, sram.locator("img").nth(1)
-    drawn_for_a100 = bar.get_attribute("src"), effect.get_attribute("src")
+    bar, effect = sram.locator("svg.fe-sram-bar"), sram.locator("svg.fe-block-size-effect")
+    expect(bar.locator("text.fe-legend").first).to_have_text("SM capacity")
+    drawn_for_a100 = effect.inner_html()
     sram.locator("select").first.select_option("T4")  # 64 KiB per SM: the 113 KiB tile overflows
     expect(fit).to_have_text("does not fit")
-    expect(bar).not_to_have_attribute("src", drawn_for_a100[0])  # both charts were redrawn
-    expect(effect).not_to_have_attribute("src", drawn_for_a100[1])
+    expect(bar.locator("text.fe-legend").first).to_have_text("SM capacity (exceeded)")
+    assert effect.inner_html() != drawn_for_a100  # both charts were redrawn
     _shot(page, shots, "light_theme.png")
 
 
@@ -324,8 +325,9 @@ def test_dark_theme_labels_are_readable(page):
     background = page.evaluate("getComputedStyle(document.querySelector('.jp-Notebook'))"
                                ".backgroundColor")
     tracer = page.locator(".flashedu-kernel-trace").first
+    sram = page.locator(".flashedu-sram")
     for root, selector in ((stepper, "svg.fe-tiles text"), (stepper, "svg.fe-chart text"),
-                           (tracer, "svg.fe-kernel-grid text")):
+                           (tracer, "svg.fe-kernel-grid text"), (sram, "text.fe-legend")):
         label = root.locator(selector).first
         fill = label.evaluate("e => getComputedStyle(e).fill")
         assert _luminance(fill) - _luminance(background) > 0.4, (selector, fill, background)
@@ -366,6 +368,54 @@ def test_narrow_window_with_the_file_browser_open(page):
     assert slider.bounding_box()["width"] > 200  # the position slider does not collapse
     _shot(page, shots, "narrow_1024.png")
     page.set_viewport_size({"width": 1400, "height": 2400})
+
+
+def test_controls_and_the_picture_they_move_fit_a_laptop_screen(page):
+    """At 1024 x 768 with the file browser open, the stepper's step button, its status and the
+    whole tile grid are on one screen, and so are the SRAM widget's controls and its bar chart;
+    the charts' legends are drawn at 10.5 px or more."""
+    page, shots, *_ = page
+    page.set_viewport_size({"width": 1024, "height": 768})
+    page.wait_for_timeout(500)
+    panel = page.locator(".jp-NotebookPanel-notebook").first.bounding_box()
+    for root, top, bottom in ((".flashedu-stepper", ".widget-button", "svg.fe-tiles"),
+                              (".flashedu-sram", "select", "svg.fe-sram-bar")):
+        widget = page.locator(root).first
+        first, last = widget.locator(top).first, widget.locator(bottom).first
+        first.evaluate("e => e.scrollIntoView({block: 'start'})")  # as a learner scrolls
+        page.wait_for_timeout(200)
+        a, b = first.bounding_box(), last.bounding_box()
+        assert a["y"] >= panel["y"] - 1, (root, a, panel)
+        assert b["y"] + b["height"] <= panel["y"] + panel["height"], (root, a, b, panel)
+        _shot(page, shots, f"laptop_{root.strip('.')}.png")
+    # the charts are not scaled down past legibility beside the file browser
+    for chart in page.locator(".flashedu-sram svg").all():
+        px = chart.evaluate("svg => svg.getBoundingClientRect().width / svg.width.baseVal.value"
+                            " * parseFloat(getComputedStyle(svg.querySelector('text.fe-legend'))"
+                            ".fontSize)")
+        assert px >= 10.5, px
+    page.set_viewport_size({"width": 1400, "height": 2400})
+
+
+def test_a_kernel_restart_leaves_the_picture_and_says_run_the_cell_again(page):
+    """After a restart the views stay without their models: their controls would do nothing.
+    Each widget hides them, says to run the cell again, and shows its last picture."""
+    from playwright.sync_api import expect
+
+    page, shots, *_ = page
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+                  ".restart()")
+    page.wait_for_function(KERNEL_IDLE)
+    for cell in (1, 2, 3, 4, *TRACE_CELLS):
+        out = _cell_output(page, cell)
+        root = out.locator(".flashedu-live")
+        expect(root).to_have_class(re.compile("jupyter-widgets-disconnected"))
+        expect(out.locator(".jp-RenderedImage img")).to_be_visible()
+        for control in root.locator("button, select, input, svg").all():
+            expect(control).to_be_hidden()
+        note = root.evaluate("e => getComputedStyle(e, '::before').content")
+        assert "run the cell again" in note, note
+    _shot(page, shots, "after_restart.png")
 
 
 def test_saved_notebook_shows_pictures_after_reopening(page):

@@ -5,6 +5,7 @@ is right: the stepper's counters are the trace's, and equal flashedu.io's count 
 """
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -197,7 +198,8 @@ def test_sram_ties_tile_to_the_papers_M_and_traffic():
     w.configure(Br=32, Bc=32)
     assert w.predicted["FA1 (K/V outer)"] > small  # smaller tiles, more HBM passes
     assert w.predicted["standard attention"] == io.standard_attention_hbm_elements(2048, 64) * 2
-    assert w.bar.value[:4] == b"\x89PNG" and w.effect.value[:4] == b"\x89PNG"
+    assert w.bar.value.startswith("<svg") and w.effect.value.startswith("<svg")
+    assert w.static_png()[:4] == b"\x89PNG"  # the saved notebook's picture of both charts
 
 
 def test_sram_chart_places_a_non_square_tile_where_each_order_depends_on_it():
@@ -864,16 +866,28 @@ def test_linked_stepper_shows_the_mask_and_no_tile_at_position_0():
 
 
 def test_sram_capacity_line_has_its_own_colour_on_top_of_the_bars():
-    from matplotlib.colors import same_color
-
-    from flashedu.viz import sram
-
     w = SRAMOccupancy(gpu="T4", Br=256, Bc=256, d=128)  # over capacity: the line inside a bar
-    ax = sram.bar_figure(w.footprint, w.capacity_bytes, "t").axes[0]
-    (line,) = ax.lines
-    bars = ax.patches
-    assert not any(same_color(line.get_color(), b.get_facecolor()) for b in bars)
-    assert line.get_zorder() > max(b.get_zorder() for b in bars)
+    bar = w.drawings[0]
+    kinds = [(s[0], s[-1] if s[0] == "line" else s[-3]) for s in bar.shapes]
+    buffers = [i for i, (k, cls) in enumerate(kinds) if k == "rect" and cls == "fe-buffer"]
+    (line,) = [i for i, (k, cls) in enumerate(kinds) if k == "line" and cls == "fe-capacity"]
+    assert len(buffers) == len(w.footprint)
+    assert bar.shapes[line][5] not in {bar.shapes[i][5] for i in buffers}  # stroke vs fills
+    assert line > max(buffers)  # drawn after them: on top
+    assert "SM capacity (exceeded)" in w.bar.value
+
+
+def test_sram_charts_follow_the_theme_with_legible_legends():
+    """The charts are inline SVG whose text takes JupyterLab's theme colours, legends at 11 px,
+    not white PNGs with 5 px legends in the dark theme."""
+    w = SRAMOccupancy()
+    for svg in (w.bar.value, w.effect.value):
+        assert "var(--jp-ui-font-color1" in svg and "image/png" not in svg
+        sizes = [int(x) for x in re.findall(r"class='fe-legend'[^>]*font-size:(\d+)px", svg)]
+        assert sizes and min(sizes) >= 11
+    legend = re.findall(r"class='fe-legend'[^>]*>([^<]+)<", w.effect.value)
+    assert legend[:3] == ["FA1 (K/V outer)", "FA2 (Q outer)", "standard attention"]
+    assert "your tile 128 x 64" in legend and "largest fitting B = 112" in legend
 
 
 def test_linked_stepper_takes_long_masks_and_names_only_enabled_controls():

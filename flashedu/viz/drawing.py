@@ -28,8 +28,14 @@ class Drawing:
         self.width, self.height, self.css_class = width, height, css_class
         self.shapes: list[tuple] = []
 
-    def rect(self, x, y, w, h, fill, stroke="#555", stroke_width=1.0, dash="", cls="", data=""):
-        self.shapes.append(("rect", x, y, w, h, fill, stroke, stroke_width, dash, cls, data))
+    def rect(self, x, y, w, h, fill, stroke="#555", stroke_width=1.0, dash="", cls="", data="",
+             opacity=1.0):
+        self.shapes.append(("rect", x, y, w, h, fill, stroke, stroke_width, dash, cls, data,
+                            opacity))
+
+    def polygon(self, points, fill, stroke, width=1.0, cls=""):
+        """A closed, filled shape (a marker)."""
+        self.shapes.append(("polygon", tuple(points), fill, stroke, width, cls))
 
     def line(self, x1, y1, x2, y2, stroke, width=1.0, dash="", cls=""):
         self.shapes.append(("line", x1, y1, x2, y2, stroke, width, dash, cls))
@@ -46,10 +52,16 @@ class Drawing:
         for s in self.shapes:
             kind = s[0]
             if kind == "rect":
-                _, x, y, w, h, fill, stroke, sw, dash, cls, data = s
+                _, x, y, w, h, fill, stroke, sw, dash, cls, data, opacity = s
+                alpha = f";fill-opacity:{opacity}" if opacity != 1.0 else ""
                 out.append(f"<rect{_cls(cls)}{data} x='{x:.1f}' y='{y:.1f}' width='{w:.1f}' "
                            f"height='{h:.1f}' style='fill:{fill};stroke:{stroke};"
-                           f"stroke-width:{sw}{_dash(dash)}'/>")
+                           f"stroke-width:{sw}{_dash(dash)}{alpha}'/>")
+            elif kind == "polygon":
+                _, pts, fill, stroke, width, cls = s
+                p = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
+                out.append(f"<polygon{_cls(cls)} points='{p}' style='fill:{fill};"
+                           f"stroke:{stroke};stroke-width:{width}'/>")
             elif kind == "line":
                 _, x1, y1, x2, y2, stroke, width, dash, cls = s
                 out.append(f"<line{_cls(cls)} x1='{x1:.1f}' y1='{y1:.1f}' x2='{x2:.1f}' "
@@ -77,7 +89,8 @@ class Drawing:
     def draw_into(self, ax) -> None:
         """Draw on a matplotlib Axes whose data coordinates are this drawing's pixels."""
         from matplotlib.collections import PatchCollection
-        from matplotlib.patches import Rectangle
+        from matplotlib.colors import to_rgba
+        from matplotlib.patches import Polygon, Rectangle
 
         ax.set_xlim(0, self.width)
         ax.set_ylim(self.height, 0)
@@ -87,10 +100,17 @@ class Drawing:
         for s in self.shapes:
             kind = s[0]
             if kind == "rect":
-                _, x, y, w, h, fill, stroke, sw, dash, _, _ = s
-                rects.append(Rectangle((x, y), w, h, facecolor=_plain(fill),
+                _, x, y, w, h, fill, stroke, sw, dash, _, _, opacity = s
+                face = _plain(fill)
+                if face != "none" and opacity != 1.0:
+                    face = to_rgba(face, opacity)
+                rects.append(Rectangle((x, y), w, h, facecolor=face,
                                        edgecolor=_plain(stroke), lw=sw * k,
                                        ls="--" if dash else "-"))
+            elif kind == "polygon":
+                _, pts, fill, stroke, width, _ = s
+                ax.add_patch(Polygon(pts, closed=True, facecolor=_plain(fill),
+                                     edgecolor=_plain(stroke), lw=width * k, zorder=3))
             elif kind == "line":
                 _, x1, y1, x2, y2, stroke, width, dash, _ = s
                 ax.plot([x1, x2], [y1, y2], color=_plain(stroke), lw=width * k,

@@ -18,37 +18,13 @@ import ipywidgets as W
 
 from .. import io
 from . import static
-from .charts import block_size_effect
+from .charts import block_size_effect, sram_bar
 from .controls import set_quietly
-from .render import FG_MUTED, kib, new_figure, png
+from .render import FG_MUTED, kib
 
 TILES = [16, 32, 64, 128, 256, 512]
 ORDER_NAMES = {"kv_outer": "FA1 (K/V outer)", "q_outer": "FA2 (Q outer)"}
-BAR_COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1"]
-CAPACITY_COLOR = "#1f1f1f"  # no buffer's colour, so the line never vanishes into a bar
 SHARED = ("N", "d", "dtype", "gpu")  # the settings a linked widget shares with the editor
-
-
-def bar_figure(footprint: dict, capacity: int, title: str):
-    """A horizontal stacked bar of what one thread block keeps in shared memory, against the
-    SM's capacity: a dashed line in a colour of its own, drawn on top of the bars."""
-    fig = new_figure(8.0, 2.1)
-    ax = fig.subplots()
-    start = 0.0
-    for (name, nbytes), color in zip(footprint.items(), BAR_COLORS):
-        ax.barh(0, nbytes / 1024, left=start, color=color, edgecolor="k", lw=0.5, label=name,
-                zorder=2)
-        start += nbytes / 1024
-    over = start * 1024 > capacity
-    ax.axvline(capacity / 1024, color=CAPACITY_COLOR, ls="--", lw=2, zorder=5,
-               label="SM capacity (exceeded)" if over else "SM capacity")
-    ax.set_xlim(0, max(start * 1024, capacity) * 1.08 / 1024)
-    ax.set_yticks([])
-    ax.set_xlabel("KiB of shared memory (SRAM) per thread block", fontsize=8)
-    ax.set_title(title, fontsize=9)
-    ax.tick_params(labelsize=7)
-    fig.legend(ncol=8, fontsize=7, frameon=False, loc="outside lower center")
-    return fig
 
 
 @functools.lru_cache(maxsize=512)
@@ -80,9 +56,10 @@ class SRAMOccupancy:
                             layout=_narrow()),
         }
         self.linked_note = W.HTML()
-        self.summary = W.HTML()
-        self.bar = W.Image(format="png", layout=_image())
-        self.effect = W.Image(format="png", layout=_image())
+        self.summary = W.HTML()  # the fit, above the charts
+        self.details = W.HTML()  # the paper's M and the traffic table, below them
+        self.bar = W.HTML(layout=_chart())
+        self.effect = W.HTML(layout=_chart())
         wrap = dict(flex_flow="row wrap", align_items="center", max_width="100%")
         self.widget = W.VBox([
             W.HTML(static.HIDE_WHEN_LIVE
@@ -90,7 +67,7 @@ class SRAMOccupancy:
             self.linked_note,
             W.HBox([c["gpu"], c["dtype"], c["stages"]], layout=W.Layout(**wrap)),
             W.HBox([c["Br"], c["Bc"], c["d"], c["N"]], layout=W.Layout(**wrap)),
-            self.summary, self.bar, self.effect,
+            self.summary, self.bar, self.effect, self.details,
         ], layout=W.Layout(max_width="100%", overflow="hidden"))
         self.widget.add_class("flashedu-sram")
         self.widget.add_class("flashedu-live")
@@ -145,17 +122,7 @@ class SRAMOccupancy:
 
     def static_png(self) -> bytes:
         """The two charts stacked, as the widget shows them."""
-        from io import BytesIO
-
-        from PIL import Image
-
-        a, b = (Image.open(BytesIO(x)) for x in (self.bar.value, self.effect.value))
-        out = Image.new("RGB", (max(a.width, b.width), a.height + b.height), "white")
-        out.paste(a, (0, 0))
-        out.paste(b, (0, a.height))
-        buf = BytesIO()
-        out.save(buf, format="PNG")
-        return buf.getvalue()
+        return static.stack_png(self.drawings, "SRAM occupancy of one thread block")
 
     def configure(self, **values) -> None:
         """Set several controls (keys of ``controls``) and redraw once."""
@@ -180,15 +147,16 @@ class SRAMOccupancy:
                for o in ORDER_NAMES},
             "Theorem 2: N²d²/M": io.flash_hbm_elements_theta(N, d, self.paper_M) * isz,
         }
-        self.summary.value = self._summary_html(v, gpu)
+        self.summary.value, self.details.value = self._summary_html(v, gpu)
         self.linked_note.value = self._linked_html(v) if self.state is not None else ""
-        self.bar.value = png(bar_figure(self.footprint, self.capacity_bytes,
-                                        f"{gpu.name}: {kib(self.total_bytes)} of "
-                                        f"{kib(self.capacity_bytes)} per SM"))
-        self.effect.value = self._effect_png(N, d, dtype, stages, isz, gpu, v)
+        self.drawings = [
+            sram_bar(self.footprint, self.capacity_bytes,
+                     f"{gpu.name}: {kib(self.total_bytes)} of {kib(self.capacity_bytes)} per SM"),
+            self._effect(N, d, dtype, stages, isz, gpu, v)]
+        self.bar.value, self.effect.value = (x.svg() for x in self.drawings)
         static.update(self)
 
-    def _effect_png(self, N, d, dtype, stages, isz, gpu, v) -> bytes:
+    def _effect(self, N, d, dtype, stages, isz, gpu, v):
         tiles = [B for B in TILES if B <= N]
         traffic = {ORDER_NAMES[o]: [_traffic(N, d, B, o, isz) for B in tiles] for o in ORDER_NAMES}
         traffic["standard attention"] = [self.predicted["standard attention"]] * len(tiles)
@@ -216,7 +184,7 @@ class SRAMOccupancy:
                 "change here changes the editor too); Br and Bc are the editor's tiles." + where
                 + "</small>")
 
-    def _summary_html(self, v, gpu) -> str:
+    def _summary_html(self, v, gpu) -> tuple[str, str]:
         if self.fits:
             flag = (f"<b class='fe-fit' style='color:var(--jp-success-color1, #2a7d2a)'>fits</b>: "
                     f"{kib(self.capacity_bytes - self.total_bytes)} to spare")
@@ -231,8 +199,9 @@ class SRAMOccupancy:
         return (
             f"Br = {v['Br']}, Bc = {v['Bc']}, d = {v['d']}, {v['dtype']}, {v['stages']} stage(s): "
             f"<b>{kib(self.total_bytes)}</b> of {kib(self.capacity_bytes)} shared memory per SM "
-            f"({gpu.sms} SMs): {flag}.<br>"
-            f"Largest square tile that fits: <b class='fe-largest'>B = {self.largest_tile}</b>. "
+            f"({gpu.sms} SMs): {flag}. "
+            f"Largest square tile that fits: <b class='fe-largest'>B = {self.largest_tile}</b>."
+        ), (
             f"The paper's M (SRAM in elements) is {self.paper_M:,}; its Algorithm 1 picks "
             f"Bc = ceil(M / 4d) = {Bc}, Br = min(Bc, d) = {Br}.<br>"
             f"Predicted HBM traffic of one head's forward pass, N = {v['N']} "
@@ -250,6 +219,6 @@ def _narrow():
     return W.Layout(width="150px")
 
 
-def _image():
-    # no margin: ipywidgets' 2 px would push a 100 % wide image past the output area
+def _chart():
+    # no margin: ipywidgets' 2 px would push a 100 % wide chart past the output area
     return W.Layout(width="100%", max_width="850px", margin="0")

@@ -4,7 +4,8 @@ A widget lives in the kernel: after saving and reopening a notebook its view has
 JupyterLab writes "Error displaying widget". So each widget is displayed as two outputs: the
 live widget, and a PNG of what it shows (updated when what it shows changes). While the widget
 is live, a style sheet inside it hides the PNG of its own output area; in a reopened notebook
-the style sheet is gone with the widget, and the picture shows.
+the style sheet is gone with the widget, and the picture shows. After a kernel restart the
+style sheet hides the dead controls instead, says to run the cell again, and the picture shows.
 """
 
 from __future__ import annotations
@@ -14,8 +15,21 @@ import base64
 from .drawing import Drawing
 from .render import new_figure, png
 
-HIDE_WHEN_LIVE = ("<style>.jp-OutputArea:has(.flashedu-live) > "
-                  ".jp-OutputArea-child:has(.jp-RenderedImage) { display: none; }</style>")
+# After a kernel restart the widget's view stays on the page without its model: ipywidgets
+# marks every part of it `jupyter-widgets-disconnected` and clicks do nothing. Then the dead
+# controls are hidden, a line says what happened, and the picture of the last state shows.
+RESTART_NOTE = ("The kernel restarted, so this widget lost its state and its controls do "
+                "nothing: run the cell again for a live one. Below: what it showed last.")
+HIDE_WHEN_LIVE = (
+    "<style>"
+    ".jp-OutputArea:has(.flashedu-live:not(.jupyter-widgets-disconnected)) > "
+    ".jp-OutputArea-child:has(.jp-RenderedImage) { display: none; }"
+    ".flashedu-live.jupyter-widgets-disconnected > * { display: none !important; }"
+    ".flashedu-live.jupyter-widgets-disconnected::before {"
+    f" content: '{RESTART_NOTE}'; font-family: var(--jp-ui-font-family, sans-serif);"
+    " font-size: var(--jp-content-font-size1, 14px); padding: 4px 0;"
+    " color: var(--jp-warn-color0, #e65100); }"
+    "</style>")
 
 
 def stack_png(drawings: list[Drawing], title: str) -> bytes:

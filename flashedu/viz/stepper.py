@@ -103,8 +103,9 @@ class TileLoopStepper:
             self.linked_note,
             _wrap([c["Nq"], c["Nk"], c["d"], c["Br"], c["Bc"], c["causal"]]),
             _wrap([c["order"], c["mask"]]),
+            # the buttons, the status and the tiles they move stay together on a laptop screen
             _wrap([self.back_button, self.step_button, self.play, self.slider, c["row"]]),
-            self.status, self.run_info, self.counters, self.tiles, W.HTML(LEGEND),
+            self.status, self.tiles, W.HTML(LEGEND), self.counters, self.run_info,
             _wrap([self.hbm_panel, self.sram_panel]), self.charts,
         ], layout=W.Layout(max_width="100%", overflow="hidden"))
         self.widget.add_class("flashedu-stepper")

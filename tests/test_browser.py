@@ -61,8 +61,28 @@ DEMO_CELLS = [
     "    tile[t] = a[i]\n    cuda.syncthreads()\n    out[i] = tile[3 - t]\n\n\n"
     "numba_trace = trace_kernel(reverse_in_block, (2, 4), np.arange(8.0), np.zeros(8))\n"
     "numba_trace",
+    # the stepper on a learner's own loop, which forgets to rescale l_i
+    "import math\n\n\n"
+    "def my_forward(Q, K, V, Br, Bc):\n"
+    "    O, L = np.zeros_like(Q), np.zeros_like(Q, shape=len(Q))\n"
+    "    for i in range(math.ceil(len(Q) / Br)):\n"
+    "        Q_i = Q[i * Br:(i + 1) * Br]\n"
+    "        O_i, l_i, m_i = np.zeros_like(Q_i), np.zeros(len(Q_i)), np.full(len(Q_i), -np.inf)\n"
+    "        for j in range(math.ceil(len(K) / Bc)):\n"
+    "            K_j, V_j = K[j * Bc:(j + 1) * Bc], V[j * Bc:(j + 1) * Bc]\n"
+    "            S_ij = Q_i @ K_j.T / math.sqrt(Q.shape[1])\n"
+    "            m_new = np.maximum(m_i, S_ij.max(axis=1))\n"
+    "            P_ij = np.exp(S_ij - m_new[:, None])\n"
+    "            l_i = l_i + P_ij.sum(axis=1)\n"
+    "            O_i = np.exp(m_i - m_new)[:, None] * O_i + P_ij @ V_j\n"
+    "            m_i = m_new\n"
+    "        O[i * Br:(i + 1) * Br] = O_i / l_i[:, None]\n"
+    "        L[i * Br:(i + 1) * Br] = m_i + np.log(l_i)\n"
+    "    return O, L\n\n\n"
+    "TileLoopStepper(Nq=50, Nk=40, fn=my_forward)",
 ]
 TRACE_CELLS = (5, 6)  # the cells above that show a kernel trace
+LEARNER_CELL = 7  # the stepper on a learner's loop
 
 
 def _free_port() -> int:
@@ -310,6 +330,27 @@ def test_kernel_tracer_on_a_learners_triton_and_numba_kernels(page):
     _shot(page, shots, "light_numba_trace.png", blocks)
 
 
+def test_stepper_on_a_learners_own_loop_opens_where_it_differs(page):
+    from playwright.sync_api import expect
+
+    page, shots, *_ = page
+    page.locator(".flashedu-stepper").nth(2).wait_for(timeout=90_000)
+    stepper = _cell_output(page, LEARNER_CELL).locator(".flashedu-stepper")
+    expect(stepper).to_contain_text("Your my_forward's tile loop")
+    expect(stepper.locator(".fe-verdict")).to_contain_text("first divergence: step 2: l_i")
+    expect(stepper.locator(".fe-status")).to_contain_text("step 2 of 12")
+    bars = stepper.locator("svg.fe-tiles rect.row-differs")
+    assert bars.count() > 0  # the rows that differ, red inside the tile
+    expect(stepper.locator("svg.fe-m-chart")).to_contain_text("yours")
+    _shot(page, shots, "light_learner_stepper.png", stepper)
+    stepper.get_by_role("button", name="step ▶").click()
+    expect(stepper.locator(".fe-status")).to_contain_text("step 3 of 12")
+    expect(bars).to_have_count(0)
+    stepper.locator(".noUi-handle").first.press("End")  # the last step: bytes per tensor
+    expect(stepper.locator(".fe-status")).to_contain_text("step 12 of 12")
+    expect(stepper.locator(".fe-tensor-ok").first).to_contain_text("Q read")
+
+
 def _luminance(rgb: str) -> float:
     r, g, b = (int(x) for x in re.findall(r"\d+", rgb)[:3])
     return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
@@ -406,7 +447,7 @@ def test_a_kernel_restart_leaves_the_picture_and_says_run_the_cell_again(page):
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
                   ".restart()")
     page.wait_for_function(KERNEL_IDLE)
-    for cell in (1, 2, 3, 4, *TRACE_CELLS):
+    for cell in (1, 2, 3, 4, *TRACE_CELLS, LEARNER_CELL):
         out = _cell_output(page, cell)
         root = out.locator(".flashedu-live")
         expect(root).to_have_class(re.compile("jupyter-widgets-disconnected"))
@@ -431,7 +472,7 @@ def test_saved_notebook_shows_pictures_after_reopening(page):
                               method="DELETE"))  # the kernel and its widget models are gone
     page.goto(f"{url}/lab/tree/demo.ipynb?token={token}")
     page.wait_for_function(KERNEL_IDLE)
-    for cell in (1, 2, 3, 4, *TRACE_CELLS):
+    for cell in (1, 2, 3, 4, *TRACE_CELLS, LEARNER_CELL):
         out = _cell_output(page, cell)
         expect(out.locator(".jp-RenderedImage img")).to_be_visible()
         expect(out.locator(".flashedu-live")).to_have_count(0)

@@ -484,8 +484,11 @@ def test_compare_trace_names_an_error_and_displays_as_a_stepper():
     assert isinstance(view, CompareView) and view.step == 2  # opens at the divergence
     assert "first divergence: step 2" in view.verdict.value
     assert "class='tile mine-now'" in view.grid.value and "differ" in view.table.value
+    rows = bad.first_divergence.rows  # the rows that differ are red inside the tile
+    assert rows and view.grid.value.count("class='row-differs'") == len(rows)
     view.step_button.click()
     assert view.step == 3 and "step 3 of 12" in view.table.value
+    assert "row-differs" not in view.grid.value
 
 
 def test_divergence_hint_for_a_graders_message():
@@ -932,3 +935,39 @@ def test_editor_counts_tiles_that_differ_from_the_preset():
     assert e.clicked_count == 1 and "1 tile(s) clicked" in e.clicks_note.value
     e.toggle(0, 7)
     assert e.clicks_note.value == ""
+
+
+def _area(points) -> float:
+    xs, ys = np.array(points).T
+    return abs(np.dot(xs, np.roll(ys, 1)) - np.dot(ys, np.roll(xs, 1))) / 2
+
+
+def test_tiles_are_drawn_as_they_are_ragged_edges_and_the_causal_diagonal():
+    """A tile of a ragged edge is as short as its rows; inside a tile the diagonal crosses, the
+    masked elements (column > row) are one staircase of exactly their area."""
+    from flashedu.viz.tile_grid import drawing
+
+    s = TileLoopStepper(Nq=50, Nk=40, Br=16, Bc=16, causal=True)
+    d = drawing(s.timeline, s.done)
+    tiles = {sh[10].split("'")[1]: sh for sh in d.shapes if sh[0] == "rect" and sh[10]}
+    u = tiles["S0,0"][3]
+    assert tiles["S3,0"][4] == pytest.approx(u * 2 / 16)  # rows 48..49 of 50
+    assert tiles["K2"][3] == pytest.approx(u * 8 / 16)  # keys 32..39 of 40
+    assert tiles["Q3"][4] == pytest.approx(u * 2 / 16)
+    stairs = [sh[1] for sh in d.shapes if sh[0] == "polygon" and sh[-1] == "causal-masked"]
+    # (0, 0), (1, 1): 16 x 16 with 120 masked; (2, 2): rows 32..47 x keys 32..39, 28 masked
+    areas = sorted(_area(p) / (u * u / 256) for p in stairs)
+    assert areas == pytest.approx([28, 120, 120])
+
+
+def test_rows_that_differ_are_marked_inside_the_current_tile():
+    from flashedu.viz.tile_grid import drawing
+
+    s = TileLoopStepper(Nq=40, Nk=32, Br=16, Bc=16)
+    at = next(p for p in range(1, s.done + 1) if s.timeline.step_at(p).i == 2)
+    d = drawing(s.timeline, at, marks=[33, 35, 3])  # row 3 is not in tile i = 2
+    bars = [sh for sh in d.shapes if sh[0] == "rect" and sh[9] == "row-differs"]
+    assert len(bars) == 2
+    tile = next(sh for sh in d.shapes if sh[0] == "rect" and "current" in sh[9])
+    rows = {round((b[2] - tile[2]) / (tile[4] / 8)) for b in bars}
+    assert rows == {1, 3}  # rows 33 and 35 of the tile's 32..39

@@ -32,8 +32,11 @@ def line_panel(series, position: int, title: str, n: int, width=300.0, height=17
     pw, ph = width - left - right, height - top - bottom
     finite = [v for _, vals, *_ in series for v in np.asarray(vals, float) if math.isfinite(v)]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 0.5, hi + 0.5
+    if hi - lo < 1e-4 * max(1.0, abs(lo), abs(hi)):
+        # values equal up to rounding (float32 beside float64) are drawn level, not spread
+        # over the whole height
+        mid, half = (lo + hi) / 2, 0.05 * max(1.0, abs(lo), abs(hi))
+        lo, hi = mid - half, mid + half
     pad = 0.06 * (hi - lo)
     lo, hi = lo - pad, hi + pad
 
@@ -97,16 +100,22 @@ def _mark_non_finite(d: Drawing, vals, known, X, top: float, ph: float, color: s
         previous = kind
 
 
-def run_panels(tl: Timeline, stats: RowStats, position: int) -> list[Drawing]:
-    """The stepper's charts at ``position``: HBM bytes so far, and the chosen row's m_i, l_i."""
+def run_panels(tl: Timeline, stats: RowStats, position: int, mine=None) -> list[Drawing]:
+    """The stepper's charts at ``position``: HBM bytes so far, and the chosen row's m_i, l_i
+    as the online softmax gives them over this loop. ``mine``: (m, l, known) of a learner's
+    own function at each position, drawn beside them (dashed)."""
     n = tl.done
     hbm = line_panel([("read", tl.read_until / 1024, COLORS["read"], False),
                       ("written", tl.written_until / 1024, COLORS["written"], True)],
                      position, f"HBM KiB so far ({tl.trace.info['order']})", n, cls="fe-hbm")
-    m = line_panel([("m_i (running max)", stats.m, COLORS["m"], False)], position,
-                   f"row {stats.row}: m_i", n, steps=True, cls="fe-m-chart")
-    l = line_panel([("l_i (running sum)", stats.l, COLORS["l"], False)], position,
-                   f"row {stats.row}: l_i", n, steps=True, cls="fe-l-chart")
+    m_series = [("m_i (running max)", stats.m, COLORS["m"], False)]
+    l_series = [("l_i (running sum)", stats.l, COLORS["l"], False)]
+    if mine is not None:
+        m_mine, l_mine, known = mine
+        m_series.append(("yours", m_mine, COLORS["cursor"], True, known))
+        l_series.append(("yours", l_mine, COLORS["cursor"], True, known))
+    m = line_panel(m_series, position, f"row {stats.row}: m_i", n, steps=True, cls="fe-m-chart")
+    l = line_panel(l_series, position, f"row {stats.row}: l_i", n, steps=True, cls="fe-l-chart")
     return [hbm, m, l]
 
 

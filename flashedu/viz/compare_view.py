@@ -21,7 +21,7 @@ from . import static
 from .charts import line_panel
 from .drawing import Drawing
 from .learner_trace import (TraceComparison, _normalized, _ranges, _values, gap_text,
-                            row_differences)
+                            row_differences, state_series)
 from .render import BORDER, COLORS, ERROR, FG, FG_MUTED, ON_TILE
 
 OK = "var(--jp-success-color1, #2e7d32)"
@@ -76,22 +76,7 @@ class CompareView:
         self.slider.value = max(1, min(self.n, self.slider.value + delta))
 
     def _verdict_html(self) -> str:
-        c = self.comparison
-        notes = "".join(f"<br>{html.escape(n)}" for n in c.notes)
-        div = c.first_divergence
-        if div is None:
-            return (f"<div class='fe-verdict'><span style='color:{OK}'>✓ "
-                    f"{html.escape(c.headline)}</span>{notes}</div>")
-        if c.error is not None:
-            e = c.error
-            rest = str(div)[len(str(e)):].strip()
-            source = (f"<pre style='margin:2px 0 2px 12px;white-space:pre-wrap'>"
-                      f"{html.escape(e.source)}</pre>" if e.source else "<br>")
-            return (f"<div class='fe-verdict'><span style='color:{ERROR}'>✗ your function "
-                    f"raised <b>{html.escape(e.type)}</b>: {html.escape(e.message)}</span>"
-                    f"<br>at {html.escape(e.where)}:{source}{html.escape(rest)}{notes}</div>")
-        return (f"<div class='fe-verdict'><span style='color:{ERROR}'>✗ first divergence: "
-                f"{html.escape(str(div))}</span>{notes}</div>")
+        return verdict_html(self.comparison)
 
     # ----- drawing ---------------------------------------------------------------------------
     def _grid_drawing(self, k: int) -> Drawing:
@@ -99,15 +84,24 @@ class CompareView:
         Br, Bc = c.block_q, c.block_k
         Tr, Tc = math.ceil(c.Q.shape[0] / Br), math.ceil(c.K.shape[0] / Bc)
         u = max(16.0, min(36.0, 300 / max(Tr, Tc)))
-        legend = ("orange: the reference's tile now", "red dashes: yours")
+        legend = ("orange: the reference's tile now", "red dashes: yours",
+                  "red rows: where yours first differ")
         width = max(Tc * u + 60, 8 + max(len(t) for t in legend) * 6.0)  # 6 px a character
-        d = Drawing(width, Tr * u + 60, "fe-compare-grid")
+        d = Drawing(width, Tr * u + 74, "fe-compare-grid")
         x0, y0 = 40.0, 30.0
         d.text(x0 + Tc * u / 2, 10, "K/V tile j", FG, size=11)
         d.text(14, y0 + Tr * u / 2, "i", FG, size=11)
         ref_pairs = [s.pair(Br, Bc) for s in c.reference_steps]
         mine_pairs = [s.pair(Br, Bc) for s in c.steps]
         done_ref, done_mine = set(ref_pairs[:k - 1]), set(mine_pairs[:k - 1])
+        Nq, Nk = c.Q.shape[0], c.K.shape[0]
+
+        def h(i):  # tiles as they are: the last of a ragged edge is shorter
+            return u * (min((i + 1) * Br, Nq) - i * Br) / Br
+
+        def w(j):
+            return u * (min((j + 1) * Bc, Nk) - j * Bc) / Bc
+
         for i in range(Tr):
             for j in range(Tc):
                 if (i, j) not in ref_pairs:
@@ -116,18 +110,26 @@ class CompareView:
                     fill = COLORS["done"]
                 else:
                     fill = "var(--jp-layout-color0, #ffffff)"
-                d.rect(x0 + j * u, y0 + i * u, u, u, fill, BORDER, 1.0, cls="tile",
+                d.rect(x0 + j * u, y0 + i * u, w(j), h(i), fill, BORDER, 1.0, cls="tile",
                        data=f" data-name='S{i},{j}'")
         if k <= len(ref_pairs):
             i, j = ref_pairs[k - 1]
-            d.rect(x0 + j * u + 1, y0 + i * u + 1, u - 2, u - 2, COLORS["sram"], ON_TILE, 2.0,
-                   cls="tile ref-now")
-            d.text(x0 + (j + 0.5) * u, y0 + (i + 0.5) * u, "ref", ON_TILE, size=min(10, u / 3))
+            d.rect(x0 + j * u + 1, y0 + i * u + 1, w(j) - 2, h(i) - 2, COLORS["sram"], ON_TILE,
+                   2.0, cls="tile ref-now")
+            d.text(x0 + j * u + w(j) / 2, y0 + i * u + h(i) / 2, "ref", ON_TILE,
+                   size=min(10, u / 3))
+            div = c.first_divergence
+            if div is not None and k == div.step:  # the rows that differ, inside the tile
+                for r in div.rows:
+                    if i * Br <= r < (i + 1) * Br:
+                        d.rect(x0 + j * u, y0 + i * u + (r - i * Br) * u / Br, w(j),
+                               max(u / Br, 2.0), COLORS["cursor"], "none", 0,
+                               cls="row-differs", opacity=0.75)
         if k <= len(mine_pairs):
             i, j = mine_pairs[k - 1]
-            d.rect(x0 + j * u + 4, y0 + i * u + 4, u - 8, u - 8, "none", COLORS["cursor"], 2.5,
-                   "4 2", cls="tile mine-now")
-        for n, line in enumerate(legend):  # two lines: whole at any number of tiles
+            d.rect(x0 + j * u + 4, y0 + i * u + 4, max(w(j) - 8, 2), max(h(i) - 8, 2), "none",
+                   COLORS["cursor"], 2.5, "4 2", cls="tile mine-now")
+        for n, line in enumerate(legend):  # one line each: whole at any number of tiles
             d.text(4, y0 + Tr * u + 12 + 14 * n, line, FG_MUTED, size=10, anchor="start")
         return d
 
@@ -171,24 +173,9 @@ class CompareView:
                 "<th>reference</th><th>yours</th></tr>" + "".join(rows) + "</table>")
 
     def _series(self, steps, row: int, column: int):
-        """m_i, l_i and column ``column`` of O_i / l_i of ``row`` after each step (position 0:
-        before the first), and where each exists (there -inf and NaN are values, not gaps)."""
-        n = self.n + 1
-        m, l, o = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-        known, known_o = np.zeros(n, bool), np.zeros(n, bool)
-        error_step = self.comparison.error.step if self.comparison.error is not None else None
-        for x, s in enumerate(steps, start=1):
-            if steps is self.comparison.steps and x == error_step:
-                continue  # a step that raised half way has no state to show: a gap
-            m[x], l[x], o[x] = m[x - 1], l[x - 1], o[x - 1]
-            known[x], known_o[x] = known[x - 1], known_o[x - 1]
-            if s.state is None or not s.q[0] <= row < s.q[1] or len(s.state["m"]) <= row - s.q[0]:
-                continue
-            r = row - s.q[0]
-            m[x], l[x], known[x] = float(s.state["m"][r]), float(s.state["l"][r]), True
-            if "O" in s.state:
-                o[x], known_o[x] = float(_normalized(s.state)[r, column]), True
-        return m, l, o, known, known_o
+        c = self.comparison
+        skip = c.error.step if c.error is not None and steps is c.steps else None
+        return state_series(steps, row, column, self.n, skip)
 
     def _column(self, row: int) -> int:
         """The column of O_i / l_i to chart: where yours is farthest from the reference (or
@@ -240,3 +227,22 @@ class CompareView:
     def _ipython_display_(self):
         static.display_with_fallback(self)
 
+
+def verdict_html(c: TraceComparison) -> str:
+    """The comparison's verdict as HTML: the learner's exception and its line first, else the
+    first difference, else what agrees; then what was not compared."""
+    notes = "".join(f"<br>{html.escape(n)}" for n in c.notes)
+    div = c.first_divergence
+    if div is None:
+        return (f"<div class='fe-verdict'><span style='color:{OK}'>✓ "
+                f"{html.escape(c.headline)}</span>{notes}</div>")
+    if c.error is not None:
+        e = c.error
+        rest = str(div)[len(str(e)):].strip()
+        source = (f"<pre style='margin:2px 0 2px 12px;white-space:pre-wrap'>"
+                  f"{html.escape(e.source)}</pre>" if e.source else "<br>")
+        return (f"<div class='fe-verdict'><span style='color:{ERROR}'>✗ your function "
+                f"raised <b>{html.escape(e.type)}</b>: {html.escape(e.message)}</span>"
+                f"<br>at {html.escape(e.where)}:{source}{html.escape(rest)}{notes}</div>")
+    return (f"<div class='fe-verdict'><span style='color:{ERROR}'>✗ first divergence: "
+            f"{html.escape(str(div))}</span>{notes}</div>")

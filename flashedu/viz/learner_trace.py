@@ -113,6 +113,9 @@ class TraceComparison:
     notes: list[str] = field(default_factory=list)  # what was not compared, and why
     error: LearnerError | None = None  # the learner's exception, where it was raised
     exception: BaseException | None = None  # the exception itself (``raise c.exception``)
+    # the learner's HBM reads and writes in the order made: ("load" | "store", tensor,
+    # rows (r0, r1), steps begun so far, bytes); flashedu.viz.learner_run makes them a Trace
+    transfers: list[tuple] = field(default_factory=list)
 
     @property
     def agrees(self) -> bool:
@@ -163,8 +166,8 @@ class _Recorder:
     def __init__(self, Nq, Nk, Br, Bc):
         self.Nq, self.Nk, self.Br, self.Bc = Nq, Nk, Br, Bc
         self.steps: list[Step] = []
-        self.loads: list[tuple] = []
-        self.stores: list[tuple] = []
+        # ("load" | "store", tensor, rows (r0, r1), steps begun so far, bytes), in order made
+        self.transfers: list[tuple[str, str, tuple[int, int], int, int]] = []
         self.snapshots: list[tuple[int, dict]] = []  # (steps started so far, locals)
         self.arrays: set[str] = set()  # names of the function's own float arrays
         self.via_hook = False
@@ -176,12 +179,14 @@ class _Recorder:
 
     def load(self, name, tile, array):
         self.via_hook = True
-        self.loads.append((name, self._rows(name, tile), len(self.steps)))
+        self.transfers.append(("load", name, self._rows(name, tile), len(self.steps),
+                               int(np.asarray(array).nbytes)))
 
     def store(self, name, tile, array):
         self.via_hook = True
         rows = self._rows(name, tile)
-        self.stores.append((name, rows, len(self.steps)))
+        self.transfers.append(("store", name, rows, len(self.steps),
+                               int(np.asarray(array).nbytes)))
         step = self.steps[-1] if self.steps else None
         if step is not None and step.q == rows and name in ("O", "l", "m"):
             if step.state is None or step.state.get("from") == "stores":
@@ -298,8 +303,8 @@ class _Traced(np.ndarray):
     """An ndarray that tells the active recorder which tiles are read, multiplied and stored.
 
     Tags: ("root", name) for Q, K, V; ("tile", name, (r0, r1)) for a row slice of one (and its
-    views, e.g. ``K_j.T``); ("new", None) for an array made ``*_like`` a traced one (the
-    learner's O)."""
+    views, e.g. ``K_j.T``); ("new", None) for an array made ``*_like`` Q, K or V (the learner's
+    O, or L: its row slices read and written are HBM traffic)."""
 
     _fe = None
 
@@ -314,9 +319,14 @@ class _Traced(np.ndarray):
         if tag[0] == "root":
             rows = _row_range(key, self.shape[0])
             if rows is not None and _ACTIVE is not None:
-                _ACTIVE.loads.append((tag[1], rows, len(_ACTIVE.steps)))
+                _ACTIVE.transfers.append(("load", tag[1], rows, len(_ACTIVE.steps),
+                                          out.nbytes))
             out._fe = ("tile", tag[1], rows) if rows is not None else None
-        elif tag[0] == "new":
+        elif tag[0] == "new":  # a read of the learner's O (or L) in HBM: Algorithm 1 does
+            rows = _row_range(key, self.shape[0])
+            if rows is not None and _ACTIVE is not None:
+                _ACTIVE.transfers.append(("load", "O" if self.ndim == 2 else "L", rows,
+                                          len(_ACTIVE.steps), out.nbytes))
             out._fe = None
         return out
 
@@ -326,9 +336,10 @@ class _Traced(np.ndarray):
             rows = _row_range(key, self.shape[0])
             if rows is not None:
                 name = "O" if self.ndim == 2 else "L"
-                _ACTIVE.stores.append((name, rows, len(_ACTIVE.steps)))
+                nbytes = np.asarray(self.view(np.ndarray)[key]).nbytes  # what it writes
+                _ACTIVE.transfers.append(("store", name, rows, len(_ACTIVE.steps), nbytes))
         with _as_learners("cast"):
-            super().__setitem__(key, _plain(value))
+            self.view(np.ndarray)[key] = _plain(value)  # not via __getitem__: no read
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         tags = [_tag(x) for x in inputs]
@@ -366,7 +377,9 @@ class _Traced(np.ndarray):
         if func in (np.zeros_like, np.empty_like, np.ones_like, np.full_like, np.copy) \
                 and isinstance(result, np.ndarray):
             result = result.view(_Traced)
-            result._fe = ("new", None)
+            # made like Q, K or V itself: an output in HBM; made like a tile: on chip, untraced
+            src = _tag(args[0]) if args else None
+            result._fe = ("new", None) if src is not None and src[0] == "root" else None
         return result
 
 
@@ -684,6 +697,27 @@ def _normalized(state):
         return O / np.where(l > 0, l, 1)[:, None]
 
 
+def state_series(steps: list[Step], row: int, column: int, n: int, skip: int | None = None):
+    """m_i, l_i and column ``column`` of O_i / l_i of query ``row`` after each of n steps
+    (position 0: before the first), and where each exists (there -inf and NaN are values, not
+    gaps). A step whose state is unknown keeps the previous values; step ``skip`` (1-based: the
+    one that raised half way) has none and is a gap."""
+    m, l, o = np.full(n + 1, np.nan), np.full(n + 1, np.nan), np.full(n + 1, np.nan)
+    known, known_o = np.zeros(n + 1, bool), np.zeros(n + 1, bool)
+    for x, s in enumerate(steps[:n], start=1):
+        if x == skip:
+            continue
+        m[x], l[x], o[x] = m[x - 1], l[x - 1], o[x - 1]
+        known[x], known_o[x] = known[x - 1], known_o[x - 1]
+        if s.state is None or not s.q[0] <= row < s.q[1] or len(s.state["m"]) <= row - s.q[0]:
+            continue
+        r = row - s.q[0]
+        m[x], l[x], known[x] = float(s.state["m"][r]), float(s.state["l"][r]), True
+        if "O" in s.state:
+            o[x], known_o[x] = float(_normalized(s.state)[r, column]), True
+    return m, l, o, known, known_o
+
+
 def row_differences(mine: dict, ref: dict) -> dict[str, np.ndarray]:
     """For each of m_i, l_i, O_i in the learner's state ``mine``: one bool per row of the step's
     Q tile, True where it differs from ``ref``. The verdict and the stepper's table both read
@@ -945,7 +979,8 @@ def compare_trace(fn, Q, K, V, block_q, block_k, causal=False) -> TraceCompariso
         ref = refs[order]
         if not rec.via_hook:
             _attach_states(rec, Q.shape[0], order)
-        cmp = TraceComparison(None, steps, ref, order, Q, K, V, block_q, block_k, causal)
+        cmp = TraceComparison(None, steps, ref, order, Q, K, V, block_q, block_k, causal,
+                              transfers=rec.transfers)
         mistakes = _Mistakes(cmp)
         if error is not None:
             k = len(steps)

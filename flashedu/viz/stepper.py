@@ -5,6 +5,12 @@ Every change of a control re-runs :func:`flashedu.tiled.flash_forward` with a fr
 trace (through :mod:`flashedu.viz.timeline`), so at the last position the byte counters equal
 :func:`flashedu.io.flash_forward_hbm_bytes`, the formula the IO tests check against the trace.
 
+Made with ``fn=`` the stepper runs the learner's own NumPy ``flash_forward(Q, K, V, Br, Bc[,
+causal])`` instead (traced by :func:`flashedu.viz.compare_trace`, laid out as a Trace by
+:mod:`flashedu.viz.learner_run`): the tiles, SRAM and HBM counters are the learner's loop's, the
+end sets their bytes beside the paper's loop tensor by tensor, and the stepper opens at the step
+where their values first leave the reference, with the rows that differ marked in its tile.
+
 The view never shows a run the controls do not describe: a setting that cannot be traced (too
 many tiles, a block mask of another tiling) clears the picture, turns stepping off and says why.
 Made with ``state=editor.state`` the stepper follows a :class:`BlockMaskEditor`: its tiling,
@@ -32,6 +38,7 @@ from ..trace import Trace
 from . import presets, static, timeline
 from .charts import run_panels
 from .controls import set_quietly
+from .learner_trace import state_series
 from .render import FG_MUTED, error_html, kib
 from .tile_grid import LEGEND, drawing
 
@@ -55,7 +62,15 @@ class TileLoopStepper:
     """
 
     def __init__(self, Nq=64, Nk=64, d=16, Br=16, Bc=16, order="kv_outer", causal=False,
-                 block_mask=None, row=0, seed=0, state=None):
+                 block_mask=None, row=0, seed=0, state=None, fn=None):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"fn must be your flash_forward(Q, K, V, Br, Bc[, causal]) -> (O, L),"
+                            f" got {type(fn).__name__}")
+        if fn is not None and (state is not None or block_mask is not None):
+            raise ValueError("fn traces your own flash_forward, which takes no block mask: "
+                             "pass fn, or state / block_mask, not both")
+        self.fn = fn
+        self.comparison = None  # with fn: compare_trace's result for the traced run
         self.seed = seed
         self._custom_mask = None
         self._holding = False
@@ -96,11 +111,13 @@ class TileLoopStepper:
         self.hbm_panel = W.HTML(layout=W.Layout(flex="1 1 280px"))
         self.sram_panel = W.HTML(layout=W.Layout(flex="1 1 280px"))
         self.linked_note = W.HTML()
+        self.verdict = W.HTML()  # with fn: where the learner's run first leaves the reference
+        whose = (f"<b>Your {html.escape(getattr(fn, '__name__', 'function'))}'s tile loop</b>"
+                 if fn is not None else "<b>FlashAttention tile loop</b>")
         self.widget = W.VBox([
-            W.HTML(static.HIDE_WHEN_LIVE
-                   + "<b>FlashAttention tile loop</b>: which tiles sit in SRAM, what moves over "
-                   "HBM"),
-            self.linked_note,
+            W.HTML(static.HIDE_WHEN_LIVE + whose
+                   + ": which tiles sit in SRAM, what moves over HBM"),
+            self.linked_note, self.verdict,
             _wrap([c["Nq"], c["Nk"], c["d"], c["Br"], c["Bc"], c["causal"]]),
             _wrap([c["order"], c["mask"]]),
             # the buttons, the status and the tiles they move stay together on a laptop screen
@@ -116,6 +133,8 @@ class TileLoopStepper:
         # while playing, the static picture waits for the stop (a PNG takes about half a second)
         self.play.observe(lambda ch: None if ch.new or self._holding else static.update(self),
                           names="playing")
+        if fn is not None:  # the loop order is the learner's; their function takes no mask
+            c["order"].disabled = c["mask"].disabled = True
         if state is not None:
             for name in LINKED:
                 c[name].disabled = True
@@ -207,8 +226,9 @@ class TileLoopStepper:
         """A picture of what the widget shows now (tiles and charts), for a saved notebook."""
         if not self.valid:
             return static.message_png(f"tile loop: {self.error}")
-        return static.stack_png([drawing(self.timeline, self.position),
-                                 *run_panels(self.timeline, self.row_stats, self.position)],
+        return static.stack_png([drawing(self.timeline, self.position, self.marked_rows),
+                                 *run_panels(self.timeline, self.row_stats, self.position,
+                                             self.learner_stats)],
                                 self.static_caption())
 
     def static_caption(self) -> str:
@@ -336,11 +356,17 @@ class TileLoopStepper:
                                   for n in (Nq, Nk, Nk))
         self.scale = 1.0 / math.sqrt(d)
         self.block_mask = blocks
-        self.trace = Trace()
-        self.O, self.L = flash_forward(self.Q, self.K, self.V, Br, Bc, cfg["causal"], self.scale,
-                                       order=cfg["order"], block_mask=blocks, trace=self.trace)
+        if self.fn is not None:
+            if not self._run_learner(cfg):
+                return
+        else:
+            self.trace = Trace()
+            self.O, self.L = flash_forward(self.Q, self.K, self.V, Br, Bc, cfg["causal"],
+                                           self.scale, order=cfg["order"], block_mask=blocks,
+                                           trace=self.trace)
         self.timeline = timeline.build(self.trace)
-        self.predicted = io.flash_forward_hbm_bytes(Nq, Nk, d, Br, Bc, order=cfg["order"],
+        order = self.trace.info["order"]
+        self.predicted = io.flash_forward_hbm_bytes(Nq, Nk, d, Br, Bc, order=order,
                                                     causal=cfg["causal"], block_mask=blocks,
                                                     itemsize=self.Q.itemsize)
         self.error = None
@@ -352,23 +378,66 @@ class TileLoopStepper:
             self.controls["row"].max = Nq - 1
             self.play.value = 0
             self.play.max = self.slider.max = self.done
-            self.slider.value = 0
+            self.slider.value = self._opening_position()
         finally:
             self._holding = False
         self._row_stats()
         self._show()
 
+    def _run_learner(self, cfg) -> bool:
+        """Trace the learner's function on this run's Q, K, V beside the reference; False
+        (and the view cleared, saying why) when it made no step to show."""
+        from .compare_view import verdict_html
+        from .learner_run import as_trace
+        from .learner_trace import compare_trace
+
+        self.comparison = cmp = compare_trace(self.fn, self.Q, self.K, self.V, cfg["Br"],
+                                              cfg["Bc"], cfg["causal"])
+        self.verdict.value = verdict_html(cmp)
+        set_quietly(self, [(self.controls["order"], cmp.order)])  # the order the loop follows
+        self.O, self.L = cmp.O, cmp.L
+        self.trace = as_trace(cmp)
+        paper = Trace()  # the package's loop in the learner's order, for the bytes per tensor
+        flash_forward(self.Q, self.K, self.V, cfg["Br"], cfg["Bc"], cfg["causal"], self.scale,
+                      order=cmp.order, trace=paper)
+        self.paper_traffic = paper.by_tensor()
+        if not self.trace.steps:
+            self._invalid("your function made no tile product S_ij = Q_i K_j^T to step "
+                          "through; the comparison above says what it found")
+            return False
+        return True
+
+    def _opening_position(self) -> int:
+        """0, or with fn the step where the learner's run first leaves the reference."""
+        div = self.comparison.first_divergence if self.comparison is not None else None
+        return min(div.step, self.done) if div is not None else 0
+
+    @property
+    def marked_rows(self) -> tuple:
+        """The query rows whose values first differ, at the step where they do (else ())."""
+        div = self.comparison.first_divergence if self.comparison is not None else None
+        return div.rows if div is not None and self.position == div.step else ()
+
     def _row_stats(self):
         row = min(self.controls["row"].value, self.Q.shape[0] - 1)
         self.row_stats = timeline.row_stats(self.trace, self.Q, self.K, row, self.scale,
                                             self.controls["causal"].value)
+        self.learner_stats = None
+        if self.comparison is not None:  # the learner's own m_i, l_i beside the replay
+            cmp = self.comparison
+            skip = cmp.error.step if cmp.error is not None else None
+            m, l, _, known, _ = state_series(cmp.steps, row, 0, self.done, skip)
+            if known.any():
+                self.learner_stats = (m, l, known)
 
     def _describe(self) -> str:
         info = self.trace.info
         mask = self.controls["mask"].value
         if self.block_mask is not None:
             mask += f" ({int(self.block_mask.sum())} of {self.block_mask.size} tiles kept)"
-        return (f"Nq = {info['Nq']}, Nk = {info['Nk']}, d = {info['d']}, Br = {info['Br']}, "
+        whose = "your function, " if self.fn is not None else ""
+        return (f"{whose}Nq = {info['Nq']}, Nk = {info['Nk']}, d = {info['d']}, "
+                f"Br = {info['Br']}, "
                 f"Bc = {info['Bc']}, {'FA1' if info['order'] == 'kv_outer' else 'FA2'}, "
                 f"{'causal' if info['causal'] else 'not causal'}, block mask: {mask}")
 
@@ -393,10 +462,10 @@ class TileLoopStepper:
         self.counters.value = self._counters_html()
         self.hbm_panel.value = self._hbm_html()
         self.sram_panel.value = self._sram_html()
-        self.tiles.value = drawing(tl, p).svg()
+        self.tiles.value = drawing(tl, p, self.marked_rows).svg()
         self.charts.value = "".join(
             f"<div style='display:inline-block;margin:0 8px 4px 0'>{d.svg()}</div>"
-            for d in run_panels(tl, self.row_stats, p))
+            for d in run_panels(tl, self.row_stats, p, self.learner_stats))
         if not self.play.playing:
             static.update(self)
 
@@ -404,7 +473,9 @@ class TileLoopStepper:
         read, written = self.bytes_read, self.bytes_written
         pred = self.predicted
         check = ""
-        if self.position == self.done:
+        if self.position == self.done and self.fn is not None:
+            check = " &nbsp; " + self._per_tensor_html()
+        elif self.position == self.done:
             same = (read, written) == (pred["read"], pred["written"])
             check = (f" &nbsp; {'=' if same else '≠'} flashedu.io.flash_forward_hbm_bytes "
                      f"({pred['read']:,} / {pred['written']:,}) {'✓' if same else '✗'}")
@@ -413,10 +484,28 @@ class TileLoopStepper:
         m, l = rs.m[k], rs.l[k]
         return (f"HBM read <b class='fe-read'>{read:,} B</b>, written "
                 f"<b class='fe-written'>{written:,} B</b> "
-                f"(of {pred['read']:,} / {pred['written']:,} for the whole run){check}<br>"
+                f"(of {pred['read']:,} / {pred['written']:,} for the whole run"
+                f"{', by the paper’s loop' if self.fn is not None else ''}){check}<br>"
                 f"O traffic so far: read {o_read:,} B, written {o_written:,} B &nbsp;|&nbsp; "
                 f"row {rs.row}: m_i = <span class='fe-m'>{m:.4f}</span>, "
                 f"l_i = <span class='fe-l'>{l:.4f}</span> after {rs.tiles_seen[k]} K/V tiles")
+
+    def _per_tensor_html(self) -> str:
+        """The learner's bytes per tensor beside the paper's loop's, for the tensors the trace
+        sees in the learner's code (reads of Q, K, V; writes into an O or L made *_like)."""
+        mine, paper = self.timeline.traffic_by_tensor(self.done), self.paper_traffic
+        parts = []
+        for key in sorted(mine, key=lambda k: (k[0] != "load", "QKVOL".find(k[1]))):
+            same = mine[key] == paper.get(key, 0)
+            parts.append(f"<span class='fe-tensor-{'ok' if same else 'differs'}'>{key[1]} "
+                         f"{'read' if key[0] == 'load' else 'written'} {mine[key]:,} / "
+                         f"{paper.get(key, 0):,} {'✓' if same else '✗'}</span>")
+        unseen = [f"{name} {'read' if op == 'load' else 'written'}"
+                  for op, name in paper if (op, name) not in mine]
+        note = (f"; not seen in your code: {', '.join(unseen)} (the trace counts row slices "
+                "of Q, K, V and of arrays made like them, e.g. np.zeros_like(Q))"
+                if unseen else "")
+        return "by tensor, yours / the paper's loop: " + ", ".join(parts) + note
 
     def _hbm_html(self) -> str:
         moves = self.timeline.transfers_at(self.position)

@@ -48,6 +48,31 @@ class _Grid:
         self.u = unit
         self.d = Drawing(width * unit, height * unit, "fe-tiles")
 
+    def masked(self, x, y, rows, cols, w, h):
+        """The causally masked elements (column > row) of a score tile of global ``rows``
+        [r0, r1) and ``cols`` [c0, c1), drawn w x h, as one staircase in the skipped colour."""
+        (r0, r1), (c0, c1) = rows, cols
+        nr, nc = r1 - r0, c1 - c0
+        first = [min(max(r + 1 - c0, 0), nc) for r in range(r0, r1)]  # first masked column
+        if all(b == nc for b in first):
+            return
+        u, sx, sy = self.u, w / nc, h / nr
+        pts = [((x + w) * u, y * u)]
+        for a, b in enumerate(first):
+            pts += [((x + b * sx) * u, (y + a * sy) * u),
+                    ((x + b * sx) * u, (y + (a + 1) * sy) * u)]
+        pts.append(((x + w) * u, (y + h) * u))
+        self.d.polygon(pts, FILL["skipped"], "none", 0, cls="causal-masked")
+
+    def rows_marked(self, x, y, rows, w, h, marked):
+        """A red bar across each row of the tile (global ``rows`` [r0, r1)) in ``marked``."""
+        r0, r1 = rows
+        sy, u = h / (r1 - r0), self.u
+        for r in sorted(set(marked)):
+            if r0 <= r < r1:
+                self.d.rect(x * u, (y + (r - r0) * sy) * u, w * u, max(sy * u, 2.0),
+                            COLORS["cursor"], "none", 0, cls="row-differs", opacity=0.75)
+
     def tile(self, x, y, w, h, kind, label="", current=False, name=""):
         u, d = self.u, self.d
         stroke, sw = (FG, 3.0) if current else (BORDER, 1.0)
@@ -58,7 +83,9 @@ class _Grid:
             d.line(x * u, (y + h) * u, (x + w) * u, y * u, "#8a8a8a")
         if label:
             color = FG if kind == "todo" else ON_TILE
-            d.text((x + w / 2) * u, (y + h / 2) * u, label, color, size=min(11, u * 0.32))
+            size = min(11, u * 0.32, h * u * 0.8)  # a ragged edge's thin tile: smaller text
+            if size >= 5:
+                d.text((x + w / 2) * u, (y + h / 2) * u, label, color, size=size)
 
     def text(self, x, y, s, size=12, bold=False, anchor="middle"):
         self.d.text(x * self.u, y * self.u, s, FG, size, anchor, bold)
@@ -69,8 +96,9 @@ def _rw(counts: Counter, name: str, tile: int) -> str:
     return " ".join(p for p in (f"r{r}" if r else "", f"w{w}" if w else "") if p)
 
 
-def drawing(tl: Timeline, position: int) -> Drawing:
-    """The tile picture of ``tl`` at ``position``."""
+def drawing(tl: Timeline, position: int, marks=None) -> Drawing:
+    """The tile picture of ``tl`` at ``position``. ``marks``: query rows to mark inside the
+    current score tile (where a learner's values first leave the reference's)."""
     info = tl.trace.info
     Tr, Tc, order = info["Tr"], info["Tc"], info["order"]
     steps = tl.trace.steps
@@ -82,6 +110,16 @@ def drawing(tl: Timeline, position: int) -> Drawing:
     height = 2.9 + Tr + 0.8
     g = _Grid(max(18.0, min(44.0, 620 / width, 460 / height)), width, height)
     x_S, y_S = 1.6, 2.9  # top-left corner of the score grid
+    Br, Bc, Nq, Nk = info["Br"], info["Bc"], info["Nq"], info["Nk"]
+
+    def rows(i):  # a tile is drawn as it is: the last one of a ragged edge is shorter
+        return i * Br, min((i + 1) * Br, Nq)
+
+    def cols(j):
+        return j * Bc, min((j + 1) * Bc, Nk)
+
+    def frac(span, size):
+        return (span[1] - span[0]) / size
 
     def kind_of(name, tile):
         return "sram" if name in live and live[name][0] == tile else "todo"
@@ -92,11 +130,13 @@ def drawing(tl: Timeline, position: int) -> Drawing:
             kind = kind_of(name, i)
             if name == "O" and order == "q_outer" and current is not None and current.i == i:
                 kind = "acc"  # FA2 keeps O_i on chip until the row of tiles is done
-            g.tile(x, y_S + i, 1.1, 1, kind, _rw(counts, name, i), name=f"{name}{i}")
+            g.tile(x, y_S + i, 1.1, frac(rows(i), Br), kind, _rw(counts, name, i),
+                   name=f"{name}{i}")
     for name, y in (("V", 0.2), ("K", 1.45)):
         g.text(x_S - 0.2, y + 0.5, name + "ᵀ", bold=True, anchor="end")
         for j in range(Tc):
-            g.tile(x_S + j, y, 1, 1, kind_of(name, j), _rw(counts, name, j), name=f"{name}{j}")
+            g.tile(x_S + j, y, frac(cols(j), Bc), 1, kind_of(name, j), _rw(counts, name, j),
+                   name=f"{name}{j}")
     state = {(s.i, s.j): "skipped" for s in steps if not s.computed}  # the mask, from the start
     for s in steps[:position]:
         state[(s.i, s.j)] = "done" if s.computed else "skipped"
@@ -106,8 +146,13 @@ def drawing(tl: Timeline, position: int) -> Drawing:
             now = current is not None and (current.i, current.j) == (i, j)
             if now and current.computed:
                 kind = "sram"
-            g.tile(x_S + j, y_S + i, 1, 1, kind, "S_ij" if now and current.computed else "",
+            w, h = frac(cols(j), Bc), frac(rows(i), Br)
+            g.tile(x_S + j, y_S + i, w, h, kind, "S_ij" if now and current.computed else "",
                    current=now, name=f"S{i},{j}")
+            if info.get("causal") and kind != "skipped":  # the diagonal inside its tiles
+                g.masked(x_S + j, y_S + i, rows(i), cols(j), w, h)
+            if marks is not None and now:
+                g.rows_marked(x_S + j, y_S + i, rows(i), w, h, marks)
     g.text(x_S + Tc / 2, y_S + Tr + 0.45, "S = scale · Q Kᵀ, tile by tile (never in HBM)", size=12)
     return g.d
 

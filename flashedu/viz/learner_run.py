@@ -1,0 +1,52 @@
+"""A learner's own NumPy ``flash_forward`` run as a :class:`flashedu.trace.Trace` (no widgets
+here), so that :class:`flashedu.viz.TileLoopStepper` steps through the learner's loop with the
+same picture, counters and charts it draws for the package's kernel.
+
+:func:`flashedu.viz.compare_trace` records, in the order the learner's code made them, every
+row slice of Q, K and V it read (an HBM load, in the model the course counts, of the bytes the
+slice holds), every row slice it read from or wrote into an O or L made like Q
+(``np.zeros_like(Q)``: in HBM), and each tile product S_ij = Q_i K_j^T (a step). Laid out as a Trace: a transfer carries the number of steps begun before it, as the
+package's kernels record theirs; a step's SRAM contents are the last tile of each tensor read
+or written before it, and its S_ij. A tile a learner reads twice is counted twice: that is the
+traffic their loop makes, which the stepper sets beside flashedu.io's count for the paper's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..trace import Event, Step, Trace
+from .learner_trace import TraceComparison
+
+ROW_TENSORS = ("Q", "O", "L", "l", "m")  # tiled by Br; K and V by Bc
+
+
+def as_trace(cmp: TraceComparison) -> Trace:
+    """The learner's run of ``cmp`` as a Trace of its transfers and steps."""
+    (Nq, d), Nk = cmp.Q.shape, cmp.K.shape[0]
+    Br, Bc, itemsize = cmp.block_q, cmp.block_k, cmp.Q.itemsize
+    tr = Trace()
+    tr.info.update(kernel="forward", order=cmp.order, Nq=Nq, Nk=Nk, d=d, Br=Br, Bc=Bc,
+                   Tr=math.ceil(Nq / Br), Tc=math.ceil(Nk / Bc), itemsize=itemsize,
+                   causal=cmp.causal, learner=True)
+    live: dict = {}
+    transfers = iter(cmp.transfers)
+    pending = next(transfers, None)
+    for k, step in enumerate(cmp.steps):
+        while pending is not None and pending[3] <= k:  # what was read or written before it
+            _add(tr, live, pending, Br, Bc)
+            pending = next(transfers, None)
+        i, j = step.pair(Br, Bc)
+        S = (step.q[1] - step.q[0]) * (step.k[1] - step.k[0]) * 4  # float32 scores on chip
+        tr.steps.append(Step(i, j, True, {**live, "S_ij": (None, S)}))
+    while pending is not None:  # the writes after the last step
+        _add(tr, live, pending, Br, Bc)
+        pending = next(transfers, None)
+    return tr
+
+
+def _add(tr: Trace, live: dict, transfer, Br: int, Bc: int) -> None:
+    op, name, (r0, r1), begun, nbytes = transfer
+    tile = r0 // (Br if name in ROW_TENSORS else Bc)
+    tr.events.append(Event(op, name, tile, nbytes, begun))
+    live[name] = (tile, nbytes)

@@ -606,3 +606,72 @@ def test_numba_output_compared_block_by_block(tmp_path):
     assert {r for r, _ in found.elements} == set(range(8))  # block 0 wrote L[0..7]
     assert trace.compare("O", reference.naive_attention(
         *(a.astype(np.float64) for a in (Q, K, V)), scale=0.5)[0]).agrees
+
+
+# ------------------------------------------------------------------------------------------
+# (h) the tile stepper on a learner's kernel
+# ------------------------------------------------------------------------------------------
+
+
+def _launcher(kernel):
+    """What a learner writes to hand the stepper their kernel: a traced launch."""
+
+    def launch(Q, K, V, Br, Bc, causal=False):
+        Nq, d = Q.shape
+        O, L = torch.empty(Nq, d), torch.empty(Nq)
+        return trace_kernel(kernel, (triton.cdiv(Nq, Br),), Q, K, V, O, L, 1 / math.sqrt(d),
+                            Nq, K.shape[0], Q.stride(0), K.stride(0), V.stride(0), O.stride(0),
+                            D=d, Br=Br, Bc=Bc, CAUSAL=causal)
+
+    return launch
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_stepper_steps_through_a_learners_kernel(tmp_path, causal):
+    from flashedu.viz import TileLoopStepper
+
+    kernel = solved("triton_forward_kernel", tmp_path)
+    s = TileLoopStepper(Nq=20, Nk=20, d=16, Br=16, Bc=16, causal=causal,
+                        kernel=_launcher(kernel))
+    assert s.valid and s.position == 0 and "✓" in s.verdict.value
+    # program 0: K/V tile 0 (and tile 1 unless causal skips it); program 1: both
+    pairs = [(0, 0)] + ([] if causal else [(0, 1)]) + [(1, 0), (1, 1)]
+    assert [(t.i, t.j) for t in s.trace.steps] == pairs
+    s.position = s.done
+    assert s.controls["order"].value == "q_outer"
+    assert "fe-tensor-differs" not in s.counters.value  # the paper's bytes, tensor by tensor
+    assert s.counters.value.count("✓") == 5  # Q, K, V read; O, L written
+    assert s.bytes_read == s.predicted["read"] and s.bytes_written == s.predicted["written"]
+
+
+@needs_triton
+def test_the_stepper_opens_a_wrong_kernel_at_the_program_that_stored_it(tmp_path):
+    from flashedu.viz import TileLoopStepper
+
+    kernel = solved("triton_forward_kernel", tmp_path,
+                    replace=[("(cols[None, :] <= rows[:, None])",
+                              "(cols[None, :] < rows[:, None])")])
+    s = TileLoopStepper(Nq=20, Nk=20, d=16, Br=16, Bc=16, causal=True,
+                        kernel=_launcher(kernel))
+    found = s.kernel_comparison
+    assert not found.agrees and "✗" in s.verdict.value and "O is wrong" in s.verdict.value
+    assert found.first.program == (0, 0, 0)  # the diagonal off by one: row 0 sees no key
+    assert s.position == 1 and s.current.i == 0  # program 0's last step: its store
+    assert s.marked_rows == tuple(sorted({r for r, _ in found.elements}))
+    assert "row-differs" in s.tiles.value
+
+
+def test_the_stepper_names_what_a_launch_lacks():
+    from flashedu.viz import TileLoopStepper
+
+    with pytest.raises(TypeError, match="kernel must be"):
+        TileLoopStepper(kernel=3)
+    with pytest.raises(ValueError, match="not both"):
+        TileLoopStepper(fn=lambda *a: None, kernel=lambda *a: None)
+
+    def fails(Q, K, V, Br, Bc):
+        raise RuntimeError("grid is wrong")
+
+    s = TileLoopStepper(kernel=fails)
+    assert not s.valid and "RuntimeError: grid is wrong" in s.verdict.value

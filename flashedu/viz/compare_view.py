@@ -22,10 +22,7 @@ from .charts import line_panel
 from .drawing import Drawing
 from .learner_trace import (TraceComparison, _normalized, _ranges, _values, gap_text,
                             row_differences, state_series)
-from .render import BORDER, COLORS, ERROR, FG, FG_MUTED, ON_TILE
-
-OK = "var(--jp-success-color1, #2e7d32)"
-
+from .render import BORDER, COLORS, ERROR, FG, FG_MUTED, OK, ON_TILE
 
 class CompareView:
     """State: ``comparison``, ``step`` (1-based, the slider), ``row`` (the charted row)."""

@@ -50,3 +50,59 @@ def _add(tr: Trace, live: dict, transfer, Br: int, Bc: int) -> None:
     tile = r0 // (Br if name in ROW_TENSORS else Bc)
     tr.events.append(Event(op, name, tile, nbytes, begun))
     live[name] = (tile, nbytes)
+
+
+# ----- a learner's Triton (or numba) kernel, traced by trace_kernel ------------------------
+KERNEL_TENSORS = ("Q", "K", "V", "O")  # the argument names the layout needs (L is optional)
+
+
+def kernel_as_trace(kt, Br: int, Bc: int, causal: bool) -> Trace:
+    """A :class:`flashedu.viz.KernelTrace` of a FlashAttention forward kernel (one program per
+    Q tile, arguments named Q, K, V, O and L) as a Trace. Each program's load of a K tile
+    starts a step (i, j), i the Q tile the program loaded, j the K tile; the V tile loaded
+    after it feeds the same step; a store ends the program's last step. Bytes are the
+    elements an access touched (masked-off and out-of-bounds lanes move nothing)."""
+    missing = [n for n in KERNEL_TENSORS if n not in kt.tensors]
+    if missing:
+        raise ValueError(f"kernel: the traced launch has no argument named {', '.join(missing)} "
+                         f"(its tensors: {', '.join(kt.tensors) or 'none'}); name the kernel's "
+                         "arguments Q, K, V, O (and L) as the course's kernel does")
+    (Nq, d), Nk = kt.tensors["Q"].shape, kt.tensors["K"].shape[0]
+    tr = Trace()
+    tr.info.update(kernel="forward", order="q_outer", Nq=Nq, Nk=Nk, d=d, Br=Br, Bc=Bc,
+                   Tr=math.ceil(Nq / Br), Tc=math.ceil(Nk / Bc), itemsize=_itemsize(kt, "Q"),
+                   causal=causal, learner=True)
+    live: dict = {}
+    for program in kt.programs:
+        i, q_rows, pending = program[0], Br, None
+        for a in kt.accesses(program):
+            if a.tensor not in ("Q", "K", "V", "O", "L") or not a.elements:
+                continue
+            if a.kind == "store" or (a.tensor == "K" and pending is not None):
+                pending = _flush(tr, live, pending)
+            row = min(r for r, _ in a.elements)
+            tile = row // (Bc if a.tensor in ("K", "V") else Br)
+            if a.tensor == "Q":
+                i, q_rows = tile, len({r for r, _ in a.elements})
+            nbytes = len(a.elements) * _itemsize(kt, a.tensor)
+            tr.events.append(Event(a.kind, a.tensor, tile, nbytes, len(tr.steps)))
+            live[a.tensor] = (tile, nbytes)
+            if a.tensor == "K" and a.kind == "load":
+                k_rows = len({r for r, _ in a.elements})
+                pending = (i, tile, q_rows * k_rows * 4)  # S_ij in float32 on chip
+        _flush(tr, live, pending)
+        live.clear()  # the next program starts with nothing on chip
+    return tr
+
+
+def _flush(tr: Trace, live: dict, pending):
+    if pending is not None:
+        i, j, S = pending
+        tr.steps.append(Step(i, j, True, {**live, "S_ij": (None, S)}))
+    return None
+
+
+def _itemsize(kt, name: str) -> int:
+    v = kt.values.get(name)
+    size = getattr(v, "element_size", None)
+    return int(size()) if callable(size) else int(getattr(v, "itemsize", 4))

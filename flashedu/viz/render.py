@@ -40,6 +40,7 @@ BG = "var(--jp-layout-color0, #ffffff)"
 BORDER = "var(--jp-border-color1, #9e9e9e)"
 ERROR = "var(--jp-error-color1, #c62828)"
 WARN = "var(--jp-warn-color1, #e65100)"
+OK = "var(--jp-success-color1, #2e7d32)"
 ON_TILE = "#1f1f1f"  # text on a light tile colour, in either theme
 
 

@@ -10,6 +10,10 @@ causal])`` instead (traced by :func:`flashedu.viz.compare_trace`, laid out as a 
 :mod:`flashedu.viz.learner_run`): the tiles, SRAM and HBM counters are the learner's loop's, the
 end sets their bytes beside the paper's loop tensor by tensor, and the stepper opens at the step
 where their values first leave the reference, with the rows that differ marked in its tile.
+Made with ``kernel=`` a function ``launch(Q, K, V, Br, Bc[, causal])`` that runs the learner's
+Triton kernel through :func:`flashedu.viz.trace_kernel`, it steps through the kernel's programs
+the same way (each load of a K tile is a step) and opens at the program whose store first wrote
+a wrong element of O.
 
 The view never shows a run the controls do not describe: a setting that cannot be traced (too
 many tiles, a block mask of another tiling) clears the picture, turns stepping off and says why.
@@ -39,7 +43,7 @@ from . import presets, static, timeline
 from .charts import run_panels
 from .controls import set_quietly
 from .learner_trace import state_series
-from .render import FG_MUTED, error_html, kib
+from .render import ERROR, FG_MUTED, OK, error_html, kib
 from .tile_grid import LEGEND, drawing
 
 ORDERS = {"FA1: K/V outer (Algorithm 1)": "kv_outer", "FA2: Q outer": "q_outer"}
@@ -62,15 +66,22 @@ class TileLoopStepper:
     """
 
     def __init__(self, Nq=64, Nk=64, d=16, Br=16, Bc=16, order="kv_outer", causal=False,
-                 block_mask=None, row=0, seed=0, state=None, fn=None):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"fn must be your flash_forward(Q, K, V, Br, Bc[, causal]) -> (O, L),"
-                            f" got {type(fn).__name__}")
-        if fn is not None and (state is not None or block_mask is not None):
-            raise ValueError("fn traces your own flash_forward, which takes no block mask: "
-                             "pass fn, or state / block_mask, not both")
-        self.fn = fn
+                 block_mask=None, row=0, seed=0, state=None, fn=None, kernel=None):
+        for name, f, what in (("fn", fn, "flash_forward(Q, K, V, Br, Bc[, causal]) -> (O, L)"),
+                              ("kernel", kernel, "launch(Q, K, V, Br, Bc[, causal]) -> "
+                                                 "trace_kernel(...)")):
+            if f is not None and not callable(f):
+                raise TypeError(f"{name} must be your {what}, got {type(f).__name__}")
+        if fn is not None and kernel is not None:
+            raise ValueError("pass fn (a NumPy loop) or kernel (a traced launch), not both")
+        if (fn or kernel) is not None and (state is not None or block_mask is not None):
+            raise ValueError(f"{'fn' if fn is not None else 'kernel'} traces your own code, "
+                             "which takes no block mask: pass it, or state / block_mask, not "
+                             "both")
+        self.fn, self.kernel = fn, kernel
+        self.learner = fn if fn is not None else kernel  # whose loop the stepper shows
         self.comparison = None  # with fn: compare_trace's result for the traced run
+        self.kernel_trace = self.kernel_comparison = None  # with kernel: its trace, O's check
         self.seed = seed
         self._custom_mask = None
         self._holding = False
@@ -112,8 +123,8 @@ class TileLoopStepper:
         self.sram_panel = W.HTML(layout=W.Layout(flex="1 1 280px"))
         self.linked_note = W.HTML()
         self.verdict = W.HTML()  # with fn: where the learner's run first leaves the reference
-        whose = (f"<b>Your {html.escape(getattr(fn, '__name__', 'function'))}'s tile loop</b>"
-                 if fn is not None else "<b>FlashAttention tile loop</b>")
+        whose = (f"<b>Your {html.escape(getattr(self.learner, '__name__', 'function'))}'s tile "
+                 "loop</b>" if self.learner is not None else "<b>FlashAttention tile loop</b>")
         self.widget = W.VBox([
             W.HTML(static.HIDE_WHEN_LIVE + whose
                    + ": which tiles sit in SRAM, what moves over HBM"),
@@ -133,7 +144,7 @@ class TileLoopStepper:
         # while playing, the static picture waits for the stop (a PNG takes about half a second)
         self.play.observe(lambda ch: None if ch.new or self._holding else static.update(self),
                           names="playing")
-        if fn is not None:  # the loop order is the learner's; their function takes no mask
+        if self.learner is not None:  # the loop order is theirs; their code takes no mask
             c["order"].disabled = c["mask"].disabled = True
         if state is not None:
             for name in LINKED:
@@ -356,8 +367,8 @@ class TileLoopStepper:
                                   for n in (Nq, Nk, Nk))
         self.scale = 1.0 / math.sqrt(d)
         self.block_mask = blocks
-        if self.fn is not None:
-            if not self._run_learner(cfg):
+        if self.learner is not None:
+            if not (self._run_learner(cfg) if self.fn is not None else self._run_kernel(cfg)):
                 return
         else:
             self.trace = Trace()
@@ -407,16 +418,76 @@ class TileLoopStepper:
             return False
         return True
 
+    def _run_kernel(self, cfg) -> bool:
+        """Trace the learner's kernel launch on this run's Q, K, V and compare its O with the
+        reference; False (and the view cleared, saying why) when no step can be shown."""
+        import torch
+
+        from .. import reference
+        from .learner_run import kernel_as_trace
+        from .learner_trace import _function_code, _learner_error
+
+        args = [torch.from_numpy(x.copy()) for x in (self.Q, self.K, self.V)]
+        try:
+            kt = self.kernel(*args, cfg["Br"], cfg["Bc"], **({"causal": True}
+                                                             if cfg["causal"] else {}))
+        except Exception as exc:  # noqa: BLE001 - the learner's error is the finding
+            error = _learner_error(exc, _function_code(self.kernel), 0)
+            self.verdict.value = f"<div class='fe-verdict' style='color:{ERROR}'>✗ " \
+                                 f"{html.escape(str(error))}</div>"
+            self._invalid("your launch raised before the kernel ran (above)")
+            return False
+        self.kernel_trace = kt
+        O_ref, _ = reference.naive_attention(self.Q, self.K, self.V, causal=cfg["causal"])
+        found = kt.compare("O", O_ref)
+        self.kernel_comparison = found
+        ok = found.agrees and kt.error is None
+        self.verdict.value = (f"<div class='fe-verdict' style='color:{OK if ok else ERROR}'>"
+                              f"{'✓' if ok else '✗'} {html.escape(found.verdict)}</div>")
+        self.trace = kernel_as_trace(kt, cfg["Br"], cfg["Bc"], cfg["causal"])
+        self.O = kt.values["O"].numpy()
+        paper = Trace()
+        flash_forward(self.Q, self.K, self.V, cfg["Br"], cfg["Bc"], cfg["causal"], self.scale,
+                      order="q_outer", trace=paper)
+        self.paper_traffic = paper.by_tensor()
+        set_quietly(self, [(self.controls["order"], "q_outer")])
+        if not self.trace.steps:
+            self._invalid("your kernel loaded no K tile to step through; the comparison "
+                          "above says what it found")
+            return False
+        return True
+
+    def _first_difference(self):
+        """(step, rows) where the learner's run first goes wrong, or None."""
+        if self.comparison is not None:
+            div = self.comparison.first_divergence
+            return (div.step, div.rows) if div is not None else None
+        found = getattr(self, "kernel_comparison", None)
+        if self.kernel is None or found is None or found.first is None:
+            return None
+        program = found.first.program[0]  # its store ends the program's last step
+        steps = [k for k, s in enumerate(self.trace.steps, start=1)
+                 if s.i == self._program_tile(program)]
+        rows = tuple(sorted({r for r, _ in found.elements}))
+        return (steps[-1], rows) if steps else None
+
+    def _program_tile(self, program: int) -> int:
+        """The Q tile the program with x index ``program`` loaded."""
+        for a in self.kernel_trace.accesses(program):
+            if a.tensor == "Q" and a.elements:
+                return min(r for r, _ in a.elements) // self.trace.info["Br"]
+        return program
+
     def _opening_position(self) -> int:
-        """0, or with fn the step where the learner's run first leaves the reference."""
-        div = self.comparison.first_divergence if self.comparison is not None else None
-        return min(div.step, self.done) if div is not None else 0
+        """0, or for the learner's code the step where their run first goes wrong."""
+        first = self._first_difference()
+        return min(first[0], self.done) if first is not None else 0
 
     @property
     def marked_rows(self) -> tuple:
         """The query rows whose values first differ, at the step where they do (else ())."""
-        div = self.comparison.first_divergence if self.comparison is not None else None
-        return div.rows if div is not None and self.position == div.step else ()
+        first = self._first_difference() if self.valid else None
+        return first[1] if first is not None and self.position == first[0] else ()
 
     def _row_stats(self):
         row = min(self.controls["row"].value, self.Q.shape[0] - 1)
@@ -435,7 +506,7 @@ class TileLoopStepper:
         mask = self.controls["mask"].value
         if self.block_mask is not None:
             mask += f" ({int(self.block_mask.sum())} of {self.block_mask.size} tiles kept)"
-        whose = "your function, " if self.fn is not None else ""
+        whose = "your function, " if self.learner is not None else ""
         return (f"{whose}Nq = {info['Nq']}, Nk = {info['Nk']}, d = {info['d']}, "
                 f"Br = {info['Br']}, "
                 f"Bc = {info['Bc']}, {'FA1' if info['order'] == 'kv_outer' else 'FA2'}, "
@@ -473,7 +544,7 @@ class TileLoopStepper:
         read, written = self.bytes_read, self.bytes_written
         pred = self.predicted
         check = ""
-        if self.position == self.done and self.fn is not None:
+        if self.position == self.done and self.learner is not None:
             check = " &nbsp; " + self._per_tensor_html()
         elif self.position == self.done:
             same = (read, written) == (pred["read"], pred["written"])
@@ -485,7 +556,7 @@ class TileLoopStepper:
         return (f"HBM read <b class='fe-read'>{read:,} B</b>, written "
                 f"<b class='fe-written'>{written:,} B</b> "
                 f"(of {pred['read']:,} / {pred['written']:,} for the whole run"
-                f"{', by the paper’s loop' if self.fn is not None else ''}){check}<br>"
+                f"{', by the paper’s loop' if self.learner is not None else ''}){check}<br>"
                 f"O traffic so far: read {o_read:,} B, written {o_written:,} B &nbsp;|&nbsp; "
                 f"row {rs.row}: m_i = <span class='fe-m'>{m:.4f}</span>, "
                 f"l_i = <span class='fe-l'>{l:.4f}</span> after {rs.tiles_seen[k]} K/V tiles")

@@ -675,3 +675,27 @@ def test_the_stepper_names_what_a_launch_lacks():
 
     s = TileLoopStepper(kernel=fails)
     assert not s.valid and "RuntimeError: grid is wrong" in s.verdict.value
+
+
+@needs_numba
+def test_the_stepper_steps_through_a_learners_numba_kernel(tmp_path):
+    """A block per Q tile (a thread per query row), K_j, V_j staged in shared memory (Bc = 16
+    in the kernel): the same steps and bytes as the paper's loop."""
+    from flashedu.viz import TileLoopStepper
+
+    kernel = solved("numba_forward_kernel", tmp_path)
+
+    def launch(Q, K, V, Br, Bc):
+        Q, K, V = (t.numpy() for t in (Q, K, V))
+        O, L = np.zeros_like(Q), np.zeros(len(Q), np.float32)
+        return trace_kernel(kernel, (math.ceil(len(Q) / Br), Br), Q, K, V, O, L,
+                            np.float32(1 / math.sqrt(Q.shape[1])), False)
+
+    s = TileLoopStepper(Nq=16, Nk=20, d=4, Br=8, Bc=16, kernel=launch)
+    assert s.valid and "✓" in s.verdict.value
+    assert [(t.i, t.j) for t in s.trace.steps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    s.position = s.done
+    assert "fe-tensor-differs" not in s.counters.value and s.counters.value.count("✓") == 5
+    wrong_tile = TileLoopStepper(Nq=16, Nk=20, d=4, Br=8, Bc=8, kernel=launch)
+    assert not wrong_tile.valid and "loads rows 0..15 of K as one tile" in wrong_tile.error
+    assert "Bc is 8: set it to your kernel's tile" in wrong_tile.error

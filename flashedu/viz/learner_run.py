@@ -57,8 +57,8 @@ KERNEL_TENSORS = ("Q", "K", "V", "O")  # the argument names the layout needs (L 
 
 
 def kernel_as_trace(kt, Br: int, Bc: int, causal: bool) -> Trace:
-    """A :class:`flashedu.viz.KernelTrace` of a FlashAttention forward kernel (one program per
-    Q tile, arguments named Q, K, V, O and L) as a Trace. Each program's load of a K tile
+    """A :class:`flashedu.viz.KernelTrace` of a FlashAttention forward kernel (one program or
+    block per Q tile, arguments named Q, K, V, O and L, one head) as a Trace. Each program's load of a K tile
     starts a step (i, j), i the Q tile the program loaded, j the K tile; the V tile loaded
     after it feeds the same step; a store ends the program's last step. Bytes are the
     elements an access touched (masked-off and out-of-bounds lanes move nothing)."""
@@ -67,7 +67,11 @@ def kernel_as_trace(kt, Br: int, Bc: int, causal: bool) -> Trace:
         raise ValueError(f"kernel: the traced launch has no argument named {', '.join(missing)} "
                          f"(its tensors: {', '.join(kt.tensors) or 'none'}); name the kernel's "
                          "arguments Q, K, V, O (and L) as the course's kernel does")
-    (Nq, d), Nk = kt.tensors["Q"].shape, kt.tensors["K"].shape[0]
+    shapes = {n: kt.tensors[n].shape for n in ("Q", "K")}
+    if any(math.prod(shape[:-2]) != 1 for shape in shapes.values()):
+        raise ValueError(f"kernel: Q has shape {shapes['Q']}: trace one head (a batch and "
+                         "head count of 1), whose rows are the sequence")
+    (Nq, d), Nk = shapes["Q"][-2:], shapes["K"][-2]
     tr = Trace()
     tr.info.update(kernel="forward", order="q_outer", Nq=Nq, Nk=Nk, d=d, Br=Br, Bc=Bc,
                    Tr=math.ceil(Nq / Br), Tc=math.ceil(Nk / Bc), itemsize=_itemsize(kt, "Q"),
@@ -80,16 +84,21 @@ def kernel_as_trace(kt, Br: int, Bc: int, causal: bool) -> Trace:
                 continue
             if a.kind == "store" or (a.tensor == "K" and pending is not None):
                 pending = _flush(tr, live, pending)
-            row = min(r for r, _ in a.elements)
-            tile = row // (Bc if a.tensor in ("K", "V") else Br)
+            rows = {r for r, _ in a.elements}
+            size = Bc if a.tensor in ("K", "V") else Br
+            tile = min(rows) // size
+            if a.tensor in ("Q", "K") and max(rows) >= (tile + 1) * size:
+                raise ValueError(f"kernel: {kt.program_name(program)} loads rows {min(rows)}.."
+                                 f"{max(rows)} of {a.tensor} as one tile, but the stepper's "
+                                 f"{'Bc' if a.tensor == 'K' else 'Br'} is {size}: set it to "
+                                 "your kernel's tile")
             if a.tensor == "Q":
-                i, q_rows = tile, len({r for r, _ in a.elements})
+                i, q_rows = tile, len(rows)
             nbytes = len(a.elements) * _itemsize(kt, a.tensor)
             tr.events.append(Event(a.kind, a.tensor, tile, nbytes, len(tr.steps)))
             live[a.tensor] = (tile, nbytes)
             if a.tensor == "K" and a.kind == "load":
-                k_rows = len({r for r, _ in a.elements})
-                pending = (i, tile, q_rows * k_rows * 4)  # S_ij in float32 on chip
+                pending = (i, tile, q_rows * len(rows) * 4)  # S_ij in float32 on chip
         _flush(tr, live, pending)
         live.clear()  # the next program starts with nothing on chip
     return tr

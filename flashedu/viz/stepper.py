@@ -11,9 +11,9 @@ causal])`` instead (traced by :func:`flashedu.viz.compare_trace`, laid out as a 
 end sets their bytes beside the paper's loop tensor by tensor, and the stepper opens at the step
 where their values first leave the reference, with the rows that differ marked in its tile.
 Made with ``kernel=`` a function ``launch(Q, K, V, Br, Bc[, causal])`` that runs the learner's
-Triton kernel through :func:`flashedu.viz.trace_kernel`, it steps through the kernel's programs
-the same way (each load of a K tile is a step) and opens at the program whose store first wrote
-a wrong element of O.
+Triton (or numba) kernel on torch tensors through :func:`flashedu.viz.trace_kernel`, it steps
+through the kernel's programs (blocks) the same way, each load of a K tile a step, and opens at
+the program whose store first wrote a wrong element of O.
 
 The view never shows a run the controls do not describe: a setting that cannot be traced (too
 many tiles, a block mask of another tiling) clears the picture, turns stepping off and says why.
@@ -439,13 +439,17 @@ class TileLoopStepper:
             return False
         self.kernel_trace = kt
         O_ref, _ = reference.naive_attention(self.Q, self.K, self.V, causal=cfg["causal"])
-        found = kt.compare("O", O_ref)
+        found = kt.compare("O", O_ref.reshape(np.shape(kt.values["O"])))
         self.kernel_comparison = found
         ok = found.agrees and kt.error is None
         self.verdict.value = (f"<div class='fe-verdict' style='color:{OK if ok else ERROR}'>"
                               f"{'✓' if ok else '✗'} {html.escape(found.verdict)}</div>")
-        self.trace = kernel_as_trace(kt, cfg["Br"], cfg["Bc"], cfg["causal"])
-        self.O = kt.values["O"].numpy()
+        try:
+            self.trace = kernel_as_trace(kt, cfg["Br"], cfg["Bc"], cfg["causal"])
+        except ValueError as exc:  # its tiles are not the controls' (or not one head)
+            self._invalid(str(exc))
+            return False
+        self.O = np.asarray(kt.values["O"]).reshape(self.Q.shape)
         paper = Trace()
         flash_forward(self.Q, self.K, self.V, cfg["Br"], cfg["Bc"], cfg["causal"], self.scale,
                       order="q_outer", trace=paper)

@@ -283,6 +283,26 @@ def test_mask_editor_causal_tiles_stale_check_and_linked_stepper(page):
     _shot(page, shots, "light_mask_editor.png", editor)
 
 
+def test_mask_editor_keeps_the_learners_choices_and_counts_clicks_honestly(page):
+    """After the test above: causal unticked by the learner stays unticked when a slider
+    moves; a tile clicked back to the preset's value no longer counts as clicked; the stale
+    note's densities are the mask's now."""
+    from playwright.sync_api import expect
+
+    page, shots, *_ = page
+    editor = page.locator(".flashedu-mask-editor")
+    causal = editor.locator("input[type=checkbox]")
+    expect(causal).not_to_be_checked()
+    editor.locator(".noUi-handle").first.press("ArrowRight")  # the window slider
+    expect(causal).not_to_be_checked()
+    clicks = editor.locator(".fe-clicks")
+    expect(clicks).to_contain_text("2 tile(s) clicked")  # (0, 5) and (5, 0) differ
+    editor.locator(".fe-tile").nth(30).click()  # (5, 0) back to the preset's value
+    expect(clicks).to_contain_text("1 tile(s) clicked")
+    density = editor.locator(".fe-density").inner_text()
+    expect(editor.locator(".fe-stale-note")).to_contain_text(f"now {density}")
+
+
 def test_sram_widget_redraws_and_agrees_with_its_table(page):
     from playwright.sync_api import expect
 

@@ -40,9 +40,23 @@ def _naive():
 
 
 def _numpy():
-    from .numpy_backend import attention
+    return numpy_attention
 
-    return attention
+
+def numpy_attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
+                    score_mod=None, return_lse=False):
+    """The numpy backend's entry point: its forward and backward (:mod:`flashedu.numpy_backend`)
+    behind :mod:`flashedu.ops`' autograd. A call with element-level rules (attn_mask, a score
+    mod, a block mask whose partial tiles need its mask mod) or return_lse runs the same NumPy
+    kernels under ops' one autograd.Function for such calls (the operators carry tile grids
+    only); torch.compile then runs it eagerly, outside the graph."""
+    from . import ops
+    from .numpy_backend import refuse_captured_grad
+
+    refuse_captured_grad(q, score_mod)
+    return ops.attention("numpy", q, k, v, is_causal=is_causal, scale=scale,
+                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
+                         score_mod=score_mod, return_lse=return_lse)
 
 
 def _numba():

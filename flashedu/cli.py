@@ -25,7 +25,7 @@ DELEGATED = {
               "subcommands (timings need a GPU)"),
     "exercises": ("flashedu.checks.build", "generate exercises/ and notebooks/ from solutions/"),
     "check": ("flashedu.checks.grade", "grade notebooks and print a score table"),
-    "progress": ("flashedu.course.progress", "your progress through the course, by notebook"),
+    "progress": ("flashedu.course.report", "your progress through the course, by notebook"),
 }
 
 

@@ -39,7 +39,6 @@ import torch
 from numba import cuda, float32
 
 from . import ops, runtime
-from .backends import backends_with, backends_with_backward
 
 # Static shared memory one block may declare with cuda.shared.array: 48 KiB on every CUDA GPU
 # (more needs dynamic shared memory and an opt-in). An H100 SM holds 228 KiB, so up to four of
@@ -373,7 +372,8 @@ def forward(q, k, v, *, is_causal=False, scale=None, block_mask=None, tiles=None
         raise NotImplementedError(
             f"block_mask: the numba kernel skips the tiles a block mask hides but does not apply "
             f"its mask mod inside partial tiles ({block_mask.mask_mod!r}); use "
-            f"flashedu.attention with one of the backends {backends_with('mask_mod')}")
+            "flashedu.attention with a backend that does (flashedu.backends.backends_with("
+            "'mask_mod') lists them), e.g. backend='numpy'")
     tiles = choose_tiles(d) if tiles is None else tiles
     is_causal = bool(is_causal or (block_mask is not None and block_mask.is_causal))
     if scale is None:
@@ -436,8 +436,8 @@ class _NumbaAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         raise NotImplementedError(
             "the numba backend computes the forward pass only and has no backward; for "
-            f"gradients use one of the backends {backends_with_backward()}, "
-            "e.g. flashedu.attention(..., backend='numpy')")
+            "gradients use a backend with one (flashedu.backends.backends_with_backward() lists "
+            "them), e.g. flashedu.attention(..., backend='numpy')")
 
 
 def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):

@@ -1,5 +1,7 @@
 """The "numpy" backend: torch tensors in, the NumPy tiled kernels of :mod:`flashedu.tiled` per
-(batch, head), autograd through :func:`flashedu.tiled.flash_backward`.
+(batch, head), autograd through :func:`flashedu.tiled.flash_backward`. This module holds the
+backend's forward and backward; :mod:`flashedu.ops` puts them behind PyTorch's autograd and
+:mod:`flashedu.backends` registers the pair.
 
 Slow by design (a Python loop over heads and tiles); it exists so that the exact algorithm a
 learner reads in NumPy is the one tested against every other backend, on any machine. PyTorch
@@ -17,23 +19,6 @@ import torch
 from . import tiled
 
 DEFAULT_BLOCK = (64, 64)  # (Br, Bc) when no block mask fixes the tiling
-
-
-def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
-              score_mod=None, return_lse=False):
-    """Backend entry point (inputs already checked by flashedu.attention).
-
-    A call with element-level rules (attn_mask, a score mod, a block mask whose partial tiles
-    need its mask mod) or return_lse runs the same NumPy kernels under flashedu.ops' one
-    autograd.Function for such calls (the operators carry tile grids only); torch.compile
-    then runs it eagerly, outside the graph."""
-    from . import ops
-
-    if score_mod is not None and torch.is_grad_enabled():
-        _check_no_captured_grad(score_mod, q)
-    return ops.attention("numpy", q, k, v, is_causal=is_causal, scale=scale,
-                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
-                         score_mod=score_mod, return_lse=return_lse)
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None, attn_mask=None,
@@ -99,9 +84,12 @@ def backward(q, k, v, out, lse, d_out, *, is_causal, scale, block_mask, dropout_
     return grads
 
 
-def _check_no_captured_grad(score_mod, q):
+def refuse_captured_grad(q, score_mod) -> None:
     """The numpy backend differentiates a score mod with respect to the score only: a mod that
-    computes with tensors that require grad (a learned bias) is refused, not silently frozen."""
+    computes with tensors that require grad (a learned bias) is refused, not silently frozen.
+    Called before the kernels run, when gradients are on."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return
     s = torch.zeros(1, 1, 1, 1, dtype=q.dtype if q.is_floating_point() else torch.float32)
     idx = [torch.zeros(1, 1, 1, 1, dtype=torch.int64) for _ in range(4)]
     try:

@@ -28,10 +28,10 @@ __all__ = ["attention", "BlockMask", "mods", "BACKEND_NAMES", "available_backend
 # as torch.ops.flashedu.* operators.
 API = {"attention": "api", "BlockMask": "masks", "BACKENDS": "backends",
        "available_backends": "backends"}
-SUBMODULES = ("ops", "mods", "api", "masks", "backends", "reference", "tiled", "trace", "io",
-              "roofline", "merge", "distributed", "dropout", "tolerance", "numpy_backend",
-              "numba_kernels", "triton", "models", "viz", "checks", "course", "bench",
-              "benchmarks", "cli", "tour")
+SUBMODULES = ("ops", "mods", "api", "arguments", "masks", "backends", "reference", "tiled",
+              "trace", "io", "roofline", "merge", "distributed", "dropout", "tolerance",
+              "numpy_backend", "numba_kernels", "triton", "models", "viz", "checks", "course",
+              "bench", "benchmarks", "cli", "tour")
 
 
 def __getattr__(name):

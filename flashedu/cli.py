@@ -4,7 +4,7 @@
     flashedu tour                every available backend on a small problem, checked, as a table
     flashedu bench ...           benchmarks against peers, and its subcommands (flashedu.bench)
     flashedu exercises ...       build exercises/ from solutions/ (flashedu.checks.build)
-    flashedu check NOTEBOOK...   grade learners' notebooks (flashedu.checks.grade)
+    flashedu check NOTEBOOK...   grade learners' notebooks (flashedu.checks.command)
     flashedu progress            your progress through the course, by notebook (flashedu.course)
     flashedu --version           the package version
 
@@ -24,7 +24,7 @@ DELEGATED = {
     "bench": ("flashedu.bench", "benchmarks against peers; `flashedu bench --help` lists the "
               "subcommands (timings need a GPU)"),
     "exercises": ("flashedu.checks.build", "generate exercises/ and notebooks/ from solutions/"),
-    "check": ("flashedu.checks.grade", "grade notebooks and print a score table"),
+    "check": ("flashedu.checks.command", "grade notebooks and print a score table"),
     "progress": ("flashedu.course.report", "your progress through the course, by notebook"),
 }
 

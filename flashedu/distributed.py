@@ -885,10 +885,10 @@ def _resolve_local(local, q):
 
 
 def _check(q, k, v, is_causal, scale, local, layout, accumulate):
-    from .api import _check_scale, _check_tensors
+    from .arguments import check_scale, check_tensors
 
-    _check_tensors(q, k, v, enable_gqa=True)
-    _check_scale(scale, q.shape[-1])
+    check_tensors(q, k, v, enable_gqa=True)
+    check_scale(scale, q.shape[-1])
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must hold the same shard of the sequence (n positions each), "
                          f"got n={q.shape[2]} for q and {k.shape[2]} for k")

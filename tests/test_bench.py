@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashedu import bench, cli
+from flashedu.benchmarks import peers
 from flashedu.benchmarks import core, overhead
 
 CUDA = torch.cuda.is_available()
@@ -129,13 +130,13 @@ def test_baseline_provider_calls_the_other_checkout_as_flashedu_is_called(monkey
     (tmp_path / "__init__.py").write_text(  # a stand-in checkout that records its calls
         "CALLS = []\nBlockMask = None\n"
         "def attention(q, k, v, **kw):\n    CALLS.append(kw)\n    return q\n")
-    monkeypatch.setattr(bench, "_BASELINE", {"path": None, "module": None})
+    monkeypatch.setattr(peers, "_BASELINE", {"path": None, "module": None})
     monkeypatch.setitem(sys.modules, "flashedu_baseline", None)  # restored afterwards
-    bench.set_baseline(str(tmp_path))
-    case = bench.Case(48, 16, True, "fwd", None, "float32")
+    peers.set_baseline(str(tmp_path))
+    case = peers.Case(48, 16, True, "fwd", None, "float32")
     q, k, v = (torch.randn(1, 2, 48, 16) for _ in range(3))
-    assert bench.make_forward("baseline", case, q, k, v)() is q
-    assert bench.baseline_package().CALLS == [
+    assert peers.make_forward("baseline", case, q, k, v)() is q
+    assert peers.baseline_package().CALLS == [
         {"is_causal": True, "block_mask": None, "backend": "triton"}]
 
 
@@ -167,7 +168,7 @@ def test_shape_and_flop_rule():
     assert core.flops(8192, 64, causal=True) == core.attention_flops(2, 32, 8192, 8192, 64,
                                                                      causal=True)
     assert core.tflops(1e12, 1000.0) == pytest.approx(1.0)
-    case = bench.Case(2048, 64, True, "bwd", 0.5, "bfloat16")
+    case = peers.Case(2048, 64, True, "bwd", 0.5, "bfloat16")
     assert (case.B, case.H) == core.batch_heads(2048, 64)
     assert case.flops() == core.attention_flops(case.B, case.H, 2048, 2048, 64, causal=True,
                                                 mode="bwd", density=0.5)

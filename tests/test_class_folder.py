@@ -73,7 +73,7 @@ def class_folder(tmp_path_factory):
     notebooks = sorted(cls.glob("*/*.ipynb"))
     assert len(notebooks) == 36
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "flashedu.checks.grade", "--jobs", "2", "--json",
+    run = subprocess.run([sys.executable, "-m", "flashedu.checks.command", "--jobs", "2", "--json",
                           str(tmp_path / "grades.json"), *map(str, notebooks)],
                          cwd=ROOT, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"),
                          capture_output=True, text=True, timeout=1200, check=False)

@@ -35,7 +35,7 @@ def _student(folder: Path, name: str, cells=(), solved=True) -> Path:
 
 
 def _check(*args, timeout=400):
-    return subprocess.run([sys.executable, "-m", "flashedu.checks.grade", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "flashedu.checks.command", *map(str, args)],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
 
 

@@ -511,7 +511,7 @@ def _notebook(tmp_path, stem, extra_cells, solution=True):
 def _flashedu_check(*args, timeout=300):
     start = time.perf_counter()
     # the grader's own entry point (what `flashedu check` delegates to)
-    run = subprocess.run([sys.executable, "-m", "flashedu.checks.grade", *map(str, args)],
+    run = subprocess.run([sys.executable, "-m", "flashedu.checks.command", *map(str, args)],
                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
     return run, time.perf_counter() - start
 

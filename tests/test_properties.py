@@ -430,7 +430,7 @@ def test_arguments_are_checked(value, arg):
     if arg in ("is_causal", "enable_gqa"):
         ok = is_flag
     elif arg == "scale":
-        lo, hi = flashedu.api.SCALE_RANGE
+        lo, hi = flashedu.arguments.SCALE_RANGE
         ok = value is None or (is_real and math.isfinite(value) and lo <= float(value) <= hi)
     else:
         ok = is_real and 0 <= value <= 1  # 1 drops everything: zeros, as SDPA
@@ -445,7 +445,7 @@ def test_arguments_are_checked(value, arg):
 @settings(max_examples=60 * X)
 @given(scale=st.floats(min_value=0, exclude_min=True, allow_infinity=False))
 def test_scale_is_accepted_exactly_in_float32_normal_range(scale):
-    lo, hi = flashedu.api.SCALE_RANGE
+    lo, hi = flashedu.arguments.SCALE_RANGE
     if lo <= scale <= hi:
         assert flashedu.attention(Q, K, V, scale=scale, backend="naive").shape == Q.shape
     else:

@@ -19,7 +19,7 @@ import sys
 import torch
 
 import flashedu
-from flashedu import bench
+from flashedu.benchmarks import peers as providers
 from flashedu.triton.backward import backward
 from flashedu.triton.config import Tiles, kernel_config
 from flashedu.triton.forward import forward
@@ -64,10 +64,10 @@ class Log:
 
 def peers(log, n, d, causal, tag):
     q, k, v, _ = inputs(n, d)
-    case = bench.Case(n, d, causal, "fwd", None, "bfloat16")
+    case = providers.Case(n, d, causal, "fwd", None, "bfloat16")
     for p in ("sdpa-cudnn", "flex"):
         log.rec("peer", f"{tag} {p} N={n} d={d} causal={causal}",
-                t(bench.make_forward(p, case, q, k, v)), flops(n, d, causal))
+                t(providers.make_forward(p, case, q, k, v)), flops(n, d, causal))
 
 
 def forward_variants(log, prev_forward):
@@ -231,7 +231,7 @@ def sparse_tma(log):
         q, k, v, _ = inputs(8192, d)
         shipped = kernel_config(d, False, False).forward
         for density in (0.1, 0.5):
-            mask = bench.random_block_mask(8192, density)
+            mask = providers.random_block_mask(8192, density)
             for tma in (False, True, False, True):
                 tiles = dataclasses.replace(shipped, tma=tma, warp_specialize=False)
                 log.rec("sparse fwd", f"d={d} density={density} {name(tiles)}", t(
@@ -249,7 +249,7 @@ def sparse_variants(log):
              Tiles(128, 64, 8, 4), Tiles(64, 128, 4, 3), Tiles(64, 128, 8, 3),
              Tiles(64, 64, 4, 3)]
     for density in (0.1, 0.5):
-        mask = bench.random_block_mask(8192, density)
+        mask = providers.random_block_mask(8192, density)
         for rep in (1, 2):
             for tiles in cands:
                 log.rec("sparse tiles", f"density={density} {name(tiles)} run{rep}", t(
@@ -264,7 +264,7 @@ def sparse_ws(log):
     q, k, v, _ = inputs(8192, d)
     shipped = kernel_config(d, False, False)
     for density in (0.1, 0.25, 0.5):
-        mask = bench.random_block_mask(8192, density)
+        mask = providers.random_block_mask(8192, density)
         plain = shipped.forward_tiles(mask, k.shape[2])
         ref = forward(q, k, v, is_causal=False, scale=d ** -0.5, block_mask=mask, tiles=plain,
                       interpreted=False)[0]

@@ -130,7 +130,7 @@ def _stub_launches():
 def _mask(N, density=None, window=None):
     """The block mask of a request: random tiles of ``density``, a sliding ``window``, or None."""
     from flashedu import BlockMask, mods
-    from flashedu.bench import random_block_mask
+    from .peers import random_block_mask
 
     if density is not None:
         return random_block_mask(N, density)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..bench import EXTRA_PROVIDERS, Case, check_baseline, make_forward
+from .peers import EXTRA_PROVIDERS, Case, check_baseline, make_forward
 from . import core
 
 SHAPES = {  # (B, H, N, d)

@@ -21,7 +21,8 @@ learner's function runs in a child process (:mod:`.child`) while the grading sta
 
 from __future__ import annotations
 
-from .engine import Exercise, run_exercise
+from .child import run_exercise
+from .engine import Exercise
 from .kernels import EXERCISES as _KERNEL_EXERCISES
 from .numpy_exercises import EXERCISES as _NUMPY_EXERCISES
 from .result import NOT_IMPLEMENTED, CaseResult, CheckResult

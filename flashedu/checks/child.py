@@ -39,6 +39,9 @@ import warnings
 import numpy as np
 
 from . import worker
+from .engine import (HINT_SECONDS, execute_case, grade_cases, learner_hint, make_result,
+                     new_seed, preflight, set_seed)
+from .result import CheckResult
 
 _HEADER = struct.Struct("<Q")
 READY_SECONDS = 20.0  # the child must answer its first message within this time
@@ -171,8 +174,6 @@ class Child:
         return cpu_seconds([self.pid, *descendants(self.pid)])
 
     def hint(self, case):
-        from .engine import HINT_SECONDS
-
         if self.pid is None:
             return None
         payload = dict(worker.request_payload(self.ex, case), what="hint")
@@ -217,8 +218,6 @@ def _serve(ex, fn, rfd: int, wfd: int) -> None:
                 sys.modules["torch"].set_num_threads(1)  # OpenMP pools do not survive a fork
             except Exception:  # noqa: BLE001
                 pass
-        from .engine import execute_case, learner_hint
-
         while True:
             blob = _recv(rfd)
             if blob is None:
@@ -244,3 +243,29 @@ def _serve(ex, fn, rfd: int, wfd: int) -> None:
                 log.write(traceback.format_exc())
     finally:
         os._exit(code)
+
+
+def run_exercise(ex, fn, seed: int | None = None) -> CheckResult:
+    """The notebook's ``check()``: the learner's calls in a forked child process made before
+    any input or expected answer exists, the grading here (see the module's docstring); in
+    this process where a child cannot run them."""
+    early = preflight(ex, fn)
+    if early is not None:
+        set_seed(new_seed() if seed is None else seed)
+        return make_result(ex, False, early[0], early[1], [])
+    runner = None
+    if usable(ex) is None:
+        try:
+            runner = Child(ex, fn)
+        except (OSError, RuntimeError):
+            runner = None
+    set_seed(new_seed() if seed is None else seed)  # after the fork: the child never sees it
+    if runner is None:
+        return grade_cases(ex, lambda case: execute_case(ex, fn, case),
+                           (lambda: ex.gate(fn)) if ex.gate else None,
+                           (lambda case: learner_hint(ex, fn, case.args)) if ex.hint else None)
+    try:
+        return grade_cases(ex, runner.execute, (lambda: ex.gate(fn)) if ex.gate else None,
+                           runner.hint if ex.hint else None)
+    finally:
+        runner.close()

@@ -107,7 +107,7 @@ def compile_bytecode() -> None:
 def grade_class(paths: list[Path], timeout: float, kernel: str | None, budget: float,
                 seed: int | None, jobs: int) -> list[tuple[list[dict], bool]]:
     """(rows, graded) per submission, in the order given."""
-    from .grade import NOT_GRADED, _row
+    from .grade import NOT_GRADED, score_row
 
     compile_bytecode()
     with tempfile.TemporaryDirectory(prefix="flashedu-grade-") as root:
@@ -116,7 +116,7 @@ def grade_class(paths: list[Path], timeout: float, kernel: str | None, budget: f
 
         def one(sub: Submission):
             if sub.refused:
-                return [_row(sub.original, "-", 0, 0, False, sub.refused, NOT_GRADED)], False
+                return [score_row(sub.original, "-", 0, 0, False, sub.refused, NOT_GRADED)], False
             spec = {"notebook": str(sub.folder / "home" / sub.original.name),
                     "original": str(sub.original), "folder": str(sub.folder), "hide": hide,
                     "timeout": timeout, "kernel": kernel, "budget": budget, "seed": seed}
@@ -193,7 +193,7 @@ def _not_graded(spec: dict, why: str) -> list[dict]:
     import nbformat
 
     from . import EXERCISES
-    from .grade import NOT_GRADED, _row, owned_exercises
+    from .grade import NOT_GRADED, score_row, owned_exercises
 
     path = Path(spec["notebook"])
     try:
@@ -202,9 +202,9 @@ def _not_graded(spec: dict, why: str) -> list[dict]:
         names = []
     message = f"{why}; exercise not graded"
     if not names:
-        return [_row(spec["original"], "-", 0, 0, False, message, NOT_GRADED)]
-    return [_row(spec["original"], n, 0, EXERCISES[n].points, False, message, NOT_GRADED)
-            for n in names]
+        return [score_row(spec["original"], "-", 0, 0, False, message, NOT_GRADED)]
+    return [score_row(spec["original"], n, 0, EXERCISES[n].points, False, message,
+                      NOT_GRADED) for n in names]
 
 
 def _kill_group(pid: int) -> None:

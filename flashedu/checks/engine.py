@@ -16,8 +16,9 @@ order, and the first problem found is the one reported:
 Running a case has two halves. :func:`execute_case` calls the learner's object and gathers what
 happened (the :class:`~.sandbox.Call`: the value, an error, the time, the memory, what the
 probes counted, the inputs after the call); :func:`judge_case` compares that with the case's
-reference. The two halves always live in two processes: the notebook's ``check()`` runs the
-first half in a child forked from the notebook before any input exists (see :mod:`.child`;
+reference. The two halves always live in two processes: the notebook's ``check()``
+(:func:`.child.run_exercise`) runs the first half in a child forked from the notebook before
+any input exists (see :mod:`.child`;
 in-process only where a fork cannot run the code), ``flashedu check`` runs it in the
 learner's kernel (see :mod:`.grade`); references, tolerances and comparisons stay on the side
 where the learner's code never runs.
@@ -169,34 +170,6 @@ def source_has_placeholder(fn, placeholder) -> bool:
     return re.search(pattern, source, re.MULTILINE) is not None
 
 
-def run_exercise(ex: Exercise, fn, seed: int | None = None) -> CheckResult:
-    """The notebook's ``check()``: the learner's calls in a forked child process made before
-    any input or expected answer exists, the grading here (see :mod:`.child`); in this process
-    where a child cannot run them."""
-    early = preflight(ex, fn)
-    if early is not None:
-        set_seed(new_seed() if seed is None else seed)
-        return _result(ex, False, early[0], early[1], [])
-    from . import child
-
-    runner = None
-    if child.usable(ex) is None:
-        try:
-            runner = child.Child(ex, fn)
-        except (OSError, RuntimeError):
-            runner = None
-    set_seed(new_seed() if seed is None else seed)  # after the fork: the child never sees it
-    if runner is None:
-        return grade_cases(ex, lambda case: execute_case(ex, fn, case),
-                           (lambda: ex.gate(fn)) if ex.gate else None,
-                           (lambda case: learner_hint(ex, fn, case.args)) if ex.hint else None)
-    try:
-        return grade_cases(ex, runner.execute, (lambda: ex.gate(fn)) if ex.gate else None,
-                           runner.hint if ex.hint else None)
-    finally:
-        runner.close()
-
-
 def learner_hint(ex: Exercise, fn, args) -> str | None:
     """``ex.hint(fn, args)`` on copies of the inputs, time-limited, with the shortcuts off;
     None whatever goes wrong (a hint must never break a check)."""
@@ -242,8 +215,8 @@ def grade_cases(ex: Exercise, execute: Callable, gate: Callable | None = None,
         if isinstance(first, Remark):
             note, first = f" {first}", None
     if first is None:
-        return _result(ex, True, PASSED, f"All {len(rows)} cases passed.{note} {seed_note}", rows)
-    return _result(ex, False, FAILED, f"{first}\n{seed_note}", rows)
+        return make_result(ex, True, PASSED, f"All {len(rows)} cases passed.{note} {seed_note}", rows)
+    return make_result(ex, False, FAILED, f"{first}\n{seed_note}", rows)
 
 
 def _not_checkable(ex: Exercise, fn) -> str | None:
@@ -255,7 +228,8 @@ def _not_checkable(ex: Exercise, fn) -> str | None:
     return None
 
 
-def _result(ex, passed, status, message, rows) -> CheckResult:
+def make_result(ex, passed, status, message, rows) -> CheckResult:
+    """The CheckResult of ``ex`` (a not-implemented status says what to do)."""
     if status == NOT_IMPLEMENTED:
         message = (f"`{ex.symbol}` is not implemented yet: replace `raise NotImplementedError()` "
                    "with your code, run the cell, then run this check again.")

@@ -55,6 +55,16 @@ CONSTEXPRS = ("D", "Br", "Bc", "CAUSAL")
 TIMEOUT = 240.0  # seconds for one kernel's launches, the process's start included
 # processes compiling one kernel's launches side by side (each launch is compiled on its own)
 WORKERS = max(1, min(4, os.cpu_count() or 1))
+# which ("numba", "forward", "dkdv", "dq") -> the launches its exercise's cases make, as plain
+# data. The exercises (.kernels) hand it over when they are defined: the gate compiles the
+# launches it is given and knows no exercise.
+_LAUNCHES = None
+
+
+def use_launches(launches) -> None:
+    """Set the function that gives the launches to compile for a kernel (``which``)."""
+    global _LAUNCHES
+    _LAUNCHES = launches
 TARGET = "an H100 (sm_90)"
 
 
@@ -622,8 +632,9 @@ def compile_specs(specs: list, timeout: float = TIMEOUT) -> list[str]:
     """:func:`compile_spec` of several kernels, one process for each kind (their launches
     compiled side by side): one verdict for each spec, in order."""
     from .. import runtime
-    from .kernels import gate_launches
 
+    if _LAUNCHES is None:
+        raise RuntimeError("the compile gate has no launches: import flashedu.checks first")
     verdicts: list = [None] * len(specs)
     jobs: dict = {"triton": [], "numba": []}
     for index, spec in enumerate(specs):
@@ -647,7 +658,7 @@ def compile_specs(specs: list, timeout: float = TIMEOUT) -> list[str]:
                 continue
             job = {"index": index, "kind": spec["kind"], "name": spec.get("name"),
                    "functions": spec["functions"], "globals": spec["globals"],
-                   "launches": gate_launches(which), "workers": WORKERS}
+                   "launches": _LAUNCHES(which), "workers": WORKERS}
             if spec["kind"] == "triton":
                 job["params"] = parameters(which)
             jobs[spec["kind"]].append(job)

@@ -1,39 +1,25 @@
-"""``flashedu check NOTEBOOK.ipynb [...]``: grade learners' notebooks and print a score table.
+"""Grade one learner's notebook: run it in a kernel of its own, then check each exercise it owns.
 
-    flashedu check submissions/*/*.ipynb                      # the table
-    flashedu check submissions/*/*.ipynb --json grades.json   # and every row as JSON in a file
-
-Each submission is copied, graded by a supervisor process of its own, and its kernel runs in a
-jail (:mod:`.classroom`, :mod:`.jail`: what a notebook cannot reach, and why). In it, the
-notebook runs top to bottom in a fresh kernel (nbclient), errors allowed so that one broken
-cell does not stop the grading, the notebook's own check cells left out (they only show the
-learner a result). Then the grader, in the supervisor, checks each exercise that the notebook owns
-(by its name, e.g. ``02_flash_forward`` owns ``flash_forward``; see NOTEBOOK_EXERCISES): it draws
-fresh inputs, asks the kernel to call the learner's function on them, one case at a time (see
-:mod:`.worker`), and compares what comes back with its own float64 reference. Expected answers,
-tolerances and the comparison never enter the learner's kernel; the score comes from the
-supervisor, never from the notebook's output. A GPU kernel's cases do not run in the notebook's
-kernel at all: it sends only the kernel's description, which a process of the grader's checks,
-loads and runs (:mod:`.runner`).
-
-Time: each cell has ``--timeout`` seconds and each notebook ``--budget`` seconds in all; a cell
-that runs past either (one that swallows KeyboardInterrupt included) has its kernel killed, and
-that notebook's remaining exercises are not graded (0 points, status "not graded").
-
-Exit code: 0 when every notebook was graded (whatever the scores); 1 when one could not be (a
-missing or unreadable file, a kernel that died or ran out of time); 2 for a usage error.
+In the kernel (jailed by :mod:`.classroom` and :mod:`.jail`), the notebook runs top to bottom
+(nbclient), errors allowed so that one broken cell does not stop the grading, the notebook's own
+check cells left out (they only show the learner a result). Then the grader, in this process,
+checks each exercise that the notebook owns (by its name, e.g. ``02_flash_forward`` owns
+``flash_forward``; see NOTEBOOK_EXERCISES): it draws fresh inputs, asks the kernel to call the
+learner's function on them, one case at a time (see :mod:`.worker`), and compares what comes
+back with its own float64 reference. Expected answers, tolerances and the comparison never enter
+the learner's kernel; the score comes from here, never from the notebook's output. A GPU
+kernel's cases do not run in the notebook's kernel at all: it sends only the kernel's
+description, which a process of the grader's checks, loads and runs (:mod:`.runner`).
+``flashedu check`` (:mod:`.command`) grades a class of notebooks this way.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import re
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -94,7 +80,7 @@ def owned_exercises(path: Path, nb) -> list[str]:
     return []
 
 
-def _row(notebook, exercise, points, max_points, passed, message, status=None):
+def score_row(notebook, exercise, points, max_points, passed, message, status=None):
     return {"notebook": str(notebook), "exercise": exercise, "points": points,
             "max_points": max_points, "passed": passed,
             "status": status or ("passed" if passed else "failed"), "message": message}
@@ -167,15 +153,17 @@ def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = N
 
     path = Path(path)
     if not path.is_file():
-        return [_row(path, "-", 0, 0, False, f"no such file: {path}", NOT_GRADED)], False
+        return [score_row(path, "-", 0, 0, False, f"no such file: {path}", NOT_GRADED)], False
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one row of the table
-        return [_row(path, "-", 0, 0, False, f"cannot read the notebook: {exc}", NOT_GRADED)], False
+        return [score_row(path, "-", 0, 0, False, f"cannot read the notebook: {exc}",
+                          NOT_GRADED)], False
     names = owned_exercises(path, nb)
     if not names:
-        return [_row(path, "-", 0, 0, False, "no exercises found: the file name names no course "
-                     "notebook and no grade cell checks an exercise", NOT_GRADED)], False
+        return [score_row(path, "-", 0, 0, False, "no exercises found: the file name names no "
+                          "course notebook and no grade cell checks an exercise",
+                          NOT_GRADED)], False
     for cell in nb.cells:  # the learner's check cells: feedback for them, not the grade
         if cell.cell_type == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("grade"):
             cell.source = ""
@@ -222,10 +210,12 @@ def grade_notebook(path: Path, timeout: float = 600, kernel_name: str | None = N
     for name in names:
         r = results.get(name)
         if r is None:
-            rows.append(_row(path, name, 0, EXERCISES[name].points, False,
-                             f"{problem or 'not graded'}; exercise not graded", NOT_GRADED))
+            rows.append(score_row(path, name, 0, EXERCISES[name].points, False,
+                                  f"{problem or 'not graded'}; exercise not graded",
+                                  NOT_GRADED))
         else:
-            rows.append(_row(path, name, r.points, r.max_points, r.passed, r.message, r.status))
+            rows.append(score_row(path, name, r.points, r.max_points, r.passed, r.message,
+                                  r.status))
     return rows, problem is None
 
 
@@ -234,7 +224,7 @@ def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None, jail=None
     kernel's cases run in a process of the grader's instead (:mod:`.runner`): only the kernel's
     description comes from the notebook."""
     from . import worker
-    from .engine import _result
+    from .engine import make_result
 
     counter = iter(range(10**9))
     token = secrets.token_hex(8)
@@ -258,18 +248,18 @@ def _grade_remote(ex, kernel: _Kernel, folder: Path, seed: int | None, jail=None
     set_seed(new_seed() if seed is None else seed)
     reply = ask({"what": "preflight", "exercise": ex.name}, 120)
     if reply is None or not isinstance(reply, dict):
-        return _result(ex, False, "failed", "the grader got no answer from the notebook's "
+        return make_result(ex, False, "failed", "the grader got no answer from the notebook's "
                        "kernel (see the notebook's last cells)", [])
     early = reply.get("preflight")
     if early:
-        return _result(ex, False, str(early[0]), str(early[1]), [])
+        return make_result(ex, False, str(early[0]), str(early[1]), [])
 
     if ex.gate is not None:
         spec = ask({"what": "gate", "exercise": ex.name}, 120)
         spec = spec.get("gate") if isinstance(spec, dict) else None
         with _kernel_runner(ex, spec, folder, jail) as runner:
             if isinstance(runner, str):
-                return _result(ex, False, "failed", runner, [])
+                return make_result(ex, False, "failed", runner, [])
             # the gate compiles the description the cases ran, here (a patched gate in the
             # learner's kernel changes nothing)
             return _grade_cases(ex, runner.ask, lambda: compile_spec(spec))
@@ -335,66 +325,3 @@ def _kernel_runner(ex, spec, folder: Path, jail):
         yield problem if problem else runner
     finally:
         runner.close()
-
-
-def table(rows: list[dict]) -> str:
-    """The score table, one line per exercise, then the total per notebook."""
-    head = ("notebook", "exercise", "points", "passed", "message")
-    lines = [[Path(r["notebook"]).name, r["exercise"], f"{r['points']:g}/{r['max_points']:g}",
-              "yes" if r["passed"] else "no", _first_line(r)] for r in rows]
-    totals = {}
-    for r in rows:
-        got, most = totals.get(r["notebook"], (0, 0))
-        totals[r["notebook"]] = (got + r["points"], most + r["max_points"])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
-    widths[-1] = len(head[-1])
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*line) for line in lines]
-    out += [f"total {Path(nb).name}: {got:g}/{most:g}" for nb, (got, most) in totals.items()]
-    return "\n".join(out)
-
-
-def _first_line(row) -> str:
-    text = " ".join(row["message"].split("\n")[:2]) if not row["passed"] else row["message"]
-    return text if len(text) <= 100 else text[:97] + "..."
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="flashedu check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    from ..cli import json_target, positive_int, seconds  # checked before any grading starts
-
-    parser.add_argument("notebooks", nargs="+", type=Path)
-    parser.add_argument("--json", metavar="FILE", type=json_target, help="also write every row "
-                        "as JSON to FILE ('-': print the JSON instead of the table)")
-    parser.add_argument("--timeout", type=seconds, default=600, help="seconds per cell")
-    parser.add_argument("--budget", type=seconds, default=1800, help="seconds per notebook")
-    parser.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
-    parser.add_argument("--jobs", type=positive_int, default=1, help="notebooks graded at once")
-    parser.add_argument("--seed", type=int, help="the inputs' seed (default: fresh per exercise)")
-    args = parser.parse_args(argv)
-    from . import classroom, jail
-
-    if jail.unavailable():
-        print(f"flashedu check: the notebooks' kernels run without a jail ({jail.unavailable()}): "
-              "a notebook can read and change files this user can; see the README's "
-              "instructor section", file=sys.stderr)
-    graded = classroom.grade_class(args.notebooks, args.timeout, args.kernel, args.budget,
-                                   args.seed, args.jobs)
-    rows = [row for rows, _ in graded for row in rows]
-    if args.json == "-":
-        print(json.dumps(rows, indent=1))
-    else:
-        print(table(rows))
-        if args.json:
-            classroom.write_json(rows, Path(args.json))
-    failed = [str(p) for p, (_, ok) in zip(args.notebooks, graded) if not ok]
-    if failed:
-        print(f"could not grade {len(failed)} notebook(s): {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -43,6 +43,7 @@ import numpy as np
 from .. import reference, runtime, tiled
 from . import compare
 from .engine import Case, Exercise, allowance, rows_text
+from .gate import compile_spec, numba_gate_source, parameters, triton_gate_source, use_launches
 from .numpy_exercises import (
     F64,
     H_CAUSAL,
@@ -832,8 +833,6 @@ def gate_launches(which: str) -> list[dict]:
     plain data for the compile gate (:mod:`.gate`): each with the label of the first case
     that makes it. Triton: every argument (pointers by dtype, the scale, the integers, the
     constexprs), as the launcher passes it. numba: the argument types."""
-    from .gate import parameters
-
     if which == "numba":
         # Q, K, V, O: C-contiguous float32 rows; L a float32 vector; a float32 scale; a bool
         array2, array1 = "float32[:, ::1]", "float32[::1]"
@@ -867,16 +866,12 @@ def gate_launches(which: str) -> list[dict]:
 def _gate(which):
     def source(kernel):
         """The kernel's side of the gate (see :mod:`.gate`): its description, plain data."""
-        from .gate import numba_gate_source, triton_gate_source
-
         return numba_gate_source(kernel) if which == "numba" else \
             triton_gate_source(kernel, which)
 
     def gate(kernel):
         """The grader's side: compile what was described, for the cases' launches; what
         decides (the launches, a GPU present) is read in the grader's process."""
-        from .gate import compile_spec
-
         return compile_spec(source(kernel))
 
     gate.source = source  # flashedu check compiles in the grader what the kernel sent
@@ -1360,3 +1355,4 @@ EXERCISES = [
              timeout=120.0, requires=_triton_unavailable, unfilled=_still_skeleton,
              inspect=lambda k: _kernel_problem(k, "dq"), gate=_gate("dq")),
 ]
+use_launches(gate_launches)  # what the compile gate compiles: these cases' launches

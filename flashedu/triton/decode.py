@@ -140,17 +140,17 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     docstring). Returns out (B, H, Nq, d), and with ``return_lse`` also L (B, H, Nq), the
     natural-log logsumexp (-inf for a row that sees no key). Forward only.
     """
-    from ..api import _check_scale, _check_tensors
+    from ..arguments import check_scale, check_tensors
     from . import _check
 
-    _check_tensors(q, k, v, enable_gqa=True)
+    check_tensors(q, k, v, enable_gqa=True)
     _check(q, k, v)  # dtype, head dim, device for compiled vs interpreted triton
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("split_kv_attention is forward-only (decoding): call it under "
                            "torch.no_grad(), or use flashedu.attention to train")
-    scale = _check_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if Nq > MAX_ROWS:

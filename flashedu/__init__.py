@@ -31,7 +31,7 @@ API = {"attention": "api", "BlockMask": "masks", "BACKENDS": "backends",
 SUBMODULES = ("ops", "mods", "api", "arguments", "masks", "backends", "reference", "tiled",
               "trace", "io", "roofline", "merge", "distributed", "dropout", "tolerance",
               "numpy_backend", "numba_kernels", "triton", "models", "viz", "checks", "course",
-              "bench", "benchmarks", "cli", "tour")
+              "progress", "bench", "benchmarks", "cli", "tour")
 
 
 def __getattr__(name):

@@ -3,7 +3,7 @@
     flashedu doctor              versions, the device, what runs where
     flashedu tour                every available backend on a small problem, checked, as a table
     flashedu bench ...           benchmarks against peers, and its subcommands (flashedu.bench)
-    flashedu exercises ...       build exercises/ from solutions/ (flashedu.checks.build)
+    flashedu exercises ...       build exercises/ from solutions/ (flashedu.course.build)
     flashedu check NOTEBOOK...   grade learners' notebooks (flashedu.checks.command)
     flashedu progress            your progress through the course, by notebook (flashedu.course)
     flashedu --version           the package version
@@ -23,7 +23,7 @@ import sys
 DELEGATED = {
     "bench": ("flashedu.bench", "benchmarks against peers; `flashedu bench --help` lists the "
               "subcommands (timings need a GPU)"),
-    "exercises": ("flashedu.checks.build", "generate exercises/ and notebooks/ from solutions/"),
+    "exercises": ("flashedu.course.build", "generate exercises/ and notebooks/ from solutions/"),
     "check": ("flashedu.checks.command", "grade notebooks and print a score table"),
     "progress": ("flashedu.course.report", "your progress through the course, by notebook"),
 }
@@ -118,10 +118,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
     if args.command == "doctor":
-        from . import backends  # noqa: F401  adds its table of backends to the report
+        from . import __version__, backends  # noqa: F401  backends adds its table
         from .runtime import doctor
 
-        print(doctor())
+        print(doctor(__version__))
         return 0
     if args.command == "tour":
         from .tour import run_tour

@@ -155,15 +155,14 @@ def add_report(section) -> None:
         _REPORTS.append(section)
 
 
-def doctor() -> str:
-    """A report of versions, the device, and what each backend will run on."""
+def doctor(version: str) -> str:
+    """A report of versions (``version``: flashedu's own), the device, and what each backend
+    will run on."""
     import torch
-
-    import flashedu
 
     cfg = configure()
     lines = [
-        f"flashedu {flashedu.__version__}",
+        f"flashedu {version}",
         f"python     {platform.python_version()} ({sys.executable})",
     ]
     for dist in ("numpy", "torch", "triton", "numba", "numba-cuda", "ipywidgets", "jupyterlab"):

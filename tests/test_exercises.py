@@ -11,7 +11,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from flashedu.checks import EXERCISES, build
+from flashedu.checks import EXERCISES
+from flashedu.course import build
 from flashedu.checks.grade import exercises_in
 
 ROOT = Path(__file__).resolve().parents[1]

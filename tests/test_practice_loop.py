@@ -14,9 +14,10 @@ import nbformat
 import pytest
 
 from flashedu import course
-from flashedu.checks import EXERCISES, STEPS, build
+from flashedu.checks import EXERCISES, STEPS
+from flashedu.course import build
 from flashedu.course import notebooks as course_notebooks
-from flashedu.course import progress
+from flashedu import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLVED = sorted((ROOT / "solutions" / "notebooks").glob("*.ipynb"))

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import flashedu
 from flashedu import runtime
 
 
@@ -58,9 +59,11 @@ def test_auto_follows_the_inputs_device():
 
 
 def test_doctor_ends_with_the_sections_added_by_higher_layers(monkeypatch):
+    import flashedu.backends  # noqa: F401  the layer above adds its section
+
     monkeypatch.setattr(runtime, "_REPORTS", list(runtime._REPORTS))
     runtime.add_report(lambda: ["extra: a section"])
-    report = runtime.doctor()
+    report = runtime.doctor(flashedu.__version__)
     assert report.splitlines()[-1] == "extra: a section"
     assert "backends:" in report and "  auto   -> " in report  # flashedu.backends' section
 

@@ -12,7 +12,7 @@ import step_loading
 
 from flashedu import course
 from flashedu.checks import check
-from flashedu.checks.build import strip_source
+from flashedu.course.build import strip_source
 from flashedu.checks.result import NOT_IMPLEMENTED
 from flashedu.course.notebooks import find
 

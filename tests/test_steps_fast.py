@@ -15,7 +15,7 @@ import pytest
 
 from flashedu import course
 from flashedu.checks import check
-from flashedu.checks.build import strip_source
+from flashedu.course.build import strip_source
 from flashedu.checks.result import NOT_IMPLEMENTED
 from flashedu.checks.steps import fast
 from flashedu.course.notebooks import find, solution_code

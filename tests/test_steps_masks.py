@@ -11,7 +11,7 @@ import pytest
 import step_loading
 
 from flashedu.checks import check
-from flashedu.checks.build import strip_source
+from flashedu.course.build import strip_source
 from flashedu.checks.result import NOT_IMPLEMENTED
 from flashedu.course.notebooks import find, solution_code
 

@@ -14,7 +14,7 @@ import flashedu
 from flashedu import course
 from flashedu.checks import EXERCISES, check
 from flashedu.checks import STEPS as CHECKS
-from flashedu.checks.build import strip_source
+from flashedu.course.build import strip_source
 from flashedu.checks.result import NOT_IMPLEMENTED
 from flashedu.course.notebooks import find
 

@@ -353,7 +353,7 @@ def test_runtime_imports_no_backend_module():
     assert not imported & {"backends", "flashedu.backends", "api", "ops", "triton", "numba"}
     import flashedu.backends  # noqa: F401  the layer above adds its section
 
-    report = runtime.doctor()
+    report = runtime.doctor(flashedu.__version__)
     assert all(f"  {name}" in report for name in flashedu.BACKEND_NAMES)
 
 

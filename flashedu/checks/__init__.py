@@ -49,7 +49,7 @@ def check(name: str, fn, seed: int | None = None) -> CheckResult:
         return CheckResult(name, False, f"the checker itself failed (a bug in flashedu.checks, "
                            f"please report it): {type(exc).__name__}: {exc}", 0.0, ex.points)
     if name in EXERCISES:
-        from ..course import progress
+        from .. import progress
 
         progress.record("exercises", name, passed=result.passed, status=result.status)
     return result

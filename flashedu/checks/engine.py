@@ -145,9 +145,11 @@ def preflight(ex: Exercise, fn) -> tuple[str, str] | None:
     return None
 
 
-def is_unfilled(ex: Exercise, fn) -> bool:
-    from .build import PLACEHOLDER
+# what the learner's copy has where an answer was (flashedu.course.build writes it)
+PLACEHOLDER = ("# YOUR CODE HERE", "raise NotImplementedError()")
 
+
+def is_unfilled(ex: Exercise, fn) -> bool:
     if ex.unfilled is not None:
         return bool(ex.unfilled(fn))
     return source_has_placeholder(fn, PLACEHOLDER)

@@ -805,8 +805,7 @@ def _still_skeleton(kernel) -> bool:
     """True while the kernel's source still holds the exercise's placeholder. Checked on the
     source: compiled for a GPU, a kernel cannot raise (numba ignores it, Triton refuses to
     compile)."""
-    from .build import PLACEHOLDER
-    from .engine import source_has_placeholder
+    from .engine import PLACEHOLDER, source_has_placeholder
 
     return source_has_placeholder(kernel, PLACEHOLDER)
 

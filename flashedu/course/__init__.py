@@ -34,7 +34,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from . import progress
+from .. import progress
 from .notebooks import Step, find, solution_code, solution_region, steps
 
 __all__ = ["check", "check_prediction", "reveal", "reference", "steps", "Prediction"]

@@ -1,4 +1,4 @@
-"""``flashedu progress``: the learner's record (:mod:`flashedu.course.progress`) as a table by
+"""``flashedu progress``: the learner's record (:mod:`flashedu.progress`) as a table by
 notebook, the exercises passed, and what to do next."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 from ..checks import EXERCISES
 from .notebooks import steps
-from .progress import load, progress_file
+from ..progress import load, progress_file
 
 
 def table(record_: dict | None = None) -> str:

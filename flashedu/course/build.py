@@ -20,8 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-PLACEHOLDER = ("# YOUR CODE HERE", "raise NotImplementedError()")
+from ..checks.engine import PLACEHOLDER
+from .notebooks import BEGIN, END, index_text, read_steps
+
 ANSWER = "None  # YOUR ANSWER HERE"
 # (solved source, generated learner copy), relative to the project's root
 FOLDERS = ((Path("solutions"), Path("exercises")),
@@ -130,8 +131,6 @@ def release(pairs, target: Path | None) -> int:
 
 def index_plan(root: Path) -> dict[Path, str]:
     """The course's index of steps and predictions, generated from the solved notebooks."""
-    from ..course.notebooks import index_text, read_steps
-
     folder = root / "solutions" / "notebooks"
     index = root / "flashedu" / "course" / "steps.json"
     return {index: index_text(read_steps(folder))} if folder.is_dir() else {}

@@ -30,8 +30,8 @@ API = {"attention": "api", "BlockMask": "masks", "BACKENDS": "backends",
        "available_backends": "backends"}
 SUBMODULES = ("ops", "mods", "api", "arguments", "masks", "backends", "reference", "tiled",
               "trace", "io", "roofline", "merge", "distributed", "dropout", "tolerance",
-              "numpy_backend", "numba_kernels", "triton", "models", "viz", "checks", "course",
-              "progress", "bench", "benchmarks", "cli", "tour")
+              "numpy_backend", "numba_kernels", "triton", "triton_backend", "models", "viz",
+              "checks", "course", "progress", "bench", "benchmarks", "cli", "tour")
 
 
 def __getattr__(name):

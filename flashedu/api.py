@@ -7,7 +7,7 @@ A plain call (no attn_mask, dropout, score mod or lse; a block mask, with its ma
 allowed) whose signature an earlier call had (the same options and block mask; inputs with the
 same shapes, strides, dtype, device and alignment) passed those checks
 already: it goes straight to the repeat its backend left for that signature
-(``Backend.repeater``; the triton backend's is ``flashedu.triton.repeat``) and skips the general
+(``Backend.repeater``; the triton backend's is ``flashedu.triton_backend.make_repeat``) and skips the general
 path, whose host time is more than a small attention's kernels take on a GPU.
 """
 

@@ -66,15 +66,15 @@ def _numba():
 
 
 def _triton():
-    from .triton import attention
+    from .triton_backend import attention
 
     return attention
 
 
 def _triton_repeat():
-    from .triton.repeat import make
+    from .triton_backend import make_repeat
 
-    return make
+    return make_repeat
 
 
 @dataclass(frozen=True)

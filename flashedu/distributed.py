@@ -752,7 +752,7 @@ def block_forward(q, k, v, *, causal, scale, local="torch"):
     """(O, L) of q against this K/V block alone: O normalized, L the natural-log logsumexp
     (-inf for a row that sees no key of the block, O = 0 there), as flashedu.merge expects."""
     if local == "triton":
-        from .triton import forward_with_lse
+        from .triton_backend import forward_with_lse
 
         return forward_with_lse(q, k, v, is_causal=causal, scale=scale)
     acc = accumulate_dtype(q.dtype)
@@ -772,12 +772,12 @@ def block_forward_into(q, k, v, O, L, *, causal, scale, local="torch", ledger=No
     take = (ledger or _NoLedger).take
     if local == "triton":
         from . import runtime
-        from . import triton as flashedu_triton
+        from . import triton_backend
         from .ops import LSE_TO_NATURAL
         from .triton.autograd import resolve_config
         from .triton.forward import forward_into
 
-        flashedu_triton._check(q, k, v)  # the dtypes, head dims and devices it takes
+        triton_backend.check(q, k, v)  # the dtypes, head dims and devices it takes
         lse2 = take("call", _kernel_lse2(L))
         config = resolve_config(q.shape[-1], q.dtype, None, q.device)
         forward_into(q, k, v, O, lse2, is_causal=causal, scale=scale,

@@ -256,7 +256,7 @@ def test_from_bool_mask_refuses_what_is_not_a_bool_mask():
 def test_bool_attn_mask_within_a_block_mask():
     """The triton backend's bool attn_mask together with a block mask: the pairs both show."""
     pytest.importorskip("triton")
-    from flashedu.triton import bool_mask_as_block_mask
+    from flashedu.triton_backend import bool_mask_as_block_mask
 
     mask = torch.rand(2, 1, 70, 50, generator=torch.Generator().manual_seed(5)) < 0.6
     inner = BlockMask.causal((70, 50), (16, 16))

@@ -125,7 +125,7 @@ def test_fully_masked_rows_are_zero():
 
 def test_lse_matches_numpy_loop():
     from flashedu import tiled
-    from flashedu.triton import forward_with_lse
+    from flashedu.triton_backend import forward_with_lse
 
     q, k, v = (t.detach() for t in _qkv(1, 1, 1, 45, 33, 24))
     O, L = (t[0, 0].cpu().numpy() for t in forward_with_lse(q, k, v, is_causal=True))
@@ -471,7 +471,7 @@ def test_a_repeated_plain_call_goes_straight_to_its_repeat(monkeypatch):
     """The first plain call leaves a repeat for its signature; the second learns its launches
     from the general path; from the third on the repeat starts them itself. New values every
     call, each right against float64, and one repeat for all of them."""
-    from flashedu.triton import repeat
+    from flashedu import triton_backend as repeat
 
     repeats = _repeats(monkeypatch)
     started = _started_launches(monkeypatch)
@@ -531,7 +531,7 @@ def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
     """Negative and conjugate views, options of other types, masks, dropout and lse, and
     inputs the general path copies (a last dim with a stride) all take the general path, and
     are right."""
-    from flashedu.triton import repeat
+    from flashedu import triton_backend as repeat
 
     repeats = _repeats(monkeypatch)
     q, k, v = _qkv(1, 2, 2, 33, 33, 16)
@@ -555,7 +555,7 @@ def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
         assert all(_err(g, r) < 1e-5 for g, r in zip(got, want))
     assert sum(r is None for r in repeats.values()) == 1  # checked, but no repeat
     made = []
-    monkeypatch.setattr(repeat, "make", lambda *a: made.append(a))
+    monkeypatch.setattr(repeat, "make_repeat", lambda *a: made.append(a))
     _grads(strided, k, v, dout)
     _grads(q, k, v, dout)
     assert made == []  # each signature was asked once, not at every call
@@ -576,7 +576,7 @@ def test_a_repeated_block_mask_call_goes_straight_to_its_repeat(monkeypatch, is_
     """A block mask built once and passed every step (whose tiles need no mask mod) is part of
     the signature: from the third call on its repeat starts the launches with the mask's tile
     lists, GQA and ragged lengths included; right against float64 every step."""
-    from flashedu.triton import repeat
+    from flashedu import triton_backend as repeat
 
     repeats = _repeats(monkeypatch)
     started = _started_launches(monkeypatch)

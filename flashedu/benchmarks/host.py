@@ -12,7 +12,7 @@ Rows, per shape (B, H, N, d), causal, bf16 (with ``--density``: also a block mas
 with that fraction of its 128 x 128 tiles, as a training loop passes one; with ``--window``: a
 sliding window's block mask, whose partial tiles apply its mask mod element-wise):
 - ``repeat``: as the package runs: a call with an earlier call's signature goes from
-  ``flashedu.attention`` straight to that call's repeat (``flashedu.triton.repeat``);
+  ``flashedu.attention`` straight to that call's repeat (``flashedu.triton_backend``);
 - ``plans``: every call through the checks and the general path, which repeats the launches
   of a call laid out alike (``flashedu.triton.fast.PLANS``);
 - ``no plans``: every call through the general path, working its launches out again;
@@ -116,7 +116,7 @@ def _stub_launches():
     import torch
     from triton.runtime.jit import JITFunction
 
-    import flashedu.triton
+    import flashedu.triton_backend
     from flashedu import runtime
 
     JITFunction.__getitem__ = lambda self, grid: lambda *args, **kwargs: _Compiled()
@@ -124,7 +124,7 @@ def _stub_launches():
     torch.cuda.is_initialized = lambda: True
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     runtime.triton_interpreted = lambda: False
-    flashedu.triton._check = lambda q, k, v: None
+    flashedu.triton_backend.check = lambda q, k, v: None
 
 
 def _mask(N, density=None, window=None):

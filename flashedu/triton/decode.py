@@ -141,10 +141,10 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     natural-log logsumexp (-inf for a row that sees no key). Forward only.
     """
     from ..arguments import check_scale, check_tensors
-    from . import _check
+    from .inputs import check
 
     check_tensors(q, k, v, enable_gqa=True)
-    _check(q, k, v)  # dtype, head dim, device for compiled vs interpreted triton
+    check(q, k, v)  # dtype, head dim, device for compiled vs interpreted triton
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -389,7 +389,7 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
     ``mods`` (``flashedu.ops.Mods``): a library score mod, compiled in (L2 is then that of the
     modded scores), and the block mask's mask mod on its partial tiles.
     ``keep``: a list; the call's launch plan (``fast.Launch``) is appended to it, if the call
-    has one (a repeated call's shortest path keeps it: ``flashedu.triton.repeat``)."""
+    has one (a repeated call's shortest path keeps it: ``flashedu.triton_backend``)."""
     import torch
 
     from . import fast

@@ -2,13 +2,14 @@
 here), so that :class:`flashedu.viz.TileLoopStepper` steps through the learner's loop with the
 same picture, counters and charts it draws for the package's kernel.
 
-:func:`flashedu.viz.compare_trace` records, in the order the learner's code made them, every
-row slice of Q, K and V it read (an HBM load, in the model the course counts, of the bytes the
-slice holds), every row slice it read from or wrote into an O or L made like Q
-(``np.zeros_like(Q)``: in HBM), and each tile product S_ij = Q_i K_j^T (a step). Laid out as a Trace: a transfer carries the number of steps begun before it, as the
-package's kernels record theirs; a step's SRAM contents are the last tile of each tensor read
-or written before it, and its S_ij. A tile a learner reads twice is counted twice: that is the
-traffic their loop makes, which the stepper sets beside flashedu.io's count for the paper's.
+:func:`flashedu.viz.compare_trace` records, in the order the learner's code made them, every row
+slice of Q, K and V it read (an HBM load, in the model the course counts, of the bytes the slice
+holds), every row slice it read from or wrote into an O or L made like Q (``np.zeros_like(Q)``:
+in HBM), and each tile product S_ij = Q_i K_j^T (a step). Laid out as a Trace: a transfer
+carries the number of steps begun before it, as the package's kernels record theirs; a step's
+SRAM contents are the last tile of each tensor read or written before it, and its S_ij. A tile a
+learner reads twice is counted twice: that is the traffic their loop makes, which the stepper
+sets beside flashedu.io's count for the paper's.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ KERNEL_TENSORS = ("Q", "K", "V", "O")  # the argument names the layout needs (L 
 
 
 def kernel_as_trace(kt, Br: int, Bc: int, causal: bool) -> Trace:
-    """A :class:`flashedu.viz.KernelTrace` of a FlashAttention forward kernel (one program or
-    block per Q tile, arguments named Q, K, V, O and L, one head) as a Trace. Each program's load of a K tile
-    starts a step (i, j), i the Q tile the program loaded, j the K tile; the V tile loaded
-    after it feeds the same step; a store ends the program's last step. Bytes are the
-    elements an access touched (masked-off and out-of-bounds lanes move nothing)."""
+    """A :class:`flashedu.viz.KernelTrace` of a FlashAttention forward kernel (one program or block
+    per Q tile, arguments named Q, K, V, O and L, one head) as a Trace. Each program's load
+    of a K tile starts a step (i, j), i the Q tile the program loaded, j the K tile; the V
+    tile loaded after it feeds the same step; a store ends the program's last step. Bytes
+    are the elements an access touched (masked-off and out-of-bounds lanes move nothing)."""
     missing = [n for n in KERNEL_TENSORS if n not in kt.tensors]
     if missing:
         raise ValueError(f"kernel: the traced launch has no argument named {', '.join(missing)} "

@@ -1,6 +1,13 @@
-"""A repeated plain call: the triton backend's shortest path from ``flashedu.attention`` to the
-kernels.
+"""The "triton" backend: its entry point, and the repeat of a plain call.
 
+The kernels and their launch are :mod:`flashedu.triton`; :mod:`flashedu.ops` puts their
+forward and backward behind PyTorch's autograd (torch.library operators); this module is what
+:mod:`flashedu.backends` registers: :func:`attention` checks what only this backend refuses
+(dtypes, head dims, devices), turns a bool ``attn_mask`` into a block mask, and calls
+``ops.attention("triton", ...)``. Importing the kernels fails where triton does: that is how
+the registry tells that the backend is unavailable.
+
+A repeated plain call is the backend's shortest path from ``flashedu.attention`` to the kernels.
 A training step calls ``attention(q, k, v, is_causal=True)`` with tensors of one layout, step
 after step: no attn_mask, no dropout, no logsumexp asked for, and at most a block mask built
 once (with its mask mod, which the kernels apply on its partial tiles). The first such call
@@ -9,8 +16,8 @@ lists, the launch plans of ``fast.PLANS``). Since everything it decided follows 
 signature (options, block mask, and the inputs' shapes, strides, dtype, device and alignment),
 ``flashedu.attention`` keeps a :class:`Repeat` for that signature, and a later call with the
 same signature goes straight to it: one ``autograd.Function`` that allocates the outputs and
-starts the planned launches, forward and backward. The general path's layers cost more host
-time than the kernels of a small attention take on the GPU (BENCHMARKS.md, "A repeated call").
+starts the planned launches, forward and backward. The general path's layers cost more host time
+than the kernels of a small attention take on the GPU (BENCHMARKS.md, "A repeated call").
 
 A Repeat learns its launches from the general path's own (the ``keep`` argument of
 ``forward.forward`` and ``backward.backward``) on its first forward and first backward, so the
@@ -21,16 +28,69 @@ copies) it hands to the general path.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .. import ops, runtime
-from . import backward as bwd
-from . import fast
-from . import forward as fwd
-from .autograd import resolve_config
+from . import ops, runtime
+from .triton import backward as bwd
+from .triton import fast
+from .triton import forward as fwd
+from .triton.autograd import resolve_config
+from .triton.inputs import check
 
 
-def make(q, k, v, is_causal: bool, scale: float, block_mask=None):
+def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
+              score_mod=None, return_lse=False):
+    """Backend entry point (inputs already checked by flashedu.attention).
+
+    A bool ``attn_mask`` becomes a block mask whose mask mod reads it (only its partial tiles
+    are read element-wise), a float one a bias the kernels read tile by tile; ``score_mod``
+    must be a library mod the kernels compile (``mods.SCORE_MODS``)."""
+    check(q, k, v)
+    if (attn_mask is not None and not attn_mask.is_floating_point()
+            and not ops.holds_no_values(q, attn_mask)):  # meta or fake: shapes only
+        block_mask = bool_mask_as_block_mask(attn_mask, block_mask, q.shape[2], k.shape[2])
+        attn_mask = None
+    return ops.attention("triton", q, k, v, is_causal=is_causal, scale=float(scale),
+                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
+                         score_mod=score_mod, return_lse=return_lse)
+
+
+def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
+    """The BlockMask of SDPA's bool ``attn_mask`` (True: the pair takes part), within
+    ``block_mask`` if one is given: tiles with no True are skipped, tiles all True run
+    unmasked, the rest read the mask element-wise. Built on every call (the mask is data)."""
+    from .masks import BlockMask
+
+    own = BlockMask.from_bool_mask(attn_mask, block_size=(128, 128), seq_lens=(Nq, Nk))
+    if block_mask is None:
+        return own
+    B, H = own.blocks.shape[:2]
+    inner = block_mask.expand(max(B, block_mask.blocks.shape[0]),
+                              max(H, block_mask.blocks.shape[1]))
+
+    def both(b, h, q_idx, kv_idx):  # own.mask_mod reads the attn_mask
+        return own.mask_mod(b, h, q_idx, kv_idx) & inner.visible(b, h, q_idx, kv_idx)
+
+    return BlockMask.from_mask_mod(both, *inner.blocks.shape[:2], Nq, Nk,
+                                   block_size=block_mask.block_size, device=attn_mask.device)
+
+
+def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
+    """(O, L): the output and the natural-log logsumexp (B, H, Nq) of the scaled scores, as
+    ``flashedu.tiled.flash_forward`` returns per head (-inf for a row that sees no key)."""
+    check(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    o, lse2 = ops.triton_forward(q, k, v, is_causal, scale, *ops.mask_args(block_mask))
+    return o, ops.LSE_TO_NATURAL["triton"](lse2)
+
+
+
+# ----- the repeat of a plain call ---------------------------------------------------------
+
+
+def make_repeat(q, k, v, is_causal: bool, scale: float, block_mask=None):
     """The Repeat of a checked plain call, or None where the call's inputs are copied by the
     general path (its launches then take other tensors than the caller's). ``is_causal`` has
     the block mask's causal flag folded in, as the general path's."""

@@ -60,9 +60,12 @@ def numpy_attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_ma
 
 
 def _numba():
-    from .numba_kernels import attention
+    from . import numba_kernels
 
-    return attention
+    # its errors name the backends that have what it lacks
+    numba_kernels.ALTERNATIVES.update(backward=tuple(backends_with_backward()),
+                                      mask_mod=tuple(backends_with("mask_mod")))
+    return numba_kernels.attention
 
 
 def _triton():

@@ -372,8 +372,7 @@ def forward(q, k, v, *, is_causal=False, scale=None, block_mask=None, tiles=None
         raise NotImplementedError(
             f"block_mask: the numba kernel skips the tiles a block mask hides but does not apply "
             f"its mask mod inside partial tiles ({block_mask.mask_mod!r}); use "
-            "flashedu.attention with a backend that does (flashedu.backends.backends_with("
-            "'mask_mod') lists them), e.g. backend='numpy'")
+            f"flashedu.attention with {_alternatives('mask_mod')}")
     tiles = choose_tiles(d) if tiles is None else tiles
     is_causal = bool(is_causal or (block_mask is not None and block_mask.is_causal))
     if scale is None:
@@ -423,6 +422,19 @@ def _launch(kernel, grid, threads, args):
     kernel[grid, threads, stream](*args)
 
 
+# The backends that have what this kernel lacks, named in its errors: flashedu.backends fills it
+# when it loads this backend (this module imports no layer above it).
+ALTERNATIVES: dict[str, tuple] = {"backward": (), "mask_mod": ()}
+
+
+def _alternatives(feature: str) -> str:
+    names = ALTERNATIVES.get(feature, ())
+    if names:
+        return f"one of the backends {list(names)}"
+    call = "backends_with_backward()" if feature == "backward" else f"backends_with({feature!r})"
+    return f"a backend that has it (flashedu.backends.{call} lists them)"
+
+
 class _NumbaAttention(torch.autograd.Function):
     """Forward through the kernel; there is no backward kernel in this stage of the course."""
 
@@ -436,8 +448,8 @@ class _NumbaAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         raise NotImplementedError(
             "the numba backend computes the forward pass only and has no backward; for "
-            "gradients use a backend with one (flashedu.backends.backends_with_backward() lists "
-            "them), e.g. flashedu.attention(..., backend='numpy')")
+            f"gradients use {_alternatives('backward')}, e.g. "
+            "flashedu.attention(..., backend='numpy')")
 
 
 def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p):

@@ -177,6 +177,7 @@ def test_a_mask_mod_is_refused_not_ignored():
     mask = flashedu.BlockMask.sliding_window((64, 64), (16, 16), window=8)
     assert mask.needs_mask_mod
     q = randn(1, 1, 64, 8)
+    flashedu.BACKENDS["numba"].load()  # the registry tells the kernel module the alternatives
     with pytest.raises(NotImplementedError, match="mask mod") as err:
         nk.forward(q, q, q, block_mask=mask)
     assert "'triton'" in str(err.value)

@@ -122,7 +122,7 @@ BACKENDS: dict[str, Backend] = {
     # bias read tile by tile)
     "triton": Backend("triton", _triton, True, True, "gpu", has_attn_mask=True,
                       has_score_mod=False, has_mask_mod=True, has_return_lse=True,
-                      score_mod_kinds=frozenset({"softcap", "alibi"}), repeater=_triton_repeat),
+                      score_mod_kinds=frozenset({"softcap", "alibi", "triton"}), repeater=_triton_repeat),
 }
 
 

@@ -44,7 +44,8 @@ import torch
 ALIGNMENTS = ("top_left", "bottom_right")
 
 __all__ = ["causal", "sliding_window", "document", "prefix_lm", "and_masks", "or_masks",
-           "alibi", "alibi_slopes", "softcap", "evaluate_mask_mod", "score_mod_and_grad",
+           "alibi", "alibi_slopes", "softcap", "triton_score_mod", "evaluate_mask_mod",
+           "score_mod_and_grad",
            "MaskMod", "ScoreMod", "ALIGNMENTS"]
 
 
@@ -592,6 +593,50 @@ class _Chain(ScoreMod):
         return score
 
 
+class _TritonScoreMod(ScoreMod):
+    kind = "triton"
+    _params = ("hook", "args")
+
+    def __init__(self, hook, reference, args):
+        self.hook, self.reference, self.args = hook, reference, args
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        if self.reference is None:
+            raise NotImplementedError(
+                f"{self!r} was given no reference= in torch: it runs on backend 'triton' only")
+        return self.reference(score, b, h, q_idx, kv_idx)
+
+    def __repr__(self):
+        return f"mods.triton_score_mod({getattr(self.hook, '__name__', self.hook)}, args={self.args!r})"
+
+
+def triton_score_mod(hook, reference=None, args=()) -> ScoreMod:
+    """A score mod written in Triton, compiled into the triton backend's forward and backward
+    (the way the library's softcap and ALiBi are, and FlexAttention inlines a mod)::
+
+        @triton.jit
+        def hook(s, b, h, q_idx, kv_idx, args):   # s = scale * S_ij of a tile
+            ...
+            return new_s, d_new_s_by_d_s         # the derivative, for the backward
+
+    ``args``: a tuple of numbers and tensors handed to ``hook`` as ``args`` (a tensor arrives as
+    a pointer: ``tl.load(args[0] + h)``). ``reference``: the same mod in torch,
+    ``reference(score, b, h, q_idx, kv_idx)``, for the numpy and naive backends (and a check of
+    the hook against them); without it the mod runs on the triton backend only."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(hook, (JITFunction, InterpretedFunction)):  # compiled, or interpreted
+        raise TypeError(f"hook must be a @triton.jit function, got {type(hook).__name__}")
+    if reference is not None and not callable(reference):
+        raise TypeError(f"reference must be callable as reference(score, b, h, q_idx, kv_idx) "
+                        f"or None, got {type(reference).__name__}")
+    if not isinstance(args, tuple) or not all(
+            isinstance(a, (numbers.Real, torch.Tensor)) and not isinstance(a, bool) for a in args):
+        raise TypeError(f"args must be a tuple of numbers and tensors, got {args!r}")
+    return _TritonScoreMod(hook, reference, args)
+
+
 def score_mod_and_grad(score_mod, score, b, h, q_idx, kv_idx):
     """(score_mod(score, ...), its derivative d new / d score), element by element.
 
@@ -621,6 +666,8 @@ def apply_score_mod(score_mod, score, b, h, q_idx, kv_idx):
     kind, with a clear error when the mod cannot take broadcast index tensors."""
     try:
         out = score_mod(score, b, h, q_idx, kv_idx)
+    except NotImplementedError:  # a mod that says itself where it runs (triton_score_mod)
+        raise
     except Exception as exc:  # noqa: BLE001
         raise TypeError(
             f"score_mod {_name(score_mod)} failed on a score tile {tuple(score.shape)} with "

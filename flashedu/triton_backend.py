@@ -46,7 +46,8 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=Non
 
     A bool ``attn_mask`` becomes a block mask whose mask mod reads it (only its partial tiles
     are read element-wise), a float one a bias the kernels read tile by tile; ``score_mod``
-    must be a library mod the kernels compile (``mods.SCORE_MODS``)."""
+    must be one the kernels compile: the library's softcap and ALiBi, or one written in Triton
+    (``flashedu.mods.triton_score_mod``)."""
     check(q, k, v)
     if (attn_mask is not None and not attn_mask.is_floating_point()
             and not ops.holds_no_values(q, attn_mask)):  # meta or fake: shapes only

@@ -181,8 +181,8 @@ def test_short_backwards_take_one_launch():
     from flashedu.triton import config
 
     def launches(cfg, N):
-        parts = bwd._launch_consts(N, N, 64, torch.bfloat16, True, False, cfg, True)
-        return [(p[2]["DKDV"], p[2]["DQ"]) for p in parts]
+        parts = bwd._launch_consts(N, N, 64, True, cfg, True)
+        return [(p["DKDV"] is not None, p["DQ"] is not None) for p in parts]
 
     cfg = dataclasses.replace(config.INTERPRETER, fused_backward=True, split_from=256)
     assert launches(cfg, 255) == [(True, True)]
@@ -935,10 +935,10 @@ def test_dense_launch_takes_no_placeholder_tensors():
 
     q, k, v = (x.detach() for x in _qkv(1, 2, 2, 40, 40, 16))
     o, lse2 = torch.empty_like(q), torch.empty(1, 2, 40)
-    kw = dict(is_causal=True, qk_scale=0.3, block_mask=None, tiles=Tiles(32, 16),
+    kw = dict(is_causal=True, scale=0.3, block_mask=None, tiles=Tiles(32, 16),
               interpreted=True)
     grid, args, consts = fw.forward_launch(q, k, v, o, lse2, **kw)
-    assert args[5:8] == (None, None, None) and grid == (2, 2)
+    assert args[-1] is None and grid == (2, 2)  # LISTS: none
     assert fw.forward_launch(q, k, v, o, lse2, **kw)[2] == consts
 
 
@@ -1041,9 +1041,9 @@ def test_register_cap_of_the_small_head_dims():
         for t in (entry.forward, entry.dkdv, entry.dq):
             assert t.num_warps == 8 and t.launch()["maxnreg"] == 128
     assert "maxnreg" not in config.GPU_16BIT[128].forward.launch()
-    plain = {"num_warps": 8, "maxnreg": 128, "DROPOUT": False}
-    assert register_cap(plain) == plain
-    assert register_cap({**plain, "DROPOUT": True}) == {"num_warps": 8, "DROPOUT": True}
+    plain = {"num_warps": 8, "maxnreg": 128}
+    assert register_cap(plain, 0.0) == plain
+    assert register_cap(plain, 0.1) == {"num_warps": 8}
 
 
 def test_tile_table_by_name_and_environment(monkeypatch):
@@ -1122,7 +1122,7 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
         return real_launch(kernel, grid, args, consts, switches, slots)
 
     def picky_run(kernel, grid, args, consts):
-        if kernel is bw.backward_kernel and consts["Br1"] * consts["Bc1"] > 16 * 16:
+        if kernel is bw.backward_kernel and consts["DKDV"][0] * consts["DKDV"][1] > 16 * 16:
             raise fast.OUT_OF_RESOURCES(300000, 232448, "shared memory")
         return real_run(kernel, grid, args, consts)
 
@@ -1151,7 +1151,7 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     # tiles to itself: the plain kernel of the same configuration keeps its own
     monkeypatch.setattr(fw, "_SHRUNK", {})
     monkeypatch.setattr(fast, "launch", lambda kernel, grid, args, consts, switches, slots: (
-        picky_launch(kernel, grid, args, consts, switches, slots) if consts["DROPOUT"]
+        picky_launch(kernel, grid, args, consts, switches, slots) if args[15] is not None
         else real_launch(kernel, grid, args, consts, switches, slots)))
     rng = torch.tensor([1, 2], device=q.device)
     fast.PLANS.clear()
@@ -1264,9 +1264,9 @@ def test_forced_tile_table(table, d, dtype, monkeypatch):
     (flashedu.mods.document.from_lengths([20, 25]), 45, 45, None),
 ])
 def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band):
-    """The library's sliding window reaches the kernels as two bounds (BAND: band_lo < key -
-    query <= band_hi), with no element masks, not even built; another mask mod keeps its
-    element masks. Right
+    """The library's sliding window reaches the kernels as a compiled mask mod (the
+    sliding_window hook: band_lo < key - query <= band_hi), with no element masks, not even
+    built; another mask mod keeps its element masks. Right
     against float64 either way, forward and backward, GQA, bottom-right aligned or looking
     ahead."""
     from flashedu import ops
@@ -1280,15 +1280,19 @@ def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band)
     bm = flashedu.BlockMask.from_mask_mod(mod, 1, 1, Nq, Nk, block_size=(16, 16))
     m = ops.Mods.of(None, None, bm)
     assert mods.band_args(m, bm) == band
-    E, _ = forward.element_args(m, bm, 16, 16, False, "cpu", False, band is not None)
-    assert (E is None) == (band is not None)
-    consts = []
+    q, k = _qkv(1, 4, 2, Nq, Nk, 16)[:2]
+    hook_args, hooks, elements = forward.mods_args(m, bm, q, k)
+    assert elements == (band is None) and hook_args[2] == band
+    launched = []
     monkeypatch.setattr(fast, "run", lambda kernel, grid, args, c, _r=fast.run, **kw:
-                        consts.append(c) or _r(kernel, grid, args, c, **kw))
+                        launched.append((args, c)) or _r(kernel, grid, args, c, **kw))
     _check(*_qkv(1, 4, 2, Nq, Nk, 16), block_mask=bm)
-    fwd, bwd = consts[0], consts[-1]
-    assert fwd["BAND"] == bwd["BAND"] == (band is not None)
-    assert fwd["ELEMENT"] == bwd["ELEMENT1"] == bwd["ELEMENT2"] == (band is None)
+    (fwd_args, fwd), (bwd_args, bwd) = launched[0], launched[-1]
+    assert (fwd["MASK_MOD"] is mods.sliding_window) == (bwd["MASK_MOD"] is mods.sliding_window) \
+        == (band is not None)
+    # the element masks travel with the lists (LISTS[3]), for the forward and both passes
+    for lists in (fwd_args[14], bwd_args[22], bwd_args[23]):
+        assert (lists[3] is not None) == (band is None)
     assert bool(built) == (band is None)  # a compiled window's element masks are never built
 
 
@@ -1361,3 +1365,78 @@ def test_tuned_gpu_tiles_in_the_interpreter(monkeypatch, d, case):
         kw["block_mask"] = flashedu.BlockMask.from_dense(blocks, block_size=(64, 64),
                                                          seq_lens=(Nq, Nk))
     _check_with_dropout_stream(q, k, v, **kw)
+
+
+# A score mod written by its user in Triton: a per-head softcap, compiled into the forward and
+# the backward through the kernels' score-mod hook (no torch.compile).
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _head_softcap(s, b, h, q_idx, kv_idx, args):
+    cap = tl.load(args[0] + h)
+    t = 2.0 * tl.sigmoid(2.0 * s / cap) - 1.0  # tanh(s / cap)
+    return cap * t + args[1] * (kv_idx - q_idx).to(tl.float32), 1.0 - t * t
+
+
+def _head_softcap_torch(caps, slope):
+    def mod(score, b, h, q_idx, kv_idx):
+        cap = caps.to(score)[h]
+        return cap * torch.tanh(score / cap) + slope * (kv_idx - q_idx).to(score.dtype)
+    return mod
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_score_mod_written_in_triton_runs_forward_and_backward(is_causal):
+    """flashedu.mods.triton_score_mod: the user's @triton.jit hook (a per-head softcap plus a
+    distance term, with its derivative) against its torch reference in float64, forward and
+    gradients, GQA, ragged tiles; the call takes the hook's own arguments (a tensor, a float)."""
+    torch.manual_seed(0)
+    caps = torch.tensor([1.5, 3.0, 5.0, 0.7])
+    q, k, v = _qkv(1, 4, 2, 37, 45, 16)
+    mod = flashedu.mods.triton_score_mod(
+        _head_softcap, reference=_head_softcap_torch(caps, 0.05),
+        args=(caps.to(q.device), 0.05))
+    got = _check(q, k, v, score_mod=mod, is_causal=is_causal)
+    # the hook changed the result: it is not the plain attention
+    plain = flashedu.attention(q, k, v, backend="triton", is_causal=is_causal, enable_gqa=True)
+    assert _err(got[0], plain) > 1e-3
+
+
+def test_a_triton_score_mod_is_checked_where_it_is_made():
+    with pytest.raises(TypeError, match="hook must be a @triton.jit"):
+        flashedu.mods.triton_score_mod(lambda s, b, h, q, kv, a: (s, 1.0))
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        flashedu.mods.triton_score_mod(_head_softcap, args=[1.0])
+    mod = flashedu.mods.triton_score_mod(_head_softcap, args=(torch.ones(2), 0.0))
+    q, k, v = _qkv(1, 2, 2, 8, 8, 16)
+    with pytest.raises(NotImplementedError, match="no reference"):
+        flashedu.attention(q, k, v, score_mod=mod, backend="naive")
+
+
+def test_the_launched_kernels_take_few_parameters():
+    """The forward and backward kernels take at most 40 parameters, at most 10 of them
+    constexpr: the options arrive as tuples or None, the features as hooks."""
+    from flashedu.triton.backward import backward_kernel
+    from flashedu.triton.forward import forward_kernel
+
+    import inspect
+
+    for kernel in (forward_kernel, backward_kernel):
+        params = inspect.signature(kernel.fn).parameters.values()
+        constexpr = [p for p in params if "constexpr" in str(p.annotation)]
+        assert len(params) <= 40, (kernel.fn.__name__, len(params))
+        assert len(constexpr) <= 10, (kernel.fn.__name__, len(constexpr))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_a_score_mod_written_in_triton_compiles_into_the_kernels(dtype):
+    """The same user hook compiled for the GPU, at a size with full and masked tiles."""
+    torch.manual_seed(0)
+    q, k, v = _qkv(2, 4, 2, 700, 900, 64, dtype)
+    caps = torch.tensor([1.5, 3.0, 5.0, 0.7], device=q.device)
+    mod = flashedu.mods.triton_score_mod(
+        _head_softcap, reference=_head_softcap_torch(caps, 0.01), args=(caps, 0.01))
+    _check(q, k, v, score_mod=mod, is_causal=True)

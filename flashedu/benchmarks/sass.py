@@ -329,11 +329,21 @@ def _specialize(kernel, args, consts):
             continue
         kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
         signature[p.name] = kind
-        if kind == "constexpr":  # None, or an integer 1: Triton compiles it in
-            constexprs[p.name] = spec
-        elif spec == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        _mark(kind, spec, (i,), constexprs, attrs, top=p.name)
     return signature, constexprs, attrs, options
+
+
+def _mark(kind, spec, path, constexprs, attrs, top=None):
+    """Record what Triton compiles in for one argument at ``path`` (its index, and inside a
+    tuple argument the indices below it): None and integers 1 as constants, 16-byte aligned
+    pointers and integers divisible by 16 as such."""
+    if isinstance(kind, tuple):  # a tuple argument: each element specialized on its own
+        for j, (k, s) in enumerate(zip(kind, spec)):
+            _mark(k, s, (*path, j), constexprs, attrs)
+    elif kind == "constexpr":  # None, or an integer 1: Triton compiles it in
+        constexprs[top if top is not None else path] = spec
+    elif spec == "D":
+        attrs[path] = [["tt.divisibility", 16]]
 
 
 def _compile_specialized(kernel, signature, constexprs, attrs, options, table: str) -> dict:
@@ -348,9 +358,11 @@ def _compile_specialized(kernel, signature, constexprs, attrs, options, table: s
 
 
 def _tiles_text(consts: dict) -> str:
-    shape = "x".join(str(consts[n]) for n in ("Br", "Bc", "Br1", "Bc1") if n in consts)
-    if "Br2" in consts and consts.get("DQ") and not consts.get("DKDV"):
-        shape = f"{consts['Br2']}x{consts['Bc2']}"
+    if "Br" in consts:
+        shape = f"{consts['Br']}x{consts['Bc']}"
+    else:  # the backward: its dK/dV programs' tiles, or a dQ launch's
+        kind = consts.get("DKDV") or consts.get("DQ")
+        shape = f"{kind[0]}x{kind[1]}" if kind else ""
     extra = "".join(f" {n[0]}" for n in ("TMA", "WARP_SPECIALIZE") if consts.get(n))
     cap = f" r{consts['maxnreg']}" if consts.get("maxnreg") else ""
     return f"{shape} w{consts.get('num_warps', 4)} s{consts.get('num_stages', 3)}{cap}{extra}"

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .backward import preprocess
 from .config import padded_head_dim
-from .forward import (LOG2E, _forward_step, _store_output, dot_precision, forward_launch,
+from .forward import (_LOG2E, LOG2E, _forward_step, _store_output, forward_launch,
                       interpreter_fp32, load_tile, outputs_like)
 from .tiles import full_tile, kv_tiles, masked_tile
 
@@ -58,7 +58,7 @@ def _softmax_step_exp(O_i, l_i, m_i, Q_i, K_j, V_j, cols, rows, Nk, scale,
 
 @triton.jit
 def _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n, rows, dims, Nk, d,
-          qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
+          qk_scale, ctx, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
           EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, NATURAL_EXP: tl.constexpr):
     """The production ``_forward_step``, or its loads followed by the natural-exp softmax."""
     if NATURAL_EXP:
@@ -73,63 +73,62 @@ def _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n, row
                                           qk_scale, IS_CAUSAL, MASK, DOT_PREC)
     else:
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
-                                      start_n, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, MASK,
-                                      EVEN_D, DOT_PREC)
+                                      start_n, rows, dims, Nk, d, qk_scale, ctx, None, None, Bc,
+                                      IS_CAUSAL, MASK, EVEN_D, DOT_PREC)
     return O_i, l_i, m_i
 
 
 @triton.jit
-def forward_variant_kernel(Q, K, V, O, L, KV_NUM, KV_FULL, KV_IDX, qk_scale,
-                           stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                           stride_vb, stride_vh, stride_vn,
-                           stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
-                           H, GROUP, Nq, Nk, d,
-                           Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
+def forward_variant_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP, Nq, Nk,
+                           d, LISTS, ELEM, Br: tl.constexpr, Bc: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
                            MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-                           DOT_PREC: tl.constexpr, NATURAL_EXP: tl.constexpr,
-                           MASK_EVERY_TILE: tl.constexpr):
-    """forward_kernel's dense path (same arguments) with the two switches. Both False: the
-    production kernel's code, step for step."""
-    tl.static_assert(not SPARSE, "the variants run dense and causal attention only")
-    qk_scale = tl.cast(qk_scale, tl.float32)
+                           NATURAL_EXP: tl.constexpr, MASK_EVERY_TILE: tl.constexpr):
+    """forward_kernel's dense path (its arguments up to ELEM) with the two switches. Both
+    False: the production kernel's code, step for step."""
+    tl.static_assert(LISTS is None, "the variants run dense and causal attention only")
     i = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    DOT_PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
     rows = i * Br + tl.arange(0, Br)
     dims = tl.arange(0, HEAD_DIM)
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
-    Q_i = load_tile(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + dims[None, :],
-                    row_ok, dim_ok, True, not EVEN_D)
-    K_head = K + b * stride_kb + (h // GROUP) * stride_kh
-    V_head = V + b * stride_vb + (h // GROUP) * stride_vh
+    Q_i = load_tile(Q + b * stride_q[0] + h * stride_q[1] + rows[:, None] * stride_q[2]
+                    + dims[None, :], row_ok, dim_ok, True, not EVEN_D)
+    K_head = K + b * stride_k[0] + (h // GROUP) * stride_k[1]
+    V_head = V + b * stride_v[0] + (h // GROUP) * stride_v[1]
+    scale = tl.cast(scale, tl.float32)
+    if NATURAL_EXP:  # the scale itself: the scores stay in natural units
+        qk_scale = scale
+    else:
+        qk_scale = scale * _LOG2E
+    ctx = (b, h, Nq, scale, None, None, None)  # no mods here
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    num, num_full, u0, a0, na, b0, idx_row = kv_tiles(
-        i, b, h, KV_NUM, KV_FULL, KV_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
-        stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
+    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br, Bc,
+                                                          IS_CAUSAL)
     if MASK_EVERY_TILE:  # no unmasked run: every tile pays for the mask
         num_full = 0
         a0 = 0
         na = num
     for t in range(0, num_full):
-        j = full_tile(t, u0, idx_row, SPARSE)
-        O_i, l_i, m_i = _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, j * Bc,
-                              rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D,
-                              DOT_PREC, NATURAL_EXP)
+        j = full_tile(t, u0, idx_row, LISTS)
+        O_i, l_i, m_i = _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_k[2], stride_v[2],
+                              j * Bc, rows, dims, Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, False,
+                              EVEN_D, DOT_PREC, NATURAL_EXP)
     if MASKED or MASK_EVERY_TILE:
         for t in range(num_full, num):
-            j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
-            O_i, l_i, m_i = _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
-                                  j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
+            j = masked_tile(t, num_full, a0, na, b0, idx_row, LISTS)
+            O_i, l_i, m_i = _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_k[2], stride_v[2],
+                                  j * Bc, rows, dims, Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, True,
                                   EVEN_D, DOT_PREC, NATURAL_EXP)
     if NATURAL_EXP:  # m_i in natural-log units: L_i = m_i + ln(l_i), stored in base 2
         m_i = m_i * 1.4426950408889634
-    _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
-                  stride_qb, stride_qh, stride_qn)
+    _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_q)
 
 
 def forward(q, k, v, *, is_causal, scale, tiles, interpreted, natural_exp=False,
@@ -140,8 +139,8 @@ def forward(q, k, v, *, is_causal, scale, tiles, interpreted, natural_exp=False,
     (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
-                                        qk_scale=scale if natural_exp else scale * LOG2E,
-                                        block_mask=None, tiles=tiles, interpreted=interpreted)
+                                        scale=scale, block_mask=None, tiles=tiles,
+                                        interpreted=interpreted)
     forward_variant_kernel[grid](*args, **consts, NATURAL_EXP=natural_exp,
                                  MASK_EVERY_TILE=mask_every_tile)
     return o.to(q.dtype), lse2
@@ -257,5 +256,6 @@ def atomic_dq_backward(q, k, v, o, lse2, do, *, is_causal, scale, config, interp
         q, k, v, do, lse2, D, dq, dk, dv, scale * LOG2E, scale, *q.stride()[:3],
         *k.stride()[:3], *do.stride()[:3], *dq.stride()[:3], H, H // Hkv, Nq, Nk, d,
         Br=tiles.Br, Bc=tiles.Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
-        DOT_PREC=dot_precision(q.dtype), **({} if interpreted else tiles.launch()))
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        **({} if interpreted else tiles.launch()))
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)

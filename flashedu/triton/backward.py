@@ -29,11 +29,11 @@ import triton
 import triton.language as tl
 
 from . import fast
-from .dropout import keep_tile, rng_state
-from .forward import (LOG2E, NO_LISTS, dot_precision, dropout_args, element_args,
-                      interpreter_fp32, load_tile, mods_args, outputs_like, register_cap)
-from .mods import element_ptr, element_start, element_tile, head_mods, in_band, mod_scores
-from .tiles import full_tile, kv_tiles, masked_tile, q_tiles
+from .dropout import keep_tile
+from .forward import (_LOG2E, dropout_args, dropout_state, element_args, interpreter_fp32,
+                      load_tile, mods_args, outputs_like, register_cap)
+from .mods import mod_scores, visible
+from .tiles import element_origin, full_tile, kv_tiles, masked_tile, q_tiles
 
 
 @triton.jit
@@ -55,19 +55,17 @@ def preprocess_kernel(O, dO, D, stride_ob, stride_oh, stride_on, stride_db, stri
 
 @triton.jit
 def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn, stride_dn,
-               start_m, cols, dims, Nq, d, qk_scale,
+               start_m, start_n, dims, Nq, Nk, d, qk_scale, ctx, E, drop,
                Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
-               seed=0, offset=0, bh=0, start_n=0, drop_t=0, drop_scale=1.0, E_tile=0,
-               mod_scale=1.0, cap=1.0, slope=0.0, B_head=0, stride_bq=0, stride_bk=0, Nk=0,
-               ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-               BIAS: tl.constexpr = False, band_lo=0, band_hi=0, BAND: tl.constexpr = False):
+               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, SCORE_MOD: tl.constexpr = None,
+               MASK_MOD: tl.constexpr = None):
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
-    products land directly in dK_j and dV_j. DROPOUT (the paper's Algorithm 4): the forward's
+    products land directly in dK_j and dV_j. drop (the paper's Algorithm 4): the forward's
     Z_ij regenerated from (seed, offset, bh) and the tile's position; dV_j takes the dropped
-    P_ij, dP_ij is dropped and rescaled the same way. SCORE_MOD, ELEMENT and BAND as in the
-    forward; dS_ij also takes the score mod's derivative."""
+    P_ij, dP_ij is dropped and rescaled the same way. SCORE_MOD and the visibility rule as in
+    the forward; dS_ij also takes the score mod's derivative."""
     rows = start_m + tl.arange(0, Br)
+    cols = start_n + tl.arange(0, K_j.shape[0])
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
     Q_i = load_tile(Q_head + rows[:, None] * stride_qn + dims[None, :], row_ok, dim_ok,
@@ -81,100 +79,86 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
         L_i = tl.load(L_head + rows)
         D_i = tl.load(D_head + rows)
     S_ijT = tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC)
-    if SCORE_MOD != 0 or BIAS:
-        S_ijT, dsT = mod_scores(S_ijT, rows[None, :], cols[:, None], Nq, Nk, mod_scale, cap,
-                                slope, B_head, stride_bq, stride_bk, SCORE_MOD, BIAS)
+    if SCORE_MOD is not None or ctx[4] is not None:
+        S_ijT, dsT = mod_scores(S_ijT, rows[None, :], cols[:, None], Nk, ctx, SCORE_MOD)
     P_ijT = tl.math.exp2(S_ijT * qk_scale - L_i[None, :])
     if MASK:
-        if IS_CAUSAL:
-            P_ijT = tl.where(cols[:, None] <= rows[None, :], P_ijT, 0.0)
-        if ELEMENT:
-            P_ijT = tl.where(element_tile(E_tile, cols.shape[0], rows.shape[0], True), P_ijT,
-                             0.0)
-        if BAND:
-            P_ijT = tl.where(in_band(rows[None, :], cols[:, None], band_lo, band_hi), P_ijT,
-                             0.0)
+        P_ijT = tl.where(visible(rows[None, :], cols[:, None], Nk, E, ctx, IS_CAUSAL, MASK_MOD),
+                         P_ijT, 0.0)
     ZP_ijT = P_ijT  # what the forward multiplied V_j by: P_ij, dropped and rescaled
-    if DROPOUT:
-        keep = tl.trans(keep_tile(seed, offset, bh, rows, start_n, drop_t, cols.shape[0]))
+    if drop is not None:
+        seed, offset, bh, threshold, drop_scale = drop
+        keep = tl.trans(keep_tile(seed, offset, bh, rows, start_n, threshold, cols.shape[0]))
         ZP_ijT = tl.where(keep, P_ijT * drop_scale, 0.0)
     dV_j += tl.dot(ZP_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
     dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
-    if DROPOUT:
+    if drop is not None:
         dP_ijT = tl.where(keep, dP_ijT * drop_scale, 0.0)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
-    if SCORE_MOD != 0:
+    if SCORE_MOD is not None:
         dS_ijT = dS_ijT * dsT
     dK_j += tl.dot(dS_ijT.to(Q_i.dtype), Q_i, input_precision=DOT_PREC)
     return dK_j, dV_j
 
 
 @triton.jit
-def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX, qk_scale,
-                  scale,
-                  stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                  stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
-                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
-                  H, GROUP, Nq, Nk, d,
-                  Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
-                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
-                  seed=0, offset=0, drop_t=0, drop_scale=1.0, ELEM=0, ELEM_BASE=0, SLOPES=0,
-                  mod_scale=1.0, cap=1.0, BIAS_PTR=0, stride_bb=0, stride_bh=0, stride_bq=0,
-                  stride_bk=0, ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-                  BIAS: tl.constexpr = False, band_lo=0, band_hi=0, BAND: tl.constexpr = False,
-                  ACCUMULATE: tl.constexpr = False):
+def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, stride_q, stride_k,
+                  stride_v, stride_do, stride_dk, stride_dv, H, GROUP, Nq, Nk, d, RNG, dropout,
+                  bias, score_args, mask_args, Br: tl.constexpr, Bc: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                  EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, SCORE_MOD: tl.constexpr,
+                  MASK_MOD: tl.constexpr, ACCUMULATE: tl.constexpr):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
     col_ok = cols[:, None] < Nk
     dim_ok = dims[None, :] < d
-    K_j = load_tile(K + b * stride_kb + h_kv * stride_kh + cols[:, None] * stride_kn
+    K_j = load_tile(K + b * stride_k[0] + h_kv * stride_k[1] + cols[:, None] * stride_k[2]
                     + dims[None, :], col_ok, dim_ok, True, not EVEN_D)
-    V_j = load_tile(V + b * stride_vb + h_kv * stride_vh + cols[:, None] * stride_vn
+    V_j = load_tile(V + b * stride_v[0] + h_kv * stride_v[1] + cols[:, None] * stride_v[2]
                     + dims[None, :], col_ok, dim_ok, True, not EVEN_D)
     dK_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
     dV_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
+    scale = tl.cast(scale, tl.float32)  # torch.compile may hand a float64 scalar
+    if SCORE_MOD is not None or bias is not None:
+        qk_scale = _LOG2E  # the mods work on scale * S_ij in natural units (mods.py)
+    else:
+        qk_scale = scale * _LOG2E  # exp(scale * S_ij) = exp2(S_ij * qk_scale)
     for g in range(0, GROUP):  # the query heads that read this K/V head
         h = h_kv * GROUP + g
-        Q_head = Q + b * stride_qb + h * stride_qh
-        dO_head = dO + b * stride_db + h * stride_dh
+        Q_head = Q + b * stride_q[0] + h * stride_q[1]
+        dO_head = dO + b * stride_do[0] + h * stride_do[1]
         L_head = L + (b * H + h) * Nq
         D_head = D + (b * H + h) * Nq
+        ctx = (b, h, Nq, scale, bias, score_args, mask_args)  # what the mods read
+        drop = None
+        if RNG is not None:
+            drop = dropout_state(RNG, b * H + h, dropout)
         # the Q tiles that see tile j (tiles.py): unmasked first, then the causal diagonal
         # and the ragged edge
-        num, num_full, u0, a0, na, b0, idx_row = q_tiles(
-            j, b, h, Q_NUM, Q_FULL, Q_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
-            stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
-        slope, B_head = head_mods(SLOPES, BIAS_PTR, b, h, stride_bb, stride_bh, SCORE_MOD,
-                                  BIAS)
+        num, num_full, u0, a0, na, b0, idx_row, e0 = q_tiles(j, b, h, LISTS, ELEM, Nq, Nk, Br,
+                                                             Bc, IS_CAUSAL)
         for t in range(0, num_full):
-            i = full_tile(t, u0, idx_row, SPARSE)
+            i = full_tile(t, u0, idx_row, LISTS)
             dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                    stride_qn, stride_dn, i * Br, cols, dims, Nq, d, qk_scale,
-                                    Br, IS_CAUSAL, False, EVEN_D, DOT_PREC, DROPOUT, seed,
-                                    offset, b * H + h, j * Bc, drop_t, drop_scale, 0,
-                                    mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nk,
-                                    False, SCORE_MOD, BIAS)
+                                    stride_q[2], stride_do[2], i * Br, j * Bc, dims, Nq, Nk, d,
+                                    qk_scale, ctx, None, drop, Br, IS_CAUSAL, False, EVEN_D,
+                                    DOT_PREC, SCORE_MOD, MASK_MOD)
         if MASKED:
-            # a mask mod's partial tiles: their element masks, this list's from e0 + num_full on
-            e0 = element_start(ELEM_BASE, b, h, j, stride_numb, stride_numh, num_full, ELEMENT)
             for t in range(num_full, num):
-                i = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
-                E_tile = element_ptr(ELEM, e0, t, Br * Bc, ELEMENT)
+                i = masked_tile(t, num_full, a0, na, b0, idx_row, LISTS)
+                E = None
+                if ELEM is not None:  # a mask mod's partial tile: its element mask
+                    E = (element_origin(ELEM, e0, t, i * Br, j * Bc, Br, Bc), Bc)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_qn, stride_dn, i * Br, cols, dims, Nq, d,
-                                        qk_scale, Br, IS_CAUSAL, True, EVEN_D, DOT_PREC,
-                                        DROPOUT, seed, offset, b * H + h, j * Bc, drop_t,
-                                        drop_scale, E_tile, mod_scale, cap, slope, B_head,
-                                        stride_bq, stride_bk, Nk, ELEMENT, SCORE_MOD, BIAS,
-                                        band_lo, band_hi, BAND)
+                                        stride_q[2], stride_do[2], i * Br, j * Bc, dims, Nq, Nk,
+                                        d, qk_scale, ctx, E, drop, Br, IS_CAUSAL, True, EVEN_D,
+                                        DOT_PREC, SCORE_MOD, MASK_MOD)
     out_ok = col_ok & dim_ok
-    _put(dK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
-         dK_j * scale, out_ok, ACCUMULATE)
-    _put(dV + b * stride_dvb + h_kv * stride_dvh + cols[:, None] * stride_dvn + dims[None, :],
-         dV_j, out_ok, ACCUMULATE)
+    _put(dK + b * stride_dk[0] + h_kv * stride_dk[1] + cols[:, None] * stride_dk[2]
+         + dims[None, :], dK_j * scale, out_ok, ACCUMULATE)
+    _put(dV + b * stride_dv[0] + h_kv * stride_dv[1] + cols[:, None] * stride_dv[2]
+         + dims[None, :], dV_j, out_ok, ACCUMULATE)
 
 
 @triton.jit
@@ -188,16 +172,13 @@ def _put(ptr, tile, ok, ACCUMULATE: tl.constexpr):
 
 @triton.jit
 def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, start_n, rows,
-             dims, Nk, d, qk_scale, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr,
-             MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-             DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, drop_t=0, drop_scale=1.0,
-             E_tile=0, mod_scale=1.0, cap=1.0, slope=0.0, B_head=0, stride_bq=0, stride_bk=0,
-             Nq=0, DB_head=0, ELEMENT: tl.constexpr = False, SCORE_MOD: tl.constexpr = 0,
-             BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False, band_lo=0, band_hi=0,
-             BAND: tl.constexpr = False):
-    """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (DROPOUT: dP_ij
-    dropped and rescaled by the forward's Z_ij, regenerated; SCORE_MOD, ELEMENT, BAND as
-    above)."""
+             dims, Nq, Nk, d, qk_scale, ctx, E, drop, DB_head, Bc: tl.constexpr,
+             IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+             DOT_PREC: tl.constexpr, SCORE_MOD: tl.constexpr = None,
+             MASK_MOD: tl.constexpr = None):
+    """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (drop: dP_ij dropped
+    and rescaled by the forward's Z_ij, regenerated; SCORE_MOD and the visibility rule as
+    above; DB_head: where a learned attn_mask's gradient dS_ij goes, or None)."""
     cols = start_n + tl.arange(0, Bc)
     col_ok = cols[:, None] < Nk
     dim_ok = dims[None, :] < d
@@ -206,159 +187,125 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
     V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], col_ok, dim_ok,
                     MASK, not EVEN_D)
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)
-    if SCORE_MOD != 0 or BIAS:
-        S_ij, ds = mod_scores(S_ij, rows[:, None], cols[None, :], Nq, Nk, mod_scale, cap, slope,
-                              B_head, stride_bq, stride_bk, SCORE_MOD, BIAS)
+    if SCORE_MOD is not None or ctx[4] is not None:
+        S_ij, ds = mod_scores(S_ij, rows[:, None], cols[None, :], Nk, ctx, SCORE_MOD)
     P_ij = tl.math.exp2(S_ij * qk_scale - L_i[:, None])
     if MASK:
-        visible = cols[None, :] < Nk
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None])
-        if ELEMENT:
-            visible = visible & element_tile(E_tile, rows.shape[0], cols.shape[0], False)
-        if BAND:
-            visible = visible & in_band(rows[:, None], cols[None, :], band_lo, band_hi)
-        P_ij = tl.where(visible, P_ij, 0.0)
+        P_ij = tl.where(visible(rows[:, None], cols[None, :], Nk, E, ctx, IS_CAUSAL, MASK_MOD),
+                        P_ij, 0.0)
     dP_ij = tl.dot(dO_i, tl.trans(V_j), input_precision=DOT_PREC)
-    if DROPOUT:
-        keep = keep_tile(seed, offset, bh, rows, start_n, drop_t, Bc)
+    if drop is not None:
+        seed, offset, bh, threshold, drop_scale = drop
+        keep = keep_tile(seed, offset, bh, rows, start_n, threshold, Bc)
         dP_ij = tl.where(keep, dP_ij * drop_scale, 0.0)
     dS_ij = P_ij * (dP_ij - D_i[:, None])
-    if BIAS_GRAD:  # a learned attn_mask: its gradient is dS_ij itself (the bias adds to s_ij)
+    if DB_head is not None:  # a learned attn_mask: its gradient is dS_ij (the bias adds to s_ij)
         tl.store(DB_head + rows[:, None] * Nk + cols[None, :], dS_ij,
                  mask=(rows[:, None] < Nq) & (cols[None, :] < Nk))
-    if SCORE_MOD != 0:
+    if SCORE_MOD is not None:
         dS_ij = dS_ij * ds
     dQ_i += tl.dot(dS_ij.to(K_j.dtype), K_j, input_precision=DOT_PREC)
     return dQ_i
 
 
 @triton.jit
-def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX, qk_scale, scale,
-                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
-                stride_dqb, stride_dqh, stride_dqn,
-                stride_numb, stride_numh, stride_idxb, stride_idxh, stride_idxr,
-                H, GROUP, Nq, Nk, d,
-                Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr = False,
-                seed=0, offset=0, drop_t=0, drop_scale=1.0, ELEM=0, ELEM_BASE=0, SLOPES=0,
-                mod_scale=1.0, cap=1.0, BIAS_PTR=0, stride_bb=0, stride_bh=0, stride_bq=0,
-                stride_bk=0, DBIAS=0, ELEMENT: tl.constexpr = False,
-                SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
-                BIAS_GRAD: tl.constexpr = False, band_lo=0, band_hi=0,
-                BAND: tl.constexpr = False, ACCUMULATE: tl.constexpr = False):
+def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, stride_k, stride_v,
+                stride_do, stride_dq, H, GROUP, Nq, Nk, d, RNG, dropout, bias, DBIAS,
+                score_args, mask_args, Br: tl.constexpr, Bc: tl.constexpr,
+                HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, SCORE_MOD: tl.constexpr,
+                MASK_MOD: tl.constexpr, ACCUMULATE: tl.constexpr):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
     dims = tl.arange(0, HEAD_DIM)
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
-    Q_i = load_tile(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + dims[None, :],
-                    row_ok, dim_ok, True, not EVEN_D)
-    dO_i = load_tile(dO + b * stride_db + h * stride_dh + rows[:, None] * stride_dn
+    Q_i = load_tile(Q + b * stride_q[0] + h * stride_q[1] + rows[:, None] * stride_q[2]
+                    + dims[None, :], row_ok, dim_ok, True, not EVEN_D)
+    dO_i = load_tile(dO + b * stride_do[0] + h * stride_do[1] + rows[:, None] * stride_do[2]
                      + dims[None, :], row_ok, dim_ok, True, not EVEN_D)
     bh = b * H + h
     L_i = tl.load(L + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
     D_i = tl.load(D + bh * Nq + rows, mask=rows < Nq, other=0.0)
-    K_head = K + b * stride_kb + h_kv * stride_kh
-    V_head = V + b * stride_vb + h_kv * stride_vh
+    K_head = K + b * stride_k[0] + h_kv * stride_k[1]
+    V_head = V + b * stride_v[0] + h_kv * stride_v[1]
     dQ_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    # the K/V tiles this Q tile visits, exactly as in the forward
-    num, num_full, u0, a0, na, b0, idx_row = kv_tiles(
-        i, b, h, KV_NUM, KV_FULL, KV_IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
-        stride_idxr, Nq, Nk, Br, Bc, IS_CAUSAL, SPARSE)
-    slope, B_head = head_mods(SLOPES, BIAS_PTR, b, h, stride_bb, stride_bh, SCORE_MOD, BIAS)
-    DB_head = 0
-    if BIAS_GRAD:  # its gradient, (B, H, Nq, Nk) float32, zeros where no tile is visited
+    scale = tl.cast(scale, tl.float32)  # torch.compile may hand a float64 scalar
+    if SCORE_MOD is not None or bias is not None:
+        qk_scale = _LOG2E  # the mods work on scale * S_ij in natural units (mods.py)
+    else:
+        qk_scale = scale * _LOG2E  # exp(scale * S_ij) = exp2(S_ij * qk_scale)
+    ctx = (b, h, Nq, scale, bias, score_args, mask_args)  # what the mods read
+    drop = None
+    if RNG is not None:
+        drop = dropout_state(RNG, bh, dropout)
+    DB_head = None
+    if DBIAS is not None:  # its gradient, (B, H, Nq, Nk) float32, zeros where no tile is visited
         DB_head = DBIAS + bh.to(tl.int64) * Nq * Nk
+    # the K/V tiles this Q tile visits, exactly as in the forward
+    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br, Bc,
+                                                          IS_CAUSAL)
     for t in range(0, num_full):
-        j = full_tile(t, u0, idx_row, SPARSE)
-        dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, j * Bc,
-                        rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC,
-                        DROPOUT, seed, offset, bh, drop_t, drop_scale, 0, mod_scale, cap,
-                        slope, B_head, stride_bq, stride_bk, Nq, DB_head, False, SCORE_MOD, BIAS,
-                        BIAS_GRAD)
+        j = full_tile(t, u0, idx_row, LISTS)
+        dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_k[2], stride_v[2],
+                        j * Bc, rows, dims, Nq, Nk, d, qk_scale, ctx, None, drop, DB_head, Bc,
+                        IS_CAUSAL, False, EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD)
     if MASKED:
-        # a mask mod's partial tiles: their element masks, this row's from e0 + num_full on
-        e0 = element_start(ELEM_BASE, b, h, i, stride_numb, stride_numh, num_full, ELEMENT)
         for t in range(num_full, num):
-            j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
-            E_tile = element_ptr(ELEM, e0, t, Br * Bc, ELEMENT)
-            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn,
-                            j * Bc, rows, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True, EVEN_D,
-                            DOT_PREC, DROPOUT, seed, offset, bh, drop_t, drop_scale, E_tile,
-                            mod_scale, cap, slope, B_head, stride_bq, stride_bk, Nq, DB_head,
-                            ELEMENT, SCORE_MOD, BIAS, BIAS_GRAD, band_lo, band_hi, BAND)
-    _put(dQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
+            j = masked_tile(t, num_full, a0, na, b0, idx_row, LISTS)
+            E = None
+            if ELEM is not None:  # a mask mod's partial tile: its element mask
+                E = (element_origin(ELEM, e0, t, i * Br, j * Bc, Br, Bc), Bc)
+            dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_k[2], stride_v[2],
+                            j * Bc, rows, dims, Nq, Nk, d, qk_scale, ctx, E, drop, DB_head, Bc,
+                            IS_CAUSAL, True, EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD)
+    _put(dQ + b * stride_dq[0] + h * stride_dq[1] + rows[:, None] * stride_dq[2] + dims[None, :],
          dQ_i * scale, row_ok & dim_ok, ACCUMULATE)
 
 
 @triton.jit
-def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, Q_NUM, Q_FULL, Q_IDX, KV_NUM, KV_FULL, KV_IDX,
-                    qk_scale, scale,
-                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                    stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
-                    stride_dqb, stride_dqh, stride_dqn,
-                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                    stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
-                    stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh, stride_kvidxr,
-                    H, Hkv, GROUP, Nq, Nk, d, first_pid, Tc, Tr, RNG, drop_t, drop_scale,
-                    ELEM1, ELEM_BASE1, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap,
-                    BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk, DBIAS, band_lo, band_hi,
-                    Br1: tl.constexpr, Bc1: tl.constexpr, Br2: tl.constexpr, Bc2: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
-                    MASKED1: tl.constexpr, MASKED2: tl.constexpr,
-                    EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                    DKDV: tl.constexpr, DQ: tl.constexpr, DROPOUT: tl.constexpr = False,
-                    ELEMENT1: tl.constexpr = False, ELEMENT2: tl.constexpr = False,
-                    SCORE_MOD: tl.constexpr = 0, BIAS: tl.constexpr = False,
-                    BIAS_GRAD: tl.constexpr = False, BAND: tl.constexpr = False,
+def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, scale, stride_q, stride_k, stride_v,
+                    stride_do, stride_dq, stride_dk, stride_dv, H, GROUP, Nq, Nk, d,
+                    Q_LISTS, KV_LISTS, Q_ELEM, KV_ELEM, RNG, dropout, bias, DBIAS, score_args,
+                    mask_args,
+                    DKDV: tl.constexpr, DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+                    SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
                     ACCUMULATE: tl.constexpr = False):
-    """Programs [0, Tc) of each (batch, K/V head) compute dK_j, dV_j (tiles Br1 x Bc1);
-    programs [Tc, Tc + GROUP * Tr) compute dQ_i for the group's query heads (tiles Br2 x Bc2).
-    One launch can hold both kinds (DKDV and DQ), as FlexAttention's backward does, or each
-    kind gets its own launch, tiles and warps (``first_pid`` then says where a launch starts).
-    ACCUMULATE: dQ, dK, dV are added to what the output buffers hold."""
-    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand float64 scalars
-    scale = tl.cast(scale, tl.float32)
-    pid = first_pid + tl.program_id(0)
+    """The dK/dV programs and the dQ programs of each (batch, K/V head), in one launch, as
+    FlexAttention's backward does, or each kind in its own launch with its own tiles and
+    warps. DKDV, DQ: (Br, Bc, MASKED) of that kind's programs (its tiles, and whether some of
+    them need a mask), or None where the launch has none. Programs [0, Tc) compute dK_j,
+    dV_j; the GROUP * Tr after them dQ_i for the group's query heads. Strides, options and
+    hooks as the forward's; DBIAS: where a learned attn_mask's gradient goes. ACCUMULATE: dQ,
+    dK, dV are added to what the output buffers hold."""
+    pid = tl.program_id(0)
     bh_kv = tl.program_id(1)
+    Hkv = H // GROUP  # GROUP query heads share each K/V head (1: Triton compiles the 1 in)
     b = bh_kv // Hkv
     h_kv = bh_kv % Hkv
-    # the forward's RNG state: its mask is regenerated, never stored
-    seed, offset, drop_scale = rng_state(RNG, drop_scale, DROPOUT)
-    mod_scale = tl.cast(mod_scale, tl.float32)
-    cap = tl.cast(cap, tl.float32)
-    if DKDV:
+    DOT_PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    if DKDV is not None:
+        Tc = tl.cdiv(Nk, DKDV[1])
         if pid < Tc:
-            _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_NUM, Q_FULL, Q_IDX,
-                          qk_scale, scale, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
-                          stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh,
-                          stride_dn,
-                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                          stride_qnumb, stride_qnumh, stride_qidxb, stride_qidxh, stride_qidxr,
-                          H, GROUP, Nq, Nk, d, Br1, Bc1, HEAD_DIM, IS_CAUSAL, SPARSE,
-                          MASKED1, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t, drop_scale,
-                          ELEM1, ELEM_BASE1, SLOPES, mod_scale, cap, BIAS_PTR, stride_bb,
-                          stride_bh, stride_bq, stride_bk, ELEMENT1, SCORE_MOD, BIAS,
-                          band_lo, band_hi, BAND, ACCUMULATE)
-    if DQ:
-        if pid >= Tc:
-            q_pid = pid - Tc
-            h = h_kv * GROUP + q_pid // Tr
-            _dq_program(q_pid % Tr, b, h, Q, K, V, dO, L, D, dQ, KV_NUM, KV_FULL, KV_IDX,
-                        qk_scale, scale,
-                        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                        stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dn,
-                        stride_dqb, stride_dqh, stride_dqn,
-                        stride_kvnumb, stride_kvnumh, stride_kvidxb, stride_kvidxh,
-                        stride_kvidxr, H, GROUP, Nq, Nk, d, Br2, Bc2, HEAD_DIM, IS_CAUSAL,
-                        SPARSE, MASKED2, EVEN_D, DOT_PREC, DROPOUT, seed, offset, drop_t,
-                        drop_scale, ELEM2, ELEM_BASE2, SLOPES, mod_scale, cap, BIAS_PTR,
-                        stride_bb, stride_bh, stride_bq, stride_bk, DBIAS, ELEMENT2, SCORE_MOD,
-                        BIAS, BIAS_GRAD, band_lo, band_hi, BAND, ACCUMULATE)
+            _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_LISTS, Q_ELEM, scale, stride_q,
+                          stride_k, stride_v, stride_do, stride_dk, stride_dv, H, GROUP, Nq, Nk,
+                          d, RNG, dropout, bias, score_args, mask_args, DKDV[0], DKDV[1],
+                          HEAD_DIM, IS_CAUSAL, DKDV[2], EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD,
+                          ACCUMULATE)
+        q_pid = pid - Tc
+    else:
+        q_pid = pid
+    if DQ is not None:
+        if q_pid >= 0:
+            Tr = tl.cdiv(Nq, DQ[0])
+            _dq_program(q_pid % Tr, b, h_kv * GROUP + q_pid // Tr, Q, K, V, dO, L, D, dQ,
+                        KV_LISTS, KV_ELEM, scale, stride_q, stride_k, stride_v, stride_do,
+                        stride_dq, H,
+                        GROUP, Nq, Nk, d, RNG, dropout, bias, DBIAS, score_args, mask_args,
+                        DQ[0], DQ[1], HEAD_DIM, IS_CAUSAL, DQ[2], EVEN_D, DOT_PREC, SCORE_MOD,
+                        MASK_MOD, ACCUMULATE)
 
 
 def _returned(into, grads, dtype):
@@ -409,29 +356,39 @@ def fused(config, Nk: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_consts(Nq, Nk, d, dtype, is_causal, sparse_, config, interpreted):
-    """Each launch of backward_kernel: its first program, its dK/dV programs and its
-    constexprs and options, computed once per configuration."""
+def _launch_consts(Nq, Nk, d, is_causal, config, interpreted):
+    """Each launch of backward_kernel: its constexprs and options, computed once per
+    configuration: one launch with both kinds of program, or one launch each."""
     from . import sparse
     from .config import padded_head_dim
 
     t1, t2 = config.dkdv, config.dq
     HEAD_DIM = padded_head_dim(d)
-    common = dict(Br1=t1.Br, Bc1=t1.Bc, Br2=t2.Br, Bc2=t2.Bc, HEAD_DIM=HEAD_DIM,
-                  IS_CAUSAL=is_causal, SPARSE=sparse_,
-                  MASKED1=sparse.needs_mask(is_causal, Nq, Nk, t1.Br, t1.Bc),
-                  MASKED2=sparse.needs_mask(is_causal, Nq, Nk, t2.Br, t2.Bc),
-                  EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(dtype))
-    Tc, Tr = -(-Nk // t1.Bc), -(-Nq // t2.Br)
+    common = dict(HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d)
+    dkdv = (t1.Br, t1.Bc, sparse.needs_mask(is_causal, Nq, Nk, t1.Br, t1.Bc))
+    dq = (t2.Br, t2.Bc, sparse.needs_mask(is_causal, Nq, Nk, t2.Br, t2.Bc))
 
-    def part(first_pid, programs, tiles, **which):
-        return first_pid, programs, {**common, **which, **({} if interpreted else tiles.launch())}
+    def part(tiles, DKDV, DQ):
+        return {**common, "DKDV": DKDV, "DQ": DQ, **({} if interpreted else tiles.launch())}
 
-    # (first program, programs per (batch, K/V head) before the dQ ones, constexprs): the
-    # GROUP * Tr dQ programs are added at launch
     if fused(config, Nk):
-        return (part(0, Tc, t1, DKDV=True, DQ=True),)
-    return part(0, Tc, t1, DKDV=True, DQ=False), part(Tc, 0, t2, DKDV=False, DQ=True)
+        return (part(t1, dkdv, dq),)
+    return part(t1, dkdv, None), part(t2, None, dq)
+
+
+def _masked(kind, masked: bool):
+    """A launch's (Br, Bc, MASKED) with MASKED also set where the mods need a masked loop."""
+    return None if kind is None else (kind[0], kind[1], kind[2] or masked)
+
+
+def _grid(consts, B, Hkv, Nq, Nk, GROUP):
+    """(programs, B * Hkv): Tc dK/dV programs and GROUP * Tr dQ programs per K/V head."""
+    programs = 0
+    if consts["DKDV"] is not None:
+        programs += -(-Nk // consts["DKDV"][1])
+    if consts["DQ"] is not None:
+        programs += GROUP * -(-Nq // consts["DQ"][0])
+    return programs, B * Hkv
 
 
 _SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> configs that fit
@@ -456,6 +413,8 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     ``into``: (dQ, dK, dV) buffers of q's, k's and v's shapes, any strides and dtypes: the
     kernels add this call's gradients to them (no tensors of the call's own; float32 buffers
     sum many calls with one rounding each). Returns ``into``."""
+    from . import sparse
+
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     if into is None:
@@ -501,52 +460,32 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
             first = fast.Launch(preprocess_kernel, pre_grid, pre_args, pre_consts, (0, 1, 2))
     if dlse is not None:
         D = D - dlse.to(torch.float32).reshape(D.shape)
-    sq, sk, sv, sd = q.stride(), k.stride(), v.stride(), do.stride()
     dbias = None
     if mask_grad:
         dbias = torch.zeros((B, H, Nq, Nk), dtype=torch.float32, device=q.device)
+    (bias, score_args, mask_args), hooks, elements = mods_args(mods, block_mask, q, k)
+    masked = elements or hooks.get("MASK_MOD") is not None  # the mods need the masked loops
     while True:
         t1, t2 = config.dkdv, config.dq
-        if block_mask is None:
-            q_lists = kv_lists = NO_LISTS
-        else:
-            from . import sparse
-
-            q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
-            kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
-        GROUP, Tc, Tr = H // Hkv, -(-Nk // t1.Bc), -(-Nq // t2.Br)
-        (E1, E_base1, SLOPES, mod_scale, cap, *bias, band_lo, band_hi), c1 = mods_args(
-            mods, block_mask, scale, t1.Br, t1.Bc, True, q, k, is_causal)
-        # the dQ pass's lists have their own tiles; the rest is the dK/dV pass's
-        E2, E_base2 = element_args(mods, block_mask, t2.Br, t2.Bc, False, q.device, is_causal,
-                                   c1["BAND"])
-        mod_consts = {"ELEMENT1": c1["ELEMENT"], "ELEMENT2": E2 is not None,
-                      "SCORE_MOD": c1["SCORE_MOD"], "BIAS": c1["BIAS"],
-                      "BIAS_GRAD": mask_grad, "BAND": c1["BAND"],
-                      "ACCUMULATE": into is not None}
-        natural = c1["SCORE_MOD"] or c1["BIAS"]  # the kernels add in natural units
-        qk_scale = LOG2E if natural else scale * LOG2E
-        args = (q, k, v, do, lse2, D, dq, dk, dv, *q_lists[:3], *kv_lists[:3], qk_scale,
-                scale, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-                sd[0], sd[1], sd[2], *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                *q_lists[3], *kv_lists[3], H, Hkv, GROUP, Nq, Nk, d)
+        q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
+        kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
+        q_elem = element_args(elements, block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
+        kv_elem = element_args(elements, block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
+        args = (q, k, v, do, lse2, D, dq, dk, dv, scale, q.stride()[:3], k.stride()[:3],
+                v.stride()[:3], do.stride()[:3], dq.stride()[:3], dk.stride()[:3],
+                dv.stride()[:3], H, H // Hkv, Nq, Nk, d, q_lists, kv_lists, q_elem, kv_elem,
+                *dropout_args(dropout_p, rng), bias, dbias, score_args, mask_args)
         launches = []
         try:
-            for first_pid, programs, consts in _launch_consts(
-                    Nq, Nk, d, q.dtype, is_causal, block_mask is not None, config, interpreted):
-                programs += GROUP * Tr if consts["DQ"] else 0
-                grid = (programs, B * Hkv)
-                args_i = (*args, first_pid, Tc, Tr, *dropout_args(dropout_p, rng), E1, E_base1,
-                          E2, E_base2, SLOPES, mod_scale, cap, *bias, dbias, band_lo, band_hi)
-                consts_i = register_cap({**consts, "DROPOUT": dropout_p > 0, **mod_consts,
-                                         "MASKED1": consts["MASKED1"] or c1["ELEMENT"]
-                                         or c1["BAND"],
-                                         "MASKED2": consts["MASKED2"] or E2 is not None
-                                         or c1["BAND"]})
-                fast.run(backward_kernel, grid, args_i, consts_i)
+            for consts in _launch_consts(Nq, Nk, d, is_causal, config, interpreted):
+                consts = register_cap({**consts, **hooks, "ACCUMULATE": into is not None,
+                                       "DKDV": _masked(consts["DKDV"], masked),
+                                       "DQ": _masked(consts["DQ"], masked)}, dropout_p)
+                grid = _grid(consts, B, Hkv, Nq, Nk, H // Hkv)
+                fast.run(backward_kernel, grid, args, consts)
                 if plan_key is not None:  # live: the first nine arguments, then rng
-                    own = fast.slots(args_i, 9, *live[9:])
-                    launches.append(fast.Launch(backward_kernel, grid, args_i, consts_i, own))
+                    own = fast.slots(args, 9, *live[9:])
+                    launches.append(fast.Launch(backward_kernel, grid, args, consts, own))
             break
         except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
             from .config import smaller

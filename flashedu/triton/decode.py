@@ -77,17 +77,18 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
     hi = tl.minimum(lo + chunk, Nk)
     # this chunk's tiles (tiles.py): those every query sees whole need no mask (the first
     # query sits at position Nk - Nq); the diagonal and the ragged edge pay for one
-    num, num_full, u0, a0, na, b0, idx_row = chunk_tiles(lo, hi, Nq, Nk, Bc, IS_CAUSAL)
+    num, num_full, u0, a0, na, b0, idx_row, e0 = chunk_tiles(lo, hi, Nq, Nk, Bc, IS_CAUSAL)
+    ctx = (b, h, Nq, qk_scale, None, None, None)  # no mods here
     for t in range(0, num_full):
-        j = full_tile(t, u0, idx_row, False)
+        j = full_tile(t, u0, idx_row, None)
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
-                                      j * Bc, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, False,
-                                      EVEN_D, DOT_PREC)
+                                      j * Bc, pos, dims, Nk, d, qk_scale, ctx, None, None, Bc,
+                                      IS_CAUSAL, False, EVEN_D, DOT_PREC)
     for t in range(num_full, num):
-        j = masked_tile(t, num_full, a0, na, b0, idx_row, False)
+        j = masked_tile(t, num_full, a0, na, b0, idx_row, None)
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
-                                      j * Bc, pos, dims, Nk, d, qk_scale, Bc, IS_CAUSAL, True,
-                                      EVEN_D, DOT_PREC)
+                                      j * Bc, pos, dims, Nk, d, qk_scale, ctx, None, None, Bc,
+                                      IS_CAUSAL, True, EVEN_D, DOT_PREC)
 
     # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
     # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).

@@ -24,16 +24,6 @@ N_ROUNDS_C = tl.constexpr(N_ROUNDS)
 
 
 @triton.jit
-def rng_state(RNG, drop_scale, DROPOUT: tl.constexpr):
-    """(seed, offset, drop_scale) of a launch: the call's [seed, offset] tensor read on the
-    device (``flashedu.dropout.draw_rng``), or zeros without dropout."""
-    if DROPOUT:
-        return tl.load(RNG), tl.load(RNG + 1), tl.cast(drop_scale, tl.float32)
-    else:
-        return 0, 0, drop_scale
-
-
-@triton.jit
 def keep_tile(seed, offset, bh, rows, start_n, threshold, Bc: tl.constexpr):
     """Z_ij: int1 (len(rows), Bc), True where entry (row, start_n + c) of head ``bh`` is kept.
 

@@ -138,6 +138,7 @@ def ensure_allocator():
 
 FAST_LAUNCH = os.environ.get("FLASHEDU_FAST_LAUNCH", "1") != "0"  # False: always kernel[grid]
 _COMPILED: dict = {}  # (kernel, device, consts, argument key) -> (CompiledKernel, trailing args)
+_HOOKS: dict = {}  # id -> a @triton.jit hook some compiled kernel's key names
 _MAX_COMPILED = 4096  # keys kept before the cache starts over (shapes that change every call)
 
 
@@ -153,6 +154,11 @@ def _arg_key(a):
         return (dtype, a.data_ptr() % 16 == 0)
     if type(a) is bool:
         return ("b", a)
+    if type(a) is tuple:  # a group of arguments (strides, a hook's arguments)
+        return tuple([_arg_key(x) for x in a])
+    if isinstance(a, JITFunction):  # a hook compiled into the kernel: keyed by id (hashing
+        _HOOKS[id(a)] = a  # one hashes its source), and kept, so that the id stays its own
+        return id(a)
     raise _Unkeyable
 
 

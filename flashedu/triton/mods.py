@@ -7,15 +7,18 @@ masked loop, and hands them over as one uint8 tile (Br x Bc) per listed partial 
 work and the extra memory grow with the partial tiles alone (a sliding window or documents:
 O(N) tiles, not N x N). Any mask mod a user writes works this way.
 
-One mask mod is compiled instead: the library's ``sliding_window`` (BAND). Its rule is two
-compares, band_lo < key - query <= band_hi, cheaper than reading a byte per pair (the element
-masks made the d=128 window forward 1.31-1.39x slower: BENCHMARKS.md, "Mask mods repeated").
+One mask mod is compiled instead: the library's ``sliding_window``, a hook (below) that the
+kernels call where they apply the visibility rule. Its rule is two compares,
+band_lo < key - query <= band_hi, cheaper than reading a byte per pair (the element masks made
+the d=128 window forward 1.31-1.39x slower: BENCHMARKS.md, "Mask mods repeated").
 
-Score mods are compiled: the library's ``softcap`` and ``alibi`` (their ``kind``) become
-SCORE_MOD = 1 or 2 and change S_ij inside the step, forward and backward (with the derivative
-the backward needs). A user's own score mod runs on the numpy and naive backends.
+Score mods are hooks too: ``@triton.jit`` functions passed to the kernels as constexpr
+arguments, inlined where the step computes S_ij, forward and backward (FlexAttention inlines
+a mod the same way, through a template). The library's ``softcap`` and ``alibi`` are two of
+them; a score mod written in Triton by its user (``flashedu.mods.triton_score_mod``) is
+compiled the same way. A score mod written in torch runs on the numpy and naive backends.
 
-SDPA's float ``attn_mask`` is a bias added after the score mod (BIAS), read tile by tile with
+SDPA's float ``attn_mask`` is a bias added after the score mod, read tile by tile with
 its own strides (0 where it broadcasts); a bool one is a mask mod (``bool_mask_as_block_mask``).
 A finite bias is a bias, not a mask: a row whose every score is ``finfo.min`` (Hugging Face's
 "masked") weighs its keys equally, as the formula does. The base-2 exponent s * log2(e) would
@@ -31,7 +34,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-SCORE_MODS = {"softcap": 1, "alibi": 2}  # the library kinds compiled into the kernels
 # The lowest finite score the kernels keep, in natural units: -2**127 * log2(e) is still a
 # float32 with room to subtract a row maximum, where finfo(float32).min * log2(e) is -inf.
 SCORE_FLOOR = tl.constexpr(-2.0 ** 127)
@@ -43,106 +45,89 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
-@triton.jit
-def apply_score_mod(S_ij, mod_scale, cap, slope, kv_minus_q, SCORE_MOD: tl.constexpr):
-    """s_ij = score_mod(scale * S_ij): softcap cap * tanh(s / cap), or ALiBi s + slope * (j - i)
-    (``kv_minus_q`` = key index - query index, shaped like S_ij)."""
-    s = S_ij * mod_scale
-    if SCORE_MOD == 1:
-        s = cap * _tanh(s / cap)
-    if SCORE_MOD == 2:
-        s = s + slope * kv_minus_q.to(tl.float32)
-    return s
+# --- the hooks: score mods and compiled mask mods, as the kernels call them -------------------
+#
+# A score mod takes the scaled score s = scale * S_ij of a tile and returns the new score and
+# its derivative d new / d s (the backward multiplies dS_ij by it; the forward does not use
+# it, and the compiler drops it there):
+#
+#     score_mod(s, b, h, q_idx, kv_idx, args) -> (new s, d new / d s)
+#
+# A compiled mask mod answers FlexAttention's question for a tile:
+#
+#     mask_mod(b, h, q_idx, kv_idx, args) -> bool tile
+#
+# q_idx, kv_idx are the tile's query and key indices, broadcast to its shape; b, h the batch
+# and query head; args the tuple the call handed over (``score_mod_args``, ``band_args``).
 
 
 @triton.jit
-def score_mod_grad(s_mod, cap, SCORE_MOD: tl.constexpr):
-    """d s_mod / d s at the modded score: 1 - tanh^2 = 1 - (s_mod / cap)^2 for softcap, 1 for
-    ALiBi (a shift)."""
-    if SCORE_MOD == 1:
-        t = s_mod / cap
-        return 1.0 - t * t
-    else:
-        return 1.0
+def softcap(s, b, h, q_idx, kv_idx, args):
+    """cap * tanh(s / cap), derivative 1 - tanh^2 (args: (cap,))."""
+    t = _tanh(s / args[0])
+    return args[0] * t, 1.0 - t * t
 
 
 @triton.jit
-def head_mods(SLOPES, BIAS_PTR, b, h, stride_bb, stride_bh, SCORE_MOD: tl.constexpr,
-              BIAS: tl.constexpr):
-    """(slope, B_head) of query head h in batch b: its ALiBi slope and where its attn_mask
-    starts (0 where the launch has neither)."""
-    slope = 0.0
-    if SCORE_MOD == 2:
-        slope = tl.load(SLOPES + h)
-    B_head = 0
-    if BIAS:
-        B_head = BIAS_PTR + b * stride_bb + h * stride_bh
-    return slope, B_head
+def alibi(s, b, h, q_idx, kv_idx, args):
+    """s + slopes[h] * (kv_idx - q_idx), derivative 1 (args: (slopes,), float32 per head)."""
+    return s + tl.load(args[0] + h) * (kv_idx - q_idx).to(tl.float32), 1.0
 
 
 @triton.jit
-def mod_scores(S, q_idx, kv_idx, Nq, Nk, mod_scale, cap, slope, B_head, stride_bq, stride_bk,
-               SCORE_MOD: tl.constexpr, BIAS: tl.constexpr):
-    """(s, ds): s = score_mod(scale * S) plus, with BIAS, SDPA's float attn_mask, in natural
-    units; ds = the score mod's derivative at s (before the bias), for the backward.
-    q_idx, kv_idx: the tile's query and key indices, broadcast to S's shape (S is Br x Bc in
-    the forward and the dQ pass, its transpose in the dK/dV pass)."""
-    s = apply_score_mod(S, mod_scale, cap, slope, kv_idx - q_idx, SCORE_MOD)
-    ds = score_mod_grad(s, cap, SCORE_MOD)
-    if BIAS:  # the bias may be -inf: a pair it hides gets P = 0
+def sliding_window(b, h, q_idx, kv_idx, args):
+    """The sliding window, compiled: band_lo < kv_idx - q_idx <= band_hi (args: (band_lo,
+    band_hi), from ``band_args``)."""
+    offset = kv_idx - q_idx
+    return (offset > args[0]) & (offset <= args[1])
+
+
+HOOKS = {"softcap": softcap, "alibi": alibi}  # the library score mods, by ``kind``
+
+
+@triton.jit
+def mod_scores(S, q_idx, kv_idx, Nk, ctx, SCORE_MOD: tl.constexpr):
+    """(s, ds): s = score_mod(scale * S) plus, with a bias, SDPA's float attn_mask, in natural
+    units; ds = the score mod's derivative at scale * S (1 without one), for the backward.
+    ctx = (b, h, Nq, scale, bias, score_args, mask_args) of the program (``context``);
+    q_idx, kv_idx as a hook takes them (S is Br x Bc in the forward and the dQ pass, its
+    transpose in the dK/dV pass)."""
+    b, h, Nq, scale, bias, score_args, mask_args = ctx
+    s = S * scale
+    ds = 1.0
+    if SCORE_MOD is not None:
+        s, ds = SCORE_MOD(s, b, h, q_idx, kv_idx, score_args)
+    if bias is not None:  # the bias may be -inf: a pair it hides gets P = 0
+        B_ptr, stride_bb, stride_bh, stride_bq, stride_bk = bias
         ok = (q_idx < Nq) & (kv_idx < Nk)
-        s = s + tl.load(B_head + q_idx * stride_bq + kv_idx * stride_bk, mask=ok,
-                        other=0.0).to(tl.float32)
+        s = s + tl.load(B_ptr + b * stride_bb + h * stride_bh + q_idx * stride_bq
+                        + kv_idx * stride_bk, mask=ok, other=0.0).to(tl.float32)
         # a finite score stays finite in base 2 (SCORE_FLOOR); -inf and NaN pass as they are
         s = tl.where((s < SCORE_FLOOR) & (s != float("-inf")), SCORE_FLOOR, s)
     return s, ds
 
 
 @triton.jit
-def in_band(q_idx, kv_idx, band_lo, band_hi):
-    """The compiled sliding window: key kv_idx is visible to query q_idx iff
-    band_lo < kv_idx - q_idx <= band_hi (``band_args``), broadcast to the tile's shape."""
-    offset = kv_idx - q_idx
-    return (offset > band_lo) & (offset <= band_hi)
-
-
-@triton.jit
-def element_tile(E_tile, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The bool (ROWS x COLS) element mask stored at E_tile (row-major, ROWS x COLS), or, for
-    the dK/dV pass, its transpose (stored COLS x ROWS)."""
-    r = tl.arange(0, ROWS)
-    c = tl.arange(0, COLS)
-    if TRANSPOSED:
-        return tl.load(E_tile + c[None, :] * ROWS + r[:, None]) != 0
-    else:
-        return tl.load(E_tile + r[:, None] * COLS + c[None, :]) != 0
-
-
-@triton.jit
-def element_start(ELEM_BASE, b, h, row, stride_numb, stride_numh, num_full,
-                  ELEMENT: tl.constexpr):
-    """Where a list row's element masks start, less num_full: masked tile t (t >= num_full) has
-    its mask at index e0 + t (``sparse.element_lists``); 0 without element masks."""
-    if ELEMENT:
-        return tl.load(ELEM_BASE + b * stride_numb + h * stride_numh + row) - num_full
-    else:
-        return 0
-
-
-@triton.jit
-def element_ptr(ELEM, e0, t, TILE: tl.constexpr, ELEMENT: tl.constexpr):
-    """The element mask of masked tile t (TILE = Br * Bc entries each), or 0 without."""
-    if ELEMENT:
-        return ELEM + (e0 + t) * TILE
-    else:
-        return 0
+def visible(q_idx, kv_idx, Nk, E, ctx, IS_CAUSAL: tl.constexpr, MASK_MOD: tl.constexpr):
+    """The visibility rule, the one every kernel applies to a masked tile: key kv_idx is
+    visible to query q_idx iff it lies before Nk, is not after the query (causal), is kept by
+    the block mask's element mask of this tile (E = (origin, Bc) of ``tiles.element_origin``,
+    or None) and by the compiled mask mod (or None)."""
+    ok = kv_idx < Nk
+    if IS_CAUSAL:
+        ok = ok & (kv_idx <= q_idx)
+    if E is not None:
+        ok = ok & (tl.load(E[0] + q_idx * E[1] + kv_idx) != 0)
+    if MASK_MOD is not None:
+        ok = ok & MASK_MOD(ctx[0], ctx[1], q_idx, kv_idx, ctx[6])
+    return ok
 
 
 def band_args(mods, block_mask):
     """(band_lo, band_hi) of a block mask whose partial tiles need the library's sliding
-    window (the kernels then compile its rule, BAND), else None. Query i sees key j iff
-    i + offset - window < j <= i + offset + lookahead (offset: Nk - Nq when aligned to the
-    bottom right), that is band_lo < j - i <= band_hi."""
+    window (the kernels then compile its rule, the ``sliding_window`` hook), else None. Query
+    i sees key j iff i + offset - window < j <= i + offset + lookahead (offset: Nk - Nq when
+    aligned to the bottom right), that is band_lo < j - i <= band_hi."""
     mod = mods and mods.mask_mod
     if getattr(mod, "kind", None) != "sliding_window":
         return None
@@ -152,31 +137,30 @@ def band_args(mods, block_mask):
 
 def bias_args(attn_mask, B, H, Nq, Nk):
     """(BIAS_PTR, stride_bb, stride_bh, stride_bq, stride_bk) of a float attn_mask broadcast
-    to (B, H, Nq, Nk) (stride 0 along broadcast dims: no copy), or (None, 0, 0, 0, 0)."""
+    to (B, H, Nq, Nk) (stride 0 along broadcast dims: no copy), or None."""
     if attn_mask is None:
-        return None, 0, 0, 0, 0
+        return None
     m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     m = m.expand(B, H, Nq, Nk)
     return (m, *m.stride())
 
 
-def score_mod_args(score_mod, scale, device):
-    """(SCORE_MOD, mod_scale, cap, SLOPES) for a launch: (0, scale, 1.0, None) without one
-    (mod_scale is also what a bias alone needs: scores in natural units)."""
+def score_mod_args(score_mod, device):
+    """(hook, args) of a launch's score mod: the library's softcap and ALiBi, or a score mod
+    written in Triton (``flashedu.mods.triton_score_mod``); (None, None) without one."""
     import torch
 
     if score_mod is None:
-        return 0, float(scale), 1.0, None
+        return None, None
     kind = getattr(score_mod, "kind", None)
-    if kind not in SCORE_MODS:
+    if kind == "triton":
+        return score_mod.hook, score_mod.args
+    if kind not in HOOKS:
         raise NotImplementedError(
-            f"the triton backend compiles the library score mods {sorted(SCORE_MODS)} "
-            f"(flashedu.mods.softcap, flashedu.mods.alibi), got {score_mod!r}; a score mod of "
-            f"your own runs on backend 'numpy' or 'naive'")
-    slopes = None
-    cap = 1.0
+            f"the triton backend compiles the library score mods {sorted(HOOKS)} "
+            f"(flashedu.mods.softcap, flashedu.mods.alibi) and score mods written in Triton "
+            f"(flashedu.mods.triton_score_mod), got {score_mod!r}; a score mod in torch runs "
+            f"on backend 'numpy' or 'naive'")
     if kind == "alibi":
-        slopes = score_mod.slopes.to(device=device, dtype=torch.float32).contiguous()
-    else:
-        cap = float(score_mod.cap)
-    return SCORE_MODS[kind], float(scale), cap, slopes
+        return alibi, (score_mod.slopes.to(device=device, dtype=torch.float32).contiguous(),)
+    return softcap, (float(score_mod.cap),)

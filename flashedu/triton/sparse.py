@@ -177,14 +177,12 @@ def _element_masks(block_mask, masked, Br, Bc, transpose, device, is_causal):
 
 
 def kernel_lists(block_mask, Br: int, Bc: int, transpose: bool, device, is_causal: bool):
-    """(num, num_full, idx, strides) as the kernels take them; placeholders without a mask."""
-    import torch
-
+    """The LISTS argument of the kernels: (num, num_full, idx, and the strides of num and idx
+    over (batch, head, row)), or None without a block mask."""
     if block_mask is None:
-        zero = torch.zeros(1, dtype=torch.int32, device=device)
-        return zero, zero, zero, (0, 0, 0, 0, 0)
+        return None
     num, full, idx = tile_lists(block_mask, Br, Bc, transpose, device, is_causal)
-    return num, full, idx, strides(num, idx)
+    return (num, full, idx, *strides(num, idx))
 
 
 def strides(num, idx):

@@ -2,17 +2,18 @@
 
 Every kernel walks its tiles in two runs: first the tiles that need no element mask (wholly
 visible and inside both sequences), then those that do (the causal diagonal, the ragged last
-tile, the partial tiles of a mask mod, whose element masks ``mods.py`` reads). A program asks once how many tiles there are of each kind, then for the t-th one:
+tile, the partial tiles of a mask mod, whose element masks ``mods.py`` reads). A program asks
+once how many tiles there are of each kind, then for the t-th one:
 
-    num, num_full, u0, a0, na, b0, idx_row = kv_tiles(i, ...)
+    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, ...)
     for t in range(0, num_full):              # no element mask
-        j = full_tile(t, u0, idx_row, SPARSE)
+        j = full_tile(t, u0, idx_row, LISTS)
     for t in range(num_full, num):            # masked
-        j = masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE)
+        j = masked_tile(t, num_full, a0, na, b0, idx_row, LISTS)
 
-With a block mask the tiles come from its lists (``sparse.tile_lists``: for each row the
-num_full unmasked tiles first, then the rest, as FlexAttention's full and partial blocks);
-without one they follow from the geometry: the unmasked tiles form one run starting at tile
+With a block mask the tiles come from its lists (``sparse.kernel_lists``; LISTS is None
+without one: for each row the num_full unmasked tiles first, then the rest, as FlexAttention's
+full and partial blocks); without one they follow from the geometry: the unmasked tiles form one run starting at tile
 u0, the masked ones at most two runs (na tiles from a0, then the rest from b0). This is the GPU
 twin of ``TileMask`` in ``flashedu.tiled``: the NumPy loops ask the same question per tile.
 Split-KV decoding (decode.py) walks one chunk of keys the same way (``chunk_tiles``).
@@ -25,20 +26,25 @@ import triton.language as tl
 
 
 @triton.jit
-def listed(row, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
-           stride_idxr):
-    """(num, num_full, idx_row) of one row of a block mask's lists (``sparse.tile_lists``):
-    the row's tile count, how many of them need no element mask, and where its indices are."""
-    num = tl.load(NUM + b * stride_numb + h * stride_numh + row)
-    num_full = tl.load(FULL + b * stride_numb + h * stride_numh + row)
-    return num, num_full, IDX + b * stride_idxb + h * stride_idxh + row * stride_idxr
+def listed(row, b, h, LISTS, ELEM):
+    """(num, num_full, idx_row, e0) of one row of a block mask's lists (``sparse.kernel_lists``):
+    the row's tile count, how many of them need no element mask, where its indices are, and
+    (with element masks, ELEM) the index of its first element mask less num_full, so that
+    masked tile t (t >= num_full) has its element mask at e0 + t."""
+    NUM, FULL, IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ir = LISTS
+    num = tl.load(NUM + b * stride_nb + h * stride_nh + row)
+    num_full = tl.load(FULL + b * stride_nb + h * stride_nh + row)
+    e0 = 0
+    if ELEM is not None:  # (E, E_base): E_base is laid out like NUM
+        e0 = tl.load(ELEM[1] + b * stride_nb + h * stride_nh + row) - num_full
+    return num, num_full, IDX + b * stride_ib + h * stride_ih + row * stride_ir, e0
 
 
 @triton.jit
-def kv_tiles(i, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
-             stride_idxr, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
-             IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr):
-    """The K/V tiles that Q tile i (rows i*Br ..) visits, for the forward and the dQ pass.
+def kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
+             IS_CAUSAL: tl.constexpr):
+    """The K/V tiles that Q tile i (rows i*Br ..) visits, for the forward and the dQ pass:
+    (num, num_full, u0, a0, na, b0, idx_row, e0), from the lists or (LISTS None) the geometry.
 
     Dense: tiles [0, num_full) lie wholly before the first query row's diagonal and inside Nk;
     [num_full, num) hold the diagonal or the ragged edge; tiles past the last row's diagonal
@@ -48,9 +54,9 @@ def kv_tiles(i, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, str
     na = 0
     b0 = 0
     idx_row = 0
-    if SPARSE:
-        num, num_full, idx_row = listed(i, b, h, NUM, FULL, IDX, stride_numb, stride_numh,
-                                        stride_idxb, stride_idxh, stride_idxr)
+    e0 = 0
+    if LISTS is not None:
+        num, num_full, idx_row, e0 = listed(i, b, h, LISTS, ELEM)
     else:
         if IS_CAUSAL:
             end = tl.minimum(Nk, (i + 1) * Br)  # query rows < (i+1)*Br see keys < that
@@ -61,14 +67,14 @@ def kv_tiles(i, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, str
         num = tl.cdiv(end, Bc)
         a0 = num_full
         na = num - num_full
-    return num, num_full, u0, a0, na, b0, idx_row
+    return num, num_full, u0, a0, na, b0, idx_row, e0
 
 
 @triton.jit
-def q_tiles(j, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stride_idxh,
-            stride_idxr, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
-            IS_CAUSAL: tl.constexpr, SPARSE: tl.constexpr):
-    """The Q tiles that see K/V tile j (keys j*Bc ..), for the dK/dV pass.
+def q_tiles(j, b, h, LISTS, ELEM, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
+            IS_CAUSAL: tl.constexpr):
+    """The Q tiles that see K/V tile j (keys j*Bc ..), for the dK/dV pass (returns as
+    ``kv_tiles``).
 
     Dense: the masked ones are the tiles crossing the causal diagonal (a run from a0) and the
     ragged last tile (from b0); the unmasked ones lie between them. Rows before the tile's first
@@ -78,9 +84,9 @@ def q_tiles(j, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stri
     na = 0
     b0 = 0
     idx_row = 0
-    if SPARSE:
-        num, num_full, idx_row = listed(j, b, h, NUM, FULL, IDX, stride_numb, stride_numh,
-                                        stride_idxb, stride_idxh, stride_idxr)
+    e0 = 0
+    if LISTS is not None:
+        num, num_full, idx_row, e0 = listed(j, b, h, LISTS, ELEM)
     else:
         Tr = tl.cdiv(Nq, Br)
         full_end = Nq // Br  # tiles from full_end on hold rows past Nq
@@ -96,7 +102,7 @@ def q_tiles(j, b, h, NUM, FULL, IDX, stride_numb, stride_numh, stride_idxb, stri
             num_full = full_end
             b0 = full_end
         num = na + num_full + (Tr - b0)
-    return num, num_full, u0, a0, na, b0, idx_row
+    return num, num_full, u0, a0, na, b0, idx_row, e0
 
 
 @triton.jit
@@ -112,23 +118,31 @@ def chunk_tiles(lo, hi, Nq, Nk, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr):
     num_full = tl.maximum(seen_by_all - lo, 0) // Bc
     num = tl.cdiv(hi - lo, Bc)
     u0 = lo // Bc
-    return num, num_full, u0, u0 + num_full, num - num_full, 0, 0
+    return num, num_full, u0, u0 + num_full, num - num_full, 0, 0, 0
 
 
 @triton.jit
-def full_tile(t, u0, idx_row, SPARSE: tl.constexpr):
+def full_tile(t, u0, idx_row, LISTS):
     """The t-th tile (t < num_full) of a program's unmasked run."""
-    if SPARSE:
+    if LISTS is not None:
         return tl.load(idx_row + t)
     else:
         return u0 + t
 
 
 @triton.jit
-def masked_tile(t, num_full, a0, na, b0, idx_row, SPARSE: tl.constexpr):
+def masked_tile(t, num_full, a0, na, b0, idx_row, LISTS):
     """The t-th tile (num_full <= t < num) of a program's masked tiles."""
-    if SPARSE:
+    if LISTS is not None:
         return tl.load(idx_row + t)
     else:
         k = t - num_full
         return tl.where(k < na, a0 + k, b0 + k - na)
+
+
+@triton.jit
+def element_origin(ELEM, e0, t, q0, k0, Br: tl.constexpr, Bc: tl.constexpr):
+    """Masked tile t's element mask (queries by keys, Br x Bc, stored at E + (e0 + t) Br Bc),
+    shifted by the tile's first query q0 and key k0: the entry of (query, key) is then at
+    origin + query * Bc + key, which reads it in either orientation of the tile."""
+    return ELEM[0] + (e0 + t) * (Br * Bc) - q0 * Bc - k0

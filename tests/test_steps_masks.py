@@ -29,8 +29,10 @@ STEPS = {  # step id -> its check
     "08b.softcap": "step_softcap",
     "08b.softcap_grad": "step_softcap_grad",
     "08b.my_mask": "step_own_mask_mod",
+    "08b.softcap_hook": "triton_step_score_mod_hook",
 }
-HEADER = "import math\nimport numpy as np\nimport torch\nimport flashedu\nfrom flashedu import mods\n\n"
+HEADER = ("import math\nimport numpy as np\nimport torch\nimport flashedu\nfrom flashedu import mods\n"
+          "import triton\nimport triton.language as tl\n\n")
 load, mutant = step_loading.loaders(HEADER)
 
 
@@ -77,6 +79,8 @@ WRONG = [  # (step, replacements, words the message must hold)
     ("08b.block_kinds", [("    return kind", "    return flashedu.BlockMask.from_mask_mod(mask_mod, None, None, "
                           "Nq, Nk, (Br, Bc)).blocks[0, 0].astype(int)")],
      ["flashedu.BlockMask"]),
+    ("08b.softcap_hook", [("return cap * t, 1.0 - t * t", "return cap * t, 1.0")],
+     ["the forward is right", "1 - tanh(s / cap)^2"]),
     ("08b.softcap", [("cap * torch.tanh(score / cap)", "torch.clamp(score, -cap, cap)")],
      ["clipped"]),
     ("08b.softcap", [("cap * torch.tanh(score / cap)", "cap * torch.tanh(score / cap).double()")],

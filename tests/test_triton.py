@@ -1440,3 +1440,31 @@ def test_gpu_a_score_mod_written_in_triton_compiles_into_the_kernels(dtype):
     mod = flashedu.mods.triton_score_mod(
         _head_softcap, reference=_head_softcap_torch(caps, 0.01), args=(caps, 0.01))
     _check(q, k, v, score_mod=mod, is_causal=True)
+
+
+def test_the_direct_launch_knows_this_triton():
+    """The direct launch (``fast.run``, ``fast.Opened``) calls a compiled kernel and Triton's
+    C launcher as the Triton versions in ``fast.TESTED_TRITON`` lay them out. On one of them
+    that layout must be there: a Triton that moved it fails here, naming itself. On any other
+    version the direct launch is off and Triton's own dispatch runs every launch."""
+    import inspect
+
+    import triton
+
+    from flashedu.triton import fast
+
+    if fast.TRITON not in fast.TESTED_TRITON:
+        assert not fast.FAST_LAUNCH, f"Triton {triton.__version__} is untested: no direct launch"
+        return
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    layout = getattr(driver, "_BASE_ARGS_FORMAT", None)
+    assert layout == fast.Opened.LAYOUT, (
+        f"Triton {triton.__version__} lays its launcher's arguments out as {layout!r}, not as "
+        f"fast.Opened reads them ({fast.Opened.LAYOUT!r}): update Opened or TESTED_TRITON")
+    source = inspect.getsource(driver.CudaLauncher)
+    for name in ("self.launch", "global_scratch_size", "launch_cooperative_grid", "launch_pdl",
+                 "profile_scratch_size", "num_ctas"):
+        assert name in source, f"Triton {triton.__version__}'s CudaLauncher has no {name}"
+    from triton.compiler.compiler import CompiledKernel
+
+    assert "packed_metadata" in inspect.getsource(CompiledKernel), triton.__version__

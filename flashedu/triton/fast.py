@@ -136,7 +136,14 @@ def ensure_allocator():
 # interpreter, while a launch hook is installed (profilers), for arguments it cannot key, and
 # for good if a direct start ever fails.
 
-FAST_LAUNCH = os.environ.get("FLASHEDU_FAST_LAUNCH", "1") != "0"  # False: always kernel[grid]
+# The Triton versions whose launch path this module was tested against on a GPU: a test
+# (tests/test_triton.py, test_the_direct_launch_knows_this_triton) fails there, naming the
+# version, if the launcher is not laid out as ``Opened`` reads it. On any other version every
+# launch goes through Triton's own dispatch.
+TESTED_TRITON = ("3.6",)
+TRITON = ".".join(triton.__version__.split(".")[:2])
+FAST_LAUNCH = (os.environ.get("FLASHEDU_FAST_LAUNCH", "1") != "0"  # "0": always kernel[grid]
+               and TRITON in TESTED_TRITON)
 _COMPILED: dict = {}  # (kernel, device, consts, argument key) -> (CompiledKernel, trailing args)
 _HOOKS: dict = {}  # id -> a @triton.jit hook some compiled kernel's key names
 _MAX_COMPILED = 4096  # keys kept before the cache starts over (shapes that change every call)

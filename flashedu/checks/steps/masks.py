@@ -17,7 +17,7 @@ import numpy as np
 
 from ..engine import Exercise, run_seed
 from ..sandbox import _filled, _names, call_limited
-from ..steptools import as_arrays, case, function_step
+from ..steptools import as_arrays, case, function_step, kernel_step
 
 F32, F64 = np.float32, np.float64
 EMPTY, PARTIAL, FULL = 0, 1, 2  # notebook 08 calls the partial tiles of causal DIAGONAL
@@ -645,6 +645,74 @@ def _diagnose_softcap_grad(case_, wrong, outputs):
 
 
 # ------------------------------------------------------------------------------------------
+# 08b.softcap_hook: softcapping written in Triton, compiled into the package's kernels
+# ------------------------------------------------------------------------------------------
+
+H_HOOK = ("The kernels call your hook on a whole tile: s = scale * S_ij (a Br x Bc block of "
+          "float32), and take back two tiles, the new score cap * tanh(s / cap) and its "
+          "derivative 1 - tanh(s / cap)^2, which the backward multiplies dS_ij by. cap is "
+          "args[0]. Triton has no tl.tanh everywhere: tanh(x) = 2 * tl.sigmoid(2 * x) - 1.")
+
+
+def _launch_hook(hook, q, k, v, dout, cap, causal):
+    """O, dQ, dK, dV of flashedu.attention on the triton backend with the learner's hook as
+    the score mod, as float32 arrays (the inputs' dtype)."""
+    import torch
+
+    import flashedu
+    from flashedu import runtime
+
+    dev = runtime.kernel_device()
+    mod = flashedu.mods.triton_score_mod(hook, args=(float(cap),))
+    q, k, v = (torch.from_numpy(x).to(dev).requires_grad_() for x in (q, k, v))
+    out = flashedu.attention(q, k, v, score_mod=mod, is_causal=causal, backend="triton",
+                             enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.from_numpy(dout).to(dev))
+    return tuple(t.detach().cpu().numpy() for t in (out, *grads))
+
+
+def _hook_reference(q, k, v, dout, cap, causal, dtype):
+    """(O, dQ, dK, dV) of attention with softcapping, computed in ``dtype`` by the formula."""
+    import torch
+
+    from flashedu import mods
+    from flashedu.reference import naive_attention_torch
+
+    q, k, v = (torch.from_numpy(x).to(dtype).requires_grad_() for x in (q, k, v))
+    out = naive_attention_torch(q, k, v, upcast=False, is_causal=causal,
+                                score_mod=mods.softcap(cap), enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.from_numpy(dout).to(dtype))
+    return tuple(t.detach().double().numpy() for t in (out, *grads))
+
+
+def _hook_cases():
+    import torch
+
+    rng = _rng(8)
+    out = []
+    for (H, Hkv, Nq, Nk, d, cap, causal, what) in (
+            (2, 2, 37, 45, 16, 2.0, False, "Nq = 37, Nk = 45 (ragged tiles), cap = 2"),
+            (2, 1, 40, 40, 16, 0.5, True, "causal, two query heads on one K/V head, cap = 0.5"),
+            (1, 1, 24, 33, 16, 30.0, False, "cap = 30: scores far inside it")):
+        q = (rng.standard_normal((1, H, Nq, d)) * 2).astype(F32)
+        k, v = ((rng.standard_normal((1, Hkv, Nk, d)) * 2).astype(F32) for _ in range(2))
+        dout = rng.standard_normal((1, H, Nq, d)).astype(F32)
+        args = (q, k, v, dout, cap, causal)
+        out.append(case(what, H_HOOK, args, ("O", "dQ", "dK", "dV"),
+                        _hook_reference(*args, dtype=torch.float64),
+                        naive=_hook_reference(*args, dtype=torch.float32), dtype=F32))
+    return out
+
+
+def _diagnose_hook(case_, wrong, outputs):
+    if "O" not in wrong:
+        return ("the forward is right, the gradients are not: the backward multiplies dS_ij by "
+                "your second return value, the derivative d(cap * tanh(s / cap)) / ds = "
+                "1 - tanh(s / cap)^2.")
+    return None
+
+
+# ------------------------------------------------------------------------------------------
 # 08b.my_mask: a mask mod of the learner's own
 # ------------------------------------------------------------------------------------------
 
@@ -728,4 +796,8 @@ STEPS = [
              invoke=_invoke_softcap_grad, diagnose=_diagnose_softcap_grad, timeout=30.0,
              inspect=_library_use),
     Exercise("step_own_mask_mod", 0, "my_mask", _own_cases, invoke=_invoke_own, timeout=30.0),
+    # the package's attention is the machinery here (the hook is the learner's): not blocked;
+    # a @triton.jit hook cannot call Python, and the gate reads what it calls
+    dataclasses.replace(kernel_step("triton_step_score_mod_hook", "softcap_hook", _hook_cases,
+                                    _launch_hook, diagnose=_diagnose_hook), blocked=False),
 ]

@@ -4,6 +4,7 @@ Runs through Triton's interpreter on a CPU: small shapes, a few seconds each.
 """
 
 import dataclasses
+import inspect
 import weakref
 
 import numpy as np
@@ -12,7 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import flashedu
+import flashedu  # first: decides GPU or interpreter before triton loads
+import triton
+import triton.language as tl
 from flashedu import tolerance
 from flashedu.reference import naive_attention_torch, reference_attention
 
@@ -1150,8 +1153,9 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     # a variant that shrank (here dropout, which needs more shared memory) keeps its smaller
     # tiles to itself: the plain kernel of the same configuration keeps its own
     monkeypatch.setattr(fw, "_SHRUNK", {})
+    RNG = list(inspect.signature(fw.forward_kernel.fn).parameters).index("RNG")
     monkeypatch.setattr(fast, "launch", lambda kernel, grid, args, consts, switches, slots: (
-        picky_launch(kernel, grid, args, consts, switches, slots) if args[15] is not None
+        picky_launch(kernel, grid, args, consts, switches, slots) if args[RNG] is not None
         else real_launch(kernel, grid, args, consts, switches, slots)))
     rng = torch.tensor([1, 2], device=q.device)
     fast.PLANS.clear()
@@ -1290,9 +1294,9 @@ def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band)
     (fwd_args, fwd), (bwd_args, bwd) = launched[0], launched[-1]
     assert (fwd["MASK_MOD"] is mods.sliding_window) == (bwd["MASK_MOD"] is mods.sliding_window) \
         == (band is not None)
-    # the element masks travel with the lists (LISTS[3]), for the forward and both passes
-    for lists in (fwd_args[14], bwd_args[22], bwd_args[23]):
-        assert (lists[3] is not None) == (band is None)
+    # the element masks (ELEM) go with the lists of the forward and of both backward passes
+    for elem in (fwd_args[15], bwd_args[24], bwd_args[25]):
+        assert (elem is not None) == (band is None)
     assert bool(built) == (band is None)  # a compiled window's element masks are never built
 
 
@@ -1369,8 +1373,6 @@ def test_tuned_gpu_tiles_in_the_interpreter(monkeypatch, d, case):
 
 # A score mod written by its user in Triton: a per-head softcap, compiled into the forward and
 # the backward through the kernels' score-mod hook (no torch.compile).
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 
 @triton.jit
@@ -1421,8 +1423,6 @@ def test_the_launched_kernels_take_few_parameters():
     from flashedu.triton.backward import backward_kernel
     from flashedu.triton.forward import forward_kernel
 
-    import inspect
-
     for kernel in (forward_kernel, backward_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexpr = [p for p in params if "constexpr" in str(p.annotation)]
@@ -1447,8 +1447,6 @@ def test_the_direct_launch_knows_this_triton():
     C launcher as the Triton versions in ``fast.TESTED_TRITON`` lay them out. On one of them
     that layout must be there: a Triton that moved it fails here, naming itself. On any other
     version the direct launch is off and Triton's own dispatch runs every launch."""
-    import inspect
-
     import triton
 
     from flashedu.triton import fast

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from . import fast
 from .dropout import keep_tile
-from .forward import (_LOG2E, dropout_args, dropout_state, element_args, interpreter_fp32,
-                      load_tile, mods_args, outputs_like, register_cap)
+from .forward import (dropout_args, dropout_state, element_args, exponent_scale,
+                      interpreter_fp32, load_tile, mods_args, outputs_like, register_cap)
 from .mods import mod_scores, visible
 from .tiles import element_origin, full_tile, kv_tiles, masked_tile, q_tiles
 
@@ -66,6 +66,7 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     the forward; dS_ij also takes the score mod's derivative."""
     rows = start_m + tl.arange(0, Br)
     cols = start_n + tl.arange(0, K_j.shape[0])
+    bias = ctx[4]  # SDPA's float attn_mask (mods.py), or None
     row_ok = rows[:, None] < Nq
     dim_ok = dims[None, :] < d
     Q_i = load_tile(Q_head + rows[:, None] * stride_qn + dims[None, :], row_ok, dim_ok,
@@ -79,7 +80,7 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
         L_i = tl.load(L_head + rows)
         D_i = tl.load(D_head + rows)
     S_ijT = tl.dot(K_j, tl.trans(Q_i), input_precision=DOT_PREC)
-    if SCORE_MOD is not None or ctx[4] is not None:
+    if SCORE_MOD is not None or bias is not None:
         S_ijT, dsT = mod_scores(S_ijT, rows[None, :], cols[:, None], Nk, ctx, SCORE_MOD)
     P_ijT = tl.math.exp2(S_ijT * qk_scale - L_i[None, :])
     if MASK:
@@ -120,10 +121,7 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, str
     dK_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
     dV_j = tl.zeros([Bc, HEAD_DIM], dtype=tl.float32)
     scale = tl.cast(scale, tl.float32)  # torch.compile may hand a float64 scalar
-    if SCORE_MOD is not None or bias is not None:
-        qk_scale = _LOG2E  # the mods work on scale * S_ij in natural units (mods.py)
-    else:
-        qk_scale = scale * _LOG2E  # exp(scale * S_ij) = exp2(S_ij * qk_scale)
+    qk_scale = exponent_scale(scale, bias, SCORE_MOD)
     for g in range(0, GROUP):  # the query heads that read this K/V head
         h = h_kv * GROUP + g
         Q_head = Q + b * stride_q[0] + h * stride_q[1]
@@ -187,7 +185,8 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
     V_j = load_tile(V_head + cols[:, None] * stride_vn + dims[None, :], col_ok, dim_ok,
                     MASK, not EVEN_D)
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)
-    if SCORE_MOD is not None or ctx[4] is not None:
+    bias = ctx[4]  # SDPA's float attn_mask (mods.py), or None
+    if SCORE_MOD is not None or bias is not None:
         S_ij, ds = mod_scores(S_ij, rows[:, None], cols[None, :], Nk, ctx, SCORE_MOD)
     P_ij = tl.math.exp2(S_ij * qk_scale - L_i[:, None])
     if MASK:
@@ -232,10 +231,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
     V_head = V + b * stride_v[0] + h_kv * stride_v[1]
     dQ_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
     scale = tl.cast(scale, tl.float32)  # torch.compile may hand a float64 scalar
-    if SCORE_MOD is not None or bias is not None:
-        qk_scale = _LOG2E  # the mods work on scale * S_ij in natural units (mods.py)
-    else:
-        qk_scale = scale * _LOG2E  # exp(scale * S_ij) = exp2(S_ij * qk_scale)
+    qk_scale = exponent_scale(scale, bias, SCORE_MOD)
     ctx = (b, h, Nq, scale, bias, score_args, mask_args)  # what the mods read
     drop = None
     if RNG is not None:

@@ -65,15 +65,16 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, rows, Nk, qk_scale, ctx
     SCORE_MOD, or a bias in ctx (mods.py): S_ij becomes score_mod(scale * S_ij) + attn_mask,
     and qk_scale is log2(e)."""
     cols = start_n + tl.arange(0, K_j.shape[0])  # the keys of this tile
+    bias = ctx[4]  # SDPA's float attn_mask (mods.py), or None
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)  # unscaled scores, Br x Bc
-    if SCORE_MOD is not None or ctx[4] is not None:
+    if SCORE_MOD is not None or bias is not None:
         S_ij, _ = mod_scores(S_ij, rows[:, None], cols[None, :], Nk, ctx, SCORE_MOD)
     if MASK:
         S_ij = tl.where(visible(rows[:, None], cols[None, :], Nk, E, ctx, IS_CAUSAL, MASK_MOD),
                         S_ij, float("-inf"))
     # qk_scale > 0, so scaling commutes with the max: one multiply per row, not per score
     m_new = tl.maximum(m_i, tl.max(S_ij, 1) * qk_scale)
-    if MASK or ctx[4] is not None:  # a row that has seen no key yet keeps m = -inf: subtract 0
+    if MASK or bias is not None:  # a row that has seen no key yet keeps m = -inf: subtract 0
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
@@ -114,6 +115,17 @@ def _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_kn, stride_vn, start_
                         MASK, not EVEN_D)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, rows, Nk, qk_scale, ctx, E, drop,
                          IS_CAUSAL, MASK, DOT_PREC, SCORE_MOD, MASK_MOD)
+
+
+@triton.jit
+def exponent_scale(scale, bias, SCORE_MOD: tl.constexpr):
+    """qk_scale, the scores' factor inside exp2: scale * log2(e), so that exp2(S_ij * qk_scale)
+    = exp(scale * S_ij); log2(e) alone where a score mod or a bias works on scale * S_ij first,
+    in natural units (mods.py)."""
+    if SCORE_MOD is not None or bias is not None:
+        return tl.cast(_LOG2E, tl.float32)
+    else:
+        return scale * _LOG2E
 
 
 @triton.jit
@@ -195,10 +207,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
         K_src = K_head
         V_src = V_head
     scale = tl.cast(scale, tl.float32)  # torch.compile may hand a float64 scalar
-    if SCORE_MOD is not None or bias is not None:
-        qk_scale = _LOG2E  # the mods work on scale * S_ij in natural units (mods.py)
-    else:
-        qk_scale = scale * _LOG2E  # exp(scale * S_ij) = exp2(S_ij * qk_scale)
+    qk_scale = exponent_scale(scale, bias, SCORE_MOD)
     ctx = (b, h, Nq, scale, bias, score_args, mask_args)  # what the mods read
     drop = None
     if RNG is not None:

@@ -136,7 +136,10 @@ def compile_kernel(kernel, args, constexprs, *, table: str = "sm90", timeout: fl
     launches, keys = [], []
     for consts in variants:
         signature, consts_in, attrs, options = _specialize(kernel, args, dict(consts))
-        launch = {"signature": signature, "constexprs": consts_in,
+        # a constant inside a tuple argument is keyed by its path (a tuple): JSON takes lists
+        launch = {"signature": signature,
+                  "constexprs": [[k if isinstance(k, str) else list(k), v]
+                                 for k, v in consts_in.items()],
                   "attrs": [[list(k), v] for k, v in attrs.items()], "options": options}
         launches.append(launch)
         keys.append(json.dumps([source, name, table, launch], sort_keys=True, default=str))
@@ -216,10 +219,18 @@ def _compile_request(request: dict) -> list[dict]:
         rows = []
         for launch in request["launches"]:
             attrs = {tuple(k): v for k, v in launch["attrs"]}
+            signature = {n: _tuples(kind) for n, kind in launch["signature"].items()}
             rows.append({"kernel": request["name"], **_compile_specialized(
-                kernel, launch["signature"], launch["constexprs"], attrs, launch["options"],
+                kernel, signature,
+                {k if isinstance(k, str) else tuple(k): v for k, v in launch["constexprs"]},
+                attrs, launch["options"],
                 request["table"])})
     return rows
+
+
+def _tuples(x):
+    """A tuple argument's kinds as Triton takes them: JSON brought them back as lists."""
+    return tuple(_tuples(e) for e in x) if isinstance(x, list) else x
 
 
 def _parser():

@@ -117,12 +117,13 @@ BACKENDS: dict[str, Backend] = {
     "numpy": Backend("numpy", _numpy, True, True, "cpu", has_attn_mask=True, has_score_mod=True,
                      has_mask_mod=True, has_return_lse=True),
     "numba": Backend("numba", _numba, False, False, "gpu"),
-    # triton: any mask mod (its partial tiles' element masks are evaluated on the host), the
-    # library score mods compiled into the kernels, attn_mask (bool: as a mask mod; float: a
-    # bias read tile by tile)
+    # triton: any mask mod (its partial tiles' element masks are evaluated on the host), score
+    # mods compiled into the kernels (the library's, and those written in Triton), attn_mask
+    # (bool: as a mask mod; float: a bias read tile by tile)
     "triton": Backend("triton", _triton, True, True, "gpu", has_attn_mask=True,
                       has_score_mod=False, has_mask_mod=True, has_return_lse=True,
-                      score_mod_kinds=frozenset({"softcap", "alibi", "triton"}), repeater=_triton_repeat),
+                      score_mod_kinds=frozenset({"softcap", "alibi", "triton"}),
+                      repeater=_triton_repeat),
 }
 
 

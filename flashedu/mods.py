@@ -607,7 +607,8 @@ class _TritonScoreMod(ScoreMod):
         return self.reference(score, b, h, q_idx, kv_idx)
 
     def __repr__(self):
-        return f"mods.triton_score_mod({getattr(self.hook, '__name__', self.hook)}, args={self.args!r})"
+        name = getattr(self.hook, "__name__", self.hook)
+        return f"mods.triton_score_mod({name}, args={self.args!r})"
 
 
 def triton_score_mod(hook, reference=None, args=()) -> ScoreMod:

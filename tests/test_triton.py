@@ -1278,7 +1278,8 @@ def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band)
 
     built = []  # element masks built, for any lists (none cached from an equal mask)
     monkeypatch.setattr(sparse, "_CACHE", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(flashedu.api, "REPEATS", {})  # an equal call's launch plan: no launch seen
+    monkeypatch.setattr(flashedu.api, "REPEATS", {})  # an equal call's repeat or launch plan
+    monkeypatch.setattr(fast, "PLANS", {})  # (an equal mask's, from an earlier test): none
     monkeypatch.setattr(sparse, "_element_masks", lambda *a, _b=sparse._element_masks, **kw:
                         built.append(a[2:4]) or _b(*a, **kw))
     bm = flashedu.BlockMask.from_mask_mod(mod, 1, 1, Nq, Nk, block_size=(16, 16))
@@ -1431,6 +1432,8 @@ def test_the_launched_kernels_take_few_parameters():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="compiling the hook into the kernels needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_a_score_mod_written_in_triton_compiles_into_the_kernels(dtype):
     """The same user hook compiled for the GPU, at a size with full and masked tiles."""

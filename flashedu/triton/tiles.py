@@ -13,8 +13,9 @@ once how many tiles there are of each kind, then for the t-th one:
 
 With a block mask the tiles come from its lists (``sparse.kernel_lists``; LISTS is None
 without one: for each row the num_full unmasked tiles first, then the rest, as FlexAttention's
-full and partial blocks); without one they follow from the geometry: the unmasked tiles form one run starting at tile
-u0, the masked ones at most two runs (na tiles from a0, then the rest from b0). This is the GPU
+full and partial blocks); without one they follow from the geometry: the unmasked tiles form
+one run starting at tile u0, the masked ones at most two runs (na tiles from a0, then the rest
+from b0). This is the GPU
 twin of ``TileMask`` in ``flashedu.tiled``: the NumPy loops ask the same question per tile.
 Split-KV decoding (decode.py) walks one chunk of keys the same way (``chunk_tiles``).
 """

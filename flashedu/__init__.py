@@ -8,7 +8,8 @@
 
 Every stage of the course is importable: flashedu.reference (naive, softmax), flashedu.tiled
 (NumPy FlashAttention), flashedu.numba_kernels, flashedu.triton, flashedu.io (HBM traffic).
-flashedu.ops holds the kernels as torch.library operators (torch.compile, meta tensors, vmap).
+flashedu.ops is the one autograd path to the kernels, and their torch.library operators
+(torch.compile, meta tensors, vmap).
 """
 
 from . import runtime
@@ -24,8 +25,8 @@ __all__ = ["attention", "BlockMask", "mods", "BACKEND_NAMES", "available_backend
 # The API's names and the other modules come as attributes on first use: ``import flashedu``
 # imports neither torch nor triton nor numba, so a NumPy notebook, the grader's command line
 # and a learner's first cell start in a fraction of a second, and triton and numba come after
-# runtime.configure(). The first use of the API imports flashedu.ops, which registers the kernels
-# as torch.ops.flashedu.* operators.
+# runtime.configure(). A backend's module registers its kernels as torch.ops.flashedu.*
+# operators when it loads (flashedu.backends.BACKENDS[name].load()).
 API = {"attention": "api", "BlockMask": "masks", "BACKENDS": "backends",
        "available_backends": "backends"}
 SUBMODULES = ("ops", "mods", "api", "arguments", "masks", "backends", "reference", "tiled",
@@ -38,7 +39,6 @@ def __getattr__(name):
     import importlib
 
     if name in API:
-        importlib.import_module(f"{__name__}.ops")  # the operators before the first call
         value = getattr(importlib.import_module(f"{__name__}.{API[name]}"), name)
         globals()[name] = value
         return value

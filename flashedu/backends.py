@@ -19,6 +19,11 @@ A block mask whose partial tiles need its mask mod (``block_mask.needs_mask_mod`
 a backend with ``has_mask_mod`` (or whose ``mask_mod_kinds`` compile that library kind). A
 backend with a feature has it forward and backward.
 
+The backends with kernels of their own (numpy, triton) describe them as a
+:class:`flashedu.ops.Kernels` (forward, backward, their lse's convention, their outputs' layout)
+and hand every call to :func:`flashedu.ops.attention`, the one autograd path; naive is plain
+torch ops, which autograd differentiates itself; numba has no backward.
+
 Each backend's module is imported by a plain import inside its loader, on first use, so that
 triton and numba are imported after :mod:`flashedu.runtime` has decided how they run. A plain
 import is also what ``torch.compile`` traces through: the call from ``flashedu.attention`` to the
@@ -40,23 +45,9 @@ def _naive():
 
 
 def _numpy():
-    return numpy_attention
+    from .numpy_backend import attention
 
-
-def numpy_attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
-                    score_mod=None, return_lse=False):
-    """The numpy backend's entry point: its forward and backward (:mod:`flashedu.numpy_backend`)
-    behind :mod:`flashedu.ops`' autograd. A call with element-level rules (attn_mask, a score
-    mod, a block mask whose partial tiles need its mask mod) or return_lse runs the same NumPy
-    kernels under ops' one autograd.Function for such calls (the operators carry tile grids
-    only); torch.compile then runs it eagerly, outside the graph."""
-    from . import ops
-    from .numpy_backend import refuse_captured_grad
-
-    refuse_captured_grad(q, score_mod)
-    return ops.attention("numpy", q, k, v, is_causal=is_causal, scale=scale,
-                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
-                         score_mod=score_mod, return_lse=return_lse)
+    return attention
 
 
 def _numba():

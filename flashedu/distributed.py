@@ -771,19 +771,10 @@ def block_forward_into(q, k, v, O, L, *, causal, scale, local="torch", ledger=No
     temporaries of the call."""
     take = (ledger or _NoLedger).take
     if local == "triton":
-        from . import runtime
         from . import triton_backend
-        from .ops import LSE_TO_NATURAL
-        from .triton.autograd import resolve_config
-        from .triton.forward import forward_into
 
-        triton_backend.check(q, k, v)  # the dtypes, head dims and devices it takes
-        lse2 = take("call", _kernel_lse2(L))
-        config = resolve_config(q.shape[-1], q.dtype, None, q.device)
-        forward_into(q, k, v, O, lse2, is_causal=causal, scale=scale,
-                     tiles=config.forward_tiles(None, k.shape[2]),
-                     interpreted=runtime.triton_interpreted())
-        L.copy_(LSE_TO_NATURAL["triton"](lse2))
+        triton_backend.forward_into(q, k, v, O, L, is_causal=causal, scale=scale,
+                                    scratch=lambda t: take("call", t))
         return
     O_t, L_t = block_forward(q, k, v, causal=causal, scale=scale, local=local)
     take("call", O_t), take("call", L_t)
@@ -837,37 +828,18 @@ def block_backward_into(q, k, v, out, L, dout, into, *, causal, scale, local="to
         buf += take("call", g)
 
 
-def _kernel_lse2(L):
-    """The Triton kernels' logsumexp of the natural-log L: base 2, +inf for a row that has seen
-    no key (-inf in L), float32, contiguous (L may be a row slice)."""
-    from .triton.forward import LOG2E
-
-    return torch.where(torch.isneginf(L), float("inf"), L.float() * LOG2E).contiguous()
-
-
 def _block_backward_triton(q, k, v, out, L, dout, causal, scale, D=None, into=None):
-    from . import runtime
-    from .triton.autograd import resolve_config
-    from .triton.backward import backward
+    from .triton_backend import backward_into
 
     # q, out and dout may be row slices of this rank's tensors (the kernels take strides)
-    lse2 = _kernel_lse2(L)
-    config = resolve_config(q.shape[-1], q.dtype, None, q.device)
-    return backward(q, k, v, out, lse2, dout, is_causal=causal, scale=scale, block_mask=None,
-                    config=config, interpreted=runtime.triton_interpreted(),
-                    D=None if D is None else D.contiguous(), into=into)
+    return backward_into(q, k, v, out, L, dout, is_causal=causal, scale=scale, D=D, into=into)
 
 
 def _row_dot_triton(out, dout):
     """D = rowsum(dO * O), float32 (B, H, n), by the backward's preprocess kernel."""
-    from . import runtime
-    from .triton.autograd import resolve_config
-    from .triton.backward import preprocess
-    from .triton.forward import interpreter_fp32
+    from .triton_backend import row_dot
 
-    config = resolve_config(out.shape[-1], out.dtype, None, out.device)
-    out, dout = interpreter_fp32(runtime.triton_interpreted(), out, dout)
-    return preprocess(out, dout, config.preprocess_rows)
+    return row_dot(out, dout)
 
 
 def accumulate_dtype(dtype):

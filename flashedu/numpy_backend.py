@@ -1,7 +1,8 @@
 """The "numpy" backend: torch tensors in, the NumPy tiled kernels of :mod:`flashedu.tiled` per
 (batch, head), autograd through :func:`flashedu.tiled.flash_backward`. This module holds the
-backend's forward and backward; :mod:`flashedu.ops` puts them behind PyTorch's autograd and
-:mod:`flashedu.backends` registers the pair.
+backend's entry point (:func:`attention`, which :mod:`flashedu.backends` registers) and its
+forward and backward, which :data:`KERNELS` hands to the one autograd path of
+:mod:`flashedu.ops`.
 
 Slow by design (a Python loop over heads and tiles); it exists so that the exact algorithm a
 learner reads in NumPy is the one tested against every other backend, on any machine. PyTorch
@@ -16,9 +17,21 @@ import math
 import numpy as np
 import torch
 
-from . import tiled
+from . import ops, tiled
 
 DEFAULT_BLOCK = (64, 64)  # (Br, Bc) when no block mask fixes the tiling
+
+
+def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
+              score_mod=None, return_lse=False):
+    """The backend's entry point (inputs already checked by flashedu.attention). Calls with
+    element-level rules (attn_mask, a score mod, a block mask whose partial tiles need its mask
+    mod) or return_lse run eagerly under torch.compile (a graph break): the operators carry tile
+    grids only."""
+    refuse_captured_grad(q, score_mod)
+    return ops.attention(KERNELS, q, k, v, is_causal=is_causal, scale=scale,
+                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
+                         score_mod=score_mod, return_lse=return_lse)
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None, attn_mask=None,
@@ -180,3 +193,34 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def _to_torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device=like.device, dtype=like.dtype)
+
+
+# ----- the kernels, as the autograd path calls them (module names looked up at each call) -----
+
+
+def _call_forward(q, k, v, call):
+    score_mod = call.mods and call.mods.score_mod  # the mask mod rides on the block mask
+    return forward(q, k, v, is_causal=call.is_causal, scale=call.scale,
+                   block_mask=call.block_mask, dropout_p=call.dropout_p, rng=call.rng,
+                   attn_mask=call.attn_mask, score_mod=score_mod)
+
+
+def _call_backward(q, k, v, out, lse, dout, call, dlse=None, mask_grad=False):
+    score_mod = call.mods and call.mods.score_mod
+    return backward(q, k, v, out, lse, dout, is_causal=call.is_causal, scale=call.scale,
+                    block_mask=call.block_mask, dropout_p=call.dropout_p, rng=call.rng,
+                    attn_mask=call.attn_mask, score_mod=score_mod, d_lse=dlse,
+                    mask_grad=mask_grad)
+
+
+def _empty_outputs(*tensors):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# its lse is the natural log already
+KERNELS = ops.Kernels("numpy", _call_forward, _call_backward, lambda lse: lse, _empty_outputs,
+                      _lse_dtype)

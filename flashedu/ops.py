@@ -1,55 +1,54 @@
-"""flashedu's kernels as PyTorch operators (``torch.library``).
+"""The one autograd path from :func:`flashedu.attention` to a backend's kernels.
 
-A kernel that PyTorch sees as one operator, with a shape rule and a derivative, works with the
-rest of PyTorch: ``torch.compile(fullgraph=True)`` puts it in the graph as one node (its fake
-implementation gives the output shapes without running it), meta and fake tensors get shapes,
-CUDA graphs capture forward and backward, and ``torch.func.vmap`` folds its batch into B.
+A backend whose forward and backward are kernels of its own (numpy and triton) describes them
+as :class:`Kernels`: ``forward(q, k, v, call) -> (out, lse)`` with the lse as its kernels keep
+it, ``backward(q, k, v, out, lse, dout, call, dlse, mask_grad) -> (dq, dk, dv[, dmask])``, how
+its lse reads in the natural log, and the layout of its outputs. ``call`` (:class:`Call`) holds
+the call's checked options. Everything above the kernels goes through two pieces here:
 
-    torch.ops.flashedu.triton_forward(q, k, v, is_causal, scale, blocks, block_r, block_c,
+- :class:`Attention`, one ``autograd.Function``: it runs the forward, saves (q, k, v, out, lse)
+  and runs the backward, for every backend and every feature (masks, score mods, dropout, the
+  logsumexp and its gradient, a learned float attn_mask's gradient); a repeated call's
+  shortest path (``flashedu.triton_backend.Repeat``) is one more :class:`Kernels` under it.
+- the ``torch.library`` operators of each :class:`Kernels`, built from the same two
+  functions, with a shape rule (fake implementation) and a vmap rule, for what an
+  ``autograd.Function`` cannot serve: ``torch.compile(fullgraph=True)`` puts the operator in
+  its graph as one node, meta and fake tensors get shapes, CUDA graphs capture forward and
+  backward, ``torch.func.vmap`` folds its batch into B:
+
+    torch.ops.flashedu.<name>_forward(q, k, v, is_causal, scale, blocks, block_r, block_c,
                                       dropout_p=0.0, rng=None) -> (out, lse)
-                                        the Triton kernels (flashedu.triton)
-    torch.ops.flashedu.triton_backward(q, k, v, out, lse, dout, is_causal, scale,
+    torch.ops.flashedu.<name>_backward(q, k, v, out, lse, dout, is_causal, scale,
                                        blocks, block_r, block_c, dropout_p=0.0, rng=None)
-                                        -> (dq, dk, dv)
-    torch.ops.flashedu.numpy_forward / numpy_backward: the same, by flashedu.tiled (NumPy)
+                                       -> (dq, dk, dv)
 
-q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d), H a multiple of Hkv. ``lse`` is what the backward
-needs from the forward, (B, H, Nq), float32 (float64 for numpy's float64): the Triton kernels
-keep it in base 2 (their exp2 softmax), NumPy in the natural log. Use it only to hand it back.
+  registered when the backend's module is imported (``flashedu.backends.BACKENDS[name].load()``).
 
-A :class:`flashedu.BlockMask` is not a tensor, so the operators take its tile grid ``blocks``
-(bool (b, h, Tr, Tc), b and h 1 or B and H, or None without a mask) and its block size;
-``is_causal`` already includes the mask's own flag. The operator rebuilds the mask from them
-(cached: a training loop passes the same grid every step).
+q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d), H a multiple of Hkv. A :class:`flashedu.BlockMask` is
+not a tensor, so the operators take its tile grid ``blocks`` (bool (b, h, Tr, Tc), b and h 1 or
+B and H, or None) and its block size, and rebuild the mask (cached: a training loop passes the
+same grid every step). Dropout's ``rng``, an int64 tensor [seed, offset] drawn by
+:func:`flashedu.dropout.draw_rng`, is an operator argument: a CUDA graph that captures a call
+captures the draw too (a new mask at every replay, as torch's own dropout under graphs).
 
-Dropout (the paper's Algorithms 2 and 4): ``dropout_p`` and ``rng``, an int64 tensor
-[seed, offset] drawn by :func:`flashedu.dropout.draw_rng` from torch's generator of the inputs'
-device, are operator arguments: torch.compile sees them, and a CUDA graph that captures a
-call captures the draw too (a new mask at every replay, as torch's own dropout under graphs).
-The forward saves ``rng`` for the backward, which regenerates the mask from it.
-
-Mask mods, score mods and ``attn_mask`` (``flashedu.mods``) are Python objects or data the
-operators do not take: a call that uses them, or asks for the logsumexp, runs the same
-implementations under one ``autograd.Function`` (:class:`Mods`), a graph break under
-``torch.compile``. On meta and fake tensors it gives outputs and gradients of the right shapes,
-dtypes and layouts, as the operators' fake implementations do; torch.func transforms (vmap,
-grad) do not reach it and are refused with a message.
+Which way a call goes (:func:`attention`): a plain eager call (real tensors, nothing compiling,
+no transform or dispatch mode) runs under :class:`Attention`, which skips the dispatcher's
+trips (tens of microseconds a call, the whole budget of a small attention). A call with Python
+objects the operators cannot carry (a score mod, an attn_mask, a block mask's mask mod) or that
+asks for the lse runs under :class:`Attention` too, a graph break under ``torch.compile``;
+torch.func transforms do not reach it and are refused with a message. Every other call (compile,
+fake tensors, vmap) takes the operator.
 
 The derivative is the kernels' backward. Its own derivative (a second backward, after
 ``create_graph=True``) is not implemented: asking for one raises a RuntimeError, never a
 silently wrong zero. ``torch.func.grad`` is refused with a message too (the derivative is
 registered for torch.autograd); ``torch.func.vmap`` works.
-
-:func:`attention` is what the backends call. A plain eager call (real tensors, nothing
-compiling, no transform or dispatch mode) runs the same implementations under one
-``autograd.Function`` instead: the operator's trips through the dispatcher cost tens of
-microseconds a call, forward and backward, which is the whole budget of a small attention.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -58,41 +57,130 @@ from torch import Tensor
 SECOND_ORDER_BACKENDS = ("naive",)
 
 
-def attention(backend: str, q, k, v, *, is_causal: bool, scale: float, block_mask,
-              dropout_p: float = 0.0, attn_mask=None, score_mod=None, return_lse=False):
-    """The output of ``torch.ops.flashedu.<backend>_forward``: what the backends call.
+class Call:
+    """One call's checked options, as a backend's kernels take them. ``mods``: a :class:`Mods`
+    or None; ``rng``: dropout's [seed, offset] tensor, or None without dropout."""
 
-    A plain eager call (real tensors, no compile, no transform, no dispatch mode) skips the
-    operator's trips through the dispatcher (tens of microseconds a call, forward and
-    backward) and runs the same implementation under :class:`_EagerAttention`, which gives
-    the same values, gradients and errors. ``dropout_p`` > 0 draws the call's RNG state
-    (seed, offset) from torch's generator of q's device."""
+    __slots__ = ("is_causal", "scale", "block_mask", "dropout_p", "rng", "mods")
+
+    def __init__(self, is_causal, scale, block_mask=None, dropout_p=0.0, rng=None, mods=None):
+        self.is_causal, self.scale, self.block_mask = is_causal, scale, block_mask
+        self.dropout_p, self.rng, self.mods = dropout_p, rng, mods
+
+    @property
+    def attn_mask(self):
+        return None if self.mods is None else self.mods.attn_mask
+
+
+class Kernels:
+    """A backend's forward and backward kernels, as the autograd path calls them, and their
+    ``torch.library`` operators (``forward_op``, ``backward_op``), defined here.
+
+    forward(q, k, v, call) -> (out, lse): lse as the kernels keep it, for their backward.
+    backward(q, k, v, out, lse, dout, call, dlse=None, mask_grad=False) -> (dq, dk, dv), and
+    the float attn_mask's gradient last when ``mask_grad``; ``dlse`` is the gradient reaching
+    the natural-log lse.
+    natural_lse(lse) -> the natural-log lse (B, H, Nq), -inf for a row that sees no key.
+    empty_outputs(*tensors) -> empty tensors laid out as the kernels lay out the results of
+    these inputs (out for q, dq, dk, dv for q, k, v): compiled code trusts the fake strides.
+    lse_dtype(dtype) -> the lse's dtype for inputs of ``dtype``."""
+
+    def __init__(self, name: str, forward: Callable, backward: Callable,
+                 natural_lse: Callable, empty_outputs: Callable, lse_dtype: Callable):
+        self.name = name
+        self.forward, self.backward = forward, backward
+        self.natural_lse, self.empty_outputs, self.lse_dtype = natural_lse, empty_outputs, lse_dtype
+        self.forward_op, self.backward_op = _define_operators(self)
+
+
+def attention(kernels: Kernels, q, k, v, *, is_causal: bool, scale: float, block_mask,
+              dropout_p: float = 0.0, attn_mask=None, score_mod=None, return_lse=False):
+    """``out``, or ``(out, lse)`` with ``return_lse``: what the backends call, their inputs
+    checked. ``dropout_p`` > 0 draws the call's RNG state (seed, offset) from torch's
+    generator of q's device."""
     rng = None
     if dropout_p > 0:
         from .dropout import draw_rng
 
         rng = draw_rng(q.device)
     mods = Mods.of(attn_mask, score_mod, block_mask)
-    if mods is not None or return_lse:  # Python objects the operators cannot carry
-        out, lse = _modded(backend, q, k, v, mods and mods.attn_mask, is_causal, scale,
-                           block_mask, dropout_p, rng, mods, return_lse)
-        return (out, lse) if return_lse else out
-    if plain_eager(q, k, v):
-        return _EagerAttention.apply(backend, q, k, v, is_causal, scale, block_mask, dropout_p,
-                                     rng)
-    try:
-        out, _ = FORWARD_OPS[backend](q, k, v, is_causal, scale, *mask_args(block_mask),
-                                      dropout_p, rng)
-    except RuntimeError:
-        if any(torch._C._functorch.is_gradtrackingtensor(t) for t in (q, k, v)):
-            raise RuntimeError(
-                f"torch.func.grad (and jacrev, jvp, hessian) cannot differentiate "
-                f"flashedu.attention(backend={backend!r}): its derivative is registered for "
-                f"torch.autograd only. Use torch.autograd.grad or .backward() (torch.func.vmap "
-                f"alone works), or backend={SECOND_ORDER_BACKENDS[0]!r}, plain torch ops that "
-                f"every torch.func transform differentiates.") from None
-        raise
-    return out
+    call = Call(is_causal, scale, block_mask, dropout_p, rng, mods)
+    if mods is None and not return_lse:
+        if plain_eager(q, k, v):
+            return Attention.apply(kernels, call, False, q, k, v, None)
+        return _operator_call(kernels, q, k, v, call)
+    # Python objects the operators cannot carry, or the lse with its gradient
+    if torch.compiler.is_compiling():  # a graph break: torch.compile runs it as it is, eagerly
+        return torch.compiler.disable(_modded)(kernels, call, return_lse, q, k, v)
+    return _modded(kernels, call, return_lse, q, k, v)
+
+
+def _modded(kernels, call, return_lse, q, k, v):
+    attn_mask = call.attn_mask
+    refuse_transforms(f"flashedu.attention(backend={kernels.name!r}) {MODDED_CALL} (SDPA's "
+                      f"vmap does take an attn_mask)", q, k, v, attn_mask)
+    if holds_no_values(q, k, v, attn_mask):  # meta or fake: shapes only
+        kernels = _ShapesOnly(kernels)
+    return Attention.apply(kernels, call, return_lse, q, k, v, attn_mask)
+
+
+MODDED_CALL = "with attn_mask, score_mod, return_lse or a block mask's mask mod"
+
+
+class Attention(torch.autograd.Function):
+    """out (and the natural-log lse, ``want_lse``) of ``kernels`` on one call; differentiable
+    in q, k, v, the lse (d lse_i / d s_ij = P_ij: the kernels subtract dlse_i from the row's
+    D_i = rowsum(dO_i * O_i)) and a float ``attn_mask`` that requires grad (a learned bias:
+    its gradient is dS_ij, summed to its shape). The forward saves the kernels' own lse, so a
+    call that does not return it never pays for its conversion."""
+
+    @staticmethod
+    def forward(ctx, kernels, call, want_lse, q, k, v, attn_mask):
+        ctx.set_materialize_grads(False)  # an unused output gets None, not zeros
+        out, lse = kernels.forward(q, k, v, call)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernels, ctx.call = kernels, call
+        if not want_lse:
+            return out
+        return out, kernels.natural_lse(lse)
+
+    @staticmethod
+    def backward(ctx, dout, dlse=None):
+        q, k, v, out, lse = ctx.saved_tensors
+        kernels, call = ctx.kernels, ctx.call
+        if dout is None:
+            dout = torch.zeros_like(out)
+        attn_mask = call.attn_mask
+        mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point()
+                         and ctx.needs_input_grad[6])
+        grads = kernels.backward(q, k, v, out, lse, dout, call, dlse, mask_grad)
+        grads = refuse_second_order(kernels.name, grads, q, k, v, dout, dlse, attn_mask)
+        return (None, None, None, *grads[:3], grads[3] if mask_grad else None)
+
+
+class _ShapesOnly:
+    """A backend's kernels on meta or fake tensors: outputs and gradients of the right shapes,
+    dtypes and layouts, as the operators' fake implementations give, and no values."""
+
+    def __init__(self, kernels):
+        self.name, self.natural_lse, self._kernels = kernels.name, kernels.natural_lse, kernels
+
+    def forward(self, q, k, v, call):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if get_proxy_mode() is not None:  # a tracer would record these empty tensors
+            raise NotImplementedError(
+                f"flashedu.attention(backend={self.name!r}) {MODDED_CALL} computes on the "
+                f"host with the tensors' values, which a tracer (make_fx, torch.export) does "
+                f"not have: trace backend='naive', or let torch.compile run the call eagerly "
+                f"(a graph break)")
+        out, = self._kernels.empty_outputs(q)
+        return out, q.new_empty(q.shape[:3], dtype=self._kernels.lse_dtype(q.dtype))
+
+    def backward(self, q, k, v, out, lse, dout, call, dlse=None, mask_grad=False):
+        grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                      for t in (q, k, v))
+        return (*grads, torch.empty_like(call.attn_mask)) if mask_grad else grads
 
 
 def holds_no_values(*tensors) -> bool:
@@ -110,6 +198,102 @@ def plain_eager(*tensors) -> bool:
         return False
     return all(type(t) is Tensor and t.device.type != "meta"
                and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def _operator_call(kernels, q, k, v, call):
+    try:
+        out, _ = kernels.forward_op(q, k, v, call.is_causal, call.scale,
+                                    *mask_args(call.block_mask), call.dropout_p, call.rng)
+    except RuntimeError:
+        if any(torch._C._functorch.is_gradtrackingtensor(t) for t in (q, k, v)):
+            raise RuntimeError(
+                f"torch.func.grad (and jacrev, jvp, hessian) cannot differentiate "
+                f"flashedu.attention(backend={kernels.name!r}): its derivative is registered "
+                f"for torch.autograd only. Use torch.autograd.grad or .backward() "
+                f"(torch.func.vmap alone works), or backend={SECOND_ORDER_BACKENDS[0]!r}, "
+                f"plain torch ops that every torch.func transform differentiates.") from None
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and score mods: Python objects the operators cannot carry
+# ---------------------------------------------------------------------------------------------
+
+class Mods:
+    """What a call adds to plain attention (``flashedu.mods``): SDPA's ``attn_mask``, a
+    ``score_mod`` (bound to (Nq, Nk)), and the block mask's ``mask_mod`` when its partial tiles
+    need it. None in :class:`Call` means none of them."""
+
+    __slots__ = ("attn_mask", "score_mod", "mask_mod")
+
+    def __init__(self, attn_mask=None, score_mod=None, mask_mod=None):
+        self.attn_mask, self.score_mod, self.mask_mod = attn_mask, score_mod, mask_mod
+
+    @property
+    def mask_mod_only(self) -> bool:
+        """Only the block mask's mask mod: everything the kernels read of it (its element
+        masks, or a compiled window's bounds) follows from the block mask, a value that launch
+        plans can key on."""
+        return self.attn_mask is None and self.score_mod is None
+
+    @classmethod
+    def of(cls, attn_mask, score_mod, block_mask):
+        mask_mod = (block_mask.mask_mod if block_mask is not None and block_mask.needs_mask_mod
+                    else None)
+        if attn_mask is None and score_mod is None and mask_mod is None:
+            return None
+        return cls(attn_mask, score_mod, mask_mod)
+
+
+def refuse_transforms(call: str, *tensors) -> None:
+    """torch.func's vmap and grad wrap tensors that an ``autograd.Function`` without
+    ``setup_context`` cannot take: say what works instead of torch's internal message."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if any(t is not None and wrapped(t) for t in tensors):
+        raise NotImplementedError(
+            f"torch.func transforms (vmap, grad, jacrev, ...) do not reach {call}: give the "
+            f"mapped dimension to the batch B instead of vmap, or use backend="
+            f"{SECOND_ORDER_BACKENDS[0]!r}, plain torch ops that every transform handles")
+
+
+# ---------------------------------------------------------------------------------------------
+# No second order
+# ---------------------------------------------------------------------------------------------
+
+def second_order_error(backend: str) -> RuntimeError:
+    return RuntimeError(
+        f"flashedu.attention(backend={backend!r}) has no double backward: its gradients "
+        f"come from a backward kernel that is not itself differentiable, so a gradient of "
+        f"a gradient (create_graph=True, then backward again) cannot be computed. Use "
+        f"backend={SECOND_ORDER_BACKENDS[0]!r}: its plain torch ops are differentiated "
+        f"twice by autograd.")
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """The gradients a backward kernel computed, as a node whose own derivative raises
+    :func:`second_order_error`: under ``create_graph=True`` they require grad as the operators'
+    do, so a second backward through them is refused instead of silently missing its term."""
+
+    @staticmethod
+    def forward(ctx, backend, grads, *inputs):
+        ctx.backend = backend
+        return tuple(grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise second_order_error(ctx.backend)
+
+
+def refuse_second_order(backend: str, grads, *inputs):
+    """``grads`` as they are, or, when the backward records a graph (``create_graph=True``),
+    linked to ``inputs`` (what the gradients depend on) through :class:`_NoSecondOrder`."""
+    if not torch.is_grad_enabled() or not any(
+            t is not None and t.requires_grad for t in inputs):
+        return grads
+    present = [g for g in grads if g is not None]
+    linked = iter(_NoSecondOrder.apply(backend, present, *(t for t in inputs if t is not None)))
+    return tuple(None if g is None else next(linked) for g in grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,179 +333,42 @@ def rebuild_mask(blocks: Optional[Tensor], block_r: int, block_c: int, Nq: int, 
 
 
 # ---------------------------------------------------------------------------------------------
-# The implementations: (out, lse) and (dq, dk, dv), given a BlockMask or None
+# The operators of a Kernels: its forward and backward with the mask as a tensor, their shape
+# rules, their derivative and their vmap rule
 # ---------------------------------------------------------------------------------------------
 
-def _kernel_layout(t: Tensor) -> Tensor:
-    """The Triton kernels index rows and heads by stride but need the last dim contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _define_operators(kernels: Kernels):
+    name = kernels.name
 
+    def call_of(q, k, is_causal, scale, blocks, block_r, block_c, dropout_p, rng):
+        mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
+        return Call(is_causal, scale, mask, dropout_p, rng)
 
-def _dropout_kwargs(dropout_p, rng):
-    """The launch code's dropout arguments: none without dropout (the kernels as before)."""
-    return {} if dropout_p == 0 else {"dropout_p": dropout_p, "rng": rng}
-
-
-def _mods_kwargs(mods, dlse=None, mask_grad=False):
-    """The Triton launch code's arguments for masks, score mods, an lse gradient and the
-    attn_mask's gradient: none when the call has none (the kernels as without them)."""
-    kwargs = {} if mods is None else {"mods": mods}
-    if dlse is not None:
-        kwargs["dlse"] = dlse
-    if mask_grad:
-        kwargs["mask_grad"] = True
-    return kwargs
-
-
-def _numpy_mods_kwargs(mods, dlse=None, mask_grad=False):
-    """The same for flashedu.numpy_backend (its keywords; the mask mod rides on the mask)."""
-    kwargs = {}
-    if mods is not None:
-        kwargs.update(attn_mask=mods.attn_mask, score_mod=mods.score_mod)
-    if dlse is not None:
-        kwargs["d_lse"] = dlse
-    if mask_grad:
-        kwargs["mask_grad"] = True
-    return kwargs
-
-
-def triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None, mods=None):
-    """The Triton forward; lse is the base-2 logsumexp, +inf for an empty row."""
-    from . import runtime
-    from .triton.autograd import resolve_config
-    from .triton.forward import forward
-
-    q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
-    return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
-                   tiles=config.forward_tiles(mask, k.shape[2], dropout_p > 0),
-                   interpreted=runtime.triton_interpreted(),
-                   **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods))
-
-
-def triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p=0.0,
-                         rng=None, mods=None, dlse=None, mask_grad=False):
-    """The Triton backward (Algorithm 4 of the paper, FlashAttention-2 order)."""
-    from . import runtime
-    from .triton.autograd import resolve_config
-    from .triton.backward import backward
-
-    q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
-    config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
-    return backward(q, k, v, out, lse, dout.contiguous(), is_causal=is_causal, scale=scale,
-                    block_mask=mask, config=config, interpreted=runtime.triton_interpreted(),
-                    **_dropout_kwargs(dropout_p, rng), **_mods_kwargs(mods, dlse, mask_grad))
-
-
-def numpy_forward_impl(q, k, v, is_causal, scale, mask, dropout_p=0.0, rng=None, mods=None):
-    """flashedu.tiled.flash_forward per head; lse natural-log, -inf for an empty row."""
-    from .numpy_backend import forward
-
-    return forward(q, k, v, is_causal=is_causal, scale=scale, block_mask=mask,
-                   **_dropout_kwargs(dropout_p, rng), **_numpy_mods_kwargs(mods))
-
-
-def numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p=0.0,
-                        rng=None, mods=None, dlse=None, mask_grad=False):
-    """flashedu.tiled.flash_backward per head."""
-    from .numpy_backend import backward
-
-    return backward(q, k, v, out, lse, dout, is_causal=is_causal, scale=scale, block_mask=mask,
-                    **_dropout_kwargs(dropout_p, rng), **_numpy_mods_kwargs(mods, dlse, mask_grad))
-
-
-IMPLS = {"triton": (triton_forward_impl, triton_backward_impl),
-         "numpy": (numpy_forward_impl, numpy_backward_impl)}
-
-
-# ---------------------------------------------------------------------------------------------
-# The operators: the implementations, with the mask as a tensor, and their shape rules
-# ---------------------------------------------------------------------------------------------
-
-@torch.library.custom_op("flashedu::triton_forward", mutates_args=())
-def triton_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+    @torch.library.custom_op(f"flashedu::{name}_forward", mutates_args=())
+    def forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
                    blocks: Optional[Tensor], block_r: int, block_c: int,
                    dropout_p: float = 0.0, rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return triton_forward_impl(q, k, v, is_causal, scale, mask, dropout_p, rng)
+        call = call_of(q, k, is_causal, scale, blocks, block_r, block_c, dropout_p, rng)
+        return kernels.forward(q, k, v, call)
 
+    @forward_op.register_fake
+    def _(q, k, v, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0, rng=None):
+        out, = kernels.empty_outputs(q)
+        return out, q.new_empty(q.shape[:3], dtype=kernels.lse_dtype(q.dtype))
 
-def _triton_outputs_like(*tensors):
-    """Empty outputs laid out as the Triton launch code lays out its own (the same host
-    functions decide): the fake implementations must give the real strides, which compiled
-    code relies on."""
-    from . import runtime
-    from .triton.forward import interpreter_fp32, outputs_like
-
-    dtype = tensors[0].dtype
-    tensors = interpreter_fp32(runtime.triton_interpreted(), *map(_kernel_layout, tensors))
-    _, outs = outputs_like(*tensors)
-    return tuple(t if t.dtype == dtype else t.to(dtype) for t in outs)
-
-
-@triton_forward.register_fake
-def _(q, k, v, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0, rng=None):
-    out, = _triton_outputs_like(q)
-    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-@torch.library.custom_op("flashedu::triton_backward", mutates_args=())
-def triton_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    @torch.library.custom_op(f"flashedu::{name}_backward", mutates_args=())
+    def backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                     is_causal: bool, scale: float, blocks: Optional[Tensor], block_r: int,
                     block_c: int, dropout_p: float = 0.0,
                     rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return triton_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p, rng)
+        call = call_of(q, k, is_causal, scale, blocks, block_r, block_c, dropout_p, rng)
+        return tuple(kernels.backward(q, k, v, out, lse, dout, call))
 
+    @backward_op.register_fake
+    def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0,
+          rng=None):
+        return kernels.empty_outputs(q, k, v)
 
-@triton_backward.register_fake
-def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0,
-      rng=None):
-    return _triton_outputs_like(q, k, v)
-
-
-def _numpy_lse_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-@torch.library.custom_op("flashedu::numpy_forward", mutates_args=())
-def numpy_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
-                  blocks: Optional[Tensor], block_r: int, block_c: int,
-                  dropout_p: float = 0.0, rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return numpy_forward_impl(q, k, v, is_causal, scale, mask, dropout_p, rng)
-
-
-@numpy_forward.register_fake
-def _(q, k, v, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0, rng=None):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(q.shape[:3], dtype=_numpy_lse_dtype(q.dtype)))
-
-
-@torch.library.custom_op("flashedu::numpy_backward", mutates_args=())
-def numpy_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-                   is_causal: bool, scale: float, blocks: Optional[Tensor], block_r: int,
-                   block_c: int, dropout_p: float = 0.0,
-                   rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    mask = rebuild_mask(blocks, block_r, block_c, q.shape[2], k.shape[2])
-    return numpy_backward_impl(q, k, v, out, lse, dout, is_causal, scale, mask, dropout_p, rng)
-
-
-@numpy_backward.register_fake
-def _(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r, block_c, dropout_p=0.0,
-      rng=None):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-
-
-FORWARD_OPS = {"triton": triton_forward, "numpy": numpy_forward}
-BACKWARD_OPS = {"triton": triton_backward, "numpy": numpy_backward}
-
-
-# ---------------------------------------------------------------------------------------------
-# Autograd: the forward saves (q, k, v, out, lse, rng); the backward operator consumes them
-# ---------------------------------------------------------------------------------------------
-
-def _register_autograd(forward_op, backward_op, backend: str):
     def setup_context(ctx, inputs, output):
         q, k, v, is_causal, scale, blocks, block_r, block_c, dropout_p, rng = inputs
         out, lse = output
@@ -330,63 +377,21 @@ def _register_autograd(forward_op, backward_op, backend: str):
         ctx.save_for_backward(q, k, v, out, lse, blocks, rng)
         ctx.params = (is_causal, scale, block_r, block_c, dropout_p)
 
-    def backward(ctx, dout, _dlse):
+    def derivative(ctx, dout, _dlse):
         q, k, v, out, lse, blocks, rng = ctx.saved_tensors
         is_causal, scale, block_r, block_c, dropout_p = ctx.params
         dq, dk, dv = backward_op(q, k, v, out, lse, dout, is_causal, scale, blocks, block_r,
                                  block_c, dropout_p, rng)
         return dq, dk, dv, None, None, None, None, None, None, None
 
-    forward_op.register_autograd(backward, setup_context=setup_context)
-
     def no_second_order(ctx, *grads):
-        raise second_order_error(backend)
+        raise second_order_error(name)
 
+    forward_op.register_autograd(derivative, setup_context=setup_context)
     backward_op.register_autograd(no_second_order, setup_context=lambda ctx, inputs, output: None)
+    _register_vmap(forward_op, backward_op, name)
+    return forward_op, backward_op
 
-
-def second_order_error(backend: str) -> RuntimeError:
-    return RuntimeError(
-        f"flashedu.attention(backend={backend!r}) has no double backward: its gradients "
-        f"come from a backward kernel that is not itself differentiable, so a gradient of "
-        f"a gradient (create_graph=True, then backward again) cannot be computed. Use "
-        f"backend={SECOND_ORDER_BACKENDS[0]!r}: its plain torch ops are differentiated "
-        f"twice by autograd.")
-
-
-class _NoSecondOrder(torch.autograd.Function):
-    """The gradients a backward kernel computed, as a node whose own derivative raises
-    :func:`second_order_error`: under ``create_graph=True`` they require grad as the operators'
-    do, so a second backward through them is refused instead of silently missing its term."""
-
-    @staticmethod
-    def forward(ctx, backend, grads, *inputs):
-        ctx.backend = backend
-        return tuple(grads)
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise second_order_error(ctx.backend)
-
-
-def refuse_second_order(backend: str, grads, *inputs):
-    """``grads`` as they are, or, when the backward records a graph (``create_graph=True``),
-    linked to ``inputs`` (what the gradients depend on) through :class:`_NoSecondOrder`."""
-    if not torch.is_grad_enabled() or not any(
-            t is not None and t.requires_grad for t in inputs):
-        return grads
-    present = [g for g in grads if g is not None]
-    linked = iter(_NoSecondOrder.apply(backend, present, *(t for t in inputs if t is not None)))
-    return tuple(None if g is None else next(linked) for g in grads)
-
-
-_register_autograd(triton_forward, triton_backward, "triton")
-_register_autograd(numpy_forward, numpy_backward, "numpy")
-
-
-# ---------------------------------------------------------------------------------------------
-# vmap: the mapped dim folds into the batch dim B (the kernels already loop over it)
-# ---------------------------------------------------------------------------------------------
 
 def _fold(t, dim, size):
     """(size, B, ...) -> (size * B, ...), the mapped dim ``dim`` (None: broadcast) first."""
@@ -401,6 +406,8 @@ def _fold_blocks(blocks, size):
 
 
 def _register_vmap(forward_op, backward_op, backend: str):
+    """vmap: the mapped dim folds into the batch dim B (the kernels already loop over it)."""
+
     def check(in_dims, tensor_args):
         if in_dims[tensor_args] is not None:
             raise RuntimeError(f"torch.func.vmap over a block mask is not supported by "
@@ -430,160 +437,3 @@ def _register_vmap(forward_op, backward_op, backend: str):
 
     forward_op.register_vmap(forward_vmap)
     backward_op.register_vmap(backward_vmap)
-
-
-_register_vmap(triton_forward, triton_backward, "triton")
-_register_vmap(numpy_forward, numpy_backward, "numpy")
-
-
-# ---------------------------------------------------------------------------------------------
-# Plain eager calls: the same implementations and derivative, without the dispatcher trips
-# ---------------------------------------------------------------------------------------------
-
-class _EagerAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, backend, q, k, v, is_causal, scale, block_mask, dropout_p, rng):
-        out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask, dropout_p, rng)
-        ctx.save_for_backward(q, k, v, out, lse, rng)
-        ctx.params = (backend, is_causal, scale, block_mask, dropout_p)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, rng = ctx.saved_tensors
-        backend, is_causal, scale, block_mask, dropout_p = ctx.params
-        if torch.is_grad_enabled():  # create_graph=True: the operator, whose derivative says no
-            grads = BACKWARD_OPS[backend](q, k, v, out, lse, dout, is_causal, scale,
-                                          *mask_args(block_mask), dropout_p, rng)
-        else:
-            grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask,
-                                      dropout_p, rng)
-        return (None, *grads, None, None, None, None, None)
-
-
-# ---------------------------------------------------------------------------------------------
-# Masks and score mods: Python objects, so the calls that use them skip the operators
-# ---------------------------------------------------------------------------------------------
-
-class Mods:
-    """What a call adds to plain attention (``flashedu.mods``): SDPA's ``attn_mask``, a
-    ``score_mod`` (bound to (Nq, Nk)), and the block mask's ``mask_mod`` when its partial tiles
-    need it. The implementations take it as ``mods=``; None means none of them.
-
-    Such calls run under :class:`_ModdedAttention` (one ``autograd.Function``) instead of the
-    operators, which take tensors only: under ``torch.compile`` they are a graph break."""
-
-    __slots__ = ("attn_mask", "score_mod", "mask_mod")
-
-    def __init__(self, attn_mask=None, score_mod=None, mask_mod=None):
-        self.attn_mask, self.score_mod, self.mask_mod = attn_mask, score_mod, mask_mod
-
-    @property
-    def mask_mod_only(self) -> bool:
-        """Only the block mask's mask mod: everything the kernels read of it (its element
-        masks, or a compiled window's bounds) follows from the block mask, a value that launch
-        plans can key on."""
-        return self.attn_mask is None and self.score_mod is None
-
-    @classmethod
-    def of(cls, attn_mask, score_mod, block_mask):
-        mask_mod = (block_mask.mask_mod if block_mask is not None and block_mask.needs_mask_mod
-                    else None)
-        if attn_mask is None and score_mod is None and mask_mod is None:
-            return None
-        return cls(attn_mask, score_mod, mask_mod)
-
-
-def _triton_lse_to_natural(lse2):
-    import math
-
-    return torch.where(torch.isinf(lse2), -torch.inf, lse2 * math.log(2.0))
-
-
-# lse as the implementations keep it -> natural log, -inf for a row that sees no key
-LSE_TO_NATURAL = {"triton": _triton_lse_to_natural, "numpy": lambda lse: lse}
-
-
-MODDED_CALL = "with attn_mask, score_mod, return_lse or a block mask's mask mod"
-
-
-def _modded(*args):
-    backend, q, k, v, attn_mask = args[:5]
-    refuse_transforms(f"flashedu.attention(backend={backend!r}) {MODDED_CALL} (SDPA's vmap "
-                      f"does take an attn_mask)", q, k, v, attn_mask)
-    if torch.compiler.is_compiling():  # a graph break: torch.compile runs it as it is, eagerly
-        return torch.compiler.disable(_ModdedAttention.apply)(*args)
-    return _ModdedAttention.apply(*args)
-
-
-def refuse_transforms(call: str, *tensors) -> None:
-    """torch.func's vmap and grad wrap tensors that an ``autograd.Function`` without
-    ``setup_context`` cannot take: say what works instead of torch's internal message."""
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if any(t is not None and wrapped(t) for t in tensors):
-        raise NotImplementedError(
-            f"torch.func transforms (vmap, grad, jacrev, ...) do not reach {call}: give the "
-            f"mapped dimension to the batch B instead of vmap, or use backend="
-            f"{SECOND_ORDER_BACKENDS[0]!r}, plain torch ops that every transform handles")
-
-
-def _outputs_without_values(backend, q):
-    """(out, lse) of meta or fake inputs, laid out as the implementations lay out theirs (the
-    operators' fake implementations decide the same way)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    if get_proxy_mode() is not None:  # a tracer would record these empty tensors as the result
-        raise NotImplementedError(
-            f"flashedu.attention(backend={backend!r}) {MODDED_CALL} computes on the host "
-            f"with the tensors' values, which a tracer (make_fx, torch.export) does not have: "
-            f"trace backend='naive', or let torch.compile run the call eagerly (a graph break)")
-    if backend == "triton":
-        out, = _triton_outputs_like(q)
-        return out, q.new_empty(q.shape[:3], dtype=torch.float32)
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(q.shape[:3], dtype=_numpy_lse_dtype(q.dtype)))
-
-
-class _ModdedAttention(torch.autograd.Function):
-    """(out, lse) of a call with mods, lse in the natural log; differentiable in both:
-    d lse_i / d s_ij = P_ij, so the backward subtracts dlse_i from the row's
-    D_i = rowsum(dO_i * O_i) (the implementations take ``dlse`` and do it). Where the caller
-    did not ask for the lse (``want_lse`` False), the second output is the implementation's
-    own, not converted: nobody reads it, and the conversion would cost three kernels."""
-
-    @staticmethod
-    def forward(ctx, backend, q, k, v, attn_mask, is_causal, scale, block_mask, dropout_p, rng,
-                mods, want_lse=True):
-        ctx.set_materialize_grads(False)  # an unused lse (or out) gets None, not zeros
-        if holds_no_values(q, k, v, attn_mask):
-            out, lse = _outputs_without_values(backend, q)
-        else:
-            out, lse = IMPLS[backend][0](q, k, v, is_causal, scale, block_mask, dropout_p, rng,
-                                         mods=mods)
-        ctx.save_for_backward(q, k, v, out, lse, rng)
-        ctx.params = (backend, is_causal, scale, block_mask, dropout_p, mods)
-        if not want_lse:
-            ctx.mark_non_differentiable(lse)
-            return out, lse
-        return out, LSE_TO_NATURAL[backend](lse)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, rng = ctx.saved_tensors
-        backend, is_causal, scale, block_mask, dropout_p, mods = ctx.params
-        if dout is None:
-            dout = torch.zeros_like(out)
-        # a float attn_mask that requires grad (a learned bias) gets dS_ij, summed to its shape
-        mask_grad = bool(mods is not None and mods.attn_mask is not None
-                         and mods.attn_mask.is_floating_point() and ctx.needs_input_grad[4])
-        if holds_no_values(q, k, v, dout):  # shapes only, as the operators' fake backward
-            grads = [torch.empty_like(t, memory_format=torch.contiguous_format)
-                     for t in (q, k, v)]
-            dmask = torch.empty_like(mods.attn_mask) if mask_grad else None
-            return (None, *grads, dmask, None, None, None, None, None, None, None)
-        grads = IMPLS[backend][1](q, k, v, out, lse, dout, is_causal, scale, block_mask,
-                                  dropout_p, rng, mods=mods, dlse=dlse, mask_grad=mask_grad)
-        grads = refuse_second_order(backend, grads, q, k, v, dout, dlse,
-                                    mods and mods.attn_mask)
-        dmask = grads[3] if mask_grad else None
-        return (None, *grads[:3], dmask, None, None, None, None, None, None, None)

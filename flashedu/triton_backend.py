@@ -1,11 +1,14 @@
-"""The "triton" backend: its entry point, and the repeat of a plain call.
+"""The "triton" backend: its entry point, its kernels as the autograd path calls them, and the
+repeat of a plain call.
 
-The kernels and their launch are :mod:`flashedu.triton`; :mod:`flashedu.ops` puts their
-forward and backward behind PyTorch's autograd (torch.library operators); this module is what
+The kernels and their launch are :mod:`flashedu.triton`; this module is what
 :mod:`flashedu.backends` registers: :func:`attention` checks what only this backend refuses
-(dtypes, head dims, devices), turns a bool ``attn_mask`` into a block mask, and calls
-``ops.attention("triton", ...)``. Importing the kernels fails where triton does: that is how
-the registry tells that the backend is unavailable.
+(dtypes, head dims, devices), turns a bool ``attn_mask`` into a block mask, and hands the call
+to the one autograd path (:mod:`flashedu.ops`) with :data:`KERNELS`, its forward and backward
+(and, from them, the operators ``torch.ops.flashedu.triton_forward`` / ``triton_backward``).
+The kernels keep the logsumexp in base 2 (their exp2 softmax); :func:`natural_lse` is the one
+place that converts it. Importing the kernels fails where triton does: that is how the registry
+tells that the backend is unavailable.
 
 A repeated plain call is the backend's shortest path from ``flashedu.attention`` to the kernels.
 A training step calls ``attention(q, k, v, is_causal=True)`` with tensors of one layout, step
@@ -15,9 +18,10 @@ takes the general path (the argument checks, the backend, the tile table, the bl
 lists, the launch plans of ``fast.PLANS``). Since everything it decided follows from the call's
 signature (options, block mask, and the inputs' shapes, strides, dtype, device and alignment),
 ``flashedu.attention`` keeps a :class:`Repeat` for that signature, and a later call with the
-same signature goes straight to it: one ``autograd.Function`` that allocates the outputs and
-starts the planned launches, forward and backward. The general path's layers cost more host time
-than the kernels of a small attention take on the GPU (BENCHMARKS.md, "A repeated call").
+same signature goes straight to it: the one autograd path with the Repeat as its kernels,
+which allocate the outputs and start the planned launches, forward and backward. The general
+path's layers cost more host time than the kernels of a small attention take on the GPU
+(BENCHMARKS.md, "A repeated call").
 
 A Repeat learns its launches from the general path's own (the ``keep`` argument of
 ``forward.forward`` and ``backward.backward``) on its first forward and first backward, so the
@@ -53,7 +57,7 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=Non
             and not ops.holds_no_values(q, attn_mask)):  # meta or fake: shapes only
         block_mask = bool_mask_as_block_mask(attn_mask, block_mask, q.shape[2], k.shape[2])
         attn_mask = None
-    return ops.attention("triton", q, k, v, is_causal=is_causal, scale=float(scale),
+    return ops.attention(KERNELS, q, k, v, is_causal=is_causal, scale=float(scale),
                          block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
                          score_mod=score_mod, return_lse=return_lse)
 
@@ -83,9 +87,106 @@ def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
     ``flashedu.tiled.flash_forward`` returns per head (-inf for a row that sees no key)."""
     check(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, lse2 = ops.triton_forward(q, k, v, is_causal, scale, *ops.mask_args(block_mask))
-    return o, ops.LSE_TO_NATURAL["triton"](lse2)
+    o, lse2 = KERNELS.forward_op(q, k, v, is_causal, scale, *ops.mask_args(block_mask))
+    return o, natural_lse(lse2)
 
+
+# ----- the kernel API for code that runs its own loop (ring attention) ---------------------
+# Natural-log L in and out, as flashedu.merge has it: the base-2 convention stays in here.
+
+
+def forward_into(q, k, v, O, L, *, is_causal, scale, scratch=None):
+    """q's attention over (k, v) merged, in place, into the running (O, L) over the keys seen
+    before: the kernel starts its online softmax from them (``forward.forward_into``), so no
+    output of the call's own and no merge pass exist. O: float32 with q's shape and strides;
+    L: the natural-log logsumexp (B, H, Nq), -inf for a row that has seen no key yet (O = 0
+    there). ``scratch(t)`` is told of each temporary the call allocates."""
+    check(q, k, v)
+    lse2 = _told(scratch, kernel_lse(L))
+    config = resolve_config(q.shape[-1], q.dtype, None, q.device)
+    fwd.forward_into(q, k, v, O, lse2, is_causal=is_causal, scale=scale,
+                     tiles=config.forward_tiles(None, k.shape[2]),
+                     interpreted=runtime.triton_interpreted())
+    L.copy_(natural_lse(lse2))
+
+
+def backward_into(q, k, v, out, L, dout, *, is_causal, scale, D=None, into=None):
+    """(dQ, dK, dV) of one block of keys, given the softmax's natural-log L over all of them
+    (so P = exp(S - L) is the block's slice of the whole softmax). ``D``: rowsum(dO * O),
+    float32 (B, H, Nq), when the caller has it (:func:`row_dot`). ``into``: (dQ, dK, dV)
+    buffers the kernels add this call's gradients to (returned)."""
+    config = resolve_config(q.shape[-1], q.dtype, None, q.device)
+    return bwd.backward(q, k, v, out, kernel_lse(L), dout, is_causal=is_causal, scale=scale,
+                        block_mask=None, config=config, interpreted=runtime.triton_interpreted(),
+                        D=None if D is None else D.contiguous(), into=into)
+
+
+def row_dot(out, dout):
+    """D = rowsum(dO * O), float32 (B, H, Nq), by the backward's preprocess kernel."""
+    config = resolve_config(out.shape[-1], out.dtype, None, out.device)
+    out, dout = fwd.interpreter_fp32(runtime.triton_interpreted(), out, dout)
+    return bwd.preprocess(out, dout, config.preprocess_rows)
+
+
+def kernel_lse(L):
+    """The natural-log L as the kernels keep it: base 2, +inf for a row that sees no key (-inf
+    in L), float32, contiguous (L may be a row slice)."""
+    return torch.where(torch.isneginf(L), float("inf"), L.float() * fwd.LOG2E).contiguous()
+
+
+def _told(scratch, t):
+    if scratch is not None:
+        scratch(t)
+    return t
+
+
+# ----- the kernels, as the autograd path calls them ----------------------------------------
+
+
+def _kernel_layout(t):
+    """The Triton kernels index rows and heads by stride but need the last dim contiguous."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def forward(q, k, v, call):
+    """(O, L2): the Triton forward; L2 is the base-2 logsumexp, +inf for an empty row."""
+    q, k, v = (_kernel_layout(t) for t in (q, k, v))
+    mask = call.block_mask
+    config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
+    return fwd.forward(q, k, v, is_causal=call.is_causal, scale=call.scale, block_mask=mask,
+                       tiles=config.forward_tiles(mask, k.shape[2], call.dropout_p > 0),
+                       interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
+                       rng=call.rng, mods=call.mods)
+
+
+def backward(q, k, v, out, lse2, dout, call, dlse=None, mask_grad=False):
+    """(dQ, dK, dV): the Triton backward (Algorithm 4 of the paper, FlashAttention-2 order)."""
+    q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
+    mask = call.block_mask
+    config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
+    return bwd.backward(q, k, v, out, lse2, dout.contiguous(), is_causal=call.is_causal,
+                        scale=call.scale, block_mask=mask, config=config,
+                        interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
+                        rng=call.rng, mods=call.mods, dlse=dlse, mask_grad=mask_grad)
+
+
+def natural_lse(lse2):
+    """The kernels' base-2 logsumexp (+inf for a row that sees nothing, so that their backward's
+    exp2(s - L) is 0 there) in the natural log, -inf for such a row."""
+    return torch.where(torch.isinf(lse2), -torch.inf, lse2 * math.log(2.0))
+
+
+def empty_outputs(*tensors):
+    """Empty results laid out as the launch code lays out its own (the same host functions
+    decide): the operators' fake implementations must give the real strides."""
+    dtype = tensors[0].dtype
+    tensors = fwd.interpreter_fp32(runtime.triton_interpreted(), *map(_kernel_layout, tensors))
+    _, outs = fwd.outputs_like(*tensors)
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in outs)
+
+
+KERNELS = ops.Kernels("triton", forward, backward, natural_lse, empty_outputs,
+                      lambda dtype: torch.float32)
 
 
 # ----- the repeat of a plain call ---------------------------------------------------------
@@ -108,30 +209,35 @@ def make_repeat(q, k, v, is_causal: bool, scale: float, block_mask=None):
 
 class Repeat:
     """What a plain call's signature decided: its tile table entry and, once the general path
-    has run them, its launches. Calling it runs the call (None: the general path must)."""
+    has run them, its launches. Calling it runs the call (None: the general path must); it is
+    the call's kernels under the one autograd path (``ops.Attention``)."""
 
-    __slots__ = ("is_causal", "scale", "block_mask", "mods", "config", "interpreted",
+    name = "triton"
+    natural_lse = staticmethod(natural_lse)
+    __slots__ = ("is_causal", "scale", "block_mask", "call", "config", "interpreted",
                  "forward_plan", "backward_plan", "dout_layout")
 
     def __init__(self, is_causal, scale, block_mask, config, interpreted):
         self.is_causal, self.scale, self.block_mask = is_causal, scale, block_mask
-        self.mods = ops.Mods.of(None, None, block_mask)  # its mask mod, where tiles need it
+        # its mask mod, where tiles need it
+        self.call = ops.Call(is_causal, scale, block_mask,
+                             mods=ops.Mods.of(None, None, block_mask))
         self.config, self.interpreted = config, interpreted
         self.forward_plan = self.backward_plan = self.dout_layout = None
 
     def __call__(self, q, k, v):
         if not ops.plain_eager(q, k, v):
             return None
-        return _Repeated.apply(self, q, k, v)
+        return ops.Attention.apply(self, self.call, False, q, k, v, None)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, call):
         """(O, L2) as ``forward.forward`` returns them."""
         if self.forward_plan is None:
             kept = []
             tiles = self.config.forward_tiles(self.block_mask, k.shape[2])
             out = fwd.forward(q, k, v, is_causal=self.is_causal, scale=self.scale,
                               block_mask=self.block_mask, tiles=tiles,
-                              interpreted=self.interpreted, mods=self.mods, keep=kept)
+                              interpreted=self.interpreted, mods=call.mods, keep=kept)
             self.forward_plan = kept[0] if kept else None
             return out
         o = torch.empty_like(q)
@@ -139,8 +245,9 @@ class Repeat:
         self.forward_plan.start(q, k, v, o, lse2)  # (one launch: start makes its own checks)
         return o, lse2
 
-    def backward(self, q, k, v, o, lse2, do):
-        """(dQ, dK, dV) as ``backward.backward`` returns them."""
+    def backward(self, q, k, v, o, lse2, do, call, dlse=None, mask_grad=False):
+        """(dQ, dK, dV) as ``backward.backward`` returns them (a plain call has no lse or
+        attn_mask to differentiate)."""
         do = do.contiguous()  # as the general path hands it to the kernels
         layout = (do.stride(), do.dtype, do.data_ptr() % 16 == 0)
         if self.backward_plan is None or layout != self.dout_layout:
@@ -148,7 +255,7 @@ class Repeat:
             grads = bwd.backward(q, k, v, o, lse2, do, is_causal=self.is_causal,
                                  scale=self.scale, block_mask=self.block_mask,
                                  config=self.config, interpreted=self.interpreted,
-                                 mods=self.mods, keep=kept)
+                                 mods=call.mods, keep=kept)
             if self.backward_plan is None and kept:
                 self.backward_plan, self.dout_layout = kept[0], layout
             return grads
@@ -161,27 +268,3 @@ class Repeat:
         for launch in launches:
             launch.start(q, k, v, do, lse2, D, dq, dk, dv, stream=stream)
         return dq, dk, dv
-
-
-class _Repeated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, repeat, q, k, v):
-        o, lse2 = repeat.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, o, lse2)
-        ctx.repeat = repeat
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse2 = ctx.saved_tensors
-        repeat = ctx.repeat
-        # create_graph=True: the operator, whose derivative says no (a mask mod's call has no
-        # operator: its gradients, as the general path's, refuse a second backward)
-        if torch.is_grad_enabled() and repeat.mods is None:
-            grads = ops.BACKWARD_OPS["triton"](q, k, v, o, lse2, do, repeat.is_causal,
-                                               repeat.scale, *ops.mask_args(repeat.block_mask),
-                                               0.0, None)
-        else:
-            grads = ops.refuse_second_order("triton", repeat.backward(q, k, v, o, lse2, do),
-                                            q, k, v, do)
-        return (None, *grads)

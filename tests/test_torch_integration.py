@@ -21,7 +21,7 @@ from flashedu import ops, runtime, tolerance
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU "
                          "runs these paths through the interpreter in the tests above)")
 DEV = runtime.kernel_device()  # the GPU, or the CPU under Triton's interpreter
-KERNEL_BACKENDS = ("numpy", "triton")  # the torch.library operators of flashedu.ops
+KERNEL_BACKENDS = ("numpy", "triton")  # backends with torch.library operators (flashedu.ops)
 TOL = {dtype: tolerance.floor(dtype) for dtype in (torch.float64, torch.float32)}
 
 
@@ -30,6 +30,12 @@ def _fresh_dynamo():
     torch._dynamo.reset()  # each test compiles its own functions from a clean cache
     yield
     torch._dynamo.reset()
+
+
+def _operator(backend, which):
+    """torch.ops.flashedu.<backend>_<which>: registered when the backend's module loads."""
+    flashedu.backends.BACKENDS[backend].load()
+    return getattr(torch.ops.flashedu, f"{backend}_{which}")
 
 
 def _qkv(B=1, H=4, Hkv=2, Nq=24, Nk=40, d=16, dtype=torch.float32, device=DEV, grad=True):
@@ -197,7 +203,7 @@ def test_fake_tensors_give_the_output_shape(backend, no_kernels):
 def test_operator_lse_shape_and_dtype(backend, no_kernels):
     """The forward operator's second output: the (B, H, Nq) logsumexp the backward reads."""
     q, k, v = _qkv(B=3, Nq=24, Nk=40, device="meta", grad=False)
-    out, lse = getattr(torch.ops.flashedu, f"{backend}_forward")(q, k, v, False, 0.25, None, 0, 0)
+    out, lse = _operator(backend, "forward")(q, k, v, False, 0.25, None, 0, 0)
     assert out.shape == q.shape and lse.shape == (3, 4, 24) and lse.dtype == torch.float32
 
 
@@ -212,7 +218,7 @@ def test_double_backward_is_a_clear_error(backend, path):
     def fn(q, k, v):
         if path == "eager":
             return flashedu.attention(q, k, v, is_causal=True, backend=backend)
-        forward = getattr(torch.ops.flashedu, f"{backend}_forward")
+        forward = _operator(backend, "forward")
         return forward(q, k, v, True, 0.25, None, 0, 0)[0]
 
     q, k, v = _qkv(H=2, Hkv=2, Nq=16, Nk=16)
@@ -305,8 +311,8 @@ def test_opcheck(backend, layout, masked, dtype):
     AOT dispatch; in the layouts a model hands over (compiled code trusts the fake strides)."""
     if backend == "numpy" and dtype == torch.float16:
         dtype = torch.float64
-    forward = getattr(torch.ops.flashedu, f"{backend}_forward")
-    backward = getattr(torch.ops.flashedu, f"{backend}_backward")
+    forward = _operator(backend, "forward")
+    backward = _operator(backend, "backward")
     q, k, v = _layout(layout, dtype)
     if masked:
         blocks = torch.from_numpy(np.random.default_rng(0).random((1, 1, 2, 2)) < 0.7)
@@ -440,8 +446,8 @@ def test_gpu_opcheck_bf16_in_a_model_layout():
                for t in _qkv(B=2, H=4, Hkv=2, Nq=200, Nk=136, d=64, dtype=torch.bfloat16,
                              device="cuda"))
     margs = (True, 0.125, None, 0, 0)
-    torch.library.opcheck(torch.ops.flashedu.triton_forward, (q, k, v, *margs))
-    out, lse = torch.ops.flashedu.triton_forward(q, k, v, *margs)
-    torch.library.opcheck(torch.ops.flashedu.triton_backward,
+    torch.library.opcheck(_operator("triton", "forward"), (q, k, v, *margs))
+    out, lse = _operator("triton", "forward")(q, k, v, *margs)
+    torch.library.opcheck(_operator("triton", "backward"),
                           (*(t.detach() for t in (q, k, v, out)), lse, torch.randn_like(out),
                            *margs))

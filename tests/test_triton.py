@@ -636,7 +636,7 @@ def test_a_mask_mod_s_repeat_applies_its_rule(monkeypatch, mod):
         want = _reference_grads(q, k, v, dout, block_mask=window, enable_gqa=True)
         assert all(_err(g, r) < 1e-5 for g, r in zip(got, want)), step
         (r,) = repeats.values()
-        assert r.mods.mask_mod is window.mask_mod and (r.forward_plan is not None) == (step >= 1)
+        assert r.call.mods.mask_mod is window.mask_mod and (r.forward_plan is not None) == (step >= 1)
     assert started.count(r.forward_plan) >= 2 and started.count(r.backward_plan[1][0]) >= 2
     out = flashedu.attention(q, k, v, block_mask=window, enable_gqa=True, backend="triton")
     dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)

@@ -20,14 +20,14 @@ import numpy as np
 from . import static
 from .charts import line_panel
 from .drawing import Drawing
-from .learner_trace import (TraceComparison, _normalized, _ranges, _values, gap_text,
-                            row_differences, state_series)
+from .trace_states import (_normalized, _ranges, _values, gap_text, row_differences,
+                           state_series)
 from .render import BORDER, COLORS, ERROR, FG, FG_MUTED, OK, ON_TILE
 
 class CompareView:
     """State: ``comparison``, ``step`` (1-based, the slider), ``row`` (the charted row)."""
 
-    def __init__(self, comparison: TraceComparison):
+    def __init__(self, comparison):
         self.comparison = c = comparison
         self.n = max(len(c.steps), len(c.reference_steps), 1)
         div = c.first_divergence
@@ -225,7 +225,7 @@ class CompareView:
         static.display_with_fallback(self)
 
 
-def verdict_html(c: TraceComparison) -> str:
+def verdict_html(c) -> str:
     """The comparison's verdict as HTML: the learner's exception and its line first, else the
     first difference, else what agrees; then what was not compared."""
     notes = "".join(f"<br>{html.escape(n)}" for n in c.notes)

@@ -26,7 +26,6 @@ import numpy as np
 from . import static
 from .controls import set_quietly
 from .drawing import Drawing
-from .kernel_trace import Access, KernelTrace
 from .render import BG, BORDER, COLORS, ERROR, FG, FG_MUTED
 
 # States of an element at the current access; a larger number wins where blocks are merged.
@@ -50,7 +49,7 @@ class KernelTraceView:
     accesses in words). ``wrong`` ({tensor: [(row, column), ...]}) marks elements whose value
     is wrong, at every step; ``at`` (an :class:`Access` of ``program``) is where to open."""
 
-    def __init__(self, trace: KernelTrace, program=None, wrong=None, at=None):
+    def __init__(self, trace, program=None, wrong=None, at=None):
         self.trace = t = trace
         self.wrong = {name: list(points) for name, points in (wrong or {}).items()}
         unknown = [name for name in self.wrong if name not in t.tensors]
@@ -115,11 +114,11 @@ class KernelTraceView:
         return self.slider.value
 
     @property
-    def accesses(self) -> list[Access]:
+    def accesses(self) -> list:
         return self.trace.accesses(self.program) if self.trace.programs else []
 
     @property
-    def access(self) -> Access | None:
+    def access(self):
         acc = self.accesses
         return acc[self.position - 1] if acc else None
 
@@ -216,7 +215,7 @@ class KernelTraceView:
         static.display_with_fallback(self)
 
 
-def _extent(trace: KernelTrace, name: str, accesses) -> tuple[int, int, int]:
+def _extent(trace, name: str, accesses) -> tuple[int, int, int]:
     """(first row, row after the last, columns) to draw for ``name`` in a program: the tensor,
     and as many rows past its end (or before its start) and columns between its rows as the
     program's lanes point at, within limits."""
@@ -254,7 +253,7 @@ def _squares(shape) -> tuple[int, int]:
             math.ceil(C / math.ceil(C / MAX_CELLS)) if C else 1)
 
 
-def _grid(trace: KernelTrace, name: str, cells: np.ndarray, top: int, u: float) -> Drawing:
+def _grid(trace, name: str, cells: np.ndarray, top: int, u: float) -> Drawing:
     """One tensor: a square per element (or per block of elements), the area beyond the
     tensor dashed."""
     op = trace.tensors[name]

@@ -42,7 +42,7 @@ from ..trace import Trace
 from . import presets, static, timeline
 from .charts import run_panels
 from .controls import set_quietly
-from .learner_trace import state_series
+from .trace_states import state_series
 from .render import ERROR, FG_MUTED, OK, error_html, kib
 from .tile_grid import LEGEND, drawing
 

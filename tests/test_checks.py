@@ -512,7 +512,7 @@ def test_launch_triton_backward_pairs_the_kernels(tmp_path):
     import torch
 
     from flashedu import runtime
-    from flashedu.checks.kernels import launch_triton_backward
+    from flashedu.checks.triton_backward import launch_triton_backward
 
     device = runtime.kernel_device()
     tol = 1e-4 if runtime.triton_interpreted() else 3e-2  # TF32 dots on a GPU
@@ -539,7 +539,8 @@ def test_tf32_model_of_the_gpu_dots():
     """On a GPU the Triton exercises' tolerance comes from attention whose dot operands are read
     as TF32 (as tl.dot reads float32 there): 10 mantissa bits kept, and with logits in the
     hundreds an error far above float32 arithmetic's."""
-    from flashedu.checks.kernels import _naive_tf32, tf32
+    from flashedu.checks.kernel_common import tf32
+    from flashedu.checks.triton_forward import _naive_tf32
 
     x = np.array([1 + 2**-10, 1 + 2**-11, -3.1415927], np.float32)
     assert tf32(x).tolist() == [1 + 2**-10, 1.0, -3.140625]

@@ -16,7 +16,7 @@ from flashedu.course.notebooks import find, solution_code
 numba = pytest.importorskip("numba", reason="numba is not installed: the numba steps need it")
 from numba import cuda, float32  # noqa: E402
 
-from flashedu.checks.kernels import _numba_unavailable  # noqa: E402
+from flashedu.checks.numba_forward import _numba_unavailable  # noqa: E402
 
 if _numba_unavailable():
     pytest.skip(f"numba.cuda cannot run here: {_numba_unavailable()}", allow_module_level=True)

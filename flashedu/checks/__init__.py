@@ -6,9 +6,11 @@
 
 Exercise names: safe_softmax, online_softmax, flash_forward, flash_backward, block_sparse_forward
 (NumPy, signatures as DESIGN.md's contract), numba_forward_kernel and triton_forward_kernel (the
-learner's kernel, run through the launchers in :mod:`flashedu.checks.kernels`), and
-triton_backward_dkdv_kernel and triton_backward_dq_kernel (the two kernels of the backward, each
-graded on its own outputs: dK and dV, or dQ; ``launch_triton_backward`` runs the pair).
+learner's kernel, run through the launchers in :mod:`flashedu.checks.numba_forward` and
+:mod:`flashedu.checks.triton_forward`), and triton_backward_dkdv_kernel and
+triton_backward_dq_kernel (the two kernels of the backward, each graded on its own outputs: dK
+and dV, or dQ; ``launch_triton_backward`` in :mod:`flashedu.checks.triton_backward` runs the
+pair). :mod:`flashedu.checks.kernels` gathers the four.
 
 A check never raises for anything the learner's code does: errors, wrong shapes, NaN, infinite
 loops (time limit) all become a failed result with a message and a hint. Unfilled exercises

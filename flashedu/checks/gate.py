@@ -44,7 +44,8 @@ import types
 
 from .engine import Remark
 
-# The launchers' parameters (flashedu.checks.kernels): pointers, then the integers.
+# The launchers' parameters (flashedu.checks.triton_forward, .triton_backward): pointers, then
+# the integers.
 SIGNATURES = {
     "forward": ("Q K V O L".split(), "Nq Nk stride_q stride_k stride_v stride_o".split()),
     "dkdv": ("Q K V dO L Delta dK dV".split(),

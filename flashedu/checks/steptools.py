@@ -58,8 +58,8 @@ def function_step(name, symbol, cases, *, adapt=None, timeout=30.0, diagnose=Non
 def kernel_step(name, symbol, cases, launch, *, kind="triton", timeout=120.0,
                 diagnose=None) -> Exercise:
     """A step that is a GPU kernel, launched by ``launch(kernel, *case.args)`` -> arrays."""
-    from .kernels import _kernel_problem, _numba_unavailable, _still_skeleton, \
-        _triton_unavailable
+    from .kernel_common import _kernel_problem, _still_skeleton, _triton_unavailable
+    from .numba_forward import _numba_unavailable
 
     if not name.startswith(kind + "_"):
         raise ValueError(f"a {kind} kernel step's name must start with {kind + '_'!r}: {name}")

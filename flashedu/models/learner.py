@@ -12,8 +12,9 @@ over the B x H heads, hands each kernel a float32 (T, d) view, and casts the res
 input's dtype. On a GPU that is B x H small launches instead of one: correct, not fast
 (flashedu's own Triton backend takes a head stride and launches once).
 
-The launchers are the ones the exercises are graded with (flashedu.checks.kernels):
-``launch_triton_forward`` for exercise 06, ``launch_triton_backward`` for exercise 07.
+The launchers are the ones the exercises are graded with: ``launch_triton_forward``
+(flashedu.checks.triton_forward) for exercise 06, ``launch_triton_backward``
+(flashedu.checks.triton_backward) for exercise 07.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ class ExerciseAttention:
 
     # one head at a time: the exercise kernels take a (T, d) tensor with one row stride
     def forward_heads(self, q, k, v, causal, scale):
-        from ..checks.kernels import launch_triton_forward
+        from ..checks.triton_forward import launch_triton_forward
         device = _kernel_device(q)
         Q, K, V = (_float32(t, device) for t in (q, k, v))
         B, H, Nq, _ = Q.shape
@@ -306,7 +307,7 @@ class ExerciseAttention:
         Q, K, V, dO = (_float32(t, device) for t in (q, k, v, dO))
         dQ, dK, dV = torch.empty_like(Q), torch.empty_like(K), torch.empty_like(V)
         if self.has_backward_kernels:
-            from ..checks.kernels import launch_triton_backward
+            from ..checks.triton_backward import launch_triton_backward
         for b in range(Q.shape[0]):
             for h in range(Q.shape[1]):
                 args = (Q[b, h], K[b, h], V[b, h], O[b, h], dO[b, h], L[b, h])

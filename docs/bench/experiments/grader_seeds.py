@@ -17,7 +17,7 @@ from test_checks import DKDV, DQ, NUMBA_BANK, load  # noqa: E402
 
 from flashedu import runtime  # noqa: E402
 from flashedu.checks import check  # noqa: E402
-from flashedu.checks.kernels import shared_loads  # noqa: E402
+from flashedu.checks.numba_forward import shared_loads  # noqa: E402
 
 seeds = range(int(sys.argv[1]) if len(sys.argv) > 1 else 20)
 record = {"device": "interpreter" if runtime.triton_interpreted() else "gpu", "exercises": {}}

@@ -4,7 +4,7 @@ and register tiles.
 
 Each check launches the learner's kernel on tiny shapes: numba's CUDA simulator runs every GPU
 thread as a Python thread. What the simulator lets the check see (as for the graded numba
-exercise, see :mod:`..kernels`): an index past an array raises IndexError, every read of an
+exercise, see :mod:`..numba_forward`): an index past an array raises IndexError, every read of an
 input from global memory is counted, and every shared array is watched for data races between
 two ``cuda.syncthreads()``. On a GPU the outputs are views into buffers with a sentinel around
 them, so a write past an edge shows up there too.
@@ -23,18 +23,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from ... import reference, runtime
-from ..kernels import (
-    H_NUMBA_GUARD,
-    SENTINEL,
-    _CountedReads,
-    _diagnose_kernel,
-    _kernel_parts,
-    _kernel_problem,
-    _loads_problem,
-    _race_watch,
-    _shared_memory_probe,
-    shared_loads,
-)
+from ..kernel_common import SENTINEL, _diagnose_kernel, _kernel_parts, _kernel_problem, \
+    _loads_problem
+from ..numba_forward import H_NUMBA_GUARD, _CountedReads, _race_watch, _shared_memory_probe, \
+    shared_loads
 from ..numpy_exercises import H_EDGE, H_N1, H_NQNK, H_SCALE, H_TILES, H_WIDE, _inputs, _rng, \
     normalized_key_by_key
 from ..steptools import case, kernel_step
@@ -109,7 +101,7 @@ def numba_step(name, symbol, cases, launch, *, count=(), diagnose=None, builder=
     that barrier switched off and passes when the watcher sees the race (its only output is an
     empty array): the notebook's cells switch the barriers off to show what they prevent.
     ``shared_probe``: on a GPU, count the compiled kernel's loads from shared memory instead
-    (what :func:`..kernels._shared_memory_probe` reads there)."""
+    (what :func:`..numba_forward._shared_memory_probe` reads there)."""
     ex = kernel_step(name, symbol, cases, launch, kind="numba", diagnose=diagnose)
     plain = ex.invoke
     if builder:

@@ -15,14 +15,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..engine import Case, Exercise
-from ..kernels import (
+from ..kernel_common import (
     F32,
     SENTINEL,
     STRIDES,
     _backward_bounds_probe,
-    _backward_invoke,
-    _backward_triton_cases,
-    _diagnose_backward_kernel,
     _kernel_problem,
     _padded_rows,
     _still_skeleton,
@@ -31,6 +28,7 @@ from ..kernels import (
 )
 from ..numpy_exercises import _normal
 from ..sandbox import call_limited
+from ..triton_backward import _backward_invoke, _backward_triton_cases, _diagnose_backward_kernel
 from ... import runtime
 
 # The exercises' cases beyond these sizes cost seconds each in Triton's interpreter; the

@@ -11,21 +11,20 @@ import numpy as np
 
 from ... import runtime
 from ..engine import Exercise, run_seed
-from ..kernels import (
+from ..kernel_common import (
     SENTINEL,
     _diagnose_kernel,
     _kernel_problem,
     _numpy,
     _padded_rows,
     _still_skeleton,
-    _triton_cases,
-    _triton_invoke,
     _triton_unavailable,
     _watch_loads,
     tf32,
 )
 from ..sandbox import call_limited
 from ..steptools import case, kernel_step
+from ..triton_forward import _triton_cases, _triton_invoke
 
 F32 = np.float32
 

@@ -15,7 +15,6 @@ from .kernel_common import (
     F32,
     H_LONG,
     H_TWICE,
-    PAD,
     SENTINEL,
     STRIDES,
     _backward_bounds_probe,

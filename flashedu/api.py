@@ -17,7 +17,7 @@ import torch
 
 from . import ops
 from .arguments import (check_attn_mask, check_block_mask, check_dropout, check_flag,
-                        check_score_mod, check_scale, check_tensors)
+                        check_score_mod, check_scale, check_sinks, check_tensors)
 from .backends import BACKENDS, backends_with, resolve_backend
 from .masks import BlockMask
 
@@ -29,7 +29,7 @@ _MAX_REPEATS = 256
 
 def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
               block_mask=None, score_mod=None, enable_gqa=False, return_lse=False,
-              backend="auto"):
+              sinks=None, backend="auto"):
     """Exact attention softmax(scale * q k^T) v, computed by a FlashAttention backend.
 
     q: (B, H, Nq, d); k, v: (B, Hkv, Nk, d); returns (B, H, Nq, d) in q's dtype. Empty inputs
@@ -54,6 +54,11 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     return_lse: also return the natural-log logsumexp of each row's (modified) scores,
     (B, H, Nq), float32 (float64 for float64 inputs), -inf for a row that sees nothing:
     ``out, lse = attention(..., return_lse=True)``; gradients flow through it too.
+    sinks: attention sinks (gpt-oss), a (H,) tensor with one logit per query head that joins
+    every row's softmax denominator and takes no value: P_ij = exp(S_ij) / (exp(sink_h) +
+    sum_j exp(S_ij)), so a row may give less than all of its weight to the keys (a row that
+    sees no key gives zeros). The lse then includes the sink. Differentiable: the sink's
+    gradient is -sum_i P_i,sink (D_i - dlse_i), its column of dS = P * (dP - D).
     backend: "naive", "numpy", "numba", "triton", or "auto" (triton for CUDA tensors on a CUDA
     GPU, numpy for CPU tensors, naive for tensors of another device).
     A query row that sees no key gives zeros. A backend without a feature that the call uses
@@ -65,8 +70,9 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     with the negative or conjugate bit (``torch._neg_view``, ``.conj()``): they are resolved
     first. Anything else raises a TypeError or ValueError that names the argument.
     """
-    key = _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
-                      enable_gqa, return_lse, backend)
+    key = None if sinks is not None else _repeat_key(
+        q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod, enable_gqa,
+        return_lse, backend)
     if key is not None:
         repeat = REPEATS.get(key)
         if repeat is not None:
@@ -89,6 +95,8 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
         extras["score_mod"] = check_score_mod(score_mod, q, k)
     if return_lse:
         extras["return_lse"] = True
+    if sinks is not None:
+        extras["sinks"] = check_sinks(sinks, q)
     if block_mask is not None:
         check_block_mask(block_mask, q, k)
         is_causal = is_causal or block_mask.is_causal
@@ -120,7 +128,7 @@ def _empty_attention(q, k, v, is_causal, scale, block_mask, return_lse=False, **
     an lse of -inf; otherwise the output is empty itself and the formula (the naive backend,
     whose reductions run over the non-empty key axis) gives its shapes and any lse."""
     B, H, Nq, d = q.shape
-    if k.shape[2] == 0:
+    if k.shape[2] == 0 and "sinks" not in features:  # (with sinks, each row sees its sink)
         out = _Zeros.apply(q, k, v)
         if not return_lse:
             return out
@@ -193,7 +201,7 @@ def _layout(t):
 
 def _check_features(name, spec, extras, block_mask) -> None:
     """NotImplementedError, naming the backends that have it, for a feature ``name`` lacks."""
-    wanted = [f for f in ("attn_mask", "score_mod", "return_lse") if f in extras]
+    wanted = [f for f in ("attn_mask", "score_mod", "return_lse", "sinks") if f in extras]
     if block_mask is not None and block_mask.needs_mask_mod:
         kind = getattr(block_mask.mask_mod, "kind", None)
         if not spec.has_mask_mod and kind not in spec.mask_mod_kinds:

@@ -151,6 +151,23 @@ def check_score_mod(score_mod, q, k):
     return bind(score_mod, (q.shape[2], k.shape[2]))
 
 
+def check_sinks(sinks, q):
+    """Attention sinks: one logit per query head, a (H,) floating tensor on q's device."""
+    import torch
+
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a (H,) tensor of logits or None, got "
+                        f"{type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must have shape (H,) = ({q.shape[1]},), one logit per query "
+                         f"head, got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+    return sinks.resolve_neg().resolve_conj()
+
+
 def check_block_mask(block_mask, q, k) -> None:
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a flashedu.BlockMask (see BlockMask.from_dense / "

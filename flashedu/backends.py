@@ -14,7 +14,8 @@ Features beyond that are keyword arguments that a backend receives only when the
 them, and only when its flag below says it has them (:func:`flashedu.attention` refuses the call
 otherwise, naming the backends that do): ``attn_mask`` (SDPA's, a bool or float tensor
 broadcastable to (B, H, Nq, Nk)), ``score_mod`` (a :mod:`flashedu.mods` score mod, already
-bound to (Nq, Nk)), ``return_lse=True`` (return ``(out, lse)``, lse natural-log (B, H, Nq)).
+bound to (Nq, Nk)), ``return_lse=True`` (return ``(out, lse)``, lse natural-log (B, H, Nq)),
+``sinks`` (a (H,) tensor of sink logits).
 A block mask whose partial tiles need its mask mod (``block_mask.needs_mask_mod``) goes only to
 a backend with ``has_mask_mod`` (or whose ``mask_mod_kinds`` compile that library kind). A
 backend with a feature has it forward and backward.
@@ -82,6 +83,7 @@ class Backend:
     has_score_mod: bool = False  # any score mod (library and user), with its derivative
     has_mask_mod: bool = False  # any mask mod on the partial tiles of a block mask
     has_return_lse: bool = False  # return_lse=True
+    has_sinks: bool = False  # sinks=, with their gradient
     # library mask mods (their ``kind``) compiled natively, when has_mask_mod is False
     mask_mod_kinds: frozenset = frozenset()
     # library score mods (their ``kind``) compiled natively, when has_score_mod is False
@@ -104,9 +106,9 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "naive": Backend("naive", _naive, True, True, "any", has_attn_mask=True, has_score_mod=True,
-                     has_mask_mod=True, has_return_lse=True),
+                     has_mask_mod=True, has_return_lse=True, has_sinks=True),
     "numpy": Backend("numpy", _numpy, True, True, "cpu", has_attn_mask=True, has_score_mod=True,
-                     has_mask_mod=True, has_return_lse=True),
+                     has_mask_mod=True, has_return_lse=True, has_sinks=True),
     "numba": Backend("numba", _numba, False, False, "gpu"),
     # triton: any mask mod (its partial tiles' element masks are evaluated on the host), score
     # mods compiled into the kernels (the library's, and those written in Triton), attn_mask
@@ -143,7 +145,7 @@ def resolve_backend(name: str, q=None) -> str:
 
 
 FEATURES = {"attn_mask": "has_attn_mask", "score_mod": "has_score_mod",
-            "mask_mod": "has_mask_mod", "return_lse": "has_return_lse"}
+            "mask_mod": "has_mask_mod", "return_lse": "has_return_lse", "sinks": "has_sinks"}
 
 
 def backends_with(feature: str) -> list[str]:

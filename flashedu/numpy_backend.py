@@ -23,7 +23,7 @@ DEFAULT_BLOCK = (64, 64)  # (Br, Bc) when no block mask fixes the tiling
 
 
 def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
-              score_mod=None, return_lse=False):
+              score_mod=None, return_lse=False, sinks=None):
     """The backend's entry point (inputs already checked by flashedu.attention). Calls with
     element-level rules (attn_mask, a score mod, a block mask whose partial tiles need its mask
     mod) or return_lse run eagerly under torch.compile (a graph break): the operators carry tile
@@ -31,15 +31,16 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=Non
     refuse_captured_grad(q, score_mod)
     return ops.attention(KERNELS, q, k, v, is_causal=is_causal, scale=scale,
                          block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
-                         score_mod=score_mod, return_lse=return_lse)
+                         score_mod=score_mod, return_lse=return_lse, sinks=sinks)
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None, attn_mask=None,
-            score_mod=None):
+            score_mod=None, sinks=None):
     """(O, L) for every (batch, head): L is the natural-log logsumexp (B, H, Nq) in the
     computing dtype (float64 for float64 inputs, else float32), on q's device.
     ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) (``flashedu.dropout``).
-    ``attn_mask``, ``score_mod`` and the block mask's mask mod: see :func:`_head_mods`."""
+    ``attn_mask``, ``score_mod`` and the block mask's mask mod: see :func:`_head_mods`.
+    ``sinks`` (H,): each head's sink logit (``tiled.flash_forward``'s ``sink``)."""
     blocks, (Br, Bc) = _tiling(block_mask, q.shape[0], q.shape[1])
     blocks, head_mods = _head_mods(q, k, block_mask, blocks, Br, Bc, attn_mask, score_mod)
     seed, offset = _rng(dropout_p, rng)
@@ -48,13 +49,14 @@ def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None, a
     group = H // kn.shape[1]
     O = np.empty_like(qn)
     L = np.empty((B, H, Nq), dtype=qn.dtype)
+    sink = [None] * H if sinks is None else _to_numpy(sinks).tolist()
     for b in range(B):
         for h in range(H):
             O[b, h], L[b, h] = tiled.flash_forward(
                 qn[b, h], kn[b, h // group], vn[b, h // group], Br, Bc, is_causal, scale,
                 block_mask=None if blocks is None else blocks[b, h],
                 dropout_p=dropout_p, seed=seed, offset=offset, bh=b * H + h,
-                mods=head_mods(b, h))
+                mods=head_mods(b, h), sink=sink[h])
     return _to_torch(O, q), torch.from_numpy(L).to(q.device)
 
 
@@ -202,7 +204,7 @@ def _call_forward(q, k, v, call):
     score_mod = call.mods and call.mods.score_mod  # the mask mod rides on the block mask
     return forward(q, k, v, is_causal=call.is_causal, scale=call.scale,
                    block_mask=call.block_mask, dropout_p=call.dropout_p, rng=call.rng,
-                   attn_mask=call.attn_mask, score_mod=score_mod)
+                   attn_mask=call.attn_mask, score_mod=score_mod, sinks=call.sinks)
 
 
 def _call_backward(q, k, v, out, lse, dout, call, dlse=None, mask_grad=False):

@@ -59,13 +59,16 @@ SECOND_ORDER_BACKENDS = ("naive",)
 
 class Call:
     """One call's checked options, as a backend's kernels take them. ``mods``: a :class:`Mods`
-    or None; ``rng``: dropout's [seed, offset] tensor, or None without dropout."""
+    or None; ``rng``: dropout's [seed, offset] tensor, or None without dropout; ``sinks``:
+    the (H,) sink logits, or None (the forward starts each row's softmax from its head's sink;
+    the backward needs nothing more, since the lse includes it)."""
 
-    __slots__ = ("is_causal", "scale", "block_mask", "dropout_p", "rng", "mods")
+    __slots__ = ("is_causal", "scale", "block_mask", "dropout_p", "rng", "mods", "sinks")
 
-    def __init__(self, is_causal, scale, block_mask=None, dropout_p=0.0, rng=None, mods=None):
+    def __init__(self, is_causal, scale, block_mask=None, dropout_p=0.0, rng=None, mods=None,
+                 sinks=None):
         self.is_causal, self.scale, self.block_mask = is_causal, scale, block_mask
-        self.dropout_p, self.rng, self.mods = dropout_p, rng, mods
+        self.dropout_p, self.rng, self.mods, self.sinks = dropout_p, rng, mods, sinks
 
     @property
     def attn_mask(self):
@@ -94,7 +97,8 @@ class Kernels:
 
 
 def attention(kernels: Kernels, q, k, v, *, is_causal: bool, scale: float, block_mask,
-              dropout_p: float = 0.0, attn_mask=None, score_mod=None, return_lse=False):
+              dropout_p: float = 0.0, attn_mask=None, score_mod=None, return_lse=False,
+              sinks=None):
     """``out``, or ``(out, lse)`` with ``return_lse``: what the backends call, their inputs
     checked. ``dropout_p`` > 0 draws the call's RNG state (seed, offset) from torch's
     generator of q's device."""
@@ -104,38 +108,39 @@ def attention(kernels: Kernels, q, k, v, *, is_causal: bool, scale: float, block
 
         rng = draw_rng(q.device)
     mods = Mods.of(attn_mask, score_mod, block_mask)
-    call = Call(is_causal, scale, block_mask, dropout_p, rng, mods)
-    if mods is None and not return_lse:
+    call = Call(is_causal, scale, block_mask, dropout_p, rng, mods, sinks)
+    if mods is None and not return_lse and sinks is None:
         if plain_eager(q, k, v):
-            return Attention.apply(kernels, call, False, q, k, v, None)
+            return Attention.apply(kernels, call, False, q, k, v, None, None)
         return _operator_call(kernels, q, k, v, call)
-    # Python objects the operators cannot carry, or the lse with its gradient
+    # Python objects the operators cannot carry, or the lse or sinks with their gradients
     if torch.compiler.is_compiling():  # a graph break: torch.compile runs it as it is, eagerly
         return torch.compiler.disable(_modded)(kernels, call, return_lse, q, k, v)
     return _modded(kernels, call, return_lse, q, k, v)
 
 
 def _modded(kernels, call, return_lse, q, k, v):
-    attn_mask = call.attn_mask
+    attn_mask, sinks = call.attn_mask, call.sinks
     refuse_transforms(f"flashedu.attention(backend={kernels.name!r}) {MODDED_CALL} (SDPA's "
-                      f"vmap does take an attn_mask)", q, k, v, attn_mask)
-    if holds_no_values(q, k, v, attn_mask):  # meta or fake: shapes only
+                      f"vmap does take an attn_mask)", q, k, v, attn_mask, sinks)
+    if holds_no_values(q, k, v, attn_mask, sinks):  # meta or fake: shapes only
         kernels = _ShapesOnly(kernels)
-    return Attention.apply(kernels, call, return_lse, q, k, v, attn_mask)
+    return Attention.apply(kernels, call, return_lse, q, k, v, attn_mask, sinks)
 
 
-MODDED_CALL = "with attn_mask, score_mod, return_lse or a block mask's mask mod"
+MODDED_CALL = "with attn_mask, score_mod, return_lse, sinks or a block mask's mask mod"
 
 
 class Attention(torch.autograd.Function):
     """out (and the natural-log lse, ``want_lse``) of ``kernels`` on one call; differentiable
     in q, k, v, the lse (d lse_i / d s_ij = P_ij: the kernels subtract dlse_i from the row's
-    D_i = rowsum(dO_i * O_i)) and a float ``attn_mask`` that requires grad (a learned bias:
-    its gradient is dS_ij, summed to its shape). The forward saves the kernels' own lse, so a
-    call that does not return it never pays for its conversion."""
+    D_i = rowsum(dO_i * O_i)), a float ``attn_mask`` that requires grad (a learned bias:
+    its gradient is dS_ij, summed to its shape) and the ``sinks`` (:func:`sink_grad`). The
+    forward saves the kernels' own lse, so a call that does not return it never pays for its
+    conversion."""
 
     @staticmethod
-    def forward(ctx, kernels, call, want_lse, q, k, v, attn_mask):
+    def forward(ctx, kernels, call, want_lse, q, k, v, attn_mask, sinks):
         ctx.set_materialize_grads(False)  # an unused output gets None, not zeros
         out, lse = kernels.forward(q, k, v, call)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -154,8 +159,26 @@ class Attention(torch.autograd.Function):
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point()
                          and ctx.needs_input_grad[6])
         grads = kernels.backward(q, k, v, out, lse, dout, call, dlse, mask_grad)
-        grads = refuse_second_order(kernels.name, grads, q, k, v, dout, dlse, attn_mask)
-        return (None, None, None, *grads[:3], grads[3] if mask_grad else None)
+        dmask = grads[3] if mask_grad else None
+        dsinks = None
+        if ctx.needs_input_grad[7]:
+            dsinks = sink_grad(call.sinks, kernels.natural_lse(lse), out, dout, dlse)
+        grads = refuse_second_order(kernels.name, (*grads[:3], dmask, dsinks), q, k, v, dout,
+                                    dlse, attn_mask, call.sinks)
+        return (None, None, None, *grads)
+
+
+def sink_grad(sinks, L, out, dout, dlse=None):
+    """The sinks' gradient: the sink is one more column of dS = P * (dP - D) whose dP is 0 (it
+    has no value), so d sink_h = -sum over the head's rows of P_i,sink (D_i - dlse_i), with
+    P_i,sink = exp(sink_h - L_i) and D_i = rowsum(dO_i * O_i), as the backward's preprocess
+    computes it. ``L``: the natural-log lse, which includes the sink."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    D = (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        D = D - dlse.to(acc)
+    P_sink = torch.exp(sinks.to(acc).view(-1, 1) - L.to(acc))
+    return -(P_sink * D).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 class _ShapesOnly:
@@ -163,7 +186,7 @@ class _ShapesOnly:
     dtypes and layouts, as the operators' fake implementations give, and no values."""
 
     def __init__(self, kernels):
-        self.name, self.natural_lse, self._kernels = kernels.name, kernels.natural_lse, kernels
+        self.name, self._kernels = kernels.name, kernels
 
     def forward(self, q, k, v, call):
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -181,6 +204,10 @@ class _ShapesOnly:
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
                       for t in (q, k, v))
         return (*grads, torch.empty_like(call.attn_mask)) if mask_grad else grads
+
+    @staticmethod
+    def natural_lse(lse):
+        return lse
 
 
 def holds_no_values(*tensors) -> bool:

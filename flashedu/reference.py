@@ -159,7 +159,7 @@ def _element_mask(block_mask) -> np.ndarray:
 
 def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=None,
                           dropout_p=0.0, enable_gqa=False, return_lse=False, upcast=True,
-                          dropout_rng=None, attn_mask=None, score_mod=None):
+                          dropout_rng=None, attn_mask=None, score_mod=None, sinks=None):
     """Standard attention on (B, H, N, d) tensors with torch ops; differentiable.
 
     ``upcast=True`` (the "naive" backend): float16 and bfloat16 inputs are computed in float32
@@ -181,6 +181,10 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     float ``attn_mask`` is added; then a pair is masked (-inf) unless the causal flag, the block
     mask (tiles and mask mod) and a bool ``attn_mask`` all let it through. Autograd
     differentiates through all of it, the score mod and a float attn_mask included.
+
+    ``sinks`` (H,): each query head's sink logit, one more column of every row's softmax
+    (never masked, no value): it takes its share of the weight, which no key receives; the
+    lse includes it.
     """
     import torch
 
@@ -191,7 +195,8 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
                                     scale=scale, block_mask=block_mask, dropout_p=dropout_p,
                                     enable_gqa=enable_gqa, return_lse=return_lse, upcast=False,
                                     dropout_rng=dropout_rng, attn_mask=attn_mask,
-                                    score_mod=score_mod)
+                                    score_mod=score_mod,
+                                    sinks=None if sinks is None else sinks.float())
         if return_lse:
             return out[0].to(q.dtype), out[1]
         return out.to(q.dtype)
@@ -212,6 +217,9 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
             S = S + attn_mask.to(S.dtype)
     if mask is not None:
         S = S.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # the sink's column: in the softmax, taken out before P @ v
+        column = sinks.to(S.dtype).view(-1, 1, 1).expand(*S.shape[:-1], 1)
+        S = torch.cat([S, column], dim=-1)
     m = S.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m).detach()
     P = torch.exp(S - m)
@@ -219,6 +227,8 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     seen = l != 0  # False only for a row that sees no key (NaN scores stay NaN)
     l_safe = torch.where(seen, l, torch.ones_like(l))  # log(1), x/1: no inf * 0 in the backward
     P = P / l_safe
+    if sinks is not None:
+        P = P[..., :-1]
     if dropout_p > 0:  # the paper's Z: one stream for every backend (flashedu.dropout)
         from .dropout import draw_rng, keep_mask_torch
 

@@ -196,7 +196,7 @@ def _check(Q, K, V, block_q, block_k, scale):
 
 def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
                   order="q_outer", block_mask=None, trace=None, dropout_p=0.0, seed=0,
-                  offset=0, bh=0, mods=None):
+                  offset=0, bh=0, mods=None, sink=None):
     """FlashAttention forward for one head. Returns (O (Nq, d), L (Nq,)).
 
     ``order`` is "q_outer" (FlashAttention-2) or "kv_outer" (the paper's Algorithm 1).
@@ -207,6 +207,10 @@ def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
     l_i and L still sum the undropped P_ij, so the backward can rebuild them.
     ``mods``: an optional :class:`TileMods` (score mod on every S_ij, mask mod on the partial
     tiles); L is then the logsumexp of the modified scores.
+    ``sink``: the head's sink logit (a float), one more term of every row's sum with no value:
+    the online softmax starts from it (m_i = sink, l_i = 1, O_i = 0) instead of from nothing,
+    as a merge with a block that held only the sink would. L includes it; the backward needs
+    nothing more (P_ij = exp(S_ij - L_i) is already the share that key j got).
     """
     Q, K, V, scale = _check(Q, K, V, block_q, block_k, scale)
     (Nq, d), Nk = Q.shape, K.shape[0]
@@ -223,13 +227,13 @@ def flash_forward(Q, K, V, block_q, block_k, causal=False, scale=None, *,
                           Bc=block_k, Tr=Tr, Tc=Tc, itemsize=Q.itemsize, causal=causal)
     drop = TileDropout(dropout_p, seed, offset, bh, block_q, block_k)
     if order == "q_outer":
-        return _forward_q_outer(Q, K, V, block_q, block_k, scale, mask, tr, drop)
+        return _forward_q_outer(Q, K, V, block_q, block_k, scale, mask, tr, drop, sink)
     if order == "kv_outer":
-        return _forward_kv_outer(Q, K, V, block_q, block_k, scale, mask, tr, drop)
+        return _forward_kv_outer(Q, K, V, block_q, block_k, scale, mask, tr, drop, sink)
     raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
 
 
-def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout()):
+def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout(), sink=None):
     """FlashAttention-2 order: one Q tile stays in SRAM while all K/V tiles stream past."""
     Nq, Nk = Q.shape[0], K.shape[0]
     O = np.empty_like(Q)
@@ -240,6 +244,8 @@ def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout()):
         O_i = np.zeros_like(Q_i)  # on chip: accumulated, unnormalized output
         l_i = np.zeros(Q_i.shape[0], dtype=Q.dtype)  # running sum of exp(S - m_i)
         m_i = np.full(Q_i.shape[0], -np.inf, dtype=Q.dtype)  # running row max
+        if sink is not None:  # the sink: one term exp(sink - m_i) in l_i, nothing in O_i
+            m_i, l_i = np.full_like(m_i, sink), np.ones_like(l_i)
         for j in range(math.ceil(Nk / Bc)):
             if mask.skip(i, j):
                 tr.skip(i, j)
@@ -268,12 +274,14 @@ def _forward_q_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout()):
     return O, L
 
 
-def _forward_kv_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout()):
+def _forward_kv_outer(Q, K, V, Br, Bc, scale, mask, tr, drop=TileDropout(), sink=None):
     """The paper's Algorithm 1: K_j, V_j loaded once; O_i, l_i, m_i updated in HBM each pass."""
     Nq, Nk = Q.shape[0], K.shape[0]
     O = np.zeros_like(Q)  # line 2: O, l, m initialized in HBM
     l = np.zeros(Nq, dtype=Q.dtype)
     m = np.full(Nq, -np.inf, dtype=Q.dtype)
+    if sink is not None:  # the sink: one term exp(sink - m) in l, nothing in O
+        m, l = np.full_like(m, sink), np.ones_like(l)
     Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
     for j in range(Tc):
         cols = _tile(j, Bc, Nk)

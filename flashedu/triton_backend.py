@@ -24,7 +24,7 @@ path's layers cost more host time than the kernels of a small attention take on 
 (BENCHMARKS.md, "A repeated call").
 
 A Repeat learns its launches from the general path's own (the ``keep`` argument of
-``forward.forward`` and ``backward.backward``) on its first forward and first backward, so the
+``launch.forward`` and ``launch.backward``) on its first forward and first backward, so the
 launches it repeats are exactly the ones the general path made. Whatever it cannot repeat as
 is (a gradient laid out differently, a transform or dispatch mode, the interpreter's float32
 copies) it hands to the general path.
@@ -37,9 +37,9 @@ import math
 import torch
 
 from . import ops, runtime
-from .triton import backward as bwd
 from .triton import fast
 from .triton import forward as fwd
+from .triton import launch
 from .triton.autograd import resolve_config
 from .triton.inputs import check
 
@@ -97,16 +97,16 @@ def forward_with_lse(q, k, v, *, is_causal=False, scale=None, block_mask=None):
 
 def forward_into(q, k, v, O, L, *, is_causal, scale, scratch=None):
     """q's attention over (k, v) merged, in place, into the running (O, L) over the keys seen
-    before: the kernel starts its online softmax from them (``forward.forward_into``), so no
+    before: the kernel starts its online softmax from them (``launch.forward_into``), so no
     output of the call's own and no merge pass exist. O: float32 with q's shape and strides;
     L: the natural-log logsumexp (B, H, Nq), -inf for a row that has seen no key yet (O = 0
     there). ``scratch(t)`` is told of each temporary the call allocates."""
     check(q, k, v)
     lse2 = _told(scratch, kernel_lse(L))
     config = resolve_config(q.shape[-1], q.dtype, None, q.device)
-    fwd.forward_into(q, k, v, O, lse2, is_causal=is_causal, scale=scale,
-                     tiles=config.forward_tiles(None, k.shape[2]),
-                     interpreted=runtime.triton_interpreted())
+    launch.forward_into(q, k, v, O, lse2, is_causal=is_causal, scale=scale,
+                        tiles=config.forward_tiles(None, k.shape[2]),
+                        interpreted=runtime.triton_interpreted())
     L.copy_(natural_lse(lse2))
 
 
@@ -116,16 +116,17 @@ def backward_into(q, k, v, out, L, dout, *, is_causal, scale, D=None, into=None)
     float32 (B, H, Nq), when the caller has it (:func:`row_dot`). ``into``: (dQ, dK, dV)
     buffers the kernels add this call's gradients to (returned)."""
     config = resolve_config(q.shape[-1], q.dtype, None, q.device)
-    return bwd.backward(q, k, v, out, kernel_lse(L), dout, is_causal=is_causal, scale=scale,
-                        block_mask=None, config=config, interpreted=runtime.triton_interpreted(),
-                        D=None if D is None else D.contiguous(), into=into)
+    return launch.backward(q, k, v, out, kernel_lse(L), dout, is_causal=is_causal,
+                           scale=scale, block_mask=None, config=config,
+                           interpreted=runtime.triton_interpreted(),
+                           D=None if D is None else D.contiguous(), into=into)
 
 
 def row_dot(out, dout):
     """D = rowsum(dO * O), float32 (B, H, Nq), by the backward's preprocess kernel."""
     config = resolve_config(out.shape[-1], out.dtype, None, out.device)
-    out, dout = fwd.interpreter_fp32(runtime.triton_interpreted(), out, dout)
-    return bwd.preprocess(out, dout, config.preprocess_rows)
+    out, dout = launch.interpreter_fp32(runtime.triton_interpreted(), out, dout)
+    return launch.preprocess(out, dout, config.preprocess_rows)
 
 
 def kernel_lse(L):
@@ -153,10 +154,10 @@ def forward(q, k, v, call):
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     mask = call.block_mask
     config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
-    return fwd.forward(q, k, v, is_causal=call.is_causal, scale=call.scale, block_mask=mask,
-                       tiles=config.forward_tiles(mask, k.shape[2], call.dropout_p > 0),
-                       interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
-                       rng=call.rng, mods=call.mods)
+    return launch.forward(q, k, v, is_causal=call.is_causal, scale=call.scale, block_mask=mask,
+                          tiles=config.forward_tiles(mask, k.shape[2], call.dropout_p > 0),
+                          interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
+                          rng=call.rng, mods=call.mods)
 
 
 def backward(q, k, v, out, lse2, dout, call, dlse=None, mask_grad=False):
@@ -164,10 +165,10 @@ def backward(q, k, v, out, lse2, dout, call, dlse=None, mask_grad=False):
     q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
     mask = call.block_mask
     config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
-    return bwd.backward(q, k, v, out, lse2, dout.contiguous(), is_causal=call.is_causal,
-                        scale=call.scale, block_mask=mask, config=config,
-                        interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
-                        rng=call.rng, mods=call.mods, dlse=dlse, mask_grad=mask_grad)
+    return launch.backward(q, k, v, out, lse2, dout.contiguous(), is_causal=call.is_causal,
+                           scale=call.scale, block_mask=mask, config=config,
+                           interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
+                           rng=call.rng, mods=call.mods, dlse=dlse, mask_grad=mask_grad)
 
 
 def natural_lse(lse2):
@@ -180,8 +181,9 @@ def empty_outputs(*tensors):
     """Empty results laid out as the launch code lays out its own (the same host functions
     decide): the operators' fake implementations must give the real strides."""
     dtype = tensors[0].dtype
-    tensors = fwd.interpreter_fp32(runtime.triton_interpreted(), *map(_kernel_layout, tensors))
-    _, outs = fwd.outputs_like(*tensors)
+    tensors = launch.interpreter_fp32(runtime.triton_interpreted(),
+                                      *map(_kernel_layout, tensors))
+    _, outs = launch.outputs_like(*tensors)
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in outs)
 
 
@@ -228,16 +230,16 @@ class Repeat:
     def __call__(self, q, k, v):
         if not ops.plain_eager(q, k, v):
             return None
-        return ops.Attention.apply(self, self.call, False, q, k, v, None)
+        return ops.Attention.apply(self, self.call, False, q, k, v, None, None)
 
     def forward(self, q, k, v, call):
-        """(O, L2) as ``forward.forward`` returns them."""
+        """(O, L2) as ``launch.forward`` returns them."""
         if self.forward_plan is None:
             kept = []
             tiles = self.config.forward_tiles(self.block_mask, k.shape[2])
-            out = fwd.forward(q, k, v, is_causal=self.is_causal, scale=self.scale,
-                              block_mask=self.block_mask, tiles=tiles,
-                              interpreted=self.interpreted, mods=call.mods, keep=kept)
+            out = launch.forward(q, k, v, is_causal=self.is_causal, scale=self.scale,
+                                 block_mask=self.block_mask, tiles=tiles,
+                                 interpreted=self.interpreted, mods=call.mods, keep=kept)
             self.forward_plan = kept[0] if kept else None
             return out
         o = torch.empty_like(q)
@@ -246,16 +248,16 @@ class Repeat:
         return o, lse2
 
     def backward(self, q, k, v, o, lse2, do, call, dlse=None, mask_grad=False):
-        """(dQ, dK, dV) as ``backward.backward`` returns them (a plain call has no lse or
+        """(dQ, dK, dV) as ``launch.backward`` returns them (a plain call has no lse or
         attn_mask to differentiate)."""
         do = do.contiguous()  # as the general path hands it to the kernels
         layout = (do.stride(), do.dtype, do.data_ptr() % 16 == 0)
         if self.backward_plan is None or layout != self.dout_layout:
             kept = []
-            grads = bwd.backward(q, k, v, o, lse2, do, is_causal=self.is_causal,
-                                 scale=self.scale, block_mask=self.block_mask,
-                                 config=self.config, interpreted=self.interpreted,
-                                 mods=call.mods, keep=kept)
+            grads = launch.backward(q, k, v, o, lse2, do, is_causal=self.is_causal,
+                                    scale=self.scale, block_mask=self.block_mask,
+                                    config=self.config, interpreted=self.interpreted,
+                                    mods=call.mods, keep=kept)
             if self.backward_plan is None and kept:
                 self.backward_plan, self.dout_layout = kept[0], layout
             return grads
@@ -265,6 +267,6 @@ class Repeat:
         stream = fast.stream_for(first, *launches)  # the checks, once for all launches
         if first is not None:  # the preprocess: D = rowsum(dO * O)
             first.start(o, do, D, stream=stream)
-        for launch in launches:
-            launch.start(q, k, v, do, lse2, D, dq, dk, dv, stream=stream)
+        for planned in launches:
+            planned.start(q, k, v, do, lse2, D, dq, dk, dv, stream=stream)
         return dq, dk, dv

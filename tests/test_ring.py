@@ -387,7 +387,7 @@ def test_ring_on_the_gpu_in_16_bits(is_causal):
 def test_kernel_merge_names_bad_running_results():
     import flashedu  # noqa: F401
     from flashedu.triton.autograd import resolve_config
-    from flashedu.triton.forward import forward_into
+    from flashedu.triton.launch import forward_into
 
     q = torch.randn(1, 2, 8, 16)
     tiles = resolve_config(16, q.dtype, None, q.device).forward_tiles(None, 8)

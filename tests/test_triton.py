@@ -249,15 +249,14 @@ def test_tile_lists_put_the_unmasked_tiles_first(Nq, Nk, causal, transpose, seed
 def test_tma_forward_matches_the_pointer_forward(monkeypatch, causal):
     """The copy-engine (TMA) loads, run by the interpreter: ragged Nk, a padded head dim (24 of
     32: the descriptor's zero fill), GQA. They must give what the pointer loads give."""
-    from flashedu.triton import fast
-    from flashedu.triton import forward as fw
+    from flashedu.triton import fast, launch
     from flashedu.triton.config import Tiles
 
     monkeypatch.setattr(fast, "tma_ok", lambda *t: True)  # the interpreter has no copy engine
     q, k, v = (x.detach() for x in _qkv(1, 4, 2, 70, 53, 24))
     kw = dict(is_causal=causal, scale=0.2, block_mask=None, interpreted=False)
-    plain, _ = fw.forward(q, k, v, tiles=Tiles(32, 16), **kw)
-    fast, _ = fw.forward(q, k, v, tiles=Tiles(32, 16, tma=True, warp_specialize=True), **kw)
+    plain, _ = launch.forward(q, k, v, tiles=Tiles(32, 16), **kw)
+    fast, _ = launch.forward(q, k, v, tiles=Tiles(32, 16, tma=True, warp_specialize=True), **kw)
     ref = reference_attention(q, k, v, is_causal=causal, scale=0.2, enable_gqa=True)
     assert _err(plain, ref) < 1e-5
     assert _err(fast, plain) < 1e-6
@@ -266,7 +265,7 @@ def test_tma_forward_matches_the_pointer_forward(monkeypatch, causal):
 def test_fast_forward_falls_back_when_it_does_not_build(monkeypatch):
     """A Triton without TMA or warp specialization for this GPU: one warning, then the pointer
     version, and the right answer."""
-    from flashedu.triton import fast
+    from flashedu.triton import fast, launch
     from flashedu.triton import forward as fw
     from flashedu.triton.config import Tiles
 
@@ -287,10 +286,10 @@ def test_fast_forward_falls_back_when_it_does_not_build(monkeypatch):
     kw = dict(is_causal=False, scale=0.25, block_mask=None, interpreted=False,
               tiles=Tiles(32, 16, tma=True, warp_specialize=True))
     with pytest.warns(UserWarning, match="pointer version"):
-        out, _ = fw.forward(q, k, v, **kw)
+        out, _ = launch.forward(q, k, v, **kw)
     assert _err(out, reference_attention(q, k, v, scale=0.25)) < 1e-5
     assert len(fast._NO_FAST) == 1
-    fw.forward(q, k, v, **kw)  # remembered: no second failure, no second warning
+    launch.forward(q, k, v, **kw)  # remembered: no second failure, no second warning
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -300,9 +299,8 @@ def test_ablation_variants_match_the_reference(causal, dtype):
     attention and its gradients within the same tolerance as the production kernels: ragged
     sizes, a padded head dim (24 of 32), GQA."""
     from flashedu.triton import ablations
-    from flashedu.triton.backward import backward
     from flashedu.triton.config import kernel_config
-    from flashedu.triton.forward import forward
+    from flashedu.triton.launch import backward, forward
 
     q, k, v = (x.detach() for x in _qkv(1, 4, 2, 45, 37, 24, dtype))
     do = torch.randn_like(q)
@@ -410,8 +408,7 @@ def test_a_repeated_dropout_call_draws_a_new_mask(monkeypatch):
     """The RNG state is one of the call's own tensors: a plan repeated with a new one drops
     other entries, and with the same one the same entries as a call that built its plan."""
     from flashedu.dropout import draw_rng
-    from flashedu.triton import fast
-    from flashedu.triton import forward as fw
+    from flashedu.triton import fast, launch
     from flashedu.triton.config import INTERPRETER
 
     monkeypatch.setattr(fast, "PLANS", {})
@@ -419,11 +416,11 @@ def test_a_repeated_dropout_call_draws_a_new_mask(monkeypatch):
     kw = dict(is_causal=False, scale=0.25, block_mask=None, tiles=INTERPRETER.forward,
               interpreted=True, dropout_p=0.3)
     rng1, rng2 = draw_rng(q.device), draw_rng(q.device)
-    first, _ = fw.forward(q, k, v, rng=rng1, **kw)
-    second, _ = fw.forward(q, k, v, rng=rng2, **kw)  # repeated with a new state
+    first, _ = launch.forward(q, k, v, rng=rng1, **kw)
+    second, _ = launch.forward(q, k, v, rng=rng2, **kw)  # repeated with a new state
     assert len(fast.PLANS) == 1 and not torch.equal(first, second)
     fast.PLANS.clear()
-    assert torch.equal(fw.forward(q, k, v, rng=rng2, **kw)[0], second)
+    assert torch.equal(launch.forward(q, k, v, rng=rng2, **kw)[0], second)
 
 
 def test_a_plan_keeps_no_tensor_of_its_call(monkeypatch):
@@ -1073,39 +1070,38 @@ def test_backward_adds_into_given_buffers(causal):
     """``into``: the kernels add a call's gradients to the caller's buffers (float32 views of
     larger tensors, as ring attention's accumulators), and return them; a repeated call adds
     again through its launch plan. GQA, ragged sizes, a padded head dim."""
-    from flashedu.triton import backward as bw
-    from flashedu.triton import forward as fw
+    from flashedu.triton import launch
     from flashedu.triton.config import INTERPRETER
 
     q, k, v = (x.detach() for x in _qkv(1, 4, 2, 45, 37, 24))
     do = torch.randn_like(q)
     kw = dict(is_causal=causal, scale=0.2, block_mask=None,
               interpreted=flashedu.runtime.triton_interpreted())
-    o, lse2 = fw.forward(q, k, v, tiles=INTERPRETER.forward, **kw)
-    fresh = bw.backward(q, k, v, o, lse2, do, config=INTERPRETER, **kw)
+    o, lse2 = launch.forward(q, k, v, tiles=INTERPRETER.forward, **kw)
+    fresh = launch.backward(q, k, v, o, lse2, do, config=INTERPRETER, **kw)
     # views with strides of their own: rows 3.. of taller float32 tensors
     big = [torch.randn(x.shape[0], x.shape[1], x.shape[2] + 3, x.shape[3], device=x.device)
            for x in (q, k, v)]
     into = tuple(b[:, :, 3:] for b in big)
     before = [t.clone() for t in into]
     outside = [b[:, :, :3].clone() for b in big]
-    assert bw.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=into, **kw) is into
+    assert launch.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=into, **kw) is into
     for got, start, g in zip(into, before, fresh):
         torch.testing.assert_close(got, start + g.float(), rtol=1e-5, atol=1e-5)
-    bw.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=into, **kw)  # once more
+    launch.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=into, **kw)  # once more
     for got, start, g in zip(into, before, fresh):
         torch.testing.assert_close(got, start + 2 * g.float(), rtol=1e-5, atol=1e-5)
     assert all(torch.equal(b[:, :, :3], b0) for b, b0 in zip(big, outside))  # untouched
     with pytest.raises(ValueError, match="into: dk must have shape"):
-        bw.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=(into[0], into[0], into[2]),
-                    **kw)
+        launch.backward(q, k, v, o, lse2, do, config=INTERPRETER,
+                        into=(into[0], into[0], into[2]), **kw)
 
 
 def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     """Triton's out-of-resources error: the launch retries with smaller tiles, once per
     configuration; later calls start from the tiles that fit."""
     from flashedu.triton import backward as bw
-    from flashedu.triton import fast
+    from flashedu.triton import fast, launch
     from flashedu.triton import forward as fw
     from flashedu.triton.config import INTERPRETER, Tiles
 
@@ -1113,8 +1109,8 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     do = do.to(q.device)
     kw = dict(is_causal=True, scale=0.25, block_mask=None,
               interpreted=flashedu.runtime.triton_interpreted())
-    o_ref, lse2_ref = fw.forward(q, k, v, tiles=INTERPRETER.forward, **kw)
-    ref = bw.backward(q, k, v, o_ref, lse2_ref, do, config=INTERPRETER, **kw)
+    o_ref, lse2_ref = launch.forward(q, k, v, tiles=INTERPRETER.forward, **kw)
+    ref = launch.backward(q, k, v, o_ref, lse2_ref, do, config=INTERPRETER, **kw)
     real_launch, real_run = fast.launch, fast.run
     tried = []
 
@@ -1131,28 +1127,28 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
 
     monkeypatch.setattr(fast, "launch", picky_launch)
     monkeypatch.setattr(fast, "run", picky_run)
-    monkeypatch.setattr(fw, "_SHRUNK", {})
-    monkeypatch.setattr(bw, "_SHRUNK", {})
+    monkeypatch.setattr(launch, "_SHRUNK_FORWARD", {})
+    monkeypatch.setattr(launch, "_SHRUNK_BACKWARD", {})
     monkeypatch.setattr(fast, "PLANS", {})
     with pytest.warns(UserWarning, match="smaller tiles"):
-        o, lse2 = fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+        o, lse2 = launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
     assert tried == [(32, 16), (32, 16), (16, 16)]  # one stage fewer, then Br halved
     assert _err(o, reference_attention(q, k, v, is_causal=True, scale=0.25)) < 1e-5
     tried.clear()
-    fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
     assert tried == []  # the same call again: its plan repeats the launch that fitted
     fast.PLANS.clear()
-    fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
     assert tried == [(16, 16)]  # remembered for the configuration too
     config = dataclasses.replace(INTERPRETER, dkdv=Tiles(16, 32, 4, 1))
     with pytest.warns(UserWarning, match="smaller tiles"):
-        grads = bw.backward(q, k, v, o, lse2, do, config=config, **kw)
+        grads = launch.backward(q, k, v, o, lse2, do, config=config, **kw)
     assert all(_err(a, b) < 1e-5 for a, b in zip(grads, ref))
-    assert list(bw._SHRUNK.values())[0].dkdv == Tiles(16, 16, 4, 1)
+    assert list(launch._SHRUNK_BACKWARD.values())[0].dkdv == Tiles(16, 16, 4, 1)
 
     # a variant that shrank (here dropout, which needs more shared memory) keeps its smaller
     # tiles to itself: the plain kernel of the same configuration keeps its own
-    monkeypatch.setattr(fw, "_SHRUNK", {})
+    monkeypatch.setattr(launch, "_SHRUNK_FORWARD", {})
     RNG = list(inspect.signature(fw.forward_kernel.fn).parameters).index("RNG")
     monkeypatch.setattr(fast, "launch", lambda kernel, grid, args, consts, switches, slots: (
         picky_launch(kernel, grid, args, consts, switches, slots) if args[RNG] is not None
@@ -1160,10 +1156,10 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     rng = torch.tensor([1, 2], device=q.device)
     fast.PLANS.clear()
     with pytest.warns(UserWarning, match="smaller tiles"):
-        fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), dropout_p=0.1, rng=rng, **kw)
+        launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), dropout_p=0.1, rng=rng, **kw)
     tried.clear()
-    fw.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
-    assert tried == [] and len(fw._SHRUNK) == 1  # the plain launch was not shrunk
+    launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    assert tried == [] and len(launch._SHRUNK_FORWARD) == 1  # the plain launch was not shrunk
 
 
 def test_short_sequences_take_the_short_entry_s_tiles():

@@ -144,9 +144,8 @@ def check_ablations(device="cuda") -> list[str]:
     """Each variant of ablations.py against the production kernel it is measured against."""
     from flashedu import runtime
     from flashedu.triton import ablations
-    from flashedu.triton.backward import backward
     from flashedu.triton.config import kernel_config
-    from flashedu.triton.forward import forward
+    from flashedu.triton.launch import backward, forward
 
     interpreted = runtime.triton_interpreted()
     fails = []

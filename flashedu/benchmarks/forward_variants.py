@@ -20,9 +20,9 @@ import torch
 
 import flashedu
 from flashedu.benchmarks import peers as providers
-from flashedu.triton.backward import backward
+from flashedu.triton import launch
 from flashedu.triton.config import Tiles, kernel_config
-from flashedu.triton.forward import forward
+from flashedu.triton.launch import backward, forward
 
 from . import core
 from .core import flops, rel_err
@@ -43,11 +43,22 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_prev(path):
-    spec = importlib.util.spec_from_file_location("flashedu.triton._prev_forward", path)
+    """The host forward of an earlier forward.py: its own ``forward``, from before the host
+    side moved to launch.py; else this launch.py's, with that file's kernel and arguments."""
+    prev = _load(path, "flashedu.triton._prev_forward")
+    if hasattr(prev, "forward"):
+        return prev.forward
+    host = _load(launch.__file__, "flashedu.triton._prev_launch")
+    host.fwd = prev  # launch.py looks its kernel up in ``fwd`` at each call
+    return host.forward
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "flashedu.triton"
     spec.loader.exec_module(mod)
-    return mod.forward
+    return mod
 
 
 class Log:

@@ -375,7 +375,7 @@ def sweep_fn(shape: Shape, Br: int, Bc: int):
     """The Triton forward alone with the tile size (Br, Bc)."""
     from flashedu import runtime
     from flashedu.triton.config import Tiles
-    from flashedu.triton.forward import forward
+    from flashedu.triton.launch import forward
 
     interpreted = runtime.triton_interpreted()
     q, k, v = make_inputs(shape, grad=False)

@@ -273,9 +273,7 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     """The (kernel, args, consts) the package launches for this call, in launch order."""
     import torch
 
-    from ..triton import backward as bw
-    from ..triton import fast
-    from ..triton import forward as fw
+    from ..triton import fast, launch
     from ..triton.autograd import resolve_config
     from . import core
 
@@ -298,13 +296,14 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     try:
         if variant == "resume":
             o, lse2 = torch.zeros(q.shape), torch.full(q.shape[:3], float("inf"))
-            fw.forward_into(q, k, v, o, lse2, tiles=config.forward_tiles(None, n), **kw)
+            launch.forward_into(q, k, v, o, lse2, tiles=config.forward_tiles(None, n), **kw)
         else:
-            o, lse2 = fw.forward(q, k, v, block_mask=None,
-                                 tiles=config.forward_tiles(None, n, bool(drop)), **kw, **drop)
+            o, lse2 = launch.forward(q, k, v, block_mask=None,
+                                     tiles=config.forward_tiles(None, n, bool(drop)), **kw,
+                                     **drop)
         if mode == "bwd":
             launches.clear()
-            bw.backward(q, k, v, o, lse2, do, block_mask=None, config=config, **kw, **drop)
+            launch.backward(q, k, v, o, lse2, do, block_mask=None, config=config, **kw, **drop)
     finally:
         fast.run, fast.launch, fast.switches = saved
     return launches

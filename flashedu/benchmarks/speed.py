@@ -21,9 +21,8 @@ import torch
 
 import flashedu
 from flashedu.triton import ablations
-from flashedu.triton.backward import backward
 from flashedu.triton.config import KernelConfig, Tiles, kernel_config
-from flashedu.triton.forward import forward
+from flashedu.triton.launch import backward, forward
 
 from . import core
 from .core import flops, rel_err

@@ -34,9 +34,8 @@ def bench(fn) -> float:
 
 
 def tune(n, d, causal, log):
-    from flashedu.triton.backward import backward
     from flashedu.triton.config import kernel_config
-    from flashedu.triton.forward import forward
+    from flashedu.triton.launch import backward, forward
 
     q, k, v, do = core.standard_inputs(n, d)
     scale = d ** -0.5

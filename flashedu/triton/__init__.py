@@ -2,6 +2,7 @@
 
     forward.py   one program per (Q tile, batch*head), FlashAttention-2 order, exp2 softmax
     backward.py  D = rowsum(dO * O), then dK/dV (K/V-outer) and dQ (Q-outer): no atomics
+    launch.py    the host side: outputs, float32 copies, launch plans, smaller tiles on retry
     decode.py    split-KV decoding: a few queries against a long K/V cache
     autograd.py  the tile table entry of a call (tiles fitted to a block mask); the autograd
                  link of forward and backward is flashedu.ops (torch.library operators)
@@ -18,7 +19,7 @@ flashedu.attention straight to its launches) are :mod:`flashedu.triton_backend`,
 On a machine without a CUDA GPU the same kernels run in Triton's interpreter on CPU tensors
 (``flashedu.runtime`` sets TRITON_INTERPRET=1 before triton is imported). The interpreter's
 16-bit tl.dot is unreliable, so there the launch code hands the kernels float32 copies of
-16-bit inputs and casts the results back (``forward.interpreter_fp32``).
+16-bit inputs and casts the results back (``launch.interpreter_fp32``).
 """
 
 from __future__ import annotations

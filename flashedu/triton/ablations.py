@@ -23,10 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import preprocess
 from .config import padded_head_dim
-from .forward import (_LOG2E, LOG2E, _forward_step, _store_output, forward_launch,
-                      interpreter_fp32, load_tile, outputs_like)
+from .forward import _LOG2E, LOG2E, _forward_step, _store_output, forward_launch, load_tile
+from .launch import interpreter_fp32, outputs_like, preprocess
 from .tiles import full_tile, kv_tiles, masked_tile
 
 # --- forward: natural exp, and one masked loop ---------------------------------------------
@@ -133,7 +132,7 @@ def forward_variant_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H
 
 def forward(q, k, v, *, is_causal, scale, tiles, interpreted, natural_exp=False,
             mask_every_tile=False):
-    """(O, L2) as ``forward.forward`` returns them, computed by a variant (both switches False:
+    """(O, L2) as ``launch.forward`` returns them, computed by a variant (both switches False:
     the production code). Launched by the production launch code; TMA is not used."""
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
     (q32,), (o,) = outputs_like(q32)
@@ -239,7 +238,7 @@ def dkdv_atomic_kernel(Q, K, V, dO, L, D, dQ, dK, dV, qk_scale, scale,
 
 
 def atomic_dq_backward(q, k, v, o, lse2, do, *, is_causal, scale, config, interpreted):
-    """(dQ, dK, dV) as ``backward.backward`` returns them, with no dQ pass: the dK/dV programs
+    """(dQ, dK, dV) as ``launch.backward`` returns them, with no dQ pass: the dK/dV programs
     (the config's ``dkdv`` tiles) add into a float32 dQ with atomics. The summation order
     changes from run to run, so dQ may differ in its last bits between two runs."""
     tiles = config.backward_entry(is_causal, False, None, k.shape[2]).dkdv

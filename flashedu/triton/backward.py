@@ -16,22 +16,22 @@ which needs atomic adds (nondeterministic order, so bit-different results run to
 dQ its own Q-outer pass recomputes S_ij and dP_ij once more (2 of the 5 matmuls), and in
 exchange every output tile has exactly one program writing it. The atomic design is kept in
 ``ablations.py``, where notebook 10 times it against this one.
+
+Here are the kernels and what a launch passes them (``launch_args``); the host side of a call
+(D's and the gradients' tensors, the launch plan, smaller tiles after an out-of-resources
+error) is ``launch.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import warnings
 
-import torch
 import triton
 import triton.language as tl
 
-from . import fast
 from .dropout import keep_tile
-from .forward import (dropout_args, dropout_state, element_args, exponent_scale,
-                      interpreter_fp32, load_tile, mods_args, outputs_like, register_cap)
+from .forward import (dropout_args, dropout_state, element_args, exponent_scale, load_tile,
+                      mods_args, register_cap)
 from .mods import mod_scores, visible
 from .tiles import element_origin, full_tile, kv_tiles, masked_tile, q_tiles
 
@@ -304,32 +304,6 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, scale, stride_q, stride_k, st
                         MASK_MOD, ACCUMULATE)
 
 
-def _returned(into, grads, dtype):
-    """What a call returns: the caller's buffers it added to, or its gradients in the inputs'
-    dtype (the interpreter computes 16-bit inputs in float32)."""
-    if into is not None:
-        return into
-    return tuple(t if t.dtype == dtype else t.to(dtype) for t in grads)
-
-
-def _check_into(into, q, k, v):
-    """The (dQ, dK, dV) buffers a call adds to: q's, k's and v's shapes, on their device."""
-    if not isinstance(into, (tuple, list)) or len(into) != 3:
-        raise TypeError(f"into must be a (dq, dk, dv) tuple of tensors, got {type(into).__name__}")
-    for name, buf, x in zip(("dq", "dk", "dv"), into, (q, k, v)):
-        if buf.shape != x.shape or buf.device != x.device:
-            raise ValueError(f"into: {name} must have shape {tuple(x.shape)} on {x.device}, "
-                             f"got {tuple(buf.shape)} on {buf.device}")
-    return into
-
-
-def preprocess(o, do, rows):
-    """D = rowsum(dO * O), float32 (B, H, Nq)."""
-    D = torch.empty(o.shape[:3], dtype=torch.float32, device=o.device)
-    fast.run(preprocess_kernel, *_preprocess_launch(o, do, D, rows))
-    return D
-
-
 def _preprocess_launch(o, do, D, rows):
     """(grid, args, consts) of preprocess_kernel: (o, do, D) lead the arguments."""
     B, H, Nq, d = o.shape
@@ -387,119 +361,32 @@ def _grid(consts, B, Hkv, Nq, Nk, GROUP):
     return programs, B * Hkv
 
 
-_SHRUNK: dict = {}  # backward configs whose launch ran out of resources -> configs that fit
-
-
-def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
-             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False, D=None, keep=None,
-             into=None):
-    """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
-    ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask. ``mods`` as the
-    forward's; ``dlse``: the gradient of the natural-log lse, if the call returned it
-    (d lse_i / d s_ij = P_ij, so it is subtracted from D_i). ``mask_grad``: also return the
-    gradient of the float attn_mask in ``mods`` (dS_ij, summed to the mask's shape).
-    ``D``: rowsum(dO * O), float32 (B, H, Nq) contiguous, when the caller has it already (ring
-    attention computes it once for all its calls); otherwise the preprocess kernel computes it.
-
-    ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
-    tiles' warps and stages) for keys shorter than ``config.split_from``; otherwise two
-    launches, each with its own.
-    ``keep``: a list; the call's launch plan, (the preprocess's launch or None, [the kernel's
-    launches]), is appended to it, if the call has one (as the forward's).
-    ``into``: (dQ, dK, dV) buffers of q's, k's and v's shapes, any strides and dtypes: the
-    kernels add this call's gradients to them (no tensors of the call's own; float32 buffers
-    sum many calls with one rounding each). Returns ``into``."""
+def launch_args(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal, scale, block_mask, config,
+                interpreted, dropout_p=0.0, rng=None, mods=None, dbias=None, accumulate=False):
+    """(args, [(grid, consts)]) of backward_kernel: its arguments, led by (q, k, v, do, lse2,
+    D, dq, dk, dv) and shared by its launches (one with both kinds of program, or one each:
+    ``_launch_consts``), then each launch's grid and constants. The dropout and ``mods`` as
+    the forward's ``launch_args``; ``dbias``: where a learned attn_mask's gradient goes, or
+    None; ``accumulate``: the kernels add to what dq, dk, dv hold."""
     from . import sparse
 
-    dtype = q.dtype
-    q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
-    if into is None:
-        (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
-    else:
-        dq, dk, dv = _check_into(into, q, k, v)
-    config = config.backward_entry(is_causal, dropout_p > 0, block_mask, k.shape[2])
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    own_D = D is None
-    if own_D:
-        D = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-    # the call's own tensors, in the order the kernel takes them first (rng after them)
-    live = (q, k, v, do, lse2, D, dq, dk, dv) + ((rng,) if dropout_p > 0 else ())
-    # a call laid out as an earlier one repeats its launches (fast.PLANS); a score mod or an
-    # attn_mask, an lse gradient and the mask's gradient take the general path (a mask mod
-    # is part of the block mask, which the key holds)
-    plan_key = None
-    if (mods is None or mods.mask_mod_only) and dlse is None and not mask_grad:
-        given = live[6:9] if into is not None else ()  # outputs laid out by the caller
-        plan_key = fast.signature((*live[:6], o, *live[9:], *given), id(backward_kernel),
-                                  own_D, config, is_causal, scale, block_mask, mods is not None,
-                                  interpreted, dropout_p, into is not None)
-        plan = fast.PLANS.get(plan_key)
-        if plan is not None:
-            if keep is not None:
-                keep.append(plan)
-            first, launches = plan
-            stream = fast.stream_for(first, *launches)
-            if first is not None:
-                first.start(o, do, D, stream=stream)
-            for launch in launches:
-                launch.start(*live, stream=stream)
-            return _returned(into, (dq, dk, dv), dtype)
-    key = (config, q.shape[-1], dtype, dropout_p > 0, mods is not None)  # per kernel variant
-    if _SHRUNK:
-        config = _SHRUNK.get(key, config)
-    first = None  # the preprocess's launch, for the plan
-    if own_D:
-        pre_grid, pre_args, pre_consts = _preprocess_launch(o, do, D, config.preprocess_rows)
-        fast.run(preprocess_kernel, pre_grid, pre_args, pre_consts)
-        if plan_key is not None:
-            first = fast.Launch(preprocess_kernel, pre_grid, pre_args, pre_consts, (0, 1, 2))
-    if dlse is not None:
-        D = D - dlse.to(torch.float32).reshape(D.shape)
-    dbias = None
-    if mask_grad:
-        dbias = torch.zeros((B, H, Nq, Nk), dtype=torch.float32, device=q.device)
     (bias, score_args, mask_args), hooks, elements = mods_args(mods, block_mask, q, k)
     masked = elements or hooks.get("MASK_MOD") is not None  # the mods need the masked loops
-    while True:
-        t1, t2 = config.dkdv, config.dq
-        q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
-        kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
-        q_elem = element_args(elements, block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
-        kv_elem = element_args(elements, block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
-        args = (q, k, v, do, lse2, D, dq, dk, dv, scale, q.stride()[:3], k.stride()[:3],
-                v.stride()[:3], do.stride()[:3], dq.stride()[:3], dk.stride()[:3],
-                dv.stride()[:3], H, H // Hkv, Nq, Nk, d, q_lists, kv_lists, q_elem, kv_elem,
-                *dropout_args(dropout_p, rng), bias, dbias, score_args, mask_args)
-        launches = []
-        try:
-            for consts in _launch_consts(Nq, Nk, d, is_causal, config, interpreted):
-                consts = register_cap({**consts, **hooks, "ACCUMULATE": into is not None,
-                                       "DKDV": _masked(consts["DKDV"], masked),
-                                       "DQ": _masked(consts["DQ"], masked)}, dropout_p)
-                grid = _grid(consts, B, Hkv, Nq, Nk, H // Hkv)
-                fast.run(backward_kernel, grid, args, consts)
-                if plan_key is not None:  # live: the first nine arguments, then rng
-                    own = fast.slots(args, 9, *live[9:])
-                    launches.append(fast.Launch(backward_kernel, grid, args, consts, own))
-            break
-        except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
-            from .config import smaller
-
-            new1, new2 = smaller(t1), smaller(t2)
-            if new1 is None and new2 is None:
-                raise
-            config = dataclasses.replace(config, dkdv=new1 or t1, dq=new2 or t2,
-                                         causal_backward=None)
-            warnings.warn(f"flashedu: {exc}; retrying the backward with smaller tiles "
-                          f"{config.dkdv}, {config.dq}", stacklevel=2)
-            _SHRUNK[key] = config
-    if plan_key is not None:
-        fast.remember(plan_key, (first, launches))
-        if keep is not None:
-            keep.append((first, launches))
-    grads = _returned(into, (dq, dk, dv), dtype)
-    if mask_grad:
-        attn_mask = mods.attn_mask
-        return (*grads, dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype))
-    return grads
+    t1, t2 = config.dkdv, config.dq
+    q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
+    kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
+    q_elem = element_args(elements, block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
+    kv_elem = element_args(elements, block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
+    args = (q, k, v, do, lse2, D, dq, dk, dv, scale, q.stride()[:3], k.stride()[:3],
+            v.stride()[:3], do.stride()[:3], dq.stride()[:3], dk.stride()[:3],
+            dv.stride()[:3], H, H // Hkv, Nq, Nk, d, q_lists, kv_lists, q_elem, kv_elem,
+            *dropout_args(dropout_p, rng), bias, dbias, score_args, mask_args)
+    launches = []
+    for consts in _launch_consts(Nq, Nk, d, is_causal, config, interpreted):
+        consts = register_cap({**consts, **hooks, "ACCUMULATE": accumulate,
+                               "DKDV": _masked(consts["DKDV"], masked),
+                               "DQ": _masked(consts["DQ"], masked)}, dropout_p)
+        launches.append((_grid(consts, B, Hkv, Nq, Nk, H // Hkv), consts))
+    return args, launches

@@ -37,7 +37,8 @@ import triton.language as tl
 from .. import runtime
 from . import fast
 from .config import padded_head_dim
-from .forward import LOG2E, _forward_step, dot_precision, interpreter_fp32, load_tile
+from .forward import LOG2E, _forward_step, dot_precision, load_tile
+from .launch import interpreter_fp32
 from .tiles import chunk_tiles, full_tile, masked_tile
 
 MAX_ROWS = 64  # query rows (heads x queries) one program holds in registers

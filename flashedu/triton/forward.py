@@ -16,6 +16,10 @@ variants of ``ablations.py``):
 - on Hopper, where the tile table asks for it: K_j, V_j fetched by the copy engine (TMA)
   through tensor descriptors, and the dense loop warp-specialized (loaders and computers).
   Where Triton cannot build that, the pointer version runs instead.
+
+Here are the kernel and what a launch passes it (``launch_args``); the host side of a call (its
+outputs, the interpreter's float32 copies, the launch plan, smaller tiles after an
+out-of-resources error) is ``launch.py``.
 """
 
 from __future__ import annotations
@@ -248,18 +252,6 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def interpreter_fp32(interpreted: bool, *tensors):
-    """The tensors a launch should use: under Triton's interpreter, 16-bit inputs as float32
-    (its 16-bit tl.dot gives wrong results), so the caller casts the outputs back; compiled
-    on a GPU, the tensors themselves."""
-    import torch
-
-    if not interpreted:
-        return tensors
-    return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-                 for t in tensors)
-
-
 @functools.lru_cache(maxsize=1024)
 def _launch_consts(Nq, Nk, d, is_causal, tiles, interpreted):
     """The constexprs and launch options of forward_kernel: computed once per configuration."""
@@ -287,21 +279,6 @@ def forward_launch(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, int
             H // Hkv, Nq, Nk, d, lists, elem)
     consts = dict(_launch_consts(Nq, Nk, d, is_causal, tiles, interpreted))
     return (-(-Nq // tiles.Br), B * H), args, consts
-
-
-def outputs_like(*tensors):
-    """Empty tensors with the strides of ``tensors`` (the kernels write each output with its
-    input's strides); inputs whose memory overlaps or has gaps are copied to contiguous first."""
-    import torch
-
-    outs = [torch.empty_like(t) for t in tensors]
-    if all(o.stride() == t.stride() for o, t in zip(outs, tensors)):
-        return tensors, outs
-    tensors = tuple(t.contiguous() for t in tensors)
-    return tensors, [torch.empty_like(t) for t in tensors]
-
-
-_SHRUNK: dict = {}  # tiles whose launch ran out of resources -> the tiles that fit
 
 
 def dropout_args(dropout_p, rng):
@@ -365,98 +342,3 @@ def register_cap(consts: dict, dropout_p) -> dict:
     if dropout_p > 0 and "maxnreg" in consts:
         consts = {n: c for n, c in consts.items() if n != "maxnreg"}
     return consts
-
-
-def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropout_p=0.0,
-            rng=None, mods=None, keep=None):
-    """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
-    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
-    ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) on q's device (RNG state of
-    ``flashedu.dropout``); L2 is still that of the undropped scores.
-    ``mods`` (``flashedu.ops.Mods``): a score mod compiled in (the library's, or one written
-    in Triton; L2 is then that of the modded scores), and the block mask's mask mod on its
-    partial tiles.
-    ``keep``: a list; the call's launch plan (``fast.Launch``) is appended to it, if the call
-    has one (a repeated call's shortest path keeps it: ``flashedu.triton_backend``)."""
-    import torch
-
-    from . import fast
-
-    q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
-    (q32,), (o,) = outputs_like(q32)
-    lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    live = (q32, k32, v32, o, lse2) if dropout_p == 0 else (q32, k32, v32, o, lse2, rng)
-    # a call laid out as an earlier one repeats its launch (fast.PLANS); a score mod or an
-    # attn_mask is a Python object or data that the plan's key cannot hold (a mask mod is
-    # part of the block mask, which the key holds). The kernel is keyed by id (hashing a
-    # JITFunction costs a Python call); the plan holds it, so the id stays its own.
-    plan_key = plan = None
-    if mods is None or mods.mask_mod_only:
-        plan_key = fast.signature((q32, k32, v32, *live[5:]), id(forward_kernel), is_causal,
-                                  scale, block_mask, mods is not None, tiles, interpreted,
-                                  dropout_p)
-        plan = fast.PLANS.get(plan_key)
-    if plan is not None:
-        plan.start(*live)
-    else:
-        # the tiles a launch shrank to are remembered per kernel variant (dropout and mods
-        # need more shared memory than the plain kernel, whose tiles their shrinking must
-        # leave alone)
-        key = (tiles, q.shape[-1], q.dtype, dropout_p > 0, mods is not None)
-        launch = _launch(q32, k32, v32, o, lse2, key, is_causal=is_causal, scale=scale,
-                         block_mask=block_mask, tiles=tiles, interpreted=interpreted,
-                         dropout_p=dropout_p, rng=rng, mods=mods)
-        if plan_key is not None:
-            fast.remember(plan_key, launch)
-            plan = launch
-    if keep is not None and plan is not None:
-        keep.append(plan)
-    return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2
-
-
-def forward_into(q, k, v, o, lse2, *, is_causal, scale, tiles, interpreted):
-    """Attention of q against k, v merged, in place, into (o, lse2), the result over keys seen
-    before: the kernel starts its online softmax from that result (``prev``) instead of from
-    nothing, so no merge pass and no per-call output exist (ring attention's micro-step).
-
-    o: float32, q's shape and strides (a row slice of a larger tensor is fine); lse2: float32
-    (B, H, Nq), the base-2 logsumexp, +inf for a row that has seen no key yet (then its o is 0).
-    Start from o = 0 and lse2 = +inf; after the last call o is the normalized output."""
-    import torch
-
-    if o.dtype != torch.float32 or lse2.dtype != torch.float32:
-        raise TypeError(f"o and lse2 must be float32 running results, got {o.dtype} and "
-                        f"{lse2.dtype}")
-    if o.shape != q.shape or o.stride() != q.stride():
-        raise ValueError(f"o must have q's shape and strides, got {tuple(o.shape)} "
-                         f"{o.stride()} for q's {tuple(q.shape)} {q.stride()}")
-    if lse2.shape != q.shape[:3] or not lse2.is_contiguous():
-        raise ValueError(f"lse2 must be a contiguous (B, H, Nq) = {tuple(q.shape[:3])} tensor, "
-                         f"got {tuple(lse2.shape)} with strides {lse2.stride()}")
-    q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
-    # the interpreter's float32 copy of a 16-bit row slice is contiguous: o must match it
-    o32 = o if q32.stride() == o.stride() else o.contiguous()
-    _launch(q32, k32, v32, o32, lse2, (tiles, q.shape[-1], q.dtype, "resume"),
-            is_causal=is_causal, scale=scale, block_mask=None, tiles=tiles,
-            interpreted=interpreted, prev=(o32, lse2))
-    if o32 is not o:
-        o.copy_(o32)
-
-
-def _launch(q, k, v, o, lse2, key, *, tiles, **kwargs):
-    """forward_kernel over (q, k, v) into (o, lse2), with smaller tiles after an
-    out-of-resources error (remembered under ``key`` for later calls). Returns the launch
-    (``fast.Launch``), to be repeated with the call's own tensors: q, k, v, o, lse2 and the
-    dropout RNG state, if any."""
-    from . import fast
-
-    tiles = _SHRUNK.get(key, tiles)
-    while True:
-        grid, args, consts = launch_args(q, k, v, o, lse2, tiles=tiles, **kwargs)
-        # q, k, v, o, lse2 lead forward_launch's arguments; the dropout RNG state follows
-        own = fast.slots(args, 5, *([kwargs["rng"]] if kwargs.get("dropout_p", 0) > 0 else []))
-        try:
-            return fast.launch(forward_kernel, grid, args, consts,
-                               fast.switches(tiles, kwargs["interpreted"], k, v), own)
-        except fast.OUT_OF_RESOURCES as exc:
-            tiles = fast.shrink(key, tiles, exc, _SHRUNK)

@@ -10,9 +10,8 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from flashedu.triton.backward import backward
 from flashedu.triton.config import Tiles, kernel_config
-from flashedu.triton.forward import forward
+from flashedu.triton.launch import backward, forward
 
 d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 H = 2048 // d

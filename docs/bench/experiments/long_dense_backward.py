@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from flashedu.triton.backward import backward
 from flashedu.triton.config import kernel_config
-from flashedu.triton.forward import forward
+from flashedu.triton.launch import backward, forward
 
 rows = []
 H, d = 16, 128

@@ -122,7 +122,7 @@ VARIANTS = [
 
 def main():
     from flashedu.triton.config import kernel_config
-    from flashedu.triton.forward import forward
+    from flashedu.triton.launch import forward
 
     rows, out = [], os.environ.get("OUT", ".")
     for d, B, H, N in ((128, 2, 16, 8192), (128, 4, 16, 4096), (64, 4, 16, 8192)):

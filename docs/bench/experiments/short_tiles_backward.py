@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from flashedu.triton.backward import backward
 from flashedu.triton.config import Tiles, kernel_config
-from flashedu.triton.forward import forward
+from flashedu.triton.launch import backward, forward
 
 rows = []
 for n in (512, 1024, 2048):

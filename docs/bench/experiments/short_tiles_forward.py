@@ -1,5 +1,5 @@
 """Forward tiles at short N, d=128 (B*N=16384, H=16, bf16): the table's entry against other
-tiles, SDPA-flash in the same process. do_bench of forward.forward (host time included)."""
+tiles, SDPA-flash in the same process. do_bench of launch.forward (host time included)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from flashedu.triton.config import Tiles
-from flashedu.triton.forward import forward
+from flashedu.triton.launch import forward
 
 T = [
     Tiles(128, 128, 8, 3, tma=True, warp_specialize=True),

@@ -1,0 +1,266 @@
+"""The host side of the kernels: outputs laid out like the inputs, the interpreter's float32
+copies, a call's launches kept as a plan and repeated (``fast.PLANS``), smaller tiles after an
+out-of-resources error.
+
+forward.py and backward.py hold the kernels and what a launch passes them (their
+``launch_args``); the functions here allocate a call's outputs, start its launches and
+remember them. The kernels and their arguments are looked up in their modules at each call
+(``fwd.forward_kernel``), so that a kernel replaced there (a test's stand-in, or an earlier
+commit's forward.py under ``flashedu bench forward --prev``) is the one launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from . import backward as bwd
+from . import fast
+from . import forward as fwd
+from .config import smaller
+
+
+def interpreter_fp32(interpreted: bool, *tensors):
+    """The tensors a launch should use: under Triton's interpreter, 16-bit inputs as float32
+    (its 16-bit tl.dot gives wrong results), so the caller casts the outputs back; compiled
+    on a GPU, the tensors themselves."""
+    if not interpreted:
+        return tensors
+    return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+                 for t in tensors)
+
+
+def outputs_like(*tensors):
+    """Empty tensors with the strides of ``tensors`` (the kernels write each output with its
+    input's strides); inputs whose memory overlaps or has gaps are copied to contiguous first."""
+    outs = [torch.empty_like(t) for t in tensors]
+    if all(o.stride() == t.stride() for o, t in zip(outs, tensors)):
+        return tensors, outs
+    tensors = tuple(t.contiguous() for t in tensors)
+    return tensors, [torch.empty_like(t) for t in tensors]
+
+
+# ----- the forward ------------------------------------------------------------------------
+
+_SHRUNK_FORWARD: dict = {}  # tiles whose launch ran out of resources -> the tiles that fit
+
+
+def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropout_p=0.0,
+            rng=None, mods=None, keep=None):
+    """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
+    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
+    ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) on q's device (RNG state of
+    ``flashedu.dropout``); L2 is still that of the undropped scores.
+    ``mods`` (``flashedu.ops.Mods``): a score mod compiled in (the library's, or one written
+    in Triton; L2 is then that of the modded scores), and the block mask's mask mod on its
+    partial tiles.
+    ``keep``: a list; the call's launch plan (``fast.Launch``) is appended to it, if the call
+    has one (a repeated call's shortest path keeps it: ``flashedu.triton_backend``)."""
+    q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
+    (q32,), (o,) = outputs_like(q32)
+    lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    live = (q32, k32, v32, o, lse2) if dropout_p == 0 else (q32, k32, v32, o, lse2, rng)
+    # a call laid out as an earlier one repeats its launch (fast.PLANS); a score mod or an
+    # attn_mask is a Python object or data that the plan's key cannot hold (a mask mod is
+    # part of the block mask, which the key holds). The kernel is keyed by id (hashing a
+    # JITFunction costs a Python call); the plan holds it, so the id stays its own.
+    plan_key = plan = None
+    if mods is None or mods.mask_mod_only:
+        plan_key = fast.signature((q32, k32, v32, *live[5:]), id(fwd.forward_kernel), is_causal,
+                                  scale, block_mask, mods is not None, tiles, interpreted,
+                                  dropout_p)
+        plan = fast.PLANS.get(plan_key)
+    if plan is not None:
+        plan.start(*live)
+    else:
+        # the tiles a launch shrank to are remembered per kernel variant (dropout and mods
+        # need more shared memory than the plain kernel, whose tiles their shrinking must
+        # leave alone)
+        key = (tiles, q.shape[-1], q.dtype, dropout_p > 0, mods is not None)
+        launch = _launch(q32, k32, v32, o, lse2, key, is_causal=is_causal, scale=scale,
+                         block_mask=block_mask, tiles=tiles, interpreted=interpreted,
+                         dropout_p=dropout_p, rng=rng, mods=mods)
+        if plan_key is not None:
+            fast.remember(plan_key, launch)
+            plan = launch
+    if keep is not None and plan is not None:
+        keep.append(plan)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2
+
+
+def forward_into(q, k, v, o, lse2, *, is_causal, scale, tiles, interpreted):
+    """Attention of q against k, v merged, in place, into (o, lse2), the result over keys seen
+    before: the kernel starts its online softmax from that result (``prev``) instead of from
+    nothing, so no merge pass and no per-call output exist (ring attention's micro-step).
+
+    o: float32, q's shape and strides (a row slice of a larger tensor is fine); lse2: float32
+    (B, H, Nq), the base-2 logsumexp, +inf for a row that has seen no key yet (then its o is 0).
+    Start from o = 0 and lse2 = +inf; after the last call o is the normalized output."""
+    if o.dtype != torch.float32 or lse2.dtype != torch.float32:
+        raise TypeError(f"o and lse2 must be float32 running results, got {o.dtype} and "
+                        f"{lse2.dtype}")
+    if o.shape != q.shape or o.stride() != q.stride():
+        raise ValueError(f"o must have q's shape and strides, got {tuple(o.shape)} "
+                         f"{o.stride()} for q's {tuple(q.shape)} {q.stride()}")
+    if lse2.shape != q.shape[:3] or not lse2.is_contiguous():
+        raise ValueError(f"lse2 must be a contiguous (B, H, Nq) = {tuple(q.shape[:3])} tensor, "
+                         f"got {tuple(lse2.shape)} with strides {lse2.stride()}")
+    q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
+    # the interpreter's float32 copy of a 16-bit row slice is contiguous: o must match it
+    o32 = o if q32.stride() == o.stride() else o.contiguous()
+    _launch(q32, k32, v32, o32, lse2, (tiles, q.shape[-1], q.dtype, "resume"),
+            is_causal=is_causal, scale=scale, block_mask=None, tiles=tiles,
+            interpreted=interpreted, prev=(o32, lse2))
+    if o32 is not o:
+        o.copy_(o32)
+
+
+def _launch(q, k, v, o, lse2, key, *, tiles, **kwargs):
+    """forward_kernel over (q, k, v) into (o, lse2), with smaller tiles after an
+    out-of-resources error (remembered under ``key`` for later calls). Returns the launch
+    (``fast.Launch``), to be repeated with the call's own tensors: q, k, v, o, lse2 and the
+    dropout RNG state, if any."""
+    tiles = _SHRUNK_FORWARD.get(key, tiles)
+    while True:
+        grid, args, consts = fwd.launch_args(q, k, v, o, lse2, tiles=tiles, **kwargs)
+        # q, k, v, o, lse2 lead forward_launch's arguments; the dropout RNG state follows
+        own = fast.slots(args, 5, *([kwargs["rng"]] if kwargs.get("dropout_p", 0) > 0 else []))
+        try:
+            return fast.launch(fwd.forward_kernel, grid, args, consts,
+                               fast.switches(tiles, kwargs["interpreted"], k, v), own)
+        except fast.OUT_OF_RESOURCES as exc:
+            tiles = fast.shrink(key, tiles, exc, _SHRUNK_FORWARD)
+
+
+# ----- the backward -----------------------------------------------------------------------
+
+_SHRUNK_BACKWARD: dict = {}  # configs whose launch ran out of resources -> the configs that fit
+
+
+def preprocess(o, do, rows):
+    """D = rowsum(dO * O), float32 (B, H, Nq)."""
+    D = torch.empty(o.shape[:3], dtype=torch.float32, device=o.device)
+    fast.run(bwd.preprocess_kernel, *bwd._preprocess_launch(o, do, D, rows))
+    return D
+
+
+def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
+             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False, D=None, keep=None,
+             into=None):
+    """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
+    ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask. ``mods`` as the
+    forward's; ``dlse``: the gradient of the natural-log lse, if the call returned it
+    (d lse_i / d s_ij = P_ij, so it is subtracted from D_i). ``mask_grad``: also return the
+    gradient of the float attn_mask in ``mods`` (dS_ij, summed to the mask's shape).
+    ``D``: rowsum(dO * O), float32 (B, H, Nq) contiguous, when the caller has it already (ring
+    attention computes it once for all its calls); otherwise the preprocess kernel computes it.
+
+    ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
+    tiles' warps and stages) for keys shorter than ``config.split_from``; otherwise two
+    launches, each with its own.
+    ``keep``: a list; the call's launch plan, (the preprocess's launch or None, [the kernel's
+    launches]), is appended to it, if the call has one (as the forward's).
+    ``into``: (dQ, dK, dV) buffers of q's, k's and v's shapes, any strides and dtypes: the
+    kernels add this call's gradients to them (no tensors of the call's own; float32 buffers
+    sum many calls with one rounding each). Returns ``into``."""
+    dtype = q.dtype
+    q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
+    if into is None:
+        (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
+    else:
+        dq, dk, dv = _check_into(into, q, k, v)
+    config = config.backward_entry(is_causal, dropout_p > 0, block_mask, k.shape[2])
+    B, H, Nq = q.shape[:3]
+    Nk = k.shape[2]
+    own_D = D is None
+    if own_D:
+        D = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    # the call's own tensors, in the order the kernel takes them first (rng after them)
+    live = (q, k, v, do, lse2, D, dq, dk, dv) + ((rng,) if dropout_p > 0 else ())
+    # a call laid out as an earlier one repeats its launches (fast.PLANS); a score mod or an
+    # attn_mask, an lse gradient and the mask's gradient take the general path (a mask mod
+    # is part of the block mask, which the key holds)
+    plan_key = None
+    if (mods is None or mods.mask_mod_only) and dlse is None and not mask_grad:
+        given = live[6:9] if into is not None else ()  # outputs laid out by the caller
+        plan_key = fast.signature((*live[:6], o, *live[9:], *given), id(bwd.backward_kernel),
+                                  own_D, config, is_causal, scale, block_mask, mods is not None,
+                                  interpreted, dropout_p, into is not None)
+        plan = fast.PLANS.get(plan_key)
+        if plan is not None:
+            if keep is not None:
+                keep.append(plan)
+            first, launches = plan
+            stream = fast.stream_for(first, *launches)
+            if first is not None:
+                first.start(o, do, D, stream=stream)
+            for launch in launches:
+                launch.start(*live, stream=stream)
+            return _returned(into, (dq, dk, dv), dtype)
+    key = (config, q.shape[-1], dtype, dropout_p > 0, mods is not None)  # per kernel variant
+    if _SHRUNK_BACKWARD:
+        config = _SHRUNK_BACKWARD.get(key, config)
+    first = None  # the preprocess's launch, for the plan
+    if own_D:
+        pre_grid, pre_args, pre_consts = bwd._preprocess_launch(o, do, D, config.preprocess_rows)
+        fast.run(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts)
+        if plan_key is not None:
+            first = fast.Launch(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts, (0, 1, 2))
+    if dlse is not None:
+        D = D - dlse.to(torch.float32).reshape(D.shape)
+    dbias = None
+    if mask_grad:
+        dbias = torch.zeros((B, H, Nq, Nk), dtype=torch.float32, device=q.device)
+    while True:
+        args, kernel_launches = bwd.launch_args(
+            q, k, v, do, lse2, D, dq, dk, dv, is_causal=is_causal, scale=scale,
+            block_mask=block_mask, config=config, interpreted=interpreted, dropout_p=dropout_p,
+            rng=rng, mods=mods, dbias=dbias, accumulate=into is not None)
+        launches = []
+        try:
+            for grid, consts in kernel_launches:
+                fast.run(bwd.backward_kernel, grid, args, consts)
+                if plan_key is not None:  # live: the first nine arguments, then rng
+                    own = fast.slots(args, 9, *live[9:])
+                    launches.append(fast.Launch(bwd.backward_kernel, grid, args, consts, own))
+            break
+        except fast.OUT_OF_RESOURCES as exc:  # smaller tiles for both kinds of program
+            t1, t2 = config.dkdv, config.dq
+            new1, new2 = smaller(t1), smaller(t2)
+            if new1 is None and new2 is None:
+                raise
+            config = dataclasses.replace(config, dkdv=new1 or t1, dq=new2 or t2,
+                                         causal_backward=None)
+            warnings.warn(f"flashedu: {exc}; retrying the backward with smaller tiles "
+                          f"{config.dkdv}, {config.dq}", stacklevel=2)
+            _SHRUNK_BACKWARD[key] = config
+    if plan_key is not None:
+        fast.remember(plan_key, (first, launches))
+        if keep is not None:
+            keep.append((first, launches))
+    grads = _returned(into, (dq, dk, dv), dtype)
+    if mask_grad:
+        attn_mask = mods.attn_mask
+        return (*grads, dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype))
+    return grads
+
+
+def _returned(into, grads, dtype):
+    """What a call returns: the caller's buffers it added to, or its gradients in the inputs'
+    dtype (the interpreter computes 16-bit inputs in float32)."""
+    if into is not None:
+        return into
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in grads)
+
+
+def _check_into(into, q, k, v):
+    """The (dQ, dK, dV) buffers a call adds to: q's, k's and v's shapes, on their device."""
+    if not isinstance(into, (tuple, list)) or len(into) != 3:
+        raise TypeError(f"into must be a (dq, dk, dv) tuple of tensors, got {type(into).__name__}")
+    for name, buf, x in zip(("dq", "dk", "dv"), into, (q, k, v)):
+        if buf.shape != x.shape or buf.device != x.device:
+            raise ValueError(f"into: {name} must have shape {tuple(x.shape)} on {x.device}, "
+                             f"got {tuple(buf.shape)} on {buf.device}")
+    return into

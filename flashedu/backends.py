@@ -115,6 +115,7 @@ BACKENDS: dict[str, Backend] = {
     # (bool: as a mask mod; float: a bias read tile by tile)
     "triton": Backend("triton", _triton, True, True, "gpu", has_attn_mask=True,
                       has_score_mod=False, has_mask_mod=True, has_return_lse=True,
+                      has_sinks=True,
                       score_mod_kinds=frozenset({"softcap", "alibi", "triton"}),
                       repeater=_triton_repeat),
 }

@@ -51,6 +51,8 @@ SUBCOMMANDS = {
     "numpy": ("flashedu.benchmarks.cpu_numpy", "NumPy FlashAttention against naive NumPy (CPU)"),
     "mods": ("flashedu.benchmarks.mods",
              "mask mods and score mods against FlexAttention (GPU; --dry-run on a CPU)"),
+    "sinks": ("flashedu.benchmarks.sinks",
+              "attention sinks against none, forward and backward (GPU; --dry-run on a CPU)"),
     "notebooks": ("flashedu.benchmarks.notebooks", "run the notebooks top to bottom, timed"),
     "sass": ("flashedu.benchmarks.sass",
              "registers, spills and instruction mix of the kernels for a GPU (CPU: compiles)"),

@@ -45,7 +45,7 @@ from .triton.inputs import check
 
 
 def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
-              score_mod=None, return_lse=False):
+              score_mod=None, return_lse=False, sinks=None):
     """Backend entry point (inputs already checked by flashedu.attention).
 
     A bool ``attn_mask`` becomes a block mask whose mask mod reads it (only its partial tiles
@@ -59,7 +59,7 @@ def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=Non
         attn_mask = None
     return ops.attention(KERNELS, q, k, v, is_causal=is_causal, scale=float(scale),
                          block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
-                         score_mod=score_mod, return_lse=return_lse)
+                         score_mod=score_mod, return_lse=return_lse, sinks=sinks)
 
 
 def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
@@ -157,7 +157,7 @@ def forward(q, k, v, call):
     return launch.forward(q, k, v, is_causal=call.is_causal, scale=call.scale, block_mask=mask,
                           tiles=config.forward_tiles(mask, k.shape[2], call.dropout_p > 0),
                           interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
-                          rng=call.rng, mods=call.mods)
+                          rng=call.rng, mods=call.mods, sinks=call.sinks)
 
 
 def backward(q, k, v, out, lse2, dout, call, dlse=None, mask_grad=False):

@@ -323,6 +323,18 @@ def test_mods_dry_run(tmp_path, capsys):
     assert all("error" not in r and r["max_diff"] < 1e-4 and 0 < r["visible"] < 1 for r in rows)
 
 
+def test_sinks_dry_run(tmp_path, capsys):
+    """Sinks against none through the triton backend (Triton's interpreter): the output with
+    sinks is the merge rule's on the output without them, and both have times."""
+    out = tmp_path / "sinks.json"
+    code, text = run(["sinks", "--dry-run", "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = json.loads(out.read_text())["cases"]
+    assert {r["causal"] for r in rows} == {False, True}
+    assert all(r["max_diff"] < 1e-5 and r["fwd_cost"] > 0 and r["fwdbwd_cost"] > 0
+               for r in rows)
+
+
 @pytest.mark.slow
 def test_transformers_dry_run(tmp_path, capsys):
     """A one-layer Llama through transformers on flashedu (Triton's interpreter) and on SDPA's

@@ -175,3 +175,15 @@ def test_sinks_are_a_merge_with_a_block_that_holds_only_the_sink():
     assert tolerance.max_error(got, merged) < 1e-12
     assert tolerance.max_error(got_lse, merged_lse) < 1e-12
     assert math.isfinite(float(got_lse.min()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the compiled kernels at a real size need a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gpu_sinks_at_a_real_size(dtype, is_causal):
+    """16-bit inputs, full and ragged tiles, GQA: the compiled kernels within the suite's
+    tolerance of float64, the sinks' gradient included."""
+    q, k, v, sinks = _inputs("triton", (2, 4, 2, 700, 900, 64), dtype)
+    _check("triton", q, k, v, sinks, is_causal=is_causal)

@@ -141,14 +141,15 @@ def dropout_state(RNG, bh, dropout):
 
 
 @triton.jit
-def _initial_state(prev, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_o,
+def _initial_state(prev, sinks, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_o,
                    Br: tl.constexpr, HEAD_DIM: tl.constexpr):
     """(m_i, l_i, O_i) before the first K/V tile: nothing seen (-inf, 0, 0), or, given
     prev = (O, L), the result over earlier keys read back from them, so that the online
     softmax goes on from it. That result is O = sum e^(S - L) V with sum e^(S - L) = 1, which
     is the state m_i = L_i, l_i = 1, O_i = O: the kernel then writes the merge of old and new
     keys (the rule of ``flashedu.merge``) without a separate merge pass. L = +inf marks a row
-    that has seen no key (its O is 0)."""
+    that has seen no key (its O is 0). ``sinks``, one logit per query head, are such a result
+    too: a block that held only the sink, whose lse is the sink and whose output is 0."""
     if prev is not None:
         O, L = prev
         L_prev = tl.load(L + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
@@ -157,6 +158,10 @@ def _initial_state(prev, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_o,
         l_i = tl.where(seen, 1.0, 0.0)
         O_i = tl.load(O + b * stride_o[0] + h * stride_o[1] + rows[:, None] * stride_o[2]
                       + dims[None, :], mask=row_ok & dim_ok, other=0.0).to(tl.float32)
+    elif sinks is not None:  # base-2 units, as m_i
+        m_i = tl.full([Br], 0.0, dtype=tl.float32) + tl.load(sinks + h) * _LOG2E
+        l_i = tl.full([Br], 1.0, dtype=tl.float32)
+        O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
     else:
         m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([Br], dtype=tl.float32)
@@ -179,7 +184,7 @@ def _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
 
 @triton.jit
 def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP, Nq, Nk, d,
-                   LISTS, ELEM, RNG, dropout, bias, score_args, mask_args, prev,
+                   LISTS, ELEM, RNG, dropout, bias, score_args, mask_args, prev, sinks,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
@@ -189,7 +194,8 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
     LISTS a block mask's tile lists (tiles.py) and ELEM its partial tiles' element masks,
     RNG and dropout the dropout's state and
     (threshold, 1 / (1 - p)), bias SDPA's float attn_mask, score_args and mask_args what the
-    SCORE_MOD and MASK_MOD hooks take (mods.py), prev = (O, L) a result to go on from."""
+    SCORE_MOD and MASK_MOD hooks take (mods.py), prev = (O, L) a result to go on from, sinks
+    the (H,) float32 sink logits."""
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
     b = bh // H
@@ -216,8 +222,8 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
     drop = None
     if RNG is not None:
         drop = dropout_state(RNG, bh, dropout)
-    m_i, l_i, O_i = _initial_state(prev, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_q,
-                                   Br, HEAD_DIM)
+    m_i, l_i, O_i = _initial_state(prev, sinks, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
+                                   stride_q, Br, HEAD_DIM)
     # The K/V tiles this Q tile visits (tiles.py): num_full without an element mask, then the
     # causal diagonal and the ragged edge, from a block mask's lists or from the geometry.
     num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br, Bc,
@@ -321,15 +327,15 @@ def mods_args(mods, block_mask, q, k):
 
 
 def launch_args(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interpreted,
-                dropout_p=0.0, rng=None, mods=None, prev=None):
+                dropout_p=0.0, rng=None, mods=None, prev=None, sinks=None):
     """(grid, args, consts) of forward_kernel: ``forward_launch``'s, then the dropout, the
-    mods and ``prev`` (None where the call has none: not compiled). ``scale`` is the softmax
-    scale."""
+    mods, ``prev`` and the ``sinks`` (None where the call has none: not compiled). ``scale``
+    is the softmax scale."""
     hook_args, hooks, elements = mods_args(mods, block_mask, q, k)
     grid, args, consts = forward_launch(q, k, v, o, lse2, is_causal=is_causal, scale=scale,
                                         block_mask=block_mask, tiles=tiles,
                                         interpreted=interpreted, elements=elements)
-    args = (*args, *dropout_args(dropout_p, rng), *hook_args, prev)
+    args = (*args, *dropout_args(dropout_p, rng), *hook_args, prev, sinks)
     consts = {**consts, **hooks,
               "MASKED": consts["MASKED"] or elements or hooks.get("MASK_MOD") is not None}
     return grid, args, register_cap(consts, dropout_p)

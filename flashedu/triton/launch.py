@@ -48,20 +48,24 @@ _SHRUNK_FORWARD: dict = {}  # tiles whose launch ran out of resources -> the til
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropout_p=0.0,
-            rng=None, mods=None, keep=None):
+            rng=None, mods=None, sinks=None, keep=None):
     """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
     of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
     ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) on q's device (RNG state of
     ``flashedu.dropout``); L2 is still that of the undropped scores.
     ``mods`` (``flashedu.ops.Mods``): a score mod compiled in (the library's, or one written
     in Triton; L2 is then that of the modded scores), and the block mask's mask mod on its
-    partial tiles.
+    partial tiles. ``sinks``: the (H,) sink logits (L2 then includes them).
     ``keep``: a list; the call's launch plan (``fast.Launch``) is appended to it, if the call
     has one (a repeated call's shortest path keeps it: ``flashedu.triton_backend``)."""
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
     (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    live = (q32, k32, v32, o, lse2) if dropout_p == 0 else (q32, k32, v32, o, lse2, rng)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    # the call's own tensors: the first five, then dropout's RNG state and the sinks, if any
+    fresh = ((rng,) if dropout_p > 0 else ()) + ((sinks,) if sinks is not None else ())
+    live = (q32, k32, v32, o, lse2, *fresh)
     # a call laid out as an earlier one repeats its launch (fast.PLANS); a score mod or an
     # attn_mask is a Python object or data that the plan's key cannot hold (a mask mod is
     # part of the block mask, which the key holds). The kernel is keyed by id (hashing a
@@ -70,7 +74,7 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
     if mods is None or mods.mask_mod_only:
         plan_key = fast.signature((q32, k32, v32, *live[5:]), id(fwd.forward_kernel), is_causal,
                                   scale, block_mask, mods is not None, tiles, interpreted,
-                                  dropout_p)
+                                  dropout_p, sinks is not None)
         plan = fast.PLANS.get(plan_key)
     if plan is not None:
         plan.start(*live)
@@ -81,7 +85,7 @@ def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropou
         key = (tiles, q.shape[-1], q.dtype, dropout_p > 0, mods is not None)
         launch = _launch(q32, k32, v32, o, lse2, key, is_causal=is_causal, scale=scale,
                          block_mask=block_mask, tiles=tiles, interpreted=interpreted,
-                         dropout_p=dropout_p, rng=rng, mods=mods)
+                         dropout_p=dropout_p, rng=rng, mods=mods, sinks=sinks)
         if plan_key is not None:
             fast.remember(plan_key, launch)
             plan = launch
@@ -120,13 +124,15 @@ def forward_into(q, k, v, o, lse2, *, is_causal, scale, tiles, interpreted):
 def _launch(q, k, v, o, lse2, key, *, tiles, **kwargs):
     """forward_kernel over (q, k, v) into (o, lse2), with smaller tiles after an
     out-of-resources error (remembered under ``key`` for later calls). Returns the launch
-    (``fast.Launch``), to be repeated with the call's own tensors: q, k, v, o, lse2 and the
-    dropout RNG state, if any."""
+    (``fast.Launch``), to be repeated with the call's own tensors: q, k, v, o, lse2, then the
+    dropout RNG state and the sinks, if any."""
     tiles = _SHRUNK_FORWARD.get(key, tiles)
     while True:
         grid, args, consts = fwd.launch_args(q, k, v, o, lse2, tiles=tiles, **kwargs)
-        # q, k, v, o, lse2 lead forward_launch's arguments; the dropout RNG state follows
-        own = fast.slots(args, 5, *([kwargs["rng"]] if kwargs.get("dropout_p", 0) > 0 else []))
+        # q, k, v, o, lse2 lead forward_launch's arguments; the RNG state and sinks follow
+        fresh = [kwargs["rng"]] if kwargs.get("dropout_p", 0) > 0 else []
+        fresh += [kwargs["sinks"]] if kwargs.get("sinks") is not None else []
+        own = fast.slots(args, 5, *fresh)
         try:
             return fast.launch(fwd.forward_kernel, grid, args, consts,
                                fast.switches(tiles, kwargs["interpreted"], k, v), own)

@@ -207,12 +207,18 @@ def _call_forward(q, k, v, call):
                    attn_mask=call.attn_mask, score_mod=score_mod, sinks=call.sinks)
 
 
-def _call_backward(q, k, v, out, lse, dout, call, dlse=None, mask_grad=False):
+def _call_backward(q, k, v, out, lse, dout, call, dlse=None, mask_grad=False, D=None):
+    # (the NumPy loop computes its own D, as tiled.flash_backward teaches)
     score_mod = call.mods and call.mods.score_mod
     return backward(q, k, v, out, lse, dout, is_causal=call.is_causal, scale=call.scale,
                     block_mask=call.block_mask, dropout_p=call.dropout_p, rng=call.rng,
                     attn_mask=call.attn_mask, score_mod=score_mod, d_lse=dlse,
                     mask_grad=mask_grad)
+
+
+def _row_dot(out, dout):
+    acc = _lse_dtype(out.dtype)
+    return (dout.to(acc) * out.to(acc)).sum(-1)
 
 
 def _empty_outputs(*tensors):
@@ -224,5 +230,5 @@ def _lse_dtype(dtype):
 
 
 # its lse is the natural log already
-KERNELS = ops.Kernels("numpy", _call_forward, _call_backward, lambda lse: lse, _empty_outputs,
-                      _lse_dtype)
+KERNELS = ops.Kernels("numpy", _call_forward, _call_backward, _row_dot, lambda lse: lse,
+                      _empty_outputs, _lse_dtype)

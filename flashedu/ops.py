@@ -80,18 +80,19 @@ class Kernels:
     ``torch.library`` operators (``forward_op``, ``backward_op``), defined here.
 
     forward(q, k, v, call) -> (out, lse): lse as the kernels keep it, for their backward.
-    backward(q, k, v, out, lse, dout, call, dlse=None, mask_grad=False) -> (dq, dk, dv), and
-    the float attn_mask's gradient last when ``mask_grad``; ``dlse`` is the gradient reaching
-    the natural-log lse.
+    backward(q, k, v, out, lse, dout, call, dlse=None, mask_grad=False, D=None) -> (dq, dk,
+    dv), and the float attn_mask's gradient last when ``mask_grad``; ``dlse`` is the gradient
+    reaching the natural-log lse; ``D`` the rows' rowsum(dO * O), when the caller has it.
+    row_dot(out, dout) -> D = rowsum(dO * O), (B, H, Nq), in the lse's dtype.
     natural_lse(lse) -> the natural-log lse (B, H, Nq), -inf for a row that sees no key.
     empty_outputs(*tensors) -> empty tensors laid out as the kernels lay out the results of
     these inputs (out for q, dq, dk, dv for q, k, v): compiled code trusts the fake strides.
     lse_dtype(dtype) -> the lse's dtype for inputs of ``dtype``."""
 
-    def __init__(self, name: str, forward: Callable, backward: Callable,
+    def __init__(self, name: str, forward: Callable, backward: Callable, row_dot: Callable,
                  natural_lse: Callable, empty_outputs: Callable, lse_dtype: Callable):
         self.name = name
-        self.forward, self.backward = forward, backward
+        self.forward, self.backward, self.row_dot = forward, backward, row_dot
         self.natural_lse, self.empty_outputs, self.lse_dtype = natural_lse, empty_outputs, lse_dtype
         self.forward_op, self.backward_op = _define_operators(self)
 
@@ -158,23 +159,25 @@ class Attention(torch.autograd.Function):
         attn_mask = call.attn_mask
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point()
                          and ctx.needs_input_grad[6])
-        grads = kernels.backward(q, k, v, out, lse, dout, call, dlse, mask_grad)
+        # the sinks' gradient reads D = rowsum(dO * O), which the backward needs too: made once
+        D = kernels.row_dot(out, dout) if ctx.needs_input_grad[7] else None
+        grads = kernels.backward(q, k, v, out, lse, dout, call, dlse, mask_grad, D)
         dmask = grads[3] if mask_grad else None
         dsinks = None
-        if ctx.needs_input_grad[7]:
-            dsinks = sink_grad(call.sinks, kernels.natural_lse(lse), out, dout, dlse)
+        if D is not None:
+            dsinks = sink_grad(call.sinks, kernels.natural_lse(lse), D, dlse)
         grads = refuse_second_order(kernels.name, (*grads[:3], dmask, dsinks), q, k, v, dout,
                                     dlse, attn_mask, call.sinks)
         return (None, None, None, *grads)
 
 
-def sink_grad(sinks, L, out, dout, dlse=None):
+def sink_grad(sinks, L, D, dlse=None):
     """The sinks' gradient: the sink is one more column of dS = P * (dP - D) whose dP is 0 (it
     has no value), so d sink_h = -sum over the head's rows of P_i,sink (D_i - dlse_i), with
-    P_i,sink = exp(sink_h - L_i) and D_i = rowsum(dO_i * O_i), as the backward's preprocess
-    computes it. ``L``: the natural-log lse, which includes the sink."""
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    D = (dout.to(acc) * out.to(acc)).sum(-1)
+    P_i,sink = exp(sink_h - L_i) and D_i = rowsum(dO_i * O_i), the backward's own D. ``L``: the
+    natural-log lse, which includes the sink."""
+    acc = torch.float64 if D.dtype == torch.float64 else torch.float32
+    D = D.to(acc)
     if dlse is not None:
         D = D - dlse.to(acc)
     P_sink = torch.exp(sinks.to(acc).view(-1, 1) - L.to(acc))
@@ -200,7 +203,10 @@ class _ShapesOnly:
         out, = self._kernels.empty_outputs(q)
         return out, q.new_empty(q.shape[:3], dtype=self._kernels.lse_dtype(q.dtype))
 
-    def backward(self, q, k, v, out, lse, dout, call, dlse=None, mask_grad=False):
+    def row_dot(self, out, dout):
+        return out.new_empty(out.shape[:3], dtype=self._kernels.lse_dtype(out.dtype))
+
+    def backward(self, q, k, v, out, lse, dout, call, dlse=None, mask_grad=False, D=None):
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
                       for t in (q, k, v))
         return (*grads, torch.empty_like(call.attn_mask)) if mask_grad else grads

@@ -160,7 +160,7 @@ def forward(q, k, v, call):
                           rng=call.rng, mods=call.mods, sinks=call.sinks)
 
 
-def backward(q, k, v, out, lse2, dout, call, dlse=None, mask_grad=False):
+def backward(q, k, v, out, lse2, dout, call, dlse=None, mask_grad=False, D=None):
     """(dQ, dK, dV): the Triton backward (Algorithm 4 of the paper, FlashAttention-2 order)."""
     q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
     mask = call.block_mask
@@ -168,7 +168,7 @@ def backward(q, k, v, out, lse2, dout, call, dlse=None, mask_grad=False):
     return launch.backward(q, k, v, out, lse2, dout.contiguous(), is_causal=call.is_causal,
                            scale=call.scale, block_mask=mask, config=config,
                            interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
-                           rng=call.rng, mods=call.mods, dlse=dlse, mask_grad=mask_grad)
+                           rng=call.rng, mods=call.mods, dlse=dlse, mask_grad=mask_grad, D=D)
 
 
 def natural_lse(lse2):
@@ -187,7 +187,12 @@ def empty_outputs(*tensors):
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in outs)
 
 
-KERNELS = ops.Kernels("triton", forward, backward, natural_lse, empty_outputs,
+def _row_dot(out, dout):
+    """D as the backward computes it, from the tensors laid out as it lays them out."""
+    return row_dot(_kernel_layout(out), dout.contiguous())
+
+
+KERNELS = ops.Kernels("triton", forward, backward, _row_dot, natural_lse, empty_outputs,
                       lambda dtype: torch.float32)
 
 
@@ -247,7 +252,7 @@ class Repeat:
         self.forward_plan.start(q, k, v, o, lse2)  # (one launch: start makes its own checks)
         return o, lse2
 
-    def backward(self, q, k, v, o, lse2, do, call, dlse=None, mask_grad=False):
+    def backward(self, q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None):
         """(dQ, dK, dV) as ``launch.backward`` returns them (a plain call has no lse or
         attn_mask to differentiate)."""
         do = do.contiguous()  # as the general path hands it to the kernels

@@ -37,7 +37,8 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("plain", "causal", "dropout", "resume")  # resume: ring attention's forward_into
+# resume: ring attention's forward_into; sinks: one sink logit per head
+VARIANTS = ("plain", "causal", "dropout", "resume", "sinks")
 MODES = ("fwd", "bwd")
 COUNTED = ("HGMMA", "HMMA", "MUFU", "FFMA", "FMUL", "IMAD", "LOP3", "SHF", "PRMT", "SEL",
            "STS", "LDS", "BAR")
@@ -291,6 +292,7 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     config = resolve_config(d, q.dtype, None, q.device)
     kw = dict(is_causal=variant == "causal", scale=d ** -0.5, interpreted=False)
     drop = {"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])} if variant == "dropout" else {}
+    sinks = {"sinks": torch.zeros(H)} if variant == "sinks" else {}
     saved = fast.run, fast.launch, fast.switches
     fast.run, fast.launch, fast.switches = capture, capture, sm90_switches
     try:
@@ -300,7 +302,7 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
         else:
             o, lse2 = launch.forward(q, k, v, block_mask=None,
                                      tiles=config.forward_tiles(None, n, bool(drop)), **kw,
-                                     **drop)
+                                     **drop, **sinks)
         if mode == "bwd":
             launches.clear()
             launch.backward(q, k, v, o, lse2, do, block_mask=None, config=config, **kw, **drop)

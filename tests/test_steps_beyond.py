@@ -22,6 +22,7 @@ STEPS = {  # step id -> its check
     "12.merge": "step_merge_two",
     "12.partial": "step_partial_attention",
     "12.split_kv": "step_split_kv",
+    "12.sink": "step_sink_attention",
 }
 HEADER = "import math\n\nimport numpy as np\n\n"
 
@@ -68,6 +69,9 @@ PLAIN_TAIL = """    m = S.max(axis=1)
     L_s = m + np.log(l)"""
 
 MUTANTS = [  # step, what is wrong, replacements, words the message must hold
+    ("12.sink", "the sink left out of l", [(" + np.exp(sink - m)", "")], ["one more term"]),
+    ("12.sink", "the sink left out of the row max",
+     [("m = np.maximum(S.max(axis=1), sink)", "m = S.max(axis=1)")], ["sink"]),
     ("00.intensity", "C's write left out",
      [("(M * K + K * N + M * N)", "(M * K + K * N)")], ["leave out writing C"]),
     ("00.intensity", "a multiply-add as one FLOP", [("2 * M * N * K", "M * N * K")],

@@ -9,6 +9,8 @@
 - ``step_partial_attention``: what one split-KV program computes: attention of the queries over
   one chunk of keys (bottom-right causal), the partial result the merge takes.
 - ``step_split_kv``: cut the keys into chunks, a partial result per chunk, merged.
+- ``step_sink_attention``: attention with a sink logit (gpt-oss), one more term of each row's
+  softmax with no value: the merge of the keys' result with the sink's (O = 0, L = sink).
 
 References are float64 attention over the whole key set (:mod:`flashedu.reference`); a correct
 computation in the inputs' dtype (the package's own merge, or the formula) sets the tolerance.
@@ -227,6 +229,46 @@ def _diagnose_merge(case_, wrong, outputs):
     return " ".join(notes) or None
 
 
+H_SINK = ("The sink is one more term of each row's sum with no value: with (O_k, L_k) the "
+          "attention over the keys alone, L = logaddexp(L_k, sink) and O = exp(L_k - L) O_k "
+          "(merge_two with the sink's part O = 0, L = sink). Or start the online softmax from "
+          "it: m_i = sink, l_i = 1, O_i = 0.")
+H_SINK_EMPTY = ("Rows that see no key see their sink only: O = 0 and L = sink there, never NaN "
+                "(L_k = -inf, and exp(L_k - L) = exp(-inf) = 0).")
+
+
+def _sink_case(label, hint, shape, sink, dtype, seed, wide=False, empty_rows=False):
+    Nq, Nk, d = shape
+    (Q, K, V), (q, k, v) = _inputs(Nq, Nk, d, seed, dtype, wide)
+    seen = _visible(Nq, Nk, "rows", seed) if empty_rows else None
+    from ...merge import merge
+
+    def with_sink(Q, K, V, sink):
+        O_k, L_k = reference.naive_attention(Q, K, V, mask=seen)
+        return merge(O_k, L_k, np.zeros_like(O_k), np.full_like(L_k, sink))
+
+    mask_arg = () if seen is None else (seen,)
+    return case(label, hint, (q, k, v, dtype(sink), *mask_arg), ("O", "L"),
+                with_sink(Q, K, V, sink), naive=with_sink(q, k, v, dtype(sink)), dtype=dtype,
+                inputs=("Q", "K", "V"))
+
+
+def _sink_cases():
+    return [
+        _sink_case("a sink of 0.5, Nq = 5, Nk = 9", H_SINK, (5, 9, 4), 0.5, F64, 1),
+        _sink_case("a sink far below the scores (the keys take nearly all)", H_SINK,
+                   (4, 12, 4), -30.0, F64, 2),
+        _sink_case("a sink far above the scores (O near 0, L near the sink)", H_SINK,
+                   (4, 12, 4), 40.0, F64, 3),
+        _sink_case("Nq = 1, one key", H_SINK + " " + H_N1, (1, 1, 4), 0.0, F64, 4),
+        _sink_case("rows that see no key (a mask)", H_SINK_EMPTY, (9, 10, 4), 1.0, F64, 5,
+                   empty_rows=True),
+        _sink_case("logits in the hundreds", H_SINK + " " + H_WIDE, (6, 16, 8), 150.0, F64, 6,
+                   wide=True),
+        _sink_case("float32", H_SINK + " " + H_F32_OUT, (7, 11, 8), -0.25, F32, 7),
+    ]
+
+
 # ----------------------------------------------------------------------------------------
 # 12: split-KV decoding, the chunk each program computes, and the whole split
 # ----------------------------------------------------------------------------------------
@@ -379,4 +421,5 @@ STEPS = [
     _merge_step("step_merge_two", "merge_two", _merge_cases, _diagnose_merge),
     _merge_step("step_partial_attention", "partial_attention", _partial_cases),
     _merge_step("step_split_kv", "split_kv", _split_cases),
+    _merge_step("step_sink_attention", "sink_attention", _sink_cases),
 ]

@@ -5,6 +5,7 @@
     out = flashedu.attention(q, k, v, block_mask=flashedu.BlockMask.causal((N, N)))
     window = flashedu.BlockMask.from_mask_mod(flashedu.mods.sliding_window(256), None, None, N, N)
     out = flashedu.attention(q, k, v, block_mask=window, score_mod=flashedu.mods.softcap(30.0))
+    out = flashedu.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # packed
 
 Every stage of the course is importable: flashedu.reference (naive, softmax), flashedu.tiled
 (NumPy FlashAttention), flashedu.numba_kernels, flashedu.triton, flashedu.io (HBM traffic).
@@ -20,16 +21,16 @@ __version__ = "0.1.0"
 # the backends by name; the registry itself is flashedu.backends.BACKENDS (a test holds them equal)
 BACKEND_NAMES = ("naive", "numpy", "numba", "triton")
 
-__all__ = ["attention", "BlockMask", "mods", "BACKEND_NAMES", "available_backends", "__version__"]
+__all__ = ["attention", "varlen_attention", "BlockMask", "mods", "BACKEND_NAMES", "available_backends", "__version__"]
 
 # The API's names and the other modules come as attributes on first use: ``import flashedu``
 # imports neither torch nor triton nor numba, so a NumPy notebook, the grader's command line
 # and a learner's first cell start in a fraction of a second, and triton and numba come after
 # runtime.configure(). A backend's module registers its kernels as torch.ops.flashedu.*
 # operators when it loads (flashedu.backends.BACKENDS[name].load()).
-API = {"attention": "api", "BlockMask": "masks", "BACKENDS": "backends",
+API = {"attention": "api", "varlen_attention": "varlen", "BlockMask": "masks", "BACKENDS": "backends",
        "available_backends": "backends"}
-SUBMODULES = ("ops", "mods", "api", "arguments", "masks", "backends", "reference", "tiled",
+SUBMODULES = ("ops", "mods", "api", "varlen", "arguments", "masks", "backends", "reference", "tiled",
               "trace", "io", "roofline", "merge", "distributed", "dropout", "tolerance",
               "numpy_backend", "numba_kernels", "triton", "triton_backend", "models", "viz",
               "checks", "course", "progress", "bench", "benchmarks", "cli", "tour")

@@ -51,6 +51,9 @@ SUBCOMMANDS = {
     "numpy": ("flashedu.benchmarks.cpu_numpy", "NumPy FlashAttention against naive NumPy (CPU)"),
     "mods": ("flashedu.benchmarks.mods",
              "mask mods and score mods against FlexAttention (GPU; --dry-run on a CPU)"),
+    "varlen": ("flashedu.benchmarks.varlen",
+               "packed variable-length batches against FlexAttention's document mask and "
+               "padded SDPA (GPU; --dry-run on a CPU)"),
     "sinks": ("flashedu.benchmarks.sinks",
               "attention sinks against none, forward and backward (GPU; --dry-run on a CPU)"),
     "notebooks": ("flashedu.benchmarks.notebooks", "run the notebooks top to bottom, timed"),

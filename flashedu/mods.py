@@ -43,7 +43,7 @@ import torch
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
-__all__ = ["causal", "sliding_window", "document", "prefix_lm", "and_masks", "or_masks",
+__all__ = ["causal", "sliding_window", "document", "packed", "prefix_lm", "and_masks", "or_masks",
            "alibi", "alibi_slopes", "softcap", "triton_score_mod", "evaluate_mask_mod",
            "score_mod_and_grad",
            "MaskMod", "ScoreMod", "ALIGNMENTS"]
@@ -287,6 +287,53 @@ class _Document(MaskMod):
 
 
 document = _Document
+
+
+class _Packed(MaskMod):
+    """Packed variable-length sequences, as flash-attn's varlen functions take them: sequence
+    s holds queries cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1 and keys cu_seqlens_k[s] ..
+    cu_seqlens_k[s+1] - 1; a query sees the keys of its own sequence only, and with
+    ``causal`` those up to its own position aligned to the sequence's bottom right (query n of
+    a sequence of Lq queries and Lk keys sees its keys 0 .. n + Lk - Lq, flash-attn's
+    ``causal=True``). With equal cuts and ``causal`` it never shows a later key (implies_causal).
+    """
+
+    kind = "packed"
+    _params = ("cu_seqlens_q", "cu_seqlens_k", "causal")
+
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, causal=False):
+        self.cu_seqlens_q, self.cu_seqlens_k = (
+            torch.as_tensor(c).detach().to("cpu", torch.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+        self.causal = bool(causal)
+        self.implies_causal = self.causal and torch.equal(self.cu_seqlens_q, self.cu_seqlens_k)
+        self._per_device = {}
+
+    def _tables(self, like):
+        """(sequence of each query, sequence of each key, the last key offset each query sees,
+        each key's offset in its sequence), on ``like``'s device, made once per device."""
+        device = like.device
+        if device not in self._per_device:
+            cu_q, cu_k = self.cu_seqlens_q.to(device), self.cu_seqlens_k.to(device)
+            pos_q = torch.arange(int(cu_q[-1]), device=device)
+            pos_k = torch.arange(int(cu_k[-1]), device=device)
+            seq_q = torch.bucketize(pos_q, cu_q[1:], right=True)
+            seq_k = torch.bucketize(pos_k, cu_k[1:], right=True)
+            len_q, len_k = cu_q.diff(), cu_k.diff()
+            last = pos_q - cu_q[seq_q] + len_k[seq_q] - len_q[seq_q]
+            self._per_device[device] = (seq_q, seq_k, last, pos_k - cu_k[seq_k])
+        return self._per_device[device]
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        seq_q, seq_k, last, offset_k = self._tables(q_idx)
+        same = seq_q[q_idx] == seq_k[kv_idx]
+        if not self.causal:
+            return same
+        return same & (offset_k[kv_idx] <= last[q_idx])
+
+
+def packed(cu_seqlens_q, cu_seqlens_k, causal=False) -> MaskMod:
+    """The mask mod of packed variable-length sequences (:class:`_Packed`)."""
+    return _Packed(cu_seqlens_q, cu_seqlens_k, causal)
 
 
 class _PrefixLM(MaskMod):

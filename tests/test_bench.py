@@ -335,6 +335,17 @@ def test_sinks_dry_run(tmp_path, capsys):
                for r in rows)
 
 
+def test_varlen_dry_run(tmp_path, capsys):
+    """A packed batch through flashedu's varlen (Triton's interpreter), eager FlexAttention
+    with a document mask and padded SDPA: flashedu and Flex agree, all three have times."""
+    out = tmp_path / "varlen.json"
+    code, text = run(["varlen", "--dry-run", "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = json.loads(out.read_text())["cases"]
+    assert rows and all(r["max_diff"] < 1e-4 and r["docs"] > 1 and r["padded_fwd_ms"] > 0
+                        for r in rows)
+
+
 @pytest.mark.slow
 def test_transformers_dry_run(tmp_path, capsys):
     """A one-layer Llama through transformers on flashedu (Triton's interpreter) and on SDPA's

@@ -1,0 +1,155 @@
+"""Packed variable-length batches: ``flashedu.varlen_attention`` against FlexAttention with a
+document mask on the same packed batch, and against padded dense attention (SDPA-flash).
+
+Each case packs documents of random lengths (a fixed seed) into ``--tokens`` positions, causal
+within each document. flashedu's call includes building its block mask from cu_seqlens, as a
+training step pays it for every new batch; FlexAttention is timed with its block mask built
+once (``create_block_mask`` timed on its own, per batch); the padded batch holds every document
+in a row of the longest one's length. The output of flashedu and Flex is checked to agree.
+
+    flashedu bench varlen --json docs/bench/varlen_h200.json
+    flashedu bench varlen --dry-run      # tiny sizes (no GPU: Triton's interpreter, eager Flex)
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import core
+
+
+def lengths_of(tokens: int, low: int, high: int, seed: int) -> list[int]:
+    """Random document lengths in [low, high] that add up to ``tokens``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    while sum(out) < tokens:
+        out.append(int(min(rng.integers(low, high + 1), tokens - sum(out))))
+    return out
+
+
+def one_case(lengths, H, d, args, device, dtype) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import flashedu
+    from flashedu import tolerance
+
+    total = sum(lengths)
+    g = torch.Generator(device=device).manual_seed(total + d)
+    q, k, v = (torch.randn(total, H, d, device=device, dtype=dtype, generator=g,
+                           requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device,
+                      dtype=torch.int32)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                  torch.tensor(lengths, device=device))
+
+    def document_causal(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (ki <= qi)
+
+    def flex_mask():
+        return create_block_mask(document_causal, None, None, total, total, device=device)
+
+    mask = flex_mask()
+    flex = flex_attention if device == "cpu" else core.compiled_flex()
+    longest = max(lengths)
+
+    def fe():
+        return flashedu.varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
+                                         backend="triton")
+
+    def fx():
+        # FlexAttention refuses inputs that require grad on a CPU (it has no CPU backward)
+        qb, kb, vb = (t.transpose(0, 1)[None] for t in ((q, k, v) if device != "cpu" else
+                                                        (q.detach(), k.detach(), v.detach())))
+        return flex(qb, kb, vb, block_mask=mask)[0].transpose(0, 1)
+
+    padded = [torch.zeros(len(lengths), H, longest, d, device=device, dtype=dtype,
+                          requires_grad=True) for _ in range(3)]
+
+    def pad():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION if device == "cuda" else SDPBackend.MATH):
+            return F.scaled_dot_product_attention(*padded, is_causal=True)
+
+    row = {"tokens": total, "docs": len(lengths), "longest": longest, "H": H, "d": d,
+           "dtype": args.dtype}
+    with torch.no_grad():
+        row["max_diff"] = tolerance.max_error(fe(), fx().double())
+    row["flex_mask_ms"] = core.time_ms(flex_mask, cpu_repeats=args.reps)
+    dout = torch.randn(total, H, d, device=device, dtype=dtype)
+    dpad = torch.randn_like(padded[0])
+    for name, call, out_grad, inputs in (("flashedu", fe, dout, [q, k, v]),
+                                         ("flex", fx, dout, [q, k, v]),
+                                         ("padded", pad, dpad, padded)):
+        with torch.no_grad():
+            row[f"{name}_fwd_ms"] = core.time_ms(call, cpu_repeats=args.reps)
+        if device == "cpu" and name == "flex":  # FlexAttention has no CPU backward
+            row["flex_fwdbwd_ms"] = float("nan")
+            continue
+
+        def step(call=call, out_grad=out_grad):
+            call().backward(out_grad)
+
+        row[f"{name}_fwdbwd_ms"] = core.time_ms(step, grad_to_none=inputs,
+                                                cpu_repeats=args.reps)
+    for mode in ("fwd", "fwdbwd"):
+        row[f"{mode}_vs_flex"] = row[f"flex_{mode}_ms"] / row[f"flashedu_{mode}_ms"]
+        row[f"{mode}_vs_padded"] = row[f"padded_{mode}_ms"] / row[f"flashedu_{mode}_ms"]
+    return row
+
+
+def parse_args(argv):
+    p = core.parser("varlen", __doc__)
+    p.add_argument("--tokens", type=core.positive_int, nargs="+", default=[16384, 65536])
+    p.add_argument("--lengths", type=core.positive_int, nargs=2, default=[256, 4096],
+                   metavar=("LOW", "HIGH"), help="document lengths drawn in [LOW, HIGH]")
+    p.add_argument("--d", type=core.head_dim, nargs="+", default=[64, 128])
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=core.positive_int, default=3,
+                   help="dry run only: timed repetitions")
+    p.add_argument("--json", type=core.output_file, help="write the results here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, Triton's interpreter and eager FlexAttention at tiny sizes")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.dry_run:
+        args.tokens, args.lengths, args.d, args.dtype, args.reps = [96], [16, 48], [16], \
+            "fp32", 1
+        from .. import runtime
+
+        device = str(runtime.kernel_device())
+    elif not core.gpu_available():
+        return core.needs_gpu("flashedu bench varlen (or --dry-run for a CPU check)")
+    else:
+        device = "cuda"
+    dtype = core.torch_dtype(args.dtype)
+    out = {"environment": core.environment(["varlen", *argv]), "cases": []}
+    print(core.headline(out["environment"]), flush=True)
+    head = ["tokens", "docs", "d", "fwd ms", "vs Flex", "vs padded", "fwd+bwd ms", "vs Flex",
+            "vs padded", "Flex mask ms", "max diff"]
+    lines = []
+    for tokens in args.tokens:
+        lengths = lengths_of(tokens, *args.lengths, args.seed)
+        for d in args.d:
+            H = 2 if args.dry_run else core.WIDTH // d
+            row = one_case(lengths, H, d, args, device, dtype)
+            out["cases"].append(row)
+            lines.append([tokens, row["docs"], d, f"{row['flashedu_fwd_ms']:.3f}",
+                          f"{row['fwd_vs_flex']:.2f}x", f"{row['fwd_vs_padded']:.2f}x",
+                          f"{row['flashedu_fwdbwd_ms']:.3f}", f"{row['fwdbwd_vs_flex']:.2f}x",
+                          f"{row['fwdbwd_vs_padded']:.2f}x", f"{row['flex_mask_ms']:.3f}",
+                          f"{row['max_diff']:.1e}"])
+            print(" | ".join(str(x) for x in lines[-1]), flush=True)
+    print(core.format_table(head, lines))
+    if args.json:
+        core.write_json(args.json, out)
+        print(f"wrote {args.json}")
+    return 0

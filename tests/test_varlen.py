@@ -1,0 +1,120 @@
+"""Packed variable-length batches (``flashedu.varlen_attention``) on every backend with mask
+mods, against each sequence's own attention in float64: output, lse and gradients, causal
+(bottom-right within each sequence, as flash-attn's) or not, GQA, sequences of unequal query
+and key lengths, an empty sequence, and queries that see no key."""
+
+import pytest
+import torch
+from backend_cases import CAPS, device
+
+import flashedu
+from flashedu import tolerance
+from flashedu.backends import BACKENDS
+from flashedu.reference import naive_attention_torch
+
+LENGTHS_Q = [5, 0, 17, 9]  # an empty sequence; the last has more queries than keys
+LENGTHS_K = [7, 3, 17, 4]
+
+
+def _cu(lengths, dev):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device=dev)
+
+
+def _packed(backend, dtype, H=4, Hkv=2, d=16):
+    dev = device(backend)
+    q = torch.randn(sum(LENGTHS_Q), H, d, dtype=dtype).to(dev).requires_grad_()
+    k, v = (torch.randn(sum(LENGTHS_K), Hkv, d, dtype=dtype).to(dev).requires_grad_()
+            for _ in range(2))
+    return q, k, v, _cu(LENGTHS_Q, dev), _cu(LENGTHS_K, dev)
+
+
+def _by_sequence(q, k, v, cu_q, cu_k, causal, upcast=True):
+    """Each sequence's attention on its own (naive), packed back: (out, lse)."""
+    outs, lses = [], []
+    for s in range(len(cu_q) - 1):
+        a, b, c, e = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        if a == b:
+            continue
+        qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in
+                      ((q, a, b), (k, c, e), (v, c, e)))
+        mask = None
+        if causal:  # bottom-right: query n of Lq sees keys 0 .. n + Lk - Lq
+            Lq, Lk = b - a, e - c
+            mask = (torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + Lk - Lq).to(q.device)
+        o, lse = naive_attention_torch(qs, ks, vs, enable_gqa=True, return_lse=True,
+                                       attn_mask=mask, upcast=upcast)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _mask_mods(backend):
+    if not BACKENDS[backend].has_mask_mod:
+        pytest.skip(f"{backend} applies no mask mod")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_varlen_matches_each_sequence_alone(backend, is_causal):
+    _mask_mods(backend)
+    dtype = CAPS[backend].dtypes[0]
+    q, k, v, cu_q, cu_k = _packed(backend, dtype)
+    out, lse = flashedu.varlen_attention(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K),
+                                         is_causal=is_causal, return_lse=True, backend=backend,
+                                         block_size=16)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    wrt = (q, k, v)
+    ref, ref_lse = _by_sequence(*(t.double() for t in wrt), cu_q, cu_k, is_causal)
+    plain, plain_lse = _by_sequence(q, k, v, cu_q, cu_k, is_causal, upcast=False)
+    tolerance.check(out, ref, plain, factor=tolerance.FORWARD, name="out")
+    seen = torch.isfinite(ref_lse)  # queries that see no key: -inf in both
+    assert torch.equal(torch.isfinite(lse), seen)
+    tolerance.check(lse[seen], ref_lse[seen], plain_lse[seen], dtype=dtype,
+                    factor=tolerance.FORWARD, name="lse")
+    if is_causal:  # the last sequence's first Lq - Lk queries see nothing: zeros
+        a = sum(LENGTHS_Q[:3])
+        assert (out[a:a + LENGTHS_Q[3] - LENGTHS_K[3]] == 0).all()
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, wrt, dout)
+    want = torch.autograd.grad(ref, wrt, dout.double())
+    rough = torch.autograd.grad(plain, wrt, dout)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, want, rough):
+        tolerance.check(g, r, p, dtype=dtype, factor=tolerance.GRADIENT,
+                        floor_scale=tolerance.GRADIENT, name=name)
+
+
+def test_equal_cuts_and_causal_skip_the_tiles_above_the_diagonal():
+    """Self-attention packing (the same cuts for queries and keys) with is_causal: the block
+    mask is causal, so the kernels also skip every tile above the diagonal."""
+    cu = torch.tensor([0, 40, 90, 100])
+    mask_mod = flashedu.mods.packed(cu, cu, causal=True)
+    mask = flashedu.BlockMask.from_mask_mod(mask_mod, None, None, 100, 100, block_size=(16, 16))
+    assert mask.is_causal
+    assert not mask.blocks[0, 0, 0, 3] and not mask.blocks[0, 0, 5, 1]  # other sequences
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(q=torch.zeros(1, 31, 4, 16)), ValueError, "q must be 3-D"),
+    (dict(cu_seqlens_q=[0, 5, 31]), TypeError, "cu_seqlens_q must be an int tensor"),
+    (dict(cu_seqlens_q=torch.tensor([0.0, 31.0])), TypeError, "int tensor"),
+    (dict(cu_seqlens_q=torch.tensor([1, 31])), ValueError, "start at 0"),
+    (dict(cu_seqlens_q=torch.tensor([0, 20, 10, 31])), ValueError, "never decrease"),
+    (dict(cu_seqlens_q=torch.tensor([0, 30])), ValueError, "end at the total 31"),
+    (dict(cu_seqlens_q=torch.tensor([0, 31]), max_seqlen_q=31), ValueError, "one batch"),
+    (dict(max_seqlen_q=10), ValueError, "shorter than the longest sequence"),
+    (dict(max_seqlen_k=17.0), TypeError, "max_seqlen_k must be an int"),
+])
+def test_bad_packing_is_refused_by_name(change, error, words):
+    args = dict(q=torch.randn(31, 4, 16), k=torch.randn(31, 2, 16), v=torch.randn(31, 2, 16),
+                cu_seqlens_q=_cu(LENGTHS_Q, "cpu"), cu_seqlens_k=_cu(LENGTHS_K, "cpu"),
+                max_seqlen_q=17, max_seqlen_k=17)
+    args.update(change)
+    with pytest.raises(error, match=words):
+        flashedu.varlen_attention(**args, backend="naive")
+
+
+def test_no_tokens_at_all():
+    q, k, v = torch.zeros(0, 2, 8), torch.zeros(0, 2, 8), torch.zeros(0, 2, 8)
+    cu = torch.tensor([0, 0])
+    out = flashedu.varlen_attention(q, k, v, cu, cu, 0, 0, backend="numpy")
+    assert out.shape == (0, 2, 8)

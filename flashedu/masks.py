@@ -302,6 +302,43 @@ class BlockMask:
         return mask
 
     @classmethod
+    def from_packed(cls, cu_seqlens_q, cu_seqlens_k, causal=False,
+                    block_size=(128, 128)) -> BlockMask:
+        """The block mask of packed variable-length sequences (``mods.packed``), worked out from
+        the cuts alone: a tile is visited when its rows' and its columns' sequences overlap,
+        and full when all its rows and columns lie in one sequence (and, causal, its last key
+        is visible to its first query). O(Tr * Tc) on the host, no pair evaluated; the mask
+        mod stays on the mask for the partial tiles (the triton backend compiles it)."""
+        mod = _mods.packed(cu_seqlens_q, cu_seqlens_k, causal)
+        cu_q, cu_k = mod.cu_seqlens_q.numpy(), mod.cu_seqlens_k.numpy()
+        Nq, Nk = int(cu_q[-1]), int(cu_k[-1])
+        Br, Bc = _pair(block_size, "block_size")
+        seq_q = np.searchsorted(cu_q[1:], np.arange(Nq), side="right")
+        seq_k = np.searchsorted(cu_k[1:], np.arange(Nk), side="right")
+        r0 = np.arange(0, Nq, Br)
+        r1 = np.minimum(r0 + Br, Nq) - 1
+        c0 = np.arange(0, Nk, Bc)
+        c1 = np.minimum(c0 + Bc, Nk) - 1
+        fq, lq, fk, lk = seq_q[r0][:, None], seq_q[r1][:, None], seq_k[c0][None], seq_k[c1][None]
+        any_ = np.maximum(fq, fk) <= np.minimum(lq, lk)
+        one = (fq == lq) & (fk == lk) & (fq == fk)  # every pair in one sequence
+        full = one.copy()
+        if causal:  # query n of Lq sees its sequence's keys 0 .. n + Lk - Lq
+            def last_seen(rows, seq):
+                return rows - cu_q[seq] + (cu_k[seq + 1] - cu_k[seq]) - (cu_q[seq + 1] - cu_q[seq])
+
+            first_row_sees = last_seen(r0, seq_q[r0])[:, None]
+            last_row_sees = last_seen(r1, seq_q[r1])[:, None]
+            key_first, key_last = (c0 - cu_k[seq_k[c0]])[None], (c1 - cu_k[seq_k[c1]])[None]
+            any_ &= ~one | (key_first <= last_row_sees)
+            full &= key_last <= first_row_sees
+        if mod.implies_causal:  # the kernels skip the tiles above the diagonal themselves
+            any_ &= c0[None] <= r1[:, None]
+        full &= any_
+        return cls(any_[None, None], (Br, Bc), (Nq, Nk), mod.implies_causal, mask_mod=mod,
+                   full_blocks=_Derived(full[None, None]))
+
+    @classmethod
     def from_bool_mask(cls, mask, block_size=(128, 128), seq_lens=None) -> BlockMask:
         """The block mask of an element-level bool mask, as SDPA's ``attn_mask`` (True: the
         pair takes part): shape (Nk,), (Nq, Nk) or up to (B, H, Nq, Nk), where B, H, Nq or Nk

@@ -323,6 +323,20 @@ class _Packed(MaskMod):
             self._per_device[device] = (seq_q, seq_k, last, pos_k - cu_k[seq_k])
         return self._per_device[device]
 
+    def kernel_args(self, device):
+        """What the kernels' compiled rule (``flashedu.triton.mods.packed``) reads: (seq_q,
+        last, seq_k, offset_k) as int32 on ``device`` (last: the largest offset there is where
+        the mod is not causal), then Nq and Nk."""
+        key = ("kernel", torch.device(device))
+        if key not in self._per_device:
+            seq_q, seq_k, last, offset_k = self._tables(torch.empty(0, device=device))
+            if not self.causal:
+                last = torch.full_like(last, 2 ** 31 - 1)
+            self._per_device[key] = (*(t.to(torch.int32).contiguous()
+                                       for t in (seq_q, last, seq_k, offset_k)),
+                                     int(seq_q.numel()), int(seq_k.numel()))
+        return self._per_device[key]
+
     def __call__(self, b, h, q_idx, kv_idx):
         seq_q, seq_k, last, offset_k = self._tables(q_idx)
         same = seq_q[q_idx] == seq_k[kv_idx]

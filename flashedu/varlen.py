@@ -7,17 +7,18 @@ one after another with no padding, as flash-attn's ``flash_attn_varlen_func`` ta
 q is (total_q, H, d), k and v (total_k, Hkv, d); sequence s holds the rows
 cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1 of q and cu_seqlens_k[s] .. cu_seqlens_k[s+1] - 1 of
 k and v. The packed tokens are one long sequence whose block mask shows each sequence its own
-keys (:func:`flashedu.mods.packed`): tiles that hold no pair of one sequence are never
-computed, tiles inside one sequence run unmasked, and only the tiles on a sequence's border
-read an element mask. So the whole batch is one launch of the kernels, with neither padding
-nor a mask per pair materialized, forward and backward, on every backend with mask mods.
+keys (:func:`flashedu.mods.packed`, the tiles worked out from the cuts alone by
+:meth:`BlockMask.from_packed`): tiles that hold no pair of one sequence are never computed,
+tiles inside one sequence run unmasked, and only the tiles on a sequence's border apply the
+rule, which the triton backend compiles into its kernels (a sequence id and an offset read per
+row and column). So the whole batch is one launch of the kernels, with neither padding nor a
+mask per pair, forward and backward, on every backend with mask mods.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import mods
 from .masks import BlockMask
 
 
@@ -38,9 +39,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                               max_seqlen_k, block_size)
     mask = None  # no query or no key: nothing to mask (a query that sees no key gives zeros)
     if total_q and total_k:
-        rule = mods.packed(cu_seqlens_q, cu_seqlens_k, causal=is_causal)
-        mask = BlockMask.from_mask_mod(rule, None, None, total_q, total_k,
-                                       block_size=(block_size, block_size), device=q.device)
+        mask = BlockMask.from_packed(cu_seqlens_q, cu_seqlens_k, is_causal,
+                                     (block_size, block_size))
     # (total, H, d) -> (1, H, total, d): views; the kernels index rows and heads by stride
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     from .api import attention

@@ -3,6 +3,7 @@ mods, against each sequence's own attention in float64: output, lse and gradient
 (bottom-right within each sequence, as flash-attn's) or not, GQA, sequences of unequal query
 and key lengths, an empty sequence, and queries that see no key."""
 
+import numpy as np
 import pytest
 import torch
 from backend_cases import CAPS, device
@@ -118,3 +119,46 @@ def test_no_tokens_at_all():
     cu = torch.tensor([0, 0])
     out = flashedu.varlen_attention(q, k, v, cu, cu, 0, 0, backend="numpy")
     assert out.shape == (0, 2, 8)
+
+
+def test_the_tiles_from_the_cuts_agree_with_the_rule():
+    """BlockMask.from_packed, worked out from the cuts alone, visits every tile the rule shows
+    a pair in, and marks full only tiles whose every pair the rule shows (evaluated pair by
+    pair by from_mask_mod), on random packings: equal and unequal cuts, empty sequences,
+    causal or not, tiles of 8 and 16."""
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n = int(rng.integers(1, 6))
+        lengths_q = rng.integers(0, 40, n)
+        lengths_k = lengths_q.copy() if rng.random() < 0.5 else rng.integers(0, 40, n)
+        if lengths_q.sum() == 0 or lengths_k.sum() == 0:
+            continue
+        cu_q, cu_k = (torch.tensor([0, *np.cumsum(x).tolist()]) for x in (lengths_q, lengths_k))
+        causal = bool(rng.random() < 0.5)
+        block = (int(rng.choice([8, 16])), int(rng.choice([8, 16])))
+        fast = flashedu.BlockMask.from_packed(cu_q, cu_k, causal, block)
+        exact = flashedu.BlockMask.from_mask_mod(flashedu.mods.packed(cu_q, cu_k, causal), None,
+                                                 None, int(cu_q[-1]), int(cu_k[-1]),
+                                                 block_size=block)
+        case = (lengths_q.tolist(), lengths_k.tolist(), causal, block)
+        assert not (exact.blocks & ~fast.blocks).any(), case
+        assert not (fast.full_blocks & ~exact.full_blocks).any(), case
+        assert fast.is_causal == exact.is_causal, case
+
+
+def test_the_triton_backend_compiles_the_rule(monkeypatch):
+    """No element mask is built for a packed batch: the kernels read each position's sequence
+    and offset instead."""
+    if flashedu.available_backends()["triton"] is not None:
+        pytest.skip("triton is not available here")
+    from flashedu.triton import sparse
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an element mask was built for a packed batch")
+
+    monkeypatch.setattr(sparse, "element_lists", refuse)
+    q, k, v, cu_q, cu_k = _packed("triton", torch.float32)
+    out = flashedu.varlen_attention(q, k, v, cu_q, cu_k, 17, 17, is_causal=True,
+                                    backend="triton", block_size=16)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()

@@ -313,16 +313,15 @@ def mods_args(mods, block_mask, q, k):
     float attn_mask, the hooks and their arguments (mods.py), and whether the block mask's
     partial tiles need their element masks (a mask mod no hook compiles); Nones without
     mods."""
-    from .mods import band_args, bias_args, score_mod_args, sliding_window
+    from .mods import bias_args, compiled_mask_mod, score_mod_args
 
     if mods is None:
         return (None, None, None), {}, False
     SCORE_MOD, score_args = score_mod_args(mods.score_mod, q.device)
-    band = band_args(mods, block_mask)
+    MASK_MOD, mask_args = compiled_mask_mod(mods, block_mask, q.device)
     bias = bias_args(mods.attn_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    elements = mods.mask_mod is not None and band is None
-    return ((bias, score_args, band),
-            {"SCORE_MOD": SCORE_MOD, "MASK_MOD": None if band is None else sliding_window},
+    elements = mods.mask_mod is not None and MASK_MOD is None
+    return ((bias, score_args, mask_args), {"SCORE_MOD": SCORE_MOD, "MASK_MOD": MASK_MOD},
             elements)
 
 

@@ -7,10 +7,11 @@ masked loop, and hands them over as one uint8 tile (Br x Bc) per listed partial 
 work and the extra memory grow with the partial tiles alone (a sliding window or documents:
 O(N) tiles, not N x N). Any mask mod a user writes works this way.
 
-One mask mod is compiled instead: the library's ``sliding_window``, a hook (below) that the
-kernels call where they apply the visibility rule. Its rule is two compares,
-band_lo < key - query <= band_hi, cheaper than reading a byte per pair (the element masks made
-the d=128 window forward 1.31-1.39x slower: BENCHMARKS.md, "Mask mods repeated").
+Two mask mods are compiled instead, hooks (below) that the kernels call where they apply the
+visibility rule: the library's ``sliding_window``, two compares band_lo < key - query <=
+band_hi, cheaper than reading a byte per pair (the element masks made the d=128 window forward
+1.31-1.39x slower: BENCHMARKS.md, "Mask mods repeated"), and ``packed`` sequences (varlen), a
+sequence id and an offset read per row and per column of a tile.
 
 Score mods are hooks too: ``@triton.jit`` functions passed to the kernels as constexpr
 arguments, inlined where the step computes S_ij, forward and backward (FlexAttention inlines
@@ -82,6 +83,20 @@ def sliding_window(b, h, q_idx, kv_idx, args):
     return (offset > args[0]) & (offset <= args[1])
 
 
+@triton.jit
+def packed(b, h, q_idx, kv_idx, args):
+    """Packed sequences, compiled: the query sees the key iff both lie in one sequence and the
+    key's offset in it is at most the query's last visible offset (args: (seq_q, last, seq_k,
+    offset_k, Nq, Nk), int32 per position, from ``flashedu.mods.packed``'s ``kernel_args``)."""
+    seq_q, last, seq_k, offset_k, Nq, Nk = args
+    q_ok = q_idx < Nq
+    k_ok = kv_idx < Nk
+    same = (tl.load(seq_q + q_idx, mask=q_ok, other=-1)
+            == tl.load(seq_k + kv_idx, mask=k_ok, other=-2))
+    return same & (tl.load(offset_k + kv_idx, mask=k_ok, other=0)
+                   <= tl.load(last + q_idx, mask=q_ok, other=-1))
+
+
 HOOKS = {"softcap": softcap, "alibi": alibi}  # the library score mods, by ``kind``
 
 
@@ -133,6 +148,19 @@ def band_args(mods, block_mask):
         return None
     mod = mod.bind(block_mask.seq_lens)
     return mod.offset - mod.window, mod.offset + mod.lookahead
+
+
+def compiled_mask_mod(mods, block_mask, device):
+    """(hook, args) of a launch whose block mask's partial tiles need a mask mod the kernels
+    compile: the library's sliding window (``band_args``) and packed sequences (per-position
+    tables); (None, None) for any other mod, whose partial tiles read element masks."""
+    band = band_args(mods, block_mask)
+    if band is not None:
+        return sliding_window, band
+    mod = mods and mods.mask_mod
+    if getattr(mod, "kind", None) == "packed":
+        return packed, mod.kernel_args(device)
+    return None, None
 
 
 def bias_args(attn_mask, B, H, Nq, Nk):

@@ -6,6 +6,7 @@
     window = flashedu.BlockMask.from_mask_mod(flashedu.mods.sliding_window(256), None, None, N, N)
     out = flashedu.attention(q, k, v, block_mask=window, score_mod=flashedu.mods.softcap(30.0))
     out = flashedu.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # packed
+    out = flashedu.decode.paged_attention(q, k_cache, v_cache, block_table, cache_seqlens)
 
 Every stage of the course is importable: flashedu.reference (naive, softmax), flashedu.tiled
 (NumPy FlashAttention), flashedu.numba_kernels, flashedu.triton, flashedu.io (HBM traffic).
@@ -31,7 +32,7 @@ __all__ = ["attention", "varlen_attention", "BlockMask", "mods", "BACKEND_NAMES"
 API = {"attention": "api", "varlen_attention": "varlen", "BlockMask": "masks", "BACKENDS": "backends",
        "available_backends": "backends"}
 SUBMODULES = ("ops", "mods", "api", "varlen", "arguments", "masks", "backends", "reference", "tiled",
-              "trace", "io", "roofline", "merge", "distributed", "dropout", "tolerance",
+              "trace", "io", "roofline", "merge", "decode", "distributed", "dropout", "tolerance",
               "numpy_backend", "numba_kernels", "triton", "triton_backend", "models", "viz",
               "checks", "course", "progress", "bench", "benchmarks", "cli", "tour")
 

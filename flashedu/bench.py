@@ -56,6 +56,9 @@ SUBCOMMANDS = {
                "padded SDPA (GPU; --dry-run on a CPU)"),
     "sinks": ("flashedu.benchmarks.sinks",
               "attention sinks against none, forward and backward (GPU; --dry-run on a CPU)"),
+    "paged": ("flashedu.benchmarks.paged",
+              "decoding from a paged KV cache against a contiguous one and SDPA (GPU; "
+              "--dry-run on a CPU)"),
     "notebooks": ("flashedu.benchmarks.notebooks", "run the notebooks top to bottom, timed"),
     "sass": ("flashedu.benchmarks.sass",
              "registers, spills and instruction mix of the kernels for a GPU (CPU: compiles)"),

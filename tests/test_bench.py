@@ -443,3 +443,14 @@ def test_numba_check_case_on_the_gpu():
         pytest.skip("numba runs its simulator here (NUMBA_ENABLE_CUDASIM is set)")
     result = numba_gpu.check_case(1, 2, 1, 1000, 777, 64, is_causal=True)
     assert result["passed"], result
+
+
+def test_paged_dry_run(tmp_path, capsys):
+    """Paged decoding through the triton backend (Triton's interpreter) against the same keys
+    held contiguously: both agree with the reference, and every timing is there."""
+    out = tmp_path / "paged.json"
+    code, text = run(["paged", "--dry-run", "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = json.loads(out.read_text())["cases"]
+    assert rows and all("error" not in r and r["max_err_paged"] < 1e-5 and r["paged_ms"] > 0
+                        and r["checked_ms"] > 0 and r["contiguous_ms"] > 0 for r in rows)

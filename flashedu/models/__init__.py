@@ -10,13 +10,15 @@ gpt.py      GPT: pre-LayerNorm decoder, weight tying, attention through flashedu
             or any function fn(q, k, v, *, is_causal)
 learner.py  your Triton exercise kernels (notebooks 06, 07) as such a function, with autograd
 data.py     the shipped public-domain text (flashedu/data/kjv.txt) and a byte tokenizer
+generate.py generate: several prompts at once from one paged KV cache
 train.py    Trainer: AdamW, warmup + cosine, accumulation, bf16, exact checkpoints; CLI
 """
 
 from .config import ATTENTION_BACKENDS, GPTConfig
+from .generate import generate
 from .gpt import GPT
 from .learner import ExerciseAttention, load_exercise_kernels
 from .train import Trainer, TrainSettings, lr_factor, plot_history, tiny_config
 
 __all__ = ["ATTENTION_BACKENDS", "GPT", "ExerciseAttention", "GPTConfig", "TrainSettings",
-           "Trainer", "load_exercise_kernels", "lr_factor", "plot_history", "tiny_config"]
+           "Trainer", "generate", "load_exercise_kernels", "lr_factor", "plot_history", "tiny_config"]

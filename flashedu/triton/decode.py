@@ -7,7 +7,7 @@ the GPU idles, and the time is that of one program reading Nk keys.
 
 Split-KV gives the keys to several programs instead:
 
-1. ``split_kernel``: program (s, g) runs the forward's inner loop (the same ``_forward_step``)
+1. ``split_kernel``: program (s, g) runs the forward's inner loop (the same ``_softmax_step``)
    over chunk s of the keys only and writes a *partial* result: O_s normalized by its own l, and
    its logsumexp L_s (base 2), exactly the (O, L) pair of ``flashedu.merge``.
 2. ``combine_kernel``: one program per query row merges the num_splits partials with the merge
@@ -23,6 +23,12 @@ sequence, so query n sees keys j <= n + Nk - Nq. SDPA's ``is_causal`` (and flash
 is top-left aligned, which for one query would mean "see key 0 only": useless for decoding. The
 two agree when Nq == Nk. A query that sees no key (Nq > Nk) gives zeros.
 
+A paged cache (vLLM's PagedAttention; ``paged_kv_attention``) changes one thing: where a K/V
+tile is read from. The cache is a pool of pages of PAGE_SIZE rows, and sequence b's keys
+j .. j + Bc - 1 lie in page ``block_table[b, j // PAGE_SIZE]`` from row j % PAGE_SIZE on (Bc
+divides PAGE_SIZE, so a tile never straddles two pages). Each sequence has its own length,
+``cache_seqlens[b]``, read by the kernel, so one launch serves sequences of any lengths.
+
 Forward only (inference); for training use flashedu.attention.
 """
 
@@ -37,7 +43,7 @@ import triton.language as tl
 from .. import runtime
 from . import fast
 from .config import padded_head_dim
-from .forward import LOG2E, _forward_step, dot_precision, load_tile
+from .forward import LOG2E, _softmax_step, dot_precision, load_tile
 from .launch import interpreter_fp32
 from .tiles import chunk_tiles, full_tile, masked_tile
 
@@ -46,11 +52,48 @@ MAX_SPLITS = 128
 
 
 @triton.jit
+def cache_rows(start_n, b, pages, stride_b, stride_n, PAGE_SIZE: tl.constexpr):
+    """Where keys start_n, start_n + 1, .. of sequence b lie, as an offset from the head's
+    start: row start_n of batch b in a contiguous cache; in a paged one (pages = (block_table,
+    its row length)), row start_n % PAGE_SIZE of the page the block table names for them, and
+    stride_b is then the page's stride. The page lookup is the only difference."""
+    if pages is None:
+        return b * stride_b + start_n * stride_n
+    else:
+        block_table, width = pages
+        page = tl.load(block_table + b * width + start_n // PAGE_SIZE).to(tl.int64)
+        return page * stride_b + (start_n % PAGE_SIZE) * stride_n
+
+
+@triton.jit
+def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, b, pages, stride_kb, stride_kn,
+               stride_vb, stride_vn, pos, dims, Nk, d, qk_scale, ctx, Bc: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+               DOT_PREC: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Load K_j, V_j (keys start_n ..) from the cache, then the forward's softmax step."""
+    c = tl.arange(0, Bc)
+    row_ok = (start_n + c)[:, None] < Nk
+    dim_ok = dims[None, :] < d
+    K_j = load_tile(K_head + cache_rows(start_n, b, pages, stride_kb, stride_kn, PAGE_SIZE)
+                    + c[:, None] * stride_kn + dims[None, :], row_ok, dim_ok, MASK, not EVEN_D)
+    V_j = load_tile(V_head + cache_rows(start_n, b, pages, stride_vb, stride_vn, PAGE_SIZE)
+                    + c[:, None] * stride_vn + dims[None, :], row_ok, dim_ok, MASK, not EVEN_D)
+    return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, pos, Nk, qk_scale, ctx, None,
+                         None, IS_CAUSAL, MASK, DOT_PREC)
+
+
+@triton.jit
 def split_kernel(Q, K, V, O_part, L_part, qk_scale,
                  stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, H, GROUP, HEADS, Nq, Nk, d, chunk, num_splits,
+                 pages, seqlens,
                  BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                 IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr = 0):
+    """Program (s, g): chunk s of the keys for the query heads of group g. ``pages`` = (block
+    table, its row length) for a paged cache (K and V are then pools of pages whose stride_kb,
+    stride_vb are the pages' strides), ``seqlens`` each sequence's cache length; None where the
+    cache is one contiguous (B, Hkv, Nk, d) block, and then not compiled."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     s = tl.program_id(0)  # which chunk of keys
     g = tl.program_id(1)  # which (batch, group of HEADS query heads sharing one K/V head)
@@ -58,6 +101,8 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
     b = g // heads_per_b
     h0 = (g % heads_per_b) * HEADS  # first query head of this program
     h_kv = h0 // GROUP
+    if seqlens is not None:
+        Nk = tl.load(seqlens + b)  # this sequence's cache length
 
     r = tl.arange(0, BLOCK_M)
     h = h0 + r // Nq  # packed rows: query head of each row ...
@@ -68,28 +113,30 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
     dim_ok = dims[None, :] < d
     Q_i = load_tile(Q + b * stride_qb + h[:, None] * stride_qh + n[:, None] * stride_qn
                     + dims[None, :], row_ok[:, None], dim_ok, True, not EVEN_D)
-    K_head = K + b * stride_kb + h_kv * stride_kh
-    V_head = V + b * stride_vb + h_kv * stride_vh
+    K_head = K + h_kv * stride_kh
+    V_head = V + h_kv * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     O_i = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo = s * chunk
-    hi = tl.minimum(lo + chunk, Nk)
+    hi = tl.maximum(tl.minimum(lo + chunk, Nk), lo)  # a chunk past this sequence's end is empty
     # this chunk's tiles (tiles.py): those every query sees whole need no mask (the first
     # query sits at position Nk - Nq); the diagonal and the ragged edge pay for one
     num, num_full, u0, a0, na, b0, idx_row, e0 = chunk_tiles(lo, hi, Nq, Nk, Bc, IS_CAUSAL)
     ctx = (b, h, Nq, qk_scale, None, None, None)  # no mods here
     for t in range(0, num_full):
         j = full_tile(t, u0, idx_row, None)
-        O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
-                                      j * Bc, pos, dims, Nk, d, qk_scale, ctx, None, None, Bc,
-                                      IS_CAUSAL, False, EVEN_D, DOT_PREC)
+        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, pages,
+                                   stride_kb, stride_kn, stride_vb, stride_vn, pos, dims, Nk, d,
+                                   qk_scale, ctx, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC,
+                                   PAGE_SIZE)
     for t in range(num_full, num):
         j = masked_tile(t, num_full, a0, na, b0, idx_row, None)
-        O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn,
-                                      j * Bc, pos, dims, Nk, d, qk_scale, ctx, None, None, Bc,
-                                      IS_CAUSAL, True, EVEN_D, DOT_PREC)
+        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, pages,
+                                   stride_kb, stride_kn, stride_vb, stride_vn, pos, dims, Nk, d,
+                                   qk_scale, ctx, Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC,
+                                   PAGE_SIZE)
 
     # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
     # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).
@@ -142,38 +189,78 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     docstring). Returns out (B, H, Nq, d), and with ``return_lse`` also L (B, H, Nq), the
     natural-log logsumexp (-inf for a row that sees no key). Forward only.
     """
-    from ..arguments import check_scale, check_tensors
+    from ..arguments import check_tensors
     from .inputs import check
 
     check_tensors(q, k, v, enable_gqa=True)
     check(q, k, v)  # dtype, head dim, device for compiled vs interpreted triton
+    Hkv, Nk = k.shape[1], k.shape[2]
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    # (B, Hkv, Nk, d): the batch's stride, the head's, the row's
+    cache = (k, v, (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2)))
+    return _split_kv(q, cache, Hkv, Nk, None, None, 0, num_splits, scale, is_causal, return_lse,
+                     "split_kv_attention")
+
+
+def paged_kv_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, num_splits=None,
+                       scale=None, is_causal=False, return_lse=False):
+    """Split-KV decoding from a paged cache, one launch for sequences of any lengths.
+
+    q: (B, H, Nq, d); k_cache, v_cache: (num_pages, page_size, Hkv, d), a pool of pages
+    (flash-attn's and vLLM's layout: appending a token writes one contiguous (Hkv, d) row);
+    block_table: (B, max_pages) int32, the pages of each sequence in order; cache_seqlens: (B,)
+    int32, how many keys each sequence has. page_size a multiple of 16. Arguments are checked by
+    ``flashedu.decode.paged_attention``, the public entry; the rest as split_kv_attention.
+    """
+    from .inputs import check
+
+    check(q, k_cache, v_cache)
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    capacity = block_table.shape[1] * page_size  # the longest cache the table can describe
+    # (num_pages, page_size, Hkv, d): the page's stride, the head's, the row's
+    cache = (k_cache, v_cache, (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)),
+             (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1)))
+    pages = (block_table, block_table.stride(0))
+    return _split_kv(q, cache, Hkv, capacity, pages, cache_seqlens, page_size, num_splits, scale,
+                     is_causal, return_lse, "paged_kv_attention")
+
+
+def _split_kv(q, cache, Hkv, Nk, pages, seqlens, page_size, num_splits, scale, is_causal,
+              return_lse, name):
+    """Both launches (split, then combine) for a contiguous or a paged cache. Nk: the cache's
+    length, or for a paged one the table's capacity (each sequence's own length is read by the
+    kernel from seqlens, so the host never waits for the device)."""
+    from ..arguments import check_scale
+
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    k, v, stride_k, stride_v = cache
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError("split_kv_attention is forward-only (decoding): call it under "
+        raise RuntimeError(f"{name} is forward-only (decoding): call it under "
                            "torch.no_grad(), or use flashedu.attention to train")
     scale = check_scale(scale, q.shape[-1])
     B, H, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
     if Nq > MAX_ROWS:
-        raise ValueError(f"q: split_kv_attention is for a few queries (Nq <= {MAX_ROWS}), got "
+        raise ValueError(f"q: {name} is for a few queries (Nq <= {MAX_ROWS}), got "
                          f"Nq={Nq}; use flashedu.attention for long query blocks")
     interpreted = runtime.triton_interpreted()
     heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, q.dtype,
-                                     sm_count(q.device, interpreted), interpreted, num_splits)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+                                     sm_count(q.device, interpreted), interpreted, num_splits,
+                                     page_size)
+    q = q if q.stride(-1) == 1 else q.contiguous()
     dtype = q.dtype
     q, k, v = interpreter_fp32(interpreted, q, k, v)
 
     HEAD_DIM = padded_head_dim(d)
     O_part = torch.empty((B, H, S, Nq, HEAD_DIM), dtype=torch.float32, device=q.device)
     L_part = torch.empty((B, H, S, Nq), dtype=torch.float32, device=q.device)
-    sq, sk, sv = q.stride(), k.stride(), v.stride()
+    sq = q.stride()
     fast.run(split_kernel, (S, B * H // heads),
-             (q, k, v, O_part, L_part, scale * LOG2E, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
-              sv[0], sv[1], sv[2], H, H // Hkv, heads, Nq, Nk, d, chunk, S),
+             (q, k, v, O_part, L_part, scale * LOG2E, sq[0], sq[1], sq[2], *stride_k, *stride_v,
+              H, H // Hkv, heads, Nq, Nk, d, chunk, S, pages, seqlens),
              dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc, HEAD_DIM=HEAD_DIM,
                   IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
+                  PAGE_SIZE=page_size,
                   **({} if interpreted else {"num_warps": 4, "num_stages": 3})))
 
     out = torch.empty_like(q)  # float32 under the interpreter: cast back below
@@ -188,10 +275,14 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     return out
 
 
-def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):
-    """(heads per program, Bc, number of splits S, keys per split): the launch of a problem."""
+def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None,
+               page_size=0):
+    """(heads per program, Bc, number of splits S, keys per split): the launch of a problem.
+    With pages, Bc divides page_size, so that each tile lies in one page."""
     heads = heads_per_program(H // Hkv, Nq)
     Bc = key_tile(d, dtype, interpreted)
+    while page_size and page_size % Bc:
+        Bc //= 2
     S = choose_num_splits(B * H // heads, Nk, Bc, sms, num_splits)
     chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
     S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them

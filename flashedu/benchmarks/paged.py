@@ -1,0 +1,184 @@
+"""Decoding from a paged KV cache against a contiguous cache and against SDPA.
+
+One decoding step: B sequences, one new query each, attend to their Nk cached keys. The same
+keys are held twice: contiguous, (B, Hkv, Nk, d), and paged, pages of --page-size rows scattered
+at random over a pool (the worst case for locality). Timed in one process:
+- paged: ``flashedu.decode.paged_attention`` (one launch for the batch; check_indices=False, as
+  PagedKVCache calls it), and the same with its index check (one wait for the device);
+- contiguous: split-KV decoding (``flashedu.triton.decode.split_kv_attention``);
+- SDPA on the contiguous cache, each of its kernels selected explicitly (grouped-query through
+  enable_gqa where the kernel takes it, else with K and V expanded to every query head).
+A step reads the whole cache once, so the table shows GB/s of K/V read.
+
+    flashedu bench paged --json docs/bench/paged.json
+    flashedu bench paged --dry-run      # tiny sizes (no GPU: Triton's interpreter)
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import core
+
+DTYPES = ("bf16", "fp16", "fp32")
+SDPA_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+
+def paged_copy(k, v, page_size: int, generator):
+    """(k_cache, v_cache, block_table, seqlens): k, v (B, Hkv, Nk, d) cut into pages of
+    page_size rows, the pages placed at random in a pool."""
+    import torch
+
+    B, Hkv, Nk, d = k.shape
+    per_seq = -(-Nk // page_size)
+    num_pages = B * per_seq
+    perm = torch.randperm(num_pages, generator=generator, device="cpu").to(k.device)
+    table = perm.view(B, per_seq).to(torch.int32)
+    pools = []
+    for t in (k, v):
+        padded = torch.zeros(B, Hkv, per_seq * page_size, d, dtype=t.dtype, device=t.device)
+        padded[:, :, :Nk] = t
+        pages = padded.view(B, Hkv, per_seq, page_size, d).permute(0, 2, 3, 1, 4)
+        pool = torch.empty(num_pages, page_size, Hkv, d, dtype=t.dtype, device=t.device)
+        pool[table.flatten().long()] = pages.reshape(num_pages, page_size, Hkv, d)
+        pools.append(pool)
+    seqlens = torch.full((B,), Nk, dtype=torch.int32, device=k.device)
+    return pools[0], pools[1], table, seqlens
+
+
+def sdpa_timings(q, k, v, reps) -> dict:
+    """ms of each SDPA kernel on the contiguous cache (an error text where it refuses)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    G = q.shape[1] // k.shape[1]
+    out = {}
+    for name in SDPA_KERNELS:
+        with sdpa_kernel(getattr(SDPBackend, name)):
+            try:
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+                how = "gqa"
+            except RuntimeError:
+                ke, ve = (t.repeat_interleave(G, dim=1) for t in (k, v))
+                call = lambda: F.scaled_dot_product_attention(q, ke, ve)  # noqa: E731
+                how = "expanded"
+            try:
+                with torch.no_grad():
+                    out[name] = (core.time_ms(call, cpu_repeats=reps), how)
+            except RuntimeError as exc:
+                out[name] = (None, core.error_text(exc))
+    return out
+
+
+def one_case(B, Nk, page_size, args, device, dtype) -> dict:
+    import torch
+
+    from flashedu import tolerance
+    from flashedu.decode import paged_attention
+    from flashedu.reference import reference_attention
+    from flashedu.triton.decode import split_kv_attention
+
+    H, Hkv, d = args.heads, args.kv_heads, args.d
+    g = torch.Generator(device=device).manual_seed(B * 7 + Nk)
+    q = torch.randn(B, H, 1, d, device=device, dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, Nk, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, Nk, d, device=device, dtype=dtype, generator=g)
+    kc, vc, table, seqlens = paged_copy(k, v, page_size, torch.Generator().manual_seed(Nk))
+    row = {"B": B, "Nk": Nk, "page_size": page_size, "H": H, "Hkv": Hkv, "d": d,
+           "dtype": args.dtype}
+    paged = lambda: paged_attention(q, kc, vc, table, seqlens, check_indices=False)  # noqa: E731
+    checked = lambda: paged_attention(q, kc, vc, table, seqlens)  # noqa: E731
+    contiguous = lambda: split_kv_attention(q, k, v)  # noqa: E731
+    with torch.no_grad():
+        ref = reference_attention(q, k, v, enable_gqa=True)
+        row["max_err_paged"] = tolerance.max_error(paged(), ref)
+        row["max_err_contiguous"] = tolerance.max_error(contiguous(), ref)
+        limit = tolerance.allowed_error(dtype, row["max_err_contiguous"], floor_scale=2.0)
+        del ref
+        if row["max_err_paged"] > limit:
+            row["error"] = f"paged error {row['max_err_paged']:.3g} > {limit:.3g}"
+        row["paged_ms"] = core.time_ms(paged, cpu_repeats=args.reps)
+        row["checked_ms"] = core.time_ms(checked, cpu_repeats=args.reps)
+        row["contiguous_ms"] = core.time_ms(contiguous, cpu_repeats=args.reps)
+    if device != "cpu":
+        for name, (ms, how) in sdpa_timings(q, k, v, args.reps).items():
+            row[f"sdpa_{name}_ms"], row[f"sdpa_{name}_how"] = ms, how
+        times = [row[f"sdpa_{n}_ms"] for n in SDPA_KERNELS if row[f"sdpa_{n}_ms"] is not None]
+        row["sdpa_best_ms"] = min(times) if times else None
+    kv_bytes = 2 * k.numel() * k.element_size()
+    row["paged_GBps"] = kv_bytes / row["paged_ms"] / 1e6
+    row["paged_vs_contiguous"] = row["paged_ms"] / row["contiguous_ms"]
+    if row.get("sdpa_best_ms"):
+        row["sdpa_best_vs_paged"] = row["sdpa_best_ms"] / row["paged_ms"]
+    return row
+
+
+def parse_args(argv):
+    p = core.parser("paged", __doc__)
+    p.add_argument("--batch", type=core.positive_int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--nk", type=core.positive_int, nargs="+", default=[1024, 4096, 16384, 65536],
+                   help="keys per sequence")
+    p.add_argument("--page-size", type=core.positive_int, nargs="+", default=[16, 256])
+    p.add_argument("--heads", type=core.positive_int, default=32)
+    p.add_argument("--kv-heads", type=core.positive_int, default=8)
+    p.add_argument("--d", type=core.head_dim, default=128)
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--max-cache-gb", type=float, default=8.0,
+                   help="skip cases whose cache (held twice) is larger")
+    p.add_argument("--reps", type=core.positive_int, default=3,
+                   help="dry run only: timed repetitions")
+    p.add_argument("--json", type=core.output_file, help="write the results here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU and Triton's interpreter at tiny sizes")
+    args = p.parse_args(argv)
+    if args.heads % args.kv_heads:
+        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if any(s % 16 for s in args.page_size):
+        p.error(f"--page-size must be multiples of 16, got {args.page_size}")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.dry_run:
+        args.batch, args.nk, args.page_size = [2], [40], [16]
+        args.heads, args.kv_heads, args.d, args.dtype, args.reps = 4, 2, 16, "fp32", 1
+        from .. import runtime
+
+        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
+    elif not core.gpu_available():
+        return core.needs_gpu("flashedu bench paged (or --dry-run for a CPU check)")
+    else:
+        device = "cuda"
+    dtype = core.torch_dtype(args.dtype)
+    out = {"environment": core.environment(["paged", *argv]), "cases": []}
+    print(core.headline(out["environment"]), flush=True)
+    head = ["B", "Nk", "page", "paged ms", "checked ms", "contiguous ms", "paged/contig",
+            "SDPA best ms", "SDPA/paged", "paged GB/s", "err"]
+    lines = []
+    itemsize = 4 if args.dtype == "fp32" else 2
+    for B in args.batch:
+        for Nk in args.nk:
+            if 2 * 2 * B * args.kv_heads * Nk * args.d * itemsize > args.max_cache_gb * 1e9:
+                continue
+            for page_size in args.page_size:
+                row = one_case(B, Nk, page_size, args, device, dtype)
+                out["cases"].append(row)
+                best = row.get("sdpa_best_ms")
+                lines.append([B, Nk, page_size, f"{row['paged_ms']:.4f}",
+                              f"{row['checked_ms']:.4f}", f"{row['contiguous_ms']:.4f}",
+                              f"{row['paged_vs_contiguous']:.3f}x",
+                              "-" if best is None else f"{best:.4f}",
+                              "-" if best is None else f"{row['sdpa_best_vs_paged']:.2f}x",
+                              f"{row['paged_GBps']:.0f}", f"{row['max_err_paged']:.1e}"])
+                print(" | ".join(str(x) for x in lines[-1]), flush=True)
+                if "error" in row:
+                    print(f"B={B} Nk={Nk} page={page_size} ERROR: {row['error']}", flush=True)
+    print(core.format_table(head, lines))
+    if args.json:
+        core.write_json(args.json, out)
+        print(f"wrote {args.json}")
+    return 1 if any("error" in r for r in out["cases"]) else 0

@@ -1,0 +1,226 @@
+"""Decoding from a paged KV cache (flashedu.decode): triton (the interpreter on a CPU) and the
+NumPy reference against float64 attention over each sequence's keys laid out contiguously."""
+
+import numpy as np
+import pytest
+import torch
+
+import flashedu
+from flashedu import tolerance
+from flashedu.decode import PagedKVCache, gather_pages, paged_attention
+from flashedu.models import GPT, generate, tiny_config
+from flashedu.reference import naive_attention
+from flashedu.triton.decode import split_kv_attention
+
+DEVICE = flashedu.runtime.kernel_device()  # the CPU under the interpreter, else the GPU
+
+
+def random_pool(lengths, page_size, Hkv, d, dtype, seed, spare=3, width_extra=1):
+    """A pool with each sequence's pages scattered at random, and the table padded past them."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages) + spare
+    k = torch.randn(num_pages, page_size, Hkv, d, generator=g).to(dtype)
+    v = torch.randn(num_pages, page_size, Hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.zeros(len(lengths), max(pages) + width_extra, dtype=torch.int32)
+    used = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = perm[used:used + p]
+        used += p
+    return k, v, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def contiguous(cache, table, n, page_size):
+    """Sequence's n keys as (Hkv, n, d), read through its pages."""
+    return torch.from_numpy(gather_pages(cache.double().numpy(), table.numpy(), page_size, 0, n)
+                            ).permute(1, 0, 2)
+
+
+def reference(q, k, v, table, lengths, page_size, causal, dtype=torch.float64):
+    """(O, L) by the naive formula per sequence and head, each sequence's keys gathered whole."""
+    B, H, Nq, d = q.shape
+    G = H // k.shape[2]
+    O = torch.zeros(B, H, Nq, d, dtype=torch.float64)
+    L = torch.full((B, H, Nq), -float("inf"), dtype=torch.float64)
+    for b, n in enumerate(lengths.tolist()):
+        if n == 0:
+            continue
+        K, V = (contiguous(c, table[b], n, page_size) for c in (k, v))
+        mask = np.tri(Nq, n, k=n - Nq, dtype=bool) if causal else None
+        for h in range(H):
+            Qh = q[b, h].double()
+            args = [t.to(dtype).numpy() for t in (Qh, K[h // G], V[h // G])]
+            o, lse = naive_attention(*args, mask=mask)
+            blind = ~np.isfinite(lse)
+            O[b, h] = torch.from_numpy(np.where(blind[:, None], 0.0, o)).double()
+            L[b, h] = torch.from_numpy(np.where(blind, -np.inf, lse)).double()
+    return O, L
+
+
+CASES = [  # lengths, H, Hkv, Nq, d, page_size, dtype, causal, num_splits
+    ([37, 0, 100], 4, 2, 1, 32, 16, torch.float32, False, None),  # an empty sequence
+    ([70, 5], 8, 2, 1, 64, 32, torch.float32, False, 3),  # GQA, splits not on page edges
+    ([48, 33, 16], 2, 1, 4, 40, 16, torch.float32, True, 2),  # 4 queries, padded head dim
+    ([2, 90], 4, 4, 3, 16, 16, torch.float32, True, None),  # fewer keys than queries
+    ([81, 19], 4, 2, 1, 64, 64, torch.float16, False, 4),
+    ([50], 2, 2, 1, 64, 16, torch.bfloat16, True, None),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "numpy"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[1:])).replace("torch.", ""))
+def test_matches_contiguous_reference(case, backend):
+    lengths, H, Hkv, Nq, d, P, dtype, causal, splits = case
+    device = DEVICE if backend == "triton" else "cpu"
+    k, v, table, seqlens = random_pool(lengths, P, Hkv, d, dtype, seed=len(lengths) * 7 + d)
+    q = torch.randn(len(lengths), H, Nq, d, generator=torch.Generator().manual_seed(d)).to(dtype)
+    out, lse = paged_attention(*(t.to(device) for t in (q, k, v, table, seqlens)),
+                               is_causal=causal, num_splits=splits, return_lse=True,
+                               backend=backend)
+    assert out.dtype == dtype and out.shape == q.shape and out.device.type == torch.device(device).type
+    O_ref, L_ref = reference(q, k, v, table, seqlens, P, causal)
+    O_plain, _ = reference(q, k, v, table, seqlens, P, causal, torch.float32)
+    tol = tolerance.allowed_error(dtype, tolerance.max_error(O_plain.to(dtype).double(), O_ref))
+    assert (out.cpu().double() - O_ref).abs().max().item() <= tol
+    seen = torch.isfinite(L_ref)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)  # -inf exactly where no key is seen
+    torch.testing.assert_close(lse.cpu().double()[seen], L_ref[seen], rtol=1e-5, atol=1e-4)
+
+
+def test_paged_equals_split_kv_on_the_same_keys():
+    """The page lookup is the only difference from the contiguous split-KV kernel (the tiles
+    and split points may differ: the same answer up to float32 rounding)."""
+    k, v, table, seqlens = random_pool([75], 16, 2, 32, torch.float32, seed=1)
+    q = torch.randn(1, 4, 1, 32)
+    K, V = (contiguous(c, table[0], 75, 16).float()[None] for c in (k, v))
+    dev = [t.to(DEVICE) for t in (q, k, v, table, seqlens)]
+    paged = paged_attention(*dev, num_splits=2)
+    split = split_kv_attention(q.to(DEVICE), K.to(DEVICE), V.to(DEVICE), num_splits=2)
+    torch.testing.assert_close(paged, split, rtol=1e-5, atol=1e-6)
+
+
+def test_float64_numpy_is_the_exact_reference():
+    k, v, table, seqlens = random_pool([30, 64], 16, 1, 8, torch.float64, seed=2)
+    q = torch.randn(2, 2, 2, 8, dtype=torch.float64)
+    out = paged_attention(q, k, v, table, seqlens, is_causal=True, backend="numpy")
+    O_ref, _ = reference(q, k, v, table, seqlens, 16, True)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, O_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(block_table=torch.tensor([[0, 9]], dtype=torch.int32)), r"block_table\[0, 1\] = 9"),
+    (dict(block_table=torch.tensor([[0, -1]], dtype=torch.int32)), r"block_table\[0, 1\] = -1"),
+    (dict(cache_seqlens=torch.tensor([33], dtype=torch.int32)), r"cache_seqlens\[0\] = 33"),
+    (dict(cache_seqlens=torch.tensor([-1], dtype=torch.int32)), r"cache_seqlens\[0\] = -1"),
+    (dict(cache_seqlens=torch.tensor([3, 3], dtype=torch.int32)), "cache_seqlens must be"),
+    (dict(block_table=torch.tensor([0, 1], dtype=torch.int32)), "block_table must be"),
+    (dict(block_table=torch.tensor([[0.0, 1.0]])), "block_table must be an int32"),
+    (dict(k_cache=torch.zeros(4, 24, 2, 8), v_cache=torch.zeros(4, 24, 2, 8)), "multiple of 16"),
+    (dict(k_cache=torch.zeros(4, 16, 3, 8), v_cache=torch.zeros(4, 16, 3, 8)), "multiple of"),
+    (dict(k_cache=torch.zeros(4, 16, 2, 4), v_cache=torch.zeros(4, 16, 2, 4)), "head dim"),
+    (dict(v_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float64)), "share one floating dtype"),
+    (dict(q=torch.zeros(4, 1, 8)), "q must be 4-D"),
+    (dict(k_cache=[0]), "k_cache must be a torch.Tensor"),
+])
+def test_bad_arguments_are_named(change, match):
+    """A page id outside the pool or a length past the table is an error, not a wild read."""
+    args = dict(q=torch.zeros(1, 4, 1, 8), k_cache=torch.zeros(4, 16, 2, 8),
+                v_cache=torch.zeros(4, 16, 2, 8), block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+                cache_seqlens=torch.tensor([20], dtype=torch.int32))
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        paged_attention(**args, backend="numpy")
+
+
+def test_unused_table_entries_are_not_checked():
+    """Past a sequence's pages the table holds padding, which is never read."""
+    args = (torch.zeros(1, 2, 1, 8), torch.zeros(2, 16, 2, 8), torch.zeros(2, 16, 2, 8),
+            torch.tensor([[1, 999]], dtype=torch.int32), torch.tensor([16], dtype=torch.int32))
+    assert paged_attention(*args, backend="numpy").abs().max() == 0
+
+
+def test_cache_hands_out_and_takes_back_pages():
+    cache = PagedKVCache(num_pages=4, page_size=16, num_kv_heads=1, head_dim=8)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.extend([a], 20)  # two pages
+    cache.extend([b], 16)  # one page
+    assert len(cache.pages[a]) == 2 and len(cache.pages[b]) == 1 and len(cache.free_pages) == 1
+    with pytest.raises(RuntimeError, match="1 free pages, 2 are needed"):
+        cache.extend([a, b], 13)  # a needs a third page, b a second
+    assert cache.lengths == {a: 20, b: 16}  # a refused extend changes nothing
+    cache.free(a)
+    assert len(cache.free_pages) == 3 and a not in cache.pages
+    c = cache.add_sequence()
+    cache.extend([c], 32)
+    assert cache.pages[c] == [0, 1]  # a's pages, handed out again
+    with pytest.raises(KeyError, match="not in the cache"):
+        cache.write(0, [a], torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
+    with pytest.raises(ValueError, match="call extend first"):
+        d = cache.add_sequence()
+        cache.write(0, [d], torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
+
+
+def test_cache_attention_equals_attention_over_the_written_keys():
+    """Tokens written in several pieces, interleaved across sequences, then read back."""
+    torch.manual_seed(3)
+    cache = PagedKVCache(num_pages=10, page_size=16, num_kv_heads=2, head_dim=16, num_layers=2)
+    seqs = [cache.add_sequence() for _ in range(2)]
+    written = {s: [] for s in seqs}
+    for n in (7, 20, 1, 9):
+        cache.extend(seqs, n)
+        k, v = torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16)
+        cache.write(1, seqs, k, v)
+        for i, s in enumerate(seqs):
+            written[s].append((k[i], v[i]))
+    q = torch.randn(2, 4, 1, 16)
+    out = cache.attention(1, q, seqs, backend="numpy")
+    for i, s in enumerate(seqs):
+        K = torch.cat([k for k, _ in written[s]], 1)[None]
+        V = torch.cat([v for _, v in written[s]], 1)[None]
+        want = flashedu.attention(q[i:i + 1], K, V, enable_gqa=True, backend="naive")
+        torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_generates_the_same_text_with_the_cache():
+    """Greedy decoding from the paged cache equals greedy decoding that recomputes the whole
+    sequence at every step, for prompts of different lengths decoded together."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    prompts = [torch.randint(0, 256, (n,)) for n in (5, 17, 40)]
+    outs = generate(model, prompts, 10, backend="numpy")
+    model.eval()
+    for p, o in zip(prompts, outs):
+        ids = p[None]
+        for _ in range(10):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+        assert torch.equal(ids[0], o)
+
+
+def test_generate_checks_its_arguments():
+    model = GPT(tiny_config())
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len"):
+        generate(model, [torch.zeros(60, dtype=torch.long)], 10)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [torch.zeros(3, dtype=torch.long)], 0)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, [torch.zeros(3, dtype=torch.long)], 2, temperature=-1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the compiled kernel")
+def test_gpt_generates_on_the_gpu_kernel_as_without_the_cache():
+    """The same as above through the compiled paged kernel, four prompts from one pool with
+    pages of 16 tokens, so that sequences cross pages while they decode."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).cuda()
+    prompts = [torch.randint(0, 256, (n,), device="cuda") for n in (3, 15, 16, 33)]
+    outs = generate(model, prompts, 20, backend="triton")
+    model.eval()
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            ids = p[None]
+            for _ in range(20):
+                ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+            assert torch.equal(ids[0], o)

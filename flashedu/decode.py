@@ -37,7 +37,6 @@ from .merge import merge_many
 from .reference import naive_attention
 
 BACKENDS = ("triton", "numpy")
-PAGE_MULTIPLE = 16  # a page holds whole K/V tiles of the kernel (tl.dot's minimum of 16 rows)
 
 
 def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=None,
@@ -46,8 +45,8 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     """Attention of a few queries per sequence to that sequence's keys in a paged cache.
 
     q: (B, H, Nq, d), Nq small (one new token per sequence: Nq = 1);
-    k_cache, v_cache: (num_pages, page_size, Hkv, d) with H a multiple of Hkv (GQA) and
-    page_size a multiple of 16; block_table: (B, max_pages) int32, sequence b's pages in order;
+    k_cache, v_cache: (num_pages, page_size, Hkv, d) with H a multiple of Hkv (GQA), pages of
+    any size (vLLM uses 16 rows, flash-attn multiples of 256); block_table: (B, max_pages) int32, sequence b's pages in order;
     cache_seqlens: (B,) int32, sequence b's number of keys (its first cache_seqlens[b] rows).
     ``is_causal``: bottom-right aligned, the decoding convention (the Nq queries are the last Nq
     positions: query n sees keys j <= n + seqlen - Nq). ``num_splits``: chunks of keys per
@@ -158,9 +157,9 @@ def _check(q, k_cache, v_cache, block_table, cache_seqlens, backend):
         raise ValueError(f"k_cache's head dim ({d_cache}) must equal q's ({d})")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"q's head count ({H}) must be a multiple of k_cache's ({Hkv})")
-    if page_size % PAGE_MULTIPLE:
-        raise ValueError(f"k_cache: page_size must be a multiple of {PAGE_MULTIPLE}, got "
-                         f"{page_size}")
+    if page_size == 0 or num_pages == 0:
+        raise ValueError(f"k_cache must hold at least one page of at least one row, got shape "
+                         f"{tuple(k_cache.shape)}")
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise ValueError(f"block_table must be (B, max_pages) = ({B}, ...), got "
                          f"{tuple(block_table.shape)}")
@@ -205,8 +204,6 @@ class PagedKVCache:
                             ("num_layers", num_layers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if page_size % PAGE_MULTIPLE:
-            raise ValueError(f"page_size must be a multiple of {PAGE_MULTIPLE}, got {page_size}")
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -65,6 +65,8 @@ CASES = [  # lengths, H, Hkv, Nq, d, page_size, dtype, causal, num_splits
     ([2, 90], 4, 4, 3, 16, 16, torch.float32, True, None),  # fewer keys than queries
     ([81, 19], 4, 2, 1, 64, 64, torch.float16, False, 4),
     ([50], 2, 2, 1, 64, 16, torch.bfloat16, True, None),
+    ([37, 12], 4, 2, 1, 32, 5, torch.float32, False, None),  # pages smaller than a tile
+    ([60], 2, 1, 2, 16, 24, torch.float32, True, 3),  # tiles across page edges
 ]
 
 
@@ -117,7 +119,7 @@ def test_float64_numpy_is_the_exact_reference():
     (dict(cache_seqlens=torch.tensor([3, 3], dtype=torch.int32)), "cache_seqlens must be"),
     (dict(block_table=torch.tensor([0, 1], dtype=torch.int32)), "block_table must be"),
     (dict(block_table=torch.tensor([[0.0, 1.0]])), "block_table must be an int32"),
-    (dict(k_cache=torch.zeros(4, 24, 2, 8), v_cache=torch.zeros(4, 24, 2, 8)), "multiple of 16"),
+    (dict(k_cache=torch.zeros(0, 16, 2, 8), v_cache=torch.zeros(0, 16, 2, 8)), "at least one page"),
     (dict(k_cache=torch.zeros(4, 16, 3, 8), v_cache=torch.zeros(4, 16, 3, 8)), "multiple of"),
     (dict(k_cache=torch.zeros(4, 16, 2, 4), v_cache=torch.zeros(4, 16, 2, 4)), "head dim"),
     (dict(v_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float64)), "share one floating dtype"),

@@ -135,8 +135,6 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    if any(s % 16 for s in args.page_size):
-        p.error(f"--page-size must be multiples of 16, got {args.page_size}")
     return args
 
 

@@ -24,10 +24,11 @@ is top-left aligned, which for one query would mean "see key 0 only": useless fo
 two agree when Nq == Nk. A query that sees no key (Nq > Nk) gives zeros.
 
 A paged cache (vLLM's PagedAttention; ``paged_kv_attention``) changes one thing: where a K/V
-tile is read from. The cache is a pool of pages of PAGE_SIZE rows, and sequence b's keys
-j .. j + Bc - 1 lie in page ``block_table[b, j // PAGE_SIZE]`` from row j % PAGE_SIZE on (Bc
-divides PAGE_SIZE, so a tile never straddles two pages). Each sequence has its own length,
-``cache_seqlens[b]``, read by the kernel, so one launch serves sequences of any lengths.
+row is read from. The cache is a pool of pages of PAGE_SIZE rows, and sequence b's key j lies
+in row j % PAGE_SIZE of page ``block_table[b, j // PAGE_SIZE]``: each tile of Bc keys looks up
+the page of each of its rows, so tiles keep their size whatever the page size. Each sequence
+has its own length, ``cache_seqlens[b]``, read by the kernel, so one launch serves sequences of
+any lengths.
 
 Forward only (inference); for training use flashedu.attention.
 """
@@ -52,17 +53,18 @@ MAX_SPLITS = 128
 
 
 @triton.jit
-def cache_rows(start_n, b, pages, stride_b, stride_n, PAGE_SIZE: tl.constexpr):
-    """Where keys start_n, start_n + 1, .. of sequence b lie, as an offset from the head's
-    start: row start_n of batch b in a contiguous cache; in a paged one (pages = (block_table,
-    its row length)), row start_n % PAGE_SIZE of the page the block table names for them, and
-    stride_b is then the page's stride. The page lookup is the only difference."""
+def cache_rows(j, row_ok, b, pages, stride_b, stride_n, PAGE_SIZE: tl.constexpr):
+    """Where keys j (a vector) of sequence b lie, as offsets from the head's start: rows j of
+    batch b in a contiguous cache; in a paged one (pages = (block_table, its row length)), row
+    j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE], stride_b then being the page's
+    stride. The page lookup is the only difference. Keys past the sequence (not row_ok) read
+    no table entry; their rows are masked by the load."""
     if pages is None:
-        return b * stride_b + start_n * stride_n
+        return b * stride_b + j * stride_n
     else:
         block_table, width = pages
-        page = tl.load(block_table + b * width + start_n // PAGE_SIZE).to(tl.int64)
-        return page * stride_b + (start_n % PAGE_SIZE) * stride_n
+        page = tl.load(block_table + b * width + j // PAGE_SIZE, mask=row_ok, other=0)
+        return page.to(tl.int64) * stride_b + (j % PAGE_SIZE) * stride_n
 
 
 @triton.jit
@@ -71,13 +73,15 @@ def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, b, pages, stride_kb,
                IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
                DOT_PREC: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Load K_j, V_j (keys start_n ..) from the cache, then the forward's softmax step."""
-    c = tl.arange(0, Bc)
-    row_ok = (start_n + c)[:, None] < Nk
+    j = start_n + tl.arange(0, Bc)
+    row_ok = j < Nk
     dim_ok = dims[None, :] < d
-    K_j = load_tile(K_head + cache_rows(start_n, b, pages, stride_kb, stride_kn, PAGE_SIZE)
-                    + c[:, None] * stride_kn + dims[None, :], row_ok, dim_ok, MASK, not EVEN_D)
-    V_j = load_tile(V_head + cache_rows(start_n, b, pages, stride_vb, stride_vn, PAGE_SIZE)
-                    + c[:, None] * stride_vn + dims[None, :], row_ok, dim_ok, MASK, not EVEN_D)
+    K_rows = cache_rows(j, row_ok, b, pages, stride_kb, stride_kn, PAGE_SIZE)
+    V_rows = cache_rows(j, row_ok, b, pages, stride_vb, stride_vn, PAGE_SIZE)
+    K_j = load_tile(K_head + K_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
+                    not EVEN_D)
+    V_j = load_tile(V_head + V_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
+                    not EVEN_D)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, pos, Nk, qk_scale, ctx, None,
                          None, IS_CAUSAL, MASK, DOT_PREC)
 
@@ -209,7 +213,7 @@ def paged_kv_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, num_s
     q: (B, H, Nq, d); k_cache, v_cache: (num_pages, page_size, Hkv, d), a pool of pages
     (flash-attn's and vLLM's layout: appending a token writes one contiguous (Hkv, d) row);
     block_table: (B, max_pages) int32, the pages of each sequence in order; cache_seqlens: (B,)
-    int32, how many keys each sequence has. page_size a multiple of 16. Arguments are checked by
+    int32, how many keys each sequence has. Arguments are checked by
     ``flashedu.decode.paged_attention``, the public entry; the rest as split_kv_attention.
     """
     from .inputs import check
@@ -245,8 +249,7 @@ def _split_kv(q, cache, Hkv, Nk, pages, seqlens, page_size, num_splits, scale, i
                          f"Nq={Nq}; use flashedu.attention for long query blocks")
     interpreted = runtime.triton_interpreted()
     heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, q.dtype,
-                                     sm_count(q.device, interpreted), interpreted, num_splits,
-                                     page_size)
+                                     sm_count(q.device, interpreted), interpreted, num_splits)
     q = q if q.stride(-1) == 1 else q.contiguous()
     dtype = q.dtype
     q, k, v = interpreter_fp32(interpreted, q, k, v)
@@ -275,14 +278,10 @@ def _split_kv(q, cache, Hkv, Nk, pages, seqlens, page_size, num_splits, scale, i
     return out
 
 
-def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None,
-               page_size=0):
-    """(heads per program, Bc, number of splits S, keys per split): the launch of a problem.
-    With pages, Bc divides page_size, so that each tile lies in one page."""
+def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):
+    """(heads per program, Bc, number of splits S, keys per split): the launch of a problem."""
     heads = heads_per_program(H // Hkv, Nq)
     Bc = key_tile(d, dtype, interpreted)
-    while page_size and page_size % Bc:
-        Bc //= 2
     S = choose_num_splits(B * H // heads, Nk, Bc, sms, num_splits)
     chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
     S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them

@@ -21,9 +21,10 @@ a backend with ``has_mask_mod`` (or whose ``mask_mod_kinds`` compile that librar
 backend with a feature has it forward and backward.
 
 The backends with kernels of their own (numpy, triton) describe them as a
-:class:`flashedu.ops.Kernels` (forward, backward, their lse's convention, their outputs' layout)
-and hand every call to :func:`flashedu.ops.attention`, the one autograd path; naive is plain
-torch ops, which autograd differentiates itself; numba has no backward.
+:class:`flashedu.ops.Kernels` (forward, backward, their lse's convention, their outputs' layout,
+what the backend does to a call first); their entry point is :func:`flashedu.ops.attention`
+with those kernels, the one autograd path; naive is plain torch ops, which autograd
+differentiates itself; numba has no backward.
 
 Each backend's module is imported by a plain import inside its loader, on first use, so that
 triton and numba are imported after :mod:`flashedu.runtime` has decided how they run. A plain
@@ -46,9 +47,9 @@ def _naive():
 
 
 def _numpy():
-    from .numpy_backend import attention
+    from .numpy_backend import KERNELS
 
-    return attention
+    return KERNELS.entry
 
 
 def _numba():
@@ -61,9 +62,9 @@ def _numba():
 
 
 def _triton():
-    from .triton_backend import attention
+    from .triton_backend import KERNELS
 
-    return attention
+    return KERNELS.entry
 
 
 def _triton_repeat():

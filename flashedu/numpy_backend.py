@@ -1,8 +1,7 @@
 """The "numpy" backend: torch tensors in, the NumPy tiled kernels of :mod:`flashedu.tiled` per
 (batch, head), autograd through :func:`flashedu.tiled.flash_backward`. This module holds the
-backend's entry point (:func:`attention`, which :mod:`flashedu.backends` registers) and its
-forward and backward, which :data:`KERNELS` hands to the one autograd path of
-:mod:`flashedu.ops`.
+backend's forward and backward, which :data:`KERNELS` hands to the one autograd path of
+:mod:`flashedu.ops` (its ``entry`` is what :mod:`flashedu.backends` registers).
 
 Slow by design (a Python loop over heads and tiles); it exists so that the exact algorithm a
 learner reads in NumPy is the one tested against every other backend, on any machine. PyTorch
@@ -22,16 +21,14 @@ from . import ops, tiled
 DEFAULT_BLOCK = (64, 64)  # (Br, Bc) when no block mask fixes the tiling
 
 
-def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
-              score_mod=None, return_lse=False, sinks=None):
-    """The backend's entry point (inputs already checked by flashedu.attention). Calls with
+def prepare(q, k, v, attn_mask, block_mask, score_mod):
+    """What this backend does to a checked call before its kernels run: refuse a score mod
+    that computes with tensors requiring grad (:func:`refuse_captured_grad`). Calls with
     element-level rules (attn_mask, a score mod, a block mask whose partial tiles need its mask
     mod) or return_lse run eagerly under torch.compile (a graph break): the operators carry tile
     grids only."""
     refuse_captured_grad(q, score_mod)
-    return ops.attention(KERNELS, q, k, v, is_causal=is_causal, scale=scale,
-                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
-                         score_mod=score_mod, return_lse=return_lse, sinks=sinks)
+    return attn_mask, block_mask
 
 
 def forward(q, k, v, *, is_causal, scale, block_mask, dropout_p=0.0, rng=None, attn_mask=None,
@@ -231,4 +228,4 @@ def _lse_dtype(dtype):
 
 # its lse is the natural log already
 KERNELS = ops.Kernels("numpy", _call_forward, _call_backward, _row_dot, lambda lse: lse,
-                      _empty_outputs, _lse_dtype)
+                      _empty_outputs, _lse_dtype, prepare=prepare)

@@ -48,6 +48,7 @@ registered for torch.autograd); ``torch.func.vmap`` works.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -87,14 +88,23 @@ class Kernels:
     natural_lse(lse) -> the natural-log lse (B, H, Nq), -inf for a row that sees no key.
     empty_outputs(*tensors) -> empty tensors laid out as the kernels lay out the results of
     these inputs (out for q, dq, dk, dv for q, k, v): compiled code trusts the fake strides.
-    lse_dtype(dtype) -> the lse's dtype for inputs of ``dtype``."""
+    lse_dtype(dtype) -> the lse's dtype for inputs of ``dtype``.
+    prepare(q, k, v, attn_mask, block_mask, score_mod) -> (attn_mask, block_mask): what the
+    backend does to a checked call before its kernels run (refuse inputs they do not take,
+    turn one kind of mask into another), or None.
+
+    ``entry`` is the backend's entry point, :func:`attention` with these kernels: what
+    :mod:`flashedu.backends` registers."""
 
     def __init__(self, name: str, forward: Callable, backward: Callable, row_dot: Callable,
-                 natural_lse: Callable, empty_outputs: Callable, lse_dtype: Callable):
+                 natural_lse: Callable, empty_outputs: Callable, lse_dtype: Callable,
+                 prepare: Callable | None = None):
         self.name = name
         self.forward, self.backward, self.row_dot = forward, backward, row_dot
         self.natural_lse, self.empty_outputs, self.lse_dtype = natural_lse, empty_outputs, lse_dtype
+        self.prepare = prepare
         self.forward_op, self.backward_op = _define_operators(self)
+        self.entry = functools.partial(attention, self)
 
 
 def attention(kernels: Kernels, q, k, v, *, is_causal: bool, scale: float, block_mask,
@@ -103,6 +113,8 @@ def attention(kernels: Kernels, q, k, v, *, is_causal: bool, scale: float, block
     """``out``, or ``(out, lse)`` with ``return_lse``: what the backends call, their inputs
     checked. ``dropout_p`` > 0 draws the call's RNG state (seed, offset) from torch's
     generator of q's device."""
+    if kernels.prepare is not None:
+        attn_mask, block_mask = kernels.prepare(q, k, v, attn_mask, block_mask, score_mod)
     rng = None
     if dropout_p > 0:
         from .dropout import draw_rng

@@ -2,10 +2,11 @@
 repeat of a plain call.
 
 The kernels and their launch are :mod:`flashedu.triton`; this module is what
-:mod:`flashedu.backends` registers: :func:`attention` checks what only this backend refuses
-(dtypes, head dims, devices), turns a bool ``attn_mask`` into a block mask, and hands the call
-to the one autograd path (:mod:`flashedu.ops`) with :data:`KERNELS`, its forward and backward
-(and, from them, the operators ``torch.ops.flashedu.triton_forward`` / ``triton_backward``).
+:mod:`flashedu.backends` registers: :data:`KERNELS`, the launch's forward and backward as the one
+autograd path (:mod:`flashedu.ops`) calls them (and, from them, the operators
+``torch.ops.flashedu.triton_forward`` / ``triton_backward``), with :func:`prepare`, which checks
+what only this backend refuses (dtypes, head dims, devices) and turns a bool ``attn_mask`` into
+a block mask before the call reaches them.
 The kernels keep the logsumexp in base 2 (their exp2 softmax); :func:`natural_lse` is the one
 place that converts it. Importing the kernels fails where triton does: that is how the registry
 tells that the backend is unavailable.
@@ -44,22 +45,18 @@ from .triton.autograd import resolve_config
 from .triton.inputs import check
 
 
-def attention(q, k, v, *, is_causal, scale, block_mask, dropout_p, attn_mask=None,
-              score_mod=None, return_lse=False, sinks=None):
-    """Backend entry point (inputs already checked by flashedu.attention).
-
-    A bool ``attn_mask`` becomes a block mask whose mask mod reads it (only its partial tiles
-    are read element-wise), a float one a bias the kernels read tile by tile; ``score_mod``
-    must be one the kernels compile: the library's softcap and ALiBi, or one written in Triton
-    (``flashedu.mods.triton_score_mod``)."""
+def prepare(q, k, v, attn_mask, block_mask, score_mod):
+    """What this backend does to a checked call before its kernels run: refuse what they do not
+    take (``triton.inputs.check``), and turn a bool ``attn_mask`` into a block mask whose mask
+    mod reads it (only its partial tiles are read element-wise); a float one stays a bias the
+    kernels read tile by tile. ``score_mod`` must be one the kernels compile: the library's
+    softcap and ALiBi, or one written in Triton (``flashedu.mods.triton_score_mod``).
+    Returns (attn_mask, block_mask)."""
     check(q, k, v)
     if (attn_mask is not None and not attn_mask.is_floating_point()
             and not ops.holds_no_values(q, attn_mask)):  # meta or fake: shapes only
-        block_mask = bool_mask_as_block_mask(attn_mask, block_mask, q.shape[2], k.shape[2])
-        attn_mask = None
-    return ops.attention(KERNELS, q, k, v, is_causal=is_causal, scale=float(scale),
-                         block_mask=block_mask, dropout_p=dropout_p, attn_mask=attn_mask,
-                         score_mod=score_mod, return_lse=return_lse, sinks=sinks)
+        return None, bool_mask_as_block_mask(attn_mask, block_mask, q.shape[2], k.shape[2])
+    return attn_mask, block_mask
 
 
 def bool_mask_as_block_mask(attn_mask, block_mask, Nq: int, Nk: int):
@@ -115,10 +112,7 @@ def backward_into(q, k, v, out, L, dout, *, is_causal, scale, D=None, into=None)
     (so P = exp(S - L) is the block's slice of the whole softmax). ``D``: rowsum(dO * O),
     float32 (B, H, Nq), when the caller has it (:func:`row_dot`). ``into``: (dQ, dK, dV)
     buffers the kernels add this call's gradients to (returned)."""
-    config = resolve_config(q.shape[-1], q.dtype, None, q.device)
-    return launch.backward(q, k, v, out, kernel_lse(L), dout, is_causal=is_causal,
-                           scale=scale, block_mask=None, config=config,
-                           interpreted=runtime.triton_interpreted(),
+    return launch.backward(q, k, v, out, kernel_lse(L), dout, ops.Call(is_causal, scale),
                            D=None if D is None else D.contiguous(), into=into)
 
 
@@ -142,33 +136,8 @@ def _told(scratch, t):
 
 
 # ----- the kernels, as the autograd path calls them ----------------------------------------
-
-
-def _kernel_layout(t):
-    """The Triton kernels index rows and heads by stride but need the last dim contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def forward(q, k, v, call):
-    """(O, L2): the Triton forward; L2 is the base-2 logsumexp, +inf for an empty row."""
-    q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    mask = call.block_mask
-    config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
-    return launch.forward(q, k, v, is_causal=call.is_causal, scale=call.scale, block_mask=mask,
-                          tiles=config.forward_tiles(mask, k.shape[2], call.dropout_p > 0),
-                          interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
-                          rng=call.rng, mods=call.mods, sinks=call.sinks)
-
-
-def backward(q, k, v, out, lse2, dout, call, dlse=None, mask_grad=False, D=None):
-    """(dQ, dK, dV): the Triton backward (Algorithm 4 of the paper, FlashAttention-2 order)."""
-    q, k, v, out = (_kernel_layout(t) for t in (q, k, v, out))
-    mask = call.block_mask
-    config = resolve_config(q.shape[-1], q.dtype, mask, q.device)
-    return launch.backward(q, k, v, out, lse2, dout.contiguous(), is_causal=call.is_causal,
-                           scale=call.scale, block_mask=mask, config=config,
-                           interpreted=runtime.triton_interpreted(), dropout_p=call.dropout_p,
-                           rng=call.rng, mods=call.mods, dlse=dlse, mask_grad=mask_grad, D=D)
+# launch.forward(q, k, v, call) and launch.backward(q, k, v, out, lse2, dout, call, ...)
+# themselves: the path from flashedu.attention to a launch is api -> ops -> launch.
 
 
 def natural_lse(lse2):
@@ -182,18 +151,18 @@ def empty_outputs(*tensors):
     decide): the operators' fake implementations must give the real strides."""
     dtype = tensors[0].dtype
     tensors = launch.interpreter_fp32(runtime.triton_interpreted(),
-                                      *map(_kernel_layout, tensors))
+                                      *map(launch.kernel_layout, tensors))
     _, outs = launch.outputs_like(*tensors)
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in outs)
 
 
 def _row_dot(out, dout):
     """D as the backward computes it, from the tensors laid out as it lays them out."""
-    return row_dot(_kernel_layout(out), dout.contiguous())
+    return row_dot(launch.kernel_layout(out), launch.kernel_layout(dout))
 
 
-KERNELS = ops.Kernels("triton", forward, backward, _row_dot, natural_lse, empty_outputs,
-                      lambda dtype: torch.float32)
+KERNELS = ops.Kernels("triton", launch.forward, launch.backward, _row_dot, natural_lse,
+                      empty_outputs, lambda dtype: torch.float32, prepare=prepare)
 
 
 # ----- the repeat of a plain call ---------------------------------------------------------
@@ -242,9 +211,8 @@ class Repeat:
         if self.forward_plan is None:
             kept = []
             tiles = self.config.forward_tiles(self.block_mask, k.shape[2])
-            out = launch.forward(q, k, v, is_causal=self.is_causal, scale=self.scale,
-                                 block_mask=self.block_mask, tiles=tiles,
-                                 interpreted=self.interpreted, mods=call.mods, keep=kept)
+            out = launch.forward(q, k, v, call, tiles=tiles, interpreted=self.interpreted,
+                                 keep=kept)
             self.forward_plan = kept[0] if kept else None
             return out
         o = torch.empty_like(q)
@@ -259,10 +227,8 @@ class Repeat:
         layout = (do.stride(), do.dtype, do.data_ptr() % 16 == 0)
         if self.backward_plan is None or layout != self.dout_layout:
             kept = []
-            grads = launch.backward(q, k, v, o, lse2, do, is_causal=self.is_causal,
-                                    scale=self.scale, block_mask=self.block_mask,
-                                    config=self.config, interpreted=self.interpreted,
-                                    mods=call.mods, keep=kept)
+            grads = launch.backward(q, k, v, o, lse2, do, call, config=self.config,
+                                    interpreted=self.interpreted, keep=kept)
             if self.backward_plan is None and kept:
                 self.backward_plan, self.dout_layout = kept[0], layout
             return grads

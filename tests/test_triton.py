@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import flashedu  # first: decides GPU or interpreter before triton loads
 import triton
 import triton.language as tl
-from flashedu import tolerance
+from flashedu import ops, tolerance
 from flashedu.reference import naive_attention_torch, reference_attention
 
 pytestmark = pytest.mark.skipif(flashedu.available_backends()["triton"] is not None,
@@ -254,9 +254,10 @@ def test_tma_forward_matches_the_pointer_forward(monkeypatch, causal):
 
     monkeypatch.setattr(fast, "tma_ok", lambda *t: True)  # the interpreter has no copy engine
     q, k, v = (x.detach() for x in _qkv(1, 4, 2, 70, 53, 24))
-    kw = dict(is_causal=causal, scale=0.2, block_mask=None, interpreted=False)
-    plain, _ = launch.forward(q, k, v, tiles=Tiles(32, 16), **kw)
-    fast, _ = launch.forward(q, k, v, tiles=Tiles(32, 16, tma=True, warp_specialize=True), **kw)
+    call = ops.Call(causal, 0.2)
+    plain, _ = launch.forward(q, k, v, call, tiles=Tiles(32, 16), interpreted=False)
+    fast, _ = launch.forward(q, k, v, call, tiles=Tiles(32, 16, tma=True, warp_specialize=True),
+                             interpreted=False)
     ref = reference_attention(q, k, v, is_causal=causal, scale=0.2, enable_gqa=True)
     assert _err(plain, ref) < 1e-5
     assert _err(fast, plain) < 1e-6
@@ -283,13 +284,12 @@ def test_fast_forward_falls_back_when_it_does_not_build(monkeypatch):
     monkeypatch.setattr(fw, "forward_kernel", Picky())
     monkeypatch.setattr(fast, "_NO_FAST", set())
     q, k, v = (x.detach() for x in _qkv(1, 2, 2, 40, 40, 16))
-    kw = dict(is_causal=False, scale=0.25, block_mask=None, interpreted=False,
-              tiles=Tiles(32, 16, tma=True, warp_specialize=True))
+    kw = dict(interpreted=False, tiles=Tiles(32, 16, tma=True, warp_specialize=True))
     with pytest.warns(UserWarning, match="pointer version"):
-        out, _ = launch.forward(q, k, v, **kw)
+        out, _ = launch.forward(q, k, v, ops.Call(False, 0.25), **kw)
     assert _err(out, reference_attention(q, k, v, scale=0.25)) < 1e-5
     assert len(fast._NO_FAST) == 1
-    launch.forward(q, k, v, **kw)  # remembered: no second failure, no second warning
+    launch.forward(q, k, v, ops.Call(False, 0.25), **kw)  # remembered: no second warning
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -309,7 +309,7 @@ def test_ablation_variants_match_the_reference(causal, dtype):
     ref = reference_attention(q, k, v, is_causal=causal, enable_gqa=True)
     plain = naive_attention_torch(q, k, v, is_causal=causal, enable_gqa=True, upcast=False)
     tol = tolerance.allowed_error(dtype, _err(plain, ref), floor_scale=tolerance.FORWARD)
-    O, L = forward(q, k, v, block_mask=None, tiles=cfg.forward, **kw)
+    O, L = forward(q, k, v, ops.Call(causal, 24 ** -0.5), tiles=cfg.forward, interpreted=True)
     same, _ = ablations.forward(q, k, v, tiles=cfg.forward, **kw)
     assert torch.equal(same, O)  # both switches off: the production code
     for switch in ("natural_exp", "mask_every_tile"):
@@ -324,7 +324,8 @@ def test_ablation_variants_match_the_reference(causal, dtype):
     grads_plain = torch.autograd.grad(naive_attention_torch(qp, kp, vp, is_causal=causal,
                                                             enable_gqa=True, upcast=False), (qp, kp, vp), do)
     atomic = ablations.atomic_dq_backward(q, k, v, O, L, do, config=cfg, **kw)
-    shipped = backward(q, k, v, O, L, do, block_mask=None, config=cfg, **kw)
+    shipped = backward(q, k, v, O, L, do, ops.Call(causal, 24 ** -0.5), config=cfg,
+                       interpreted=True)
     for name, a, s, r, p in zip("dq dk dv".split(), atomic, shipped, grads_ref, grads_plain):
         assert a.dtype == dtype
         assert _err(a, r) <= tolerance.allowed_error(dtype, _err(p, r), factor=tolerance.GRADIENT,
@@ -413,14 +414,14 @@ def test_a_repeated_dropout_call_draws_a_new_mask(monkeypatch):
 
     monkeypatch.setattr(fast, "PLANS", {})
     q, k, v = (t.detach() for t in _qkv(1, 2, 2, 40, 40, 16))
-    kw = dict(is_causal=False, scale=0.25, block_mask=None, tiles=INTERPRETER.forward,
-              interpreted=True, dropout_p=0.3)
+    kw = dict(tiles=INTERPRETER.forward, interpreted=True)
     rng1, rng2 = draw_rng(q.device), draw_rng(q.device)
-    first, _ = launch.forward(q, k, v, rng=rng1, **kw)
-    second, _ = launch.forward(q, k, v, rng=rng2, **kw)  # repeated with a new state
+    call1, call2 = (ops.Call(False, 0.25, None, 0.3, rng) for rng in (rng1, rng2))
+    first, _ = launch.forward(q, k, v, call1, **kw)
+    second, _ = launch.forward(q, k, v, call2, **kw)  # repeated with a new state
     assert len(fast.PLANS) == 1 and not torch.equal(first, second)
     fast.PLANS.clear()
-    assert torch.equal(launch.forward(q, k, v, rng=rng2, **kw)[0], second)
+    assert torch.equal(launch.forward(q, k, v, call2, **kw)[0], second)
 
 
 def test_a_plan_keeps_no_tensor_of_its_call(monkeypatch):
@@ -1075,26 +1076,25 @@ def test_backward_adds_into_given_buffers(causal):
 
     q, k, v = (x.detach() for x in _qkv(1, 4, 2, 45, 37, 24))
     do = torch.randn_like(q)
-    kw = dict(is_causal=causal, scale=0.2, block_mask=None,
-              interpreted=flashedu.runtime.triton_interpreted())
-    o, lse2 = launch.forward(q, k, v, tiles=INTERPRETER.forward, **kw)
-    fresh = launch.backward(q, k, v, o, lse2, do, config=INTERPRETER, **kw)
+    call = ops.Call(causal, 0.2)
+    o, lse2 = launch.forward(q, k, v, call, tiles=INTERPRETER.forward)
+    fresh = launch.backward(q, k, v, o, lse2, do, call, config=INTERPRETER)
     # views with strides of their own: rows 3.. of taller float32 tensors
     big = [torch.randn(x.shape[0], x.shape[1], x.shape[2] + 3, x.shape[3], device=x.device)
            for x in (q, k, v)]
     into = tuple(b[:, :, 3:] for b in big)
     before = [t.clone() for t in into]
     outside = [b[:, :, :3].clone() for b in big]
-    assert launch.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=into, **kw) is into
+    assert launch.backward(q, k, v, o, lse2, do, call, config=INTERPRETER, into=into) is into
     for got, start, g in zip(into, before, fresh):
         torch.testing.assert_close(got, start + g.float(), rtol=1e-5, atol=1e-5)
-    launch.backward(q, k, v, o, lse2, do, config=INTERPRETER, into=into, **kw)  # once more
+    launch.backward(q, k, v, o, lse2, do, call, config=INTERPRETER, into=into)  # once more
     for got, start, g in zip(into, before, fresh):
         torch.testing.assert_close(got, start + 2 * g.float(), rtol=1e-5, atol=1e-5)
     assert all(torch.equal(b[:, :, :3], b0) for b, b0 in zip(big, outside))  # untouched
     with pytest.raises(ValueError, match="into: dk must have shape"):
-        launch.backward(q, k, v, o, lse2, do, config=INTERPRETER,
-                        into=(into[0], into[0], into[2]), **kw)
+        launch.backward(q, k, v, o, lse2, do, call, config=INTERPRETER,
+                        into=(into[0], into[0], into[2]))
 
 
 def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
@@ -1107,10 +1107,9 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
 
     q, k, v, do = (x.detach() for x in _qkv(1, 2, 2, 50, 45, 16) + (torch.randn(1, 2, 50, 16),))
     do = do.to(q.device)
-    kw = dict(is_causal=True, scale=0.25, block_mask=None,
-              interpreted=flashedu.runtime.triton_interpreted())
-    o_ref, lse2_ref = launch.forward(q, k, v, tiles=INTERPRETER.forward, **kw)
-    ref = launch.backward(q, k, v, o_ref, lse2_ref, do, config=INTERPRETER, **kw)
+    call = ops.Call(True, 0.25)
+    o_ref, lse2_ref = launch.forward(q, k, v, call, tiles=INTERPRETER.forward)
+    ref = launch.backward(q, k, v, o_ref, lse2_ref, do, call, config=INTERPRETER)
     real_launch, real_run = fast.launch, fast.run
     tried = []
 
@@ -1131,18 +1130,18 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     monkeypatch.setattr(launch, "_SHRUNK_BACKWARD", {})
     monkeypatch.setattr(fast, "PLANS", {})
     with pytest.warns(UserWarning, match="smaller tiles"):
-        o, lse2 = launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+        o, lse2 = launch.forward(q, k, v, call, tiles=Tiles(32, 16, 4, 2))
     assert tried == [(32, 16), (32, 16), (16, 16)]  # one stage fewer, then Br halved
     assert _err(o, reference_attention(q, k, v, is_causal=True, scale=0.25)) < 1e-5
     tried.clear()
-    launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    launch.forward(q, k, v, call, tiles=Tiles(32, 16, 4, 2))
     assert tried == []  # the same call again: its plan repeats the launch that fitted
     fast.PLANS.clear()
-    launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    launch.forward(q, k, v, call, tiles=Tiles(32, 16, 4, 2))
     assert tried == [(16, 16)]  # remembered for the configuration too
     config = dataclasses.replace(INTERPRETER, dkdv=Tiles(16, 32, 4, 1))
     with pytest.warns(UserWarning, match="smaller tiles"):
-        grads = launch.backward(q, k, v, o, lse2, do, config=config, **kw)
+        grads = launch.backward(q, k, v, o, lse2, do, call, config=config)
     assert all(_err(a, b) < 1e-5 for a, b in zip(grads, ref))
     assert list(launch._SHRUNK_BACKWARD.values())[0].dkdv == Tiles(16, 16, 4, 1)
 
@@ -1156,9 +1155,9 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch):
     rng = torch.tensor([1, 2], device=q.device)
     fast.PLANS.clear()
     with pytest.warns(UserWarning, match="smaller tiles"):
-        launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), dropout_p=0.1, rng=rng, **kw)
+        launch.forward(q, k, v, ops.Call(True, 0.25, None, 0.1, rng), tiles=Tiles(32, 16, 4, 2))
     tried.clear()
-    launch.forward(q, k, v, tiles=Tiles(32, 16, 4, 2), **kw)
+    launch.forward(q, k, v, call, tiles=Tiles(32, 16, 4, 2))
     assert tried == [] and len(launch._SHRUNK_FORWARD) == 1  # the plain launch was not shrunk
 
 

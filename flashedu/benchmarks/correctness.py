@@ -143,6 +143,7 @@ def sanitize(device="cuda") -> None:
 def check_ablations(device="cuda") -> list[str]:
     """Each variant of ablations.py against the production kernel it is measured against."""
     from flashedu import runtime
+    from flashedu.ops import Call
     from flashedu.triton import ablations
     from flashedu.triton.config import kernel_config
     from flashedu.triton.launch import backward, forward
@@ -157,8 +158,9 @@ def check_ablations(device="cuda") -> list[str]:
         cfg = kernel_config(d, False, interpreted)
         for causal in (False, True):
             kw = dict(is_causal=causal, scale=d ** -0.5, interpreted=interpreted)
-            O, L = forward(q, k, v, block_mask=None, tiles=cfg.forward, **kw)
-            grads = backward(q, k, v, O, L, do, block_mask=None, config=cfg, **kw)
+            call = Call(causal, d ** -0.5)
+            O, L = forward(q, k, v, call, tiles=cfg.forward, interpreted=interpreted)
+            grads = backward(q, k, v, O, L, do, call, config=cfg, interpreted=interpreted)
             got = {"natural_exp": ablations.forward(q, k, v, tiles=cfg.forward, natural_exp=True,
                                                     **kw)[0],
                    "mask_every_tile": ablations.forward(q, k, v, tiles=cfg.forward,

@@ -20,6 +20,7 @@ import torch
 
 import flashedu
 from flashedu.benchmarks import peers as providers
+from flashedu.ops import Call
 from flashedu.triton import launch
 from flashedu.triton.config import Tiles, kernel_config
 from flashedu.triton.launch import backward, forward
@@ -147,7 +148,7 @@ def head_dims(log, prev_forward):
             flops(8192, d))
         best[d] = (old, float("inf"))
         for x in tiles:
-            fn = lambda x=x: forward(q, k, v, is_causal=False, scale=s, block_mask=None,  # noqa: E731
+            fn = lambda x=x: forward(q, k, v, Call(False, s),  # noqa: E731
                                      tiles=x, interpreted=False)
             try:
                 err = rel_err(fn()[0], ref)
@@ -176,7 +177,7 @@ def regress_forward(log, prev_forward, tiles_for):
                 for causal in (False, True):
                     a = t(lambda: prev_forward(q, k, v, is_causal=causal, scale=s,
                                                block_mask=None, tiles=old, interpreted=False))
-                    b = t(lambda: forward(q, k, v, is_causal=causal, scale=s, block_mask=None,
+                    b = t(lambda: forward(q, k, v, Call(causal, s),
                                           tiles=new, interpreted=False))
                     log.rec("fwd regress", f"{dname} N={n} d={d} causal={causal}", b,
                             flops(n, d, causal), prev_ms=round(a, 4), speedup=round(a / b, 3))
@@ -188,7 +189,7 @@ def causal_backward(log):
     q, k, v, do = inputs(n, d)
     s = d ** -0.5
     shipped = kernel_config(d, False, False)
-    o, L = forward(q, k, v, is_causal=True, scale=s, block_mask=None, tiles=shipped.forward,
+    o, L = forward(q, k, v, Call(True, s), tiles=shipped.forward,
                    interpreted=False)
     two = shipped.causal_backward
     cands = {"two launches s3 (shipped)": two,
@@ -207,7 +208,7 @@ def causal_backward(log):
         cfg = dataclasses.replace(cfg, causal_backward=None)
 
         def fn(cfg=cfg):
-            return backward(q, k, v, o, L, do, is_causal=True, scale=s, block_mask=None,
+            return backward(q, k, v, o, L, do, Call(True, s),
                             config=cfg, interpreted=False)
         got = fn()
         ref = ref if ref is not None else got
@@ -246,8 +247,8 @@ def sparse_tma(log):
             for tma in (False, True, False, True):
                 tiles = dataclasses.replace(shipped, tma=tma, warp_specialize=False)
                 log.rec("sparse fwd", f"d={d} density={density} {name(tiles)}", t(
-                    lambda tiles=tiles: forward(q, k, v, is_causal=False, scale=d ** -0.5,
-                                                block_mask=mask, tiles=tiles,
+                    lambda tiles=tiles: forward(q, k, v, Call(False, d ** -0.5, mask),
+                                                tiles=tiles,
                                                 interpreted=False)), flops(8192, d) * density)
 
 
@@ -264,8 +265,8 @@ def sparse_variants(log):
         for rep in (1, 2):
             for tiles in cands:
                 log.rec("sparse tiles", f"density={density} {name(tiles)} run{rep}", t(
-                    lambda tiles=tiles: forward(q, k, v, is_causal=False, scale=d ** -0.5,
-                                                block_mask=mask, tiles=tiles,
+                    lambda tiles=tiles: forward(q, k, v, Call(False, d ** -0.5, mask),
+                                                tiles=tiles,
                                                 interpreted=False)), flops(8192, d) * density)
 
 
@@ -277,12 +278,12 @@ def sparse_ws(log):
     for density in (0.1, 0.25, 0.5):
         mask = providers.random_block_mask(8192, density)
         plain = shipped.forward_tiles(mask, k.shape[2])
-        ref = forward(q, k, v, is_causal=False, scale=d ** -0.5, block_mask=mask, tiles=plain,
+        ref = forward(q, k, v, Call(False, d ** -0.5, mask), tiles=plain,
                       interpreted=False)[0]
         for rep in (1, 2):
             for tiles in (plain, dataclasses.replace(plain, tma=True, warp_specialize=True)):
-                fn = lambda tiles=tiles: forward(q, k, v, is_causal=False,  # noqa: E731
-                                                 scale=d ** -0.5, block_mask=mask, tiles=tiles,
+                fn = lambda tiles=tiles: forward(q, k, v, Call(False, d ** -0.5, mask),  # noqa: E731
+                                                 tiles=tiles,
                                                  interpreted=False)
                 log.rec("sparse ws", f"density={density} {name(tiles)} run{rep}", t(fn),
                         flops(8192, d) * density, rel_diff=f"{rel_err(fn()[0], ref):.1e}")

@@ -374,6 +374,7 @@ def step_fn(provider: str, shape: Shape, backward: bool):
 def sweep_fn(shape: Shape, Br: int, Bc: int):
     """The Triton forward alone with the tile size (Br, Bc)."""
     from flashedu import runtime
+    from flashedu.ops import Call
     from flashedu.triton.config import Tiles
     from flashedu.triton.launch import forward
 
@@ -381,7 +382,7 @@ def sweep_fn(shape: Shape, Br: int, Bc: int):
     q, k, v = make_inputs(shape, grad=False)
     tiles = Tiles(Br, Bc, 4, 1 if interpreted else 2)
     scale = 1.0 / math.sqrt(shape.d)
-    return lambda: forward(q, k, v, is_causal=False, scale=scale, block_mask=None, tiles=tiles,
+    return lambda: forward(q, k, v, Call(False, scale), tiles=tiles,
                            interpreted=interpreted)
 
 

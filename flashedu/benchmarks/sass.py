@@ -274,6 +274,7 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     """The (kernel, args, consts) the package launches for this call, in launch order."""
     import torch
 
+    from .. import ops
     from ..triton import fast, launch
     from ..triton.autograd import resolve_config
     from . import core
@@ -293,6 +294,8 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     kw = dict(is_causal=variant == "causal", scale=d ** -0.5, interpreted=False)
     drop = {"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])} if variant == "dropout" else {}
     sinks = {"sinks": torch.zeros(H)} if variant == "sinks" else {}
+    call = ops.Call(kw["is_causal"], kw["scale"], None, drop.get("dropout_p", 0.0),
+                    drop.get("rng"), None, sinks.get("sinks"))
     saved = fast.run, fast.launch, fast.switches
     fast.run, fast.launch, fast.switches = capture, capture, sm90_switches
     try:
@@ -300,12 +303,11 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
             o, lse2 = torch.zeros(q.shape), torch.full(q.shape[:3], float("inf"))
             launch.forward_into(q, k, v, o, lse2, tiles=config.forward_tiles(None, n), **kw)
         else:
-            o, lse2 = launch.forward(q, k, v, block_mask=None,
-                                     tiles=config.forward_tiles(None, n, bool(drop)), **kw,
-                                     **drop, **sinks)
+            o, lse2 = launch.forward(q, k, v, call, interpreted=False,
+                                     tiles=config.forward_tiles(None, n, bool(drop)))
         if mode == "bwd":
             launches.clear()
-            launch.backward(q, k, v, o, lse2, do, block_mask=None, config=config, **kw, **drop)
+            launch.backward(q, k, v, o, lse2, do, call, config=config, interpreted=False)
     finally:
         fast.run, fast.launch, fast.switches = saved
     return launches

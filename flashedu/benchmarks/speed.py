@@ -20,6 +20,7 @@ import sys
 import torch
 
 import flashedu
+from flashedu.ops import Call
 from flashedu.triton import ablations
 from flashedu.triton.config import KernelConfig, Tiles, kernel_config
 from flashedu.triton.launch import backward, forward
@@ -61,11 +62,11 @@ def sweep(args):
     s = d ** -0.5
     fl = flops(n, d)
     base = BEFORE[128]
-    o, L = forward(q, k, v, is_causal=False, scale=s, block_mask=None, tiles=base.forward,
+    o, L = forward(q, k, v, Call(False, s), tiles=base.forward,
                    interpreted=False)
 
     def bwd(cfg, **kw):
-        return lambda: backward(q, k, v, o, L, do, is_causal=False, scale=s, block_mask=None,
+        return lambda: backward(q, k, v, o, L, do, Call(False, s),
                                 config=cfg, interpreted=False, **kw)
 
     # --- backward d=128: the baseline twice (noise), then one change at a time ------------
@@ -118,8 +119,8 @@ def sweep(args):
     for causal in (False, True):
         f = flops(n, d, causal)
         tag = "causal" if causal else "dense"
-        shipped = lambda: forward(q, k, v, is_causal=causal, scale=s,  # noqa: E731
-                                  block_mask=None, tiles=base.forward, interpreted=False)
+        shipped = lambda: forward(q, k, v, Call(causal, s),  # noqa: E731
+                                  tiles=base.forward, interpreted=False)
         variant = lambda **kw: (lambda: ablations.forward(  # noqa: E731
             q, k, v, is_causal=causal, scale=s, tiles=base.forward, interpreted=False, **kw))
         o_ref = shipped()[0]
@@ -129,8 +130,8 @@ def sweep(args):
         rec("ablate fwd", f"{tag} every tile masked", t(variant(mask_every_tile=True)), f,
             rel_diff=f"{rel_err(variant(mask_every_tile=True)()[0], o_ref):.1e}")
     for c in FWD:
-        rec("tiles fwd", name(c), t(lambda c=c: forward(q, k, v, is_causal=False, scale=s,
-                                                      block_mask=None, tiles=c,
+        rec("tiles fwd", name(c), t(lambda c=c: forward(q, k, v, Call(False, s),
+                                                      tiles=c,
                                                       interpreted=False)), fl)
     del q, k, v, do, o, L, ref
 
@@ -138,14 +139,14 @@ def sweep(args):
     n64 = 8192
     q, k, v, do = inputs(n64, 64)
     c64 = BEFORE[64]
-    o, L = forward(q, k, v, is_causal=False, scale=0.125, block_mask=None, tiles=c64.forward,
+    o, L = forward(q, k, v, Call(False, 0.125), tiles=c64.forward,
                    interpreted=False)
     for fused in (False, True):
         cf = dataclasses.replace(c64, fused_backward=fused)
         if fused:
             cf = dataclasses.replace(cf, dq=dataclasses.replace(cf.dq, num_warps=8, num_stages=3))
         rec("bwd d=64", f"fused={fused}", t(lambda cf=cf: backward(
-            q, k, v, o, L, do, is_causal=False, scale=0.125, block_mask=None, config=cf,
+            q, k, v, o, L, do, Call(False, 0.125), config=cf,
             interpreted=False)), 2.5 * flops(n64, 64))
     del q, k, v, do, o, L
 
@@ -181,15 +182,15 @@ def regress(args):
             q, k, v, do = inputs(n, d)
             s = d ** -0.5
             new = kernel_config(d, False, False)
-            o, L = forward(q, k, v, is_causal=False, scale=s, block_mask=None, tiles=new.forward,
+            o, L = forward(q, k, v, Call(False, s), tiles=new.forward,
                            interpreted=False)
             for causal in (False, True):
-                o, L = forward(q, k, v, is_causal=causal, scale=s, block_mask=None,
+                o, L = forward(q, k, v, Call(causal, s),
                                tiles=new.forward, interpreted=False)
                 ms = {}
                 for tag, cfg in (("before", BEFORE[d]), ("after", new)):
-                    ms[tag] = t(lambda cfg=cfg: backward(q, k, v, o, L, do, is_causal=causal,
-                                                         scale=s, block_mask=None, config=cfg,
+                    ms[tag] = t(lambda cfg=cfg: backward(q, k, v, o, L, do, Call(causal, s),
+                                                         config=cfg,
                                                          interpreted=False))
                 fl = 2.5 * flops(n, d, causal)
                 row = {"n": n, "d": d, "causal": causal, "before_ms": ms["before"],
@@ -209,7 +210,7 @@ def ncu_fwd(args):
     q, k, v, _ = inputs(8192, 128)
     cfg = kernel_config(128, False, False)
     for _ in range(2):
-        forward(q, k, v, is_causal=False, scale=128 ** -0.5, block_mask=None, tiles=cfg.forward,
+        forward(q, k, v, Call(False, 128 ** -0.5), tiles=cfg.forward,
                 interpreted=False)
     torch.cuda.synchronize()
     B, H, N, d = q.shape
@@ -221,9 +222,9 @@ def ncu_bwd(args):
     """One backward (shipped config) at N=8192, d=128, for an ncu section report."""
     q, k, v, do = inputs(8192, 128)
     cfg = kernel_config(128, False, False)
-    o, L = forward(q, k, v, is_causal=False, scale=128 ** -0.5, block_mask=None,
+    o, L = forward(q, k, v, Call(False, 128 ** -0.5),
                    tiles=cfg.forward, interpreted=False)
-    backward(q, k, v, o, L, do, is_causal=False, scale=128 ** -0.5, block_mask=None,
+    backward(q, k, v, o, L, do, Call(False, 128 ** -0.5),
              config=cfg, interpreted=False)
     torch.cuda.synchronize()
 

@@ -34,6 +34,7 @@ def bench(fn) -> float:
 
 
 def tune(n, d, causal, log):
+    from flashedu.ops import Call
     from flashedu.triton.config import kernel_config
     from flashedu.triton.launch import backward, forward
 
@@ -44,21 +45,21 @@ def tune(n, d, causal, log):
     best = {}
     times = {}
     for t in FWD:
-        times[t] = bench(lambda: forward(q, k, v, is_causal=causal, scale=scale, block_mask=None,
+        times[t] = bench(lambda: forward(q, k, v, Call(causal, scale),
                                          tiles=t, interpreted=False))
     best["forward"] = min(times, key=times.get)
     log(f"d={d} causal={causal} forward: " + ", ".join(
         f"{t.Br}x{t.Bc}/w{t.num_warps}/s{t.num_stages} {fl / times[t] / 1e9:.0f}TF"
         for t in FWD))
-    o, lse2 = forward(q, k, v, is_causal=causal, scale=scale, block_mask=None,
+    o, lse2 = forward(q, k, v, Call(causal, scale),
                       tiles=best["forward"], interpreted=False)
     for name, cands in (("dkdv", DKDV), ("dq", DQ)):
         times = {}
         for t in cands:
             chosen = {"dkdv": best["dkdv"]} if "dkdv" in best else {}
             cfg = dataclasses.replace(base, **{**chosen, name: t})
-            times[t] = bench(lambda: backward(q, k, v, o, lse2, do, is_causal=causal, scale=scale,
-                                              block_mask=None, config=cfg, interpreted=False))
+            times[t] = bench(lambda: backward(q, k, v, o, lse2, do, Call(causal, scale),
+                                              config=cfg, interpreted=False))
         best[name] = min(times, key=times.get)
         log(f"d={d} causal={causal} bwd varying {name}: " + ", ".join(
             f"{t.Br}x{t.Bc}/w{t.num_warps}/s{t.num_stages} {2.5 * fl / times[t] / 1e9:.0f}TF"

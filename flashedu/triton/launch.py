@@ -16,9 +16,11 @@ import warnings
 
 import torch
 
+from .. import runtime
 from . import backward as bwd
 from . import fast
 from . import forward as fwd
+from .autograd import resolve_config
 from .config import smaller
 
 
@@ -30,6 +32,11 @@ def interpreter_fp32(interpreted: bool, *tensors):
         return tensors
     return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
                  for t in tensors)
+
+
+def kernel_layout(t):
+    """The kernels index rows and heads by stride but need the last dim contiguous."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def outputs_like(*tensors):
@@ -47,17 +54,27 @@ def outputs_like(*tensors):
 _SHRUNK_FORWARD: dict = {}  # tiles whose launch ran out of resources -> the tiles that fit
 
 
-def forward(q, k, v, *, is_causal, scale, block_mask, tiles, interpreted, dropout_p=0.0,
-            rng=None, mods=None, sinks=None, keep=None):
-    """Launch the forward. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq), float32,
-    of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
-    ``dropout_p`` > 0: dropout with rng = tensor([seed, offset]) on q's device (RNG state of
-    ``flashedu.dropout``); L2 is still that of the undropped scores.
-    ``mods`` (``flashedu.ops.Mods``): a score mod compiled in (the library's, or one written
-    in Triton; L2 is then that of the modded scores), and the block mask's mask mod on its
-    partial tiles. ``sinks``: the (H,) sink logits (L2 then includes them).
+def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
+    """Launch the forward of one call. Returns (O, L2): L2 is the base-2 logsumexp (B, H, Nq),
+    float32, of the base-2 scores scale*log2(e)*q.k; +inf for a row that sees no key.
+
+    ``call`` (``flashedu.ops.Call``): the call's checked options. is_causal, scale and
+    block_mask; dropout_p > 0 with rng = tensor([seed, offset]) on q's device (the RNG state of
+    ``flashedu.dropout``; L2 is still that of the undropped scores); mods, a score mod compiled
+    in (the library's, or one written in Triton; L2 is then that of the modded scores) and the
+    block mask's mask mod on its partial tiles; sinks, the (H,) sink logits (L2 includes them).
+    ``tiles``: the forward's tiles (None: the tile table's for this call); ``interpreted``:
+    whether Triton runs in its interpreter (None: as :mod:`flashedu.runtime` decided).
     ``keep``: a list; the call's launch plan (``fast.Launch``) is appended to it, if the call
     has one (a repeated call's shortest path keeps it: ``flashedu.triton_backend``)."""
+    q, k, v = (kernel_layout(t) for t in (q, k, v))
+    is_causal, scale, block_mask = call.is_causal, call.scale, call.block_mask
+    dropout_p, rng, mods, sinks = call.dropout_p, call.rng, call.mods, call.sinks
+    if interpreted is None:
+        interpreted = runtime.triton_interpreted()
+    if tiles is None:
+        tiles = resolve_config(q.shape[-1], q.dtype, block_mask, q.device).forward_tiles(
+            block_mask, k.shape[2], dropout_p > 0)
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
     (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -152,16 +169,17 @@ def preprocess(o, do, rows):
     return D
 
 
-def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, interpreted,
-             dropout_p=0.0, rng=None, mods=None, dlse=None, mask_grad=False, D=None, keep=None,
-             into=None):
-    """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. With ``dropout_p`` > 0,
-    ``rng`` is the forward's [seed, offset]: the kernels regenerate its mask. ``mods`` as the
-    forward's; ``dlse``: the gradient of the natural-log lse, if the call returned it
+def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, config=None,
+             interpreted=None, keep=None, into=None):
+    """Launch the kernels; returns (dQ, dK, dV) in the inputs' dtype. ``call`` as the
+    forward's: with dropout, its rng is the forward's [seed, offset] and the kernels regenerate
+    its mask. ``dlse``: the gradient of the natural-log lse, if the call returned it
     (d lse_i / d s_ij = P_ij, so it is subtracted from D_i). ``mask_grad``: also return the
-    gradient of the float attn_mask in ``mods`` (dS_ij, summed to the mask's shape).
+    gradient of the float attn_mask in ``call.mods`` (dS_ij, summed to the mask's shape).
     ``D``: rowsum(dO * O), float32 (B, H, Nq) contiguous, when the caller has it already (ring
     attention computes it once for all its calls); otherwise the preprocess kernel computes it.
+    ``config``: the tile table's entry (None: the one for these inputs); ``interpreted`` as the
+    forward's.
 
     ``config.fused_backward``: the dK/dV and dQ programs share one launch (and the dK/dV
     tiles' warps and stages) for keys shorter than ``config.split_from``; otherwise two
@@ -171,6 +189,13 @@ def backward(q, k, v, o, lse2, do, *, is_causal, scale, block_mask, config, inte
     ``into``: (dQ, dK, dV) buffers of q's, k's and v's shapes, any strides and dtypes: the
     kernels add this call's gradients to them (no tensors of the call's own; float32 buffers
     sum many calls with one rounding each). Returns ``into``."""
+    q, k, v, o, do = (kernel_layout(t) for t in (q, k, v, o, do))
+    is_causal, scale, block_mask = call.is_causal, call.scale, call.block_mask
+    dropout_p, rng, mods = call.dropout_p, call.rng, call.mods
+    if interpreted is None:
+        interpreted = runtime.triton_interpreted()
+    if config is None:
+        config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     if into is None:

@@ -44,10 +44,11 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
                     check_indices=True):
     """Attention of a few queries per sequence to that sequence's keys in a paged cache.
 
-    q: (B, H, Nq, d), Nq small (one new token per sequence: Nq = 1);
-    k_cache, v_cache: (num_pages, page_size, Hkv, d) with H a multiple of Hkv (GQA), pages of
-    any size (vLLM uses 16 rows, flash-attn multiples of 256); block_table: (B, max_pages) int32, sequence b's pages in order;
-    cache_seqlens: (B,) int32, sequence b's number of keys (its first cache_seqlens[b] rows).
+    q: (B, H, Nq, d), Nq small (one new token per sequence: Nq = 1); k_cache, v_cache:
+    (num_pages, page_size, Hkv, d) with H a multiple of Hkv (GQA), pages of any size (vLLM
+    uses 16 rows, flash-attn multiples of 256); block_table: (B, max_pages) int32, sequence
+    b's pages in order; cache_seqlens: (B,) int32, sequence b's number of keys (its first
+    cache_seqlens[b] rows).
     ``is_causal``: bottom-right aligned, the decoding convention (the Nq queries are the last Nq
     positions: query n sees keys j <= n + seqlen - Nq). ``num_splits``: chunks of keys per
     sequence (None: enough programs to fill the GPU).
@@ -63,6 +64,9 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     scale = check_scale(scale, q.shape[-1])
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     block_table = block_table.to(torch.int32)
     cache_seqlens = cache_seqlens.to(torch.int32)
     if backend == "numpy":
@@ -128,7 +132,7 @@ def _attend(Q, K, V, scale, seen, dtype):
     if seen is not None and not seen.any():
         return np.zeros((Nq, V.shape[1]), dtype), np.full(Nq, -np.inf, dtype)
     O, L = naive_attention(Q, K, V, scale=scale, mask=seen)
-    blind = ~np.isfinite(L)  # rows whose keys are all hidden: the naive formula's NaN
+    blind = np.isneginf(L)  # rows whose keys are all hidden: the naive formula's NaN
     O = np.where(blind[:, None], 0.0, O).astype(dtype)
     return O, np.where(blind, -np.inf, L).astype(dtype)
 

@@ -125,6 +125,7 @@ def test_float64_numpy_is_the_exact_reference():
     (dict(v_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float64)), "share one floating dtype"),
     (dict(q=torch.zeros(4, 1, 8)), "q must be 4-D"),
     (dict(k_cache=[0]), "k_cache must be a torch.Tensor"),
+    (dict(num_splits=0), "num_splits must be a positive int"),
 ])
 def test_bad_arguments_are_named(change, match):
     """A page id outside the pool or a length past the table is an error, not a wild read."""
@@ -132,8 +133,9 @@ def test_bad_arguments_are_named(change, match):
                 v_cache=torch.zeros(4, 16, 2, 8), block_table=torch.tensor([[0, 1]], dtype=torch.int32),
                 cache_seqlens=torch.tensor([20], dtype=torch.int32))
     args.update(change)
+    options = {"num_splits": args.pop("num_splits")} if "num_splits" in args else {}
     with pytest.raises((ValueError, TypeError), match=match):
-        paged_attention(**args, backend="numpy")
+        paged_attention(**args, **options, backend="numpy")
 
 
 def test_unused_table_entries_are_not_checked():

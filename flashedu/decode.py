@@ -67,8 +67,10 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    block_table = block_table.to(torch.int32)
-    cache_seqlens = cache_seqlens.to(torch.int32)
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    if cache_seqlens.dtype != torch.int32:
+        cache_seqlens = cache_seqlens.to(torch.int32)
     if backend == "numpy":
         out, lse = _paged_numpy(q, k_cache, v_cache, block_table, cache_seqlens, scale,
                                 is_causal, num_splits)

@@ -35,6 +35,7 @@ Forward only (inference); for training use flashedu.attention.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -247,35 +248,51 @@ def _split_kv(q, cache, Hkv, Nk, pages, seqlens, page_size, num_splits, scale, i
     if Nq > MAX_ROWS:
         raise ValueError(f"q: {name} is for a few queries (Nq <= {MAX_ROWS}), got "
                          f"Nq={Nq}; use flashedu.attention for long query blocks")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     interpreted = runtime.triton_interpreted()
-    heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, q.dtype,
-                                     sm_count(q.device, interpreted), interpreted, num_splits)
+    launch = _launch_plan(B, H, Hkv, Nq, Nk, d, q.dtype, sm_count(q.device, interpreted),
+                          interpreted, num_splits, is_causal, page_size)
+    S, chunk, heads, split_consts, combine_consts = launch
     q = q if q.stride(-1) == 1 else q.contiguous()
     dtype = q.dtype
     q, k, v = interpreter_fp32(interpreted, q, k, v)
 
-    HEAD_DIM = padded_head_dim(d)
+    HEAD_DIM = split_consts["HEAD_DIM"]
     O_part = torch.empty((B, H, S, Nq, HEAD_DIM), dtype=torch.float32, device=q.device)
     L_part = torch.empty((B, H, S, Nq), dtype=torch.float32, device=q.device)
     sq = q.stride()
     fast.run(split_kernel, (S, B * H // heads),
              (q, k, v, O_part, L_part, scale * LOG2E, sq[0], sq[1], sq[2], *stride_k, *stride_v,
-              H, H // Hkv, heads, Nq, Nk, d, chunk, S, pages, seqlens),
-             dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc, HEAD_DIM=HEAD_DIM,
-                  IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(q.dtype),
-                  PAGE_SIZE=page_size,
-                  **({} if interpreted else {"num_warps": 4, "num_stages": 3})))
+              H, H // Hkv, heads, Nq, Nk, d, chunk, S, pages, seqlens), split_consts)
 
     out = torch.empty_like(q)  # float32 under the interpreter: cast back below
     lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     so = out.stride()
     fast.run(combine_kernel, (B * H, Nq),
-             (O_part, L_part, out, lse2, so[0], so[1], so[2], H, Nq, d, S),
-             dict(BLOCK_S=triton.next_power_of_2(S), HEAD_DIM=HEAD_DIM))
-    out = out.to(dtype)
+             (O_part, L_part, out, lse2, so[0], so[1], so[2], H, Nq, d, S), combine_consts)
+    if out.dtype != dtype:
+        out = out.to(dtype)
     if return_lse:
         return out, lse2 * math.log(2.0)  # -inf stays -inf
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_causal,
+                 page_size):
+    """(S, chunk, heads, the split kernel's constexprs, the combine kernel's): worked out once
+    per problem shape, since a model decodes the same shapes step after step (the host's time
+    is a decoding step's budget)."""
+    heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)
+    HEAD_DIM = padded_head_dim(d)
+    split_consts = dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
+                        HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
+                        DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size,
+                        **({} if interpreted else {"num_warps": 4, "num_stages": 3}))
+    combine_consts = dict(BLOCK_S=triton.next_power_of_2(S), HEAD_DIM=HEAD_DIM)
+    return S, chunk, heads, split_consts, combine_consts
 
 
 def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):

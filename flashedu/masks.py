@@ -313,28 +313,39 @@ class BlockMask:
         cu_q, cu_k = mod.cu_seqlens_q.numpy(), mod.cu_seqlens_k.numpy()
         Nq, Nk = int(cu_q[-1]), int(cu_k[-1])
         Br, Bc = _pair(block_size, "block_size")
-        seq_q = np.searchsorted(cu_q[1:], np.arange(Nq), side="right")
-        seq_k = np.searchsorted(cu_k[1:], np.arange(Nk), side="right")
+        # each tile's first and last row (column), and their sequences
         r0 = np.arange(0, Nq, Br)
         r1 = np.minimum(r0 + Br, Nq) - 1
         c0 = np.arange(0, Nk, Bc)
         c1 = np.minimum(c0 + Bc, Nk) - 1
-        fq, lq, fk, lk = seq_q[r0][:, None], seq_q[r1][:, None], seq_k[c0][None], seq_k[c1][None]
-        any_ = np.maximum(fq, fk) <= np.minimum(lq, lk)
-        one = (fq == lq) & (fk == lk) & (fq == fk)  # every pair in one sequence
-        full = one.copy()
+        fq, lq = (np.searchsorted(cu_q[1:], r, side="right") for r in (r0, r1))
+        fk, lk = (np.searchsorted(cu_k[1:], c, side="right") for c in (c0, c1))
+        # Sequence ids only grow along a row of tiles, so each rule below holds on one run of
+        # columns per tile row: worked out per row (O(Tr log Tc)), drawn once (O(Tr * Tc)).
+        # Visited: the row's sequences [fq, lq] and the column's [fk, lk] overlap.
+        lo = np.searchsorted(lk, fq, side="left")
+        hi = np.searchsorted(fk, lq, side="right") - 1
+        # Tiles of one sequence s (a row tile within s, a column tile within s): [a, b].
+        single = fq == lq
+        a = np.where(single, np.searchsorted(fk, fq, side="left"), len(c0))
+        b = np.where(single, np.searchsorted(lk, fq, side="right") - 1, -1)
+        full_end = b
+        cut = np.full(len(r0), len(c0))  # columns from here on: hidden from every row
         if causal:  # query n of Lq sees its sequence's keys 0 .. n + Lk - Lq
-            def last_seen(rows, seq):
-                return rows - cu_q[seq] + (cu_k[seq + 1] - cu_k[seq]) - (cu_q[seq + 1] - cu_q[seq])
-
-            first_row_sees = last_seen(r0, seq_q[r0])[:, None]
-            last_row_sees = last_seen(r1, seq_q[r1])[:, None]
-            key_first, key_last = (c0 - cu_k[seq_k[c0]])[None], (c1 - cu_k[seq_k[c1]])[None]
-            any_ &= ~one | (key_first <= last_row_sees)
-            full &= key_last <= first_row_sees
+            s = np.minimum(fq, len(cu_q) - 2)
+            shift = (cu_k[s + 1] - cu_k[s]) - (cu_q[s + 1] - cu_q[s]) - cu_q[s] + cu_k[s]
+            last_key = r1 + shift  # the last key position the tile's last row sees (global)
+            first_key = r0 + shift  # ... and its first row
+            # within s: a column tile is hidden when its first key is past last_key, and full
+            # when its last key is at most first_key
+            cut = np.where(single, np.searchsorted(c0, last_key, side="right"), cut)
+            full_end = np.minimum(b, np.searchsorted(c1, first_key, side="right") - 1)
         if mod.implies_causal:  # the kernels skip the tiles above the diagonal themselves
-            any_ &= c0[None] <= r1[:, None]
-        full &= any_
+            hi = np.minimum(hi, r1 // Bc)
+        cols = np.arange(len(c0))[None]
+        lo, hi, a, b, cut, full_end = (x[:, None] for x in (lo, hi, a, b, cut, full_end))
+        any_ = (cols >= lo) & (cols <= hi) & ~((cols >= a) & (cols <= b) & (cols >= cut))
+        full = any_ & (cols >= a) & (cols <= full_end)
         return cls(any_[None, None], (Br, Bc), (Nq, Nk), mod.implies_causal, mask_mod=mod,
                    full_blocks=_Derived(full[None, None]))
 

@@ -162,3 +162,31 @@ def test_the_triton_backend_compiles_the_rule(monkeypatch):
                                     backend="triton", block_size=16)
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+
+
+def test_the_kernel_tiles_of_a_packing_come_from_its_cuts():
+    """At the kernels' tile size the lists of a packed batch come from its cuts, not from
+    evaluating the rule pair by pair on the border tiles: every tile with a visible pair is
+    visited and a tile runs unmasked only where every pair is visible (against the pair-by-pair
+    refinement), on random packings, causal or not, tiles of the mask or smaller."""
+    from flashedu.triton import sparse
+
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        n = int(rng.integers(1, 6))
+        lengths_q = rng.integers(0, 50, n)
+        lengths_k = lengths_q.copy() if rng.random() < 0.5 else rng.integers(0, 50, n)
+        if lengths_q.sum() == 0 or lengths_k.sum() == 0:
+            continue
+        cu_q, cu_k = (torch.tensor([0, *np.cumsum(x).tolist()]) for x in (lengths_q, lengths_k))
+        causal = bool(rng.random() < 0.5)
+        mask = flashedu.BlockMask.from_packed(cu_q, cu_k, causal, (32, 32))
+        Br, Bc = int(rng.choice([8, 16, 32])), int(rng.choice([8, 16, 32]))
+        is_causal = mask.is_causal
+        fine = sparse.refine(mask, Br, Bc, is_causal)
+        full = fine & sparse.unmasked(fine.shape[-2:], Br, Bc, mask.seq_lens, is_causal)
+        cut_fine, cut_full, _ = sparse._packed_tiles(mask, fine, full, Br, Bc, is_causal)
+        pair_fine, pair_full, _ = sparse._with_mask_mod(mask, fine, full, Br, Bc, is_causal)
+        case = (lengths_q.tolist(), lengths_k.tolist(), causal, (Br, Bc))
+        assert not (pair_fine & ~cut_fine).any(), case
+        assert not (cut_full & ~pair_full).any(), case

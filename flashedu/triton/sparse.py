@@ -117,7 +117,9 @@ def _lists(block_mask, Br, Bc, transpose, device, is_causal):
         fine = refine(block_mask, Br, Bc, is_causal)
         full = fine & unmasked(fine.shape[-2:], Br, Bc, block_mask.seq_lens, is_causal)
         partial = False  # some tile needs the mask mod element-wise
-        if block_mask.needs_mask_mod:
+        if block_mask.needs_mask_mod and getattr(block_mask.mask_mod, "kind", None) == "packed":
+            fine, full, partial = _packed_tiles(block_mask, fine, full, Br, Bc, is_causal)
+        elif block_mask.needs_mask_mod:
             fine, full, partial = _with_mask_mod(block_mask, fine, full, Br, Bc, is_causal)
         if transpose:
             fine, full = np.swapaxes(fine, -1, -2), np.swapaxes(full, -1, -2)
@@ -149,10 +151,7 @@ def _with_mask_mod(block_mask, fine, full, Br, Bc, is_causal):
     """The grids refined by the mask mod: a kernel tile inside a full mask block is full;
     the others are evaluated element by element, and dropped if no pair is visible, full if
     every pair is. Returns (fine, full, whether some tile stays partial)."""
-    mBr, mBc = block_mask.block_size
-    fine_full = block_mask.full.repeat(mBr // Br, axis=-2).repeat(mBc // Bc, axis=-1)
-    fine_full = fine_full[..., :fine.shape[-2], :fine.shape[-1]]
-    full = full & np.broadcast_to(fine_full, full.shape)
+    full = _inside_full_blocks(block_mask, full, Br, Bc)
     fine, full = np.array(np.broadcast_arrays(fine, full))
     todo = np.argwhere(fine & ~full)
     for start in range(0, len(todo), 4096):  # bounded host memory for long sequences
@@ -162,6 +161,31 @@ def _with_mask_mod(block_mask, fine, full, Br, Bc, is_causal):
         fine[b, h, i, j] = m.any(1)
         full[b, h, i, j] = m.all(1)
     return fine, full, bool((fine & ~full).any())
+
+
+def _packed_tiles(block_mask, fine, full, Br, Bc, is_causal):
+    """The grids of a packed batch's mask at the kernels' tiles, from its cuts alone
+    (``BlockMask.from_packed`` at Br x Bc), where another mask mod is evaluated element by
+    element: a new packing every training step would otherwise pay for every pair of its
+    border tiles on the host. The cuts' tiles are conservative (visited where a pair may be
+    visible, full only where every pair is), and full tiles stay inside both sequences and off
+    the causal diagonal, as the kernels' unmasked loop needs."""
+    mod = block_mask.mask_mod
+    cuts = BlockMask.from_packed(mod.cu_seqlens_q, mod.cu_seqlens_k, mod.causal, (Br, Bc))
+    fine = fine & cuts.blocks
+    inside = unmasked(fine.shape[-2:], Br, Bc, block_mask.seq_lens, is_causal)
+    full = (_inside_full_blocks(block_mask, full, Br, Bc) | (cuts.full_blocks & inside)) & fine
+    fine, full = np.array(np.broadcast_arrays(fine, full))
+    return fine, full, bool((fine & ~full).any())
+
+
+def _inside_full_blocks(block_mask, full, Br, Bc):
+    """``full`` (kernel tiles clear of the edges and the causal diagonal) kept only inside the
+    mask's own full blocks: elsewhere its mask mod may hide pairs."""
+    mBr, mBc = block_mask.block_size
+    fine_full = block_mask.full.repeat(mBr // Br, axis=-2).repeat(mBc // Bc, axis=-1)
+    fine_full = fine_full[..., :full.shape[-2], :full.shape[-1]]
+    return full & np.broadcast_to(fine_full, full.shape)
 
 
 def _element_masks(block_mask, masked, Br, Bc, transpose, device, is_causal):

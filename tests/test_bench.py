@@ -337,13 +337,17 @@ def test_sinks_dry_run(tmp_path, capsys):
 
 def test_varlen_dry_run(tmp_path, capsys):
     """A packed batch through flashedu's varlen (Triton's interpreter), eager FlexAttention
-    with a document mask and padded SDPA: flashedu and Flex agree, all three have times."""
+    with a document mask and padded SDPA: flashedu and Flex agree, all three have times, and
+    so do calls that each bring a new packing."""
     out = tmp_path / "varlen.json"
     code, text = run(["varlen", "--dry-run", "--json", str(out)], capsys)
     assert code == 0, text
     rows = json.loads(out.read_text())["cases"]
     assert rows and all(r["max_diff"] < 1e-4 and r["docs"] > 1 and r["padded_fwd_ms"] > 0
                         for r in rows)
+    assert all(r["new_flashedu_fwd_ms"] > 0 and r["new_flashedu_fwdbwd_ms"] > 0
+               and r["new_flex_fwd_ms"] > 0 for r in rows)
+    assert "a new packing every call" in text
 
 
 @pytest.mark.slow

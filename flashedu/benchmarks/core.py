@@ -100,6 +100,14 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 100, grad_to_none=None,
     return statistics.median(samples)
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def try_time_ms(fn, **kw) -> float:
     """``time_ms``, or inf (saying why) for a candidate that cannot run, e.g. a tile
     configuration that needs more shared memory than the GPU has."""

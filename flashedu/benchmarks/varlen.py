@@ -6,6 +6,8 @@ within each document. flashedu's call includes building its block mask from cu_s
 training step pays it for every new batch; FlexAttention is timed with its block mask built
 once (``create_block_mask`` timed on its own, per batch); the padded batch holds every document
 in a row of the longest one's length. The output of flashedu and Flex is checked to agree.
+Then, as a training loop runs, calls that each bring a packing not seen before
+(``--new-packings``): flashedu builds its tiles from the cuts, Flex its block mask, every call.
 
     flashedu bench varlen --json docs/bench/varlen_h200.json
     flashedu bench varlen --dry-run      # tiny sizes (no GPU: Triton's interpreter, eager Flex)
@@ -14,6 +16,7 @@ in a row of the longest one's length. The output of flashedu and Flex is checked
 from __future__ import annotations
 
 import sys
+import time
 
 from . import core
 
@@ -98,6 +101,66 @@ def one_case(lengths, H, d, args, device, dtype) -> dict:
     for mode in ("fwd", "fwdbwd"):
         row[f"{mode}_vs_flex"] = row[f"flex_{mode}_ms"] / row[f"flashedu_{mode}_ms"]
         row[f"{mode}_vs_padded"] = row[f"padded_{mode}_ms"] / row[f"flashedu_{mode}_ms"]
+    if args.new_packings:
+        row.update(new_packing_times(total, H, d, args, device, dtype, (q, k, v), dout, flex))
+    return row
+
+
+def new_packing_times(total, H, d, args, device, dtype, qkv, dout, flex) -> dict:
+    """Wall ms per call when every call brings a packing not seen before, as a training loop
+    does: flashedu builds its tiles from the cuts in the call, FlexAttention its block mask
+    (create_block_mask) from the document ids. The same inputs, --new-packings packings."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import flashedu
+
+    q, k, v = qkv
+    packings = []
+    for seed in range(1, 3 * args.new_packings + 4):  # warm-up, then one run per kind
+        lengths = lengths_of(total, *args.lengths, args.seed + 1000 * seed)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device,
+                          dtype=torch.int32)
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                      torch.tensor(lengths, device=device))
+        packings.append((cu, max(lengths), doc))
+
+    def ours(packing):
+        cu, longest, _ = packing
+        return flashedu.varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
+                                         backend="triton")
+
+    def theirs(packing):
+        doc = packing[2]
+        mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None,
+                                 None, total, total, device=device)
+        qb, kb, vb = (t.transpose(0, 1)[None] for t in ((q, k, v) if device != "cpu" else
+                                                        (q.detach(), k.detach(), v.detach())))
+        return flex(qb, kb, vb, block_mask=mask)[0].transpose(0, 1)
+
+    def wall_ms(fn, chosen, backward):
+        fn(packings[0]) if not backward else fn(packings[0]).backward(dout)  # warm-up
+        core.synchronize(device)
+        start = time.perf_counter()
+        for packing in chosen:
+            out = fn(packing)
+            if backward:
+                out.backward(dout)
+        core.synchronize(device)
+        return (time.perf_counter() - start) / len(chosen) * 1e3
+
+    n = args.new_packings
+    row = {}
+    with torch.no_grad():
+        row["new_flashedu_fwd_ms"] = wall_ms(ours, packings[1:1 + n], False)
+        row["new_flex_fwd_ms"] = wall_ms(theirs, packings[1:1 + n], False)
+    row["new_flashedu_fwdbwd_ms"] = wall_ms(ours, packings[1 + n:1 + 2 * n], True)
+    row["new_flex_fwdbwd_ms"] = (float("nan") if device == "cpu" else  # no CPU backward
+                                 wall_ms(theirs, packings[1 + 2 * n:1 + 3 * n], True))
+    for mode in ("fwd", "fwdbwd"):
+        row[f"new_{mode}_vs_flex"] = row[f"new_flex_{mode}_ms"] / row[f"new_flashedu_{mode}_ms"]
+    for t in (q, k, v):
+        t.grad = None
     return row
 
 
@@ -111,6 +174,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=core.positive_int, default=3,
                    help="dry run only: timed repetitions")
+    p.add_argument("--new-packings", type=int, default=10,
+                   help="also time calls that each bring a packing not seen before (this many "
+                        "per kind; 0: skip)")
     p.add_argument("--json", type=core.output_file, help="write the results here")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, Triton's interpreter and eager FlexAttention at tiny sizes")
@@ -123,6 +189,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         args.tokens, args.lengths, args.d, args.dtype, args.reps = [96], [16, 48], [16], \
             "fp32", 1
+        args.new_packings = min(args.new_packings, 2)
         from .. import runtime
 
         device = str(runtime.kernel_device())
@@ -148,6 +215,11 @@ def main(argv=None) -> int:
                           f"{row['fwdbwd_vs_padded']:.2f}x", f"{row['flex_mask_ms']:.3f}",
                           f"{row['max_diff']:.1e}"])
             print(" | ".join(str(x) for x in lines[-1]), flush=True)
+            if args.new_packings:
+                print(f"  a new packing every call: fwd {row['new_flashedu_fwd_ms']:.3f} ms "
+                      f"({row['new_fwd_vs_flex']:.2f}x Flex with its mask built), fwd+bwd "
+                      f"{row['new_flashedu_fwdbwd_ms']:.3f} ms "
+                      f"({row['new_fwdbwd_vs_flex']:.2f}x)", flush=True)
     print(core.format_table(head, lines))
     if args.json:
         core.write_json(args.json, out)

@@ -92,19 +92,28 @@ class Kernels:
     prepare(q, k, v, attn_mask, block_mask, score_mod) -> (attn_mask, block_mask): what the
     backend does to a checked call before its kernels run (refuse inputs they do not take,
     turn one kind of mask into another), or None.
+    sink_row_dot(out, dout, lse, sinks, dlse) -> (D, the sinks' gradient): both in one pass
+    where the kernels can (None: row_dot, then :func:`sink_grad`).
 
     ``entry`` is the backend's entry point, :func:`attention` with these kernels: what
     :mod:`flashedu.backends` registers."""
 
     def __init__(self, name: str, forward: Callable, backward: Callable, row_dot: Callable,
                  natural_lse: Callable, empty_outputs: Callable, lse_dtype: Callable,
-                 prepare: Callable | None = None):
+                 prepare: Callable | None = None, sink_row_dot: Callable | None = None):
         self.name = name
         self.forward, self.backward, self.row_dot = forward, backward, row_dot
         self.natural_lse, self.empty_outputs, self.lse_dtype = natural_lse, empty_outputs, lse_dtype
         self.prepare = prepare
+        if sink_row_dot is not None:
+            self.sink_row_dot = sink_row_dot
         self.forward_op, self.backward_op = _define_operators(self)
         self.entry = functools.partial(attention, self)
+
+    def sink_row_dot(self, out, dout, lse, sinks, dlse=None):
+        """(D, the sinks' gradient) from the kernels' D and the formula (:func:`sink_grad`)."""
+        D = self.row_dot(out, dout)
+        return D, sink_grad(sinks, self.natural_lse(lse), D, dlse)
 
 
 def attention(kernels: Kernels, q, k, v, *, is_causal: bool, scale: float, block_mask,
@@ -172,12 +181,11 @@ class Attention(torch.autograd.Function):
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point()
                          and ctx.needs_input_grad[6])
         # the sinks' gradient reads D = rowsum(dO * O), which the backward needs too: made once
-        D = kernels.row_dot(out, dout) if ctx.needs_input_grad[7] else None
+        D = dsinks = None
+        if ctx.needs_input_grad[7]:
+            D, dsinks = kernels.sink_row_dot(out, dout, lse, call.sinks, dlse)
         grads = kernels.backward(q, k, v, out, lse, dout, call, dlse, mask_grad, D)
         dmask = grads[3] if mask_grad else None
-        dsinks = None
-        if D is not None:
-            dsinks = sink_grad(call.sinks, kernels.natural_lse(lse), D, dlse)
         grads = refuse_second_order(kernels.name, (*grads[:3], dmask, dsinks), q, k, v, dout,
                                     dlse, attn_mask, call.sinks)
         return (None, None, None, *grads)
@@ -217,6 +225,9 @@ class _ShapesOnly:
 
     def row_dot(self, out, dout):
         return out.new_empty(out.shape[:3], dtype=self._kernels.lse_dtype(out.dtype))
+
+    def sink_row_dot(self, out, dout, lse, sinks, dlse=None):
+        return self.row_dot(out, dout), torch.empty_like(sinks)
 
     def backward(self, q, k, v, out, lse, dout, call, dlse=None, mask_grad=False, D=None):
         grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)

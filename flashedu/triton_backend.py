@@ -161,8 +161,18 @@ def _row_dot(out, dout):
     return row_dot(launch.kernel_layout(out), launch.kernel_layout(dout))
 
 
+def _sink_row_dot(out, dout, lse2, sinks, dlse=None):
+    """(D, the sinks' gradient): both from the backward's preprocess pass (one launch)."""
+    config = resolve_config(out.shape[-1], out.dtype, None, out.device)
+    out, dout = launch.interpreter_fp32(runtime.triton_interpreted(),
+                                        launch.kernel_layout(out), launch.kernel_layout(dout))
+    D, dsinks = launch.preprocess(out, dout, config.preprocess_rows, sinks, lse2, dlse)
+    return D, dsinks.to(sinks.dtype)
+
+
 KERNELS = ops.Kernels("triton", launch.forward, launch.backward, _row_dot, natural_lse,
-                      empty_outputs, lambda dtype: torch.float32, prepare=prepare)
+                      empty_outputs, lambda dtype: torch.float32, prepare=prepare,
+                      sink_row_dot=_sink_row_dot)
 
 
 # ----- the repeat of a plain call ---------------------------------------------------------

@@ -307,7 +307,10 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
                                      tiles=config.forward_tiles(None, n, bool(drop)))
         if mode == "bwd":
             launches.clear()
-            launch.backward(q, k, v, o, lse2, do, call, config=config, interpreted=False)
+            D = None  # with sinks, D and the sinks' gradient come from one preprocess pass
+            if sinks:
+                D, _ = launch.preprocess(o, do, config.preprocess_rows, sinks["sinks"], lse2)
+            launch.backward(q, k, v, o, lse2, do, call, D=D, config=config, interpreted=False)
     finally:
         fast.run, fast.launch, fast.switches = saved
     return launches

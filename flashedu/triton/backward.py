@@ -30,15 +30,19 @@ import triton
 import triton.language as tl
 
 from .dropout import keep_tile
-from .forward import (dropout_args, dropout_state, element_args, exponent_scale, load_tile,
-                      mods_args, register_cap)
+from .forward import (_LOG2E, dropout_args, dropout_state, element_args, exponent_scale,
+                      load_tile, mods_args, register_cap)
 from .mods import mod_scores, visible
 from .tiles import element_origin, full_tile, kv_tiles, masked_tile, q_tiles
 
 
 @triton.jit
 def preprocess_kernel(O, dO, D, stride_ob, stride_oh, stride_on, stride_db, stride_dh,
-                      stride_dn, H, Nq, d, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                      stride_dn, H, Nq, d, sink, dlse, ROWS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr):
+    """D_i = rowsum(dO_i * O_i) for ROWS rows of one head; with ``sink`` = (the sink logits,
+    the base-2 L, a (B * H, programs) buffer), also this program's part of the sinks' gradient
+    (:func:`_sink_part`), from the same D_i. None: not compiled."""
     i = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -50,7 +54,25 @@ def preprocess_kernel(O, dO, D, stride_ob, stride_oh, stride_on, stride_db, stri
                   mask=ok, other=0.0).to(tl.float32)
     dO_i = tl.load(dO + b * stride_db + h * stride_dh + rows[:, None] * stride_dn + dims[None, :],
                    mask=ok, other=0.0).to(tl.float32)
-    tl.store(D + bh * Nq + rows, tl.sum(O_i * dO_i, 1), mask=rows < Nq)
+    D_i = tl.sum(O_i * dO_i, 1)
+    tl.store(D + bh * Nq + rows, D_i, mask=rows < Nq)
+    if sink is not None:
+        _sink_part(sink, dlse, D_i, rows, bh, h, i, Nq)
+
+
+@triton.jit
+def _sink_part(sink, dlse, D_i, rows, bh, h, i, Nq):
+    """The sink is one more column of dS = P (dP - D) whose dP is 0: its gradient is
+    -sum_i P_i,sink (D_i - dlse_i), P_i,sink = exp(sink - L_i) = exp2(sink log2(e) - L2_i).
+    This program's rows' sum goes to part[bh, i]; the host adds the parts up (no atomics: the
+    same gradient every run). Rows past Nq read L2 = +inf, so P_i,sink = 0 there."""
+    sinks, L2, part = sink
+    ok = rows < Nq
+    if dlse is not None:  # the lse's gradient, when the call returned the lse
+        D_i = D_i - tl.load(dlse + bh * Nq + rows, mask=ok, other=0.0)
+    L2_i = tl.load(L2 + bh * Nq + rows, mask=ok, other=float("inf"))
+    P_sink = tl.math.exp2(tl.load(sinks + h) * _LOG2E - L2_i)
+    tl.store(part + bh * tl.num_programs(0) + i, -tl.sum(P_sink * D_i, 0))
 
 
 @triton.jit
@@ -304,12 +326,12 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, scale, stride_q, stride_k, st
                         MASK_MOD, ACCUMULATE)
 
 
-def _preprocess_launch(o, do, D, rows):
+def _preprocess_launch(o, do, D, rows, sink=None, dlse=None):
     """(grid, args, consts) of preprocess_kernel: (o, do, D) lead the arguments."""
     B, H, Nq, d = o.shape
     so, sd = o.stride(), do.stride()
     return ((-(-Nq // rows), B * H),
-            (o, do, D, so[0], so[1], so[2], sd[0], sd[1], sd[2], H, Nq, d),
+            (o, do, D, so[0], so[1], so[2], sd[0], sd[1], sd[2], H, Nq, d, sink, dlse),
             _preprocess_consts(rows, d))
 
 

@@ -162,11 +162,21 @@ def _launch(q, k, v, o, lse2, key, *, tiles, **kwargs):
 _SHRUNK_BACKWARD: dict = {}  # configs whose launch ran out of resources -> the configs that fit
 
 
-def preprocess(o, do, rows):
-    """D = rowsum(dO * O), float32 (B, H, Nq)."""
-    D = torch.empty(o.shape[:3], dtype=torch.float32, device=o.device)
-    fast.run(bwd.preprocess_kernel, *bwd._preprocess_launch(o, do, D, rows))
-    return D
+def preprocess(o, do, rows, sinks=None, lse2=None, dlse=None):
+    """D = rowsum(dO * O), float32 (B, H, Nq); with ``sinks`` (and the base-2 ``lse2``, and
+    ``dlse`` the natural lse's gradient if any) also the sinks' gradient, float32 (H,), from
+    the same pass: returns (D, dsinks)."""
+    B, H, Nq = o.shape[:3]
+    D = torch.empty((B, H, Nq), dtype=torch.float32, device=o.device)
+    sink = part = None
+    if sinks is not None:
+        part = torch.empty((B * H, -(-Nq // rows)), dtype=torch.float32, device=o.device)
+        sink = (sinks.float().contiguous(), lse2.contiguous(), part)
+        dlse = None if dlse is None else dlse.float().contiguous()
+    fast.run(bwd.preprocess_kernel, *bwd._preprocess_launch(o, do, D, rows, sink, dlse))
+    if sinks is None:
+        return D
+    return D, part.view(B, H, -1).sum(dim=(0, 2))
 
 
 def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, config=None,

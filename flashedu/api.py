@@ -70,13 +70,12 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     with the negative or conjugate bit (``torch._neg_view``, ``.conj()``): they are resolved
     first. Anything else raises a TypeError or ValueError that names the argument.
     """
-    key = None if sinks is not None else _repeat_key(
-        q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod, enable_gqa,
-        return_lse, backend)
+    key = _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
+                      enable_gqa, return_lse, backend, sinks)
     if key is not None:
         repeat = REPEATS.get(key)
         if repeat is not None:
-            out = repeat(q, k, v)
+            out = repeat(q, k, v, sinks)
             if out is not None:
                 return out
     name = _check_backend(backend, q)
@@ -116,7 +115,7 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     # once per signature: a signature the backend cannot repeat stays None, and a repeat that
     # handed one call back (a dispatch mode) keeps the launches it learned
     if (key is not None and key not in REPEATS and spec.repeater is not None
-            and ops.plain_eager(q, k, v)):
+            and ops.plain_eager(q, k, v, *(() if sinks is None else (sinks,)))):
         if len(REPEATS) >= _MAX_REPEATS:  # shapes that change every call: start over
             REPEATS.clear()
         REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale, block_mask)
@@ -166,10 +165,11 @@ class _Zeros(torch.autograd.Function):
 
 
 def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
-                enable_gqa, return_lse, backend):
+                enable_gqa, return_lse, backend, sinks=None):
     """The signature of a plain call, or None: no attn_mask, score mod, dropout or lse (a
-    block mask, with its mask mod, is a value); the options of their plain types; q, k, v
-    plain dense tensors, neither negative nor conjugate views.
+    block mask, with its mask mod, is a value; sinks are data, their layout is in the key);
+    the options of their plain types; q, k, v (and the sinks) plain dense tensors, neither
+    negative nor conjugate views.
     Everything the checks and the general path read of such a call is in it, so two calls with
     one signature pass the same checks and launch the same kernels."""
     if (attn_mask is not None or score_mod is not None
@@ -181,6 +181,8 @@ def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, sco
             or torch.compiler.is_compiling()):
         return None
     layouts = (_layout(q), _layout(k), _layout(v))
+    if sinks is not None:
+        layouts += (_layout(sinks),)
     if None in layouts:
         return None
     # a block mask is a value, hashed once (BlockMask.__hash__); the same object, as a

@@ -200,6 +200,7 @@ class Repeat:
 
     name = "triton"
     natural_lse = staticmethod(natural_lse)
+    sink_row_dot = staticmethod(_sink_row_dot)
     __slots__ = ("is_causal", "scale", "block_mask", "call", "config", "interpreted",
                  "forward_plan", "backward_plan", "dout_layout")
 
@@ -211,10 +212,16 @@ class Repeat:
         self.config, self.interpreted = config, interpreted
         self.forward_plan = self.backward_plan = self.dout_layout = None
 
-    def __call__(self, q, k, v):
-        if not ops.plain_eager(q, k, v):
+    def __call__(self, q, k, v, sinks=None):
+        if sinks is None:
+            if not ops.plain_eager(q, k, v):
+                return None
+            return ops.Attention.apply(self, self.call, False, q, k, v, None, None)
+        if not ops.plain_eager(q, k, v, sinks):
             return None
-        return ops.Attention.apply(self, self.call, False, q, k, v, None, None)
+        call = ops.Call(self.is_causal, self.scale, self.block_mask, mods=self.call.mods,
+                        sinks=sinks)  # the sinks are this call's data
+        return ops.Attention.apply(self, call, False, q, k, v, None, sinks)
 
     def forward(self, q, k, v, call):
         """(O, L2) as ``launch.forward`` returns them."""
@@ -227,24 +234,27 @@ class Repeat:
             return out
         o = torch.empty_like(q)
         lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        self.forward_plan.start(q, k, v, o, lse2)  # (one launch: start makes its own checks)
+        sinks = () if call.sinks is None else (call.sinks.float().contiguous(),)
+        self.forward_plan.start(q, k, v, o, lse2, *sinks)  # (one launch: start checks it)
         return o, lse2
 
     def backward(self, q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None):
         """(dQ, dK, dV) as ``launch.backward`` returns them (a plain call has no lse or
         attn_mask to differentiate)."""
         do = do.contiguous()  # as the general path hands it to the kernels
-        layout = (do.stride(), do.dtype, do.data_ptr() % 16 == 0)
+        # a D given (the sinks' pass made it) means a plan without the preprocess
+        layout = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, D is None)
         if self.backward_plan is None or layout != self.dout_layout:
             kept = []
-            grads = launch.backward(q, k, v, o, lse2, do, call, config=self.config,
+            grads = launch.backward(q, k, v, o, lse2, do, call, D=D, config=self.config,
                                     interpreted=self.interpreted, keep=kept)
             if self.backward_plan is None and kept:
                 self.backward_plan, self.dout_layout = kept[0], layout
             return grads
         first, launches = self.backward_plan
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        if D is None:
+            D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         stream = fast.stream_for(first, *launches)  # the checks, once for all launches
         if first is not None:  # the preprocess: D = rowsum(dO * O)
             first.start(o, do, D, stream=stream)

@@ -492,6 +492,30 @@ def test_a_repeated_plain_call_goes_straight_to_its_repeat(monkeypatch):
     assert len(own) >= 2 * launches  # steps 2 and 3 started the repeat's own launches
 
 
+def test_a_repeated_call_with_sinks_takes_the_repeat_with_this_call_s_sinks(monkeypatch):
+    """Sinks are data: a call with sinks of one layout repeats like a plain call, and each
+    call's own sink values (new every step, as a trained parameter) reach the kernels, forward
+    and backward (the sinks' gradient from the preprocess pass, its D reused)."""
+    from flashedu import triton_backend as repeat
+
+    repeats = _repeats(monkeypatch)
+    dout = torch.randn(1, 4, 40, 16)
+    for step in range(4):
+        q, k, v = _qkv(1, 4, 2, 40, 40, 16)
+        sinks = torch.randn(4, requires_grad=True)
+        out = flashedu.attention(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks,
+                                 backend="triton")
+        grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+        ref = reference_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                  sinks=sinks.double())
+        want = torch.autograd.grad(ref, (q, k, v, sinks), dout.double())
+        assert _err(out, ref) < 1e-5, step
+        assert all(_err(g, w) < 1e-5 for g, w in zip(grads, want)), step
+        (r,) = repeats.values()
+        assert isinstance(r, repeat.Repeat)
+        assert (r.forward_plan is not None) == (step >= 1)
+
+
 @pytest.mark.parametrize("change", ["causal", "scale", "strides", "alignment", "gqa", "dtype"])
 def test_a_repeat_is_kept_per_signature(monkeypatch, change):
     """A call that differs in anything the checks or the launches read gets its own repeat

@@ -65,22 +65,17 @@ def forward_with_cache(model: GPT, ids, cache: PagedKVCache, seqs, backend):
     """Logits (B, T, vocab) of the last T tokens of each sequence, whose room the cache has made
     (``extend``): their K, V are stored, and they attend to everything the cache holds. T > 1
     is a prefill (one sequence from its start); T = 1 a decoding step."""
-    B, T = ids.shape
+    T = ids.shape[1]
     ends = cache.seqlens(seqs).long()  # each sequence's length, the new tokens included
-    pos = ends[:, None] - T + torch.arange(T, device=ids.device)
-    x = model.tok_emb(ids) + model.pos_emb(pos)
-    H = model.config.n_heads
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn
-        q, k, v = attn.qkv(block.ln1(x)).view(B, T, 3, H, -1).permute(2, 0, 3, 1, 4)
+
+    def attend(layer, q, k, v):
         cache.write(layer, seqs, k, v)
         if T > 1:  # the prompt: plain causal attention over itself, by the model's backend
-            y = attn.attend(q, k, v)
-        else:
-            y = cache.attention(layer, q.contiguous(), seqs, backend=backend)
-        x = x + attn.proj(y.transpose(1, 2).reshape(B, T, -1))
-        x = x + block.mlp(block.ln2(x))
-    return model.ln_f(x) @ model.tok_emb.weight.T
+            return model.blocks[layer].attn.attend(q, k, v)
+        return cache.attention(layer, q.contiguous(), seqs, backend=backend)
+
+    positions = ends[:, None] - T + torch.arange(T, device=ids.device)
+    return model(ids, positions=positions, attend=attend)
 
 
 def _pick(logits, temperature, generator):

@@ -11,6 +11,7 @@ Only the attention call differs between backends, so comparing them compares att
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -39,11 +40,12 @@ class CausalSelfAttention(nn.Module):
         self.proj.is_residual_out = True  # GPT-2 scales its init (see GPT._init_weights)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend=None) -> torch.Tensor:
+        """``attend(q, k, v) -> y``: another attention for this call (None: the model's own)."""
         B, T, C = x.shape
         # (B, T, 3C) -> three (B, H, T, d) views; the last dim stays contiguous for the kernels
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = self.attend(q, k, v)
+        y = (self.attend if attend is None else attend)(q, k, v)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
     def attend(self, q, k, v) -> torch.Tensor:
@@ -118,8 +120,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, attend=None):
+        x = x + self.attn(self.ln1(x), attend)
         return x + self.mlp(self.ln2(x))
 
 
@@ -148,14 +150,18 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: (B, T) int64 token ids -> logits (B, T, vocab_size)."""
+    def forward(self, ids: torch.Tensor, positions=None, attend=None) -> torch.Tensor:
+        """ids: (B, T) int64 token ids -> logits (B, T, vocab_size).
+
+        For decoding from a KV cache (:mod:`flashedu.models.generate`): ``positions`` (B, T),
+        the tokens' places in their sequences (None: 0 .. T-1), and ``attend(layer, q, k, v)
+        -> y`` in place of each layer's own attention."""
         self._check_ids(ids)
-        T = ids.shape[1]
-        pos = torch.arange(T, device=ids.device)
-        x = self.dropout(self.tok_emb(ids) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.dropout(self.tok_emb(ids) + self.pos_emb(positions))
+        for layer, block in enumerate(self.blocks):
+            x = block(x, None if attend is None else functools.partial(attend, layer))
         return self.ln_f(x) @ self.tok_emb.weight.T  # weight tying: the embedding reads out
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -116,11 +116,12 @@ def backward_into(q, k, v, out, L, dout, *, is_causal, scale, D=None, into=None)
                            D=None if D is None else D.contiguous(), into=into)
 
 
-def row_dot(out, dout):
-    """D = rowsum(dO * O), float32 (B, H, Nq), by the backward's preprocess kernel."""
+def row_dot(out, dout, sinks=None, lse2=None, dlse=None):
+    """D = rowsum(dO * O), float32 (B, H, Nq), by the backward's preprocess kernel; with
+    ``sinks`` (and the base-2 lse2, dlse if any) (D, the sinks' gradient) from the same pass."""
     config = resolve_config(out.shape[-1], out.dtype, None, out.device)
     out, dout = launch.interpreter_fp32(runtime.triton_interpreted(), out, dout)
-    return launch.preprocess(out, dout, config.preprocess_rows)
+    return launch.preprocess(out, dout, config.preprocess_rows, sinks, lse2, dlse)
 
 
 def kernel_lse(L):
@@ -163,10 +164,7 @@ def _row_dot(out, dout):
 
 def _sink_row_dot(out, dout, lse2, sinks, dlse=None):
     """(D, the sinks' gradient): both from the backward's preprocess pass (one launch)."""
-    config = resolve_config(out.shape[-1], out.dtype, None, out.device)
-    out, dout = launch.interpreter_fp32(runtime.triton_interpreted(),
-                                        launch.kernel_layout(out), launch.kernel_layout(dout))
-    D, dsinks = launch.preprocess(out, dout, config.preprocess_rows, sinks, lse2, dlse)
+    D, dsinks = row_dot(launch.kernel_layout(out), launch.kernel_layout(dout), sinks, lse2, dlse)
     return D, dsinks.to(sinks.dtype)
 
 

@@ -168,6 +168,14 @@ def check_sinks(sinks, q):
     return sinks.resolve_neg().resolve_conj()
 
 
+def check_num_splits(num_splits):
+    """Split-KV decoding's number of key chunks: a positive int, or None (a heuristic picks)."""
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    return num_splits
+
+
 def check_block_mask(block_mask, q, k) -> None:
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a flashedu.BlockMask (see BlockMask.from_dense / "

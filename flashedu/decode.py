@@ -32,7 +32,7 @@ import math
 import numpy as np
 import torch
 
-from .arguments import check_scale
+from .arguments import check_num_splits, check_scale
 from .merge import merge_many
 from .reference import naive_attention
 
@@ -64,9 +64,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     scale = check_scale(scale, q.shape[-1])
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    check_num_splits(num_splits)
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
     if cache_seqlens.dtype != torch.int32:

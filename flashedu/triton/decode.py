@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
+from ..arguments import check_num_splits, check_scale, check_tensors
 from . import fast
 from .config import padded_head_dim
 from .forward import LOG2E, _softmax_step, dot_precision, load_tile
@@ -194,7 +195,6 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     docstring). Returns out (B, H, Nq, d), and with ``return_lse`` also L (B, H, Nq), the
     natural-log logsumexp (-inf for a row that sees no key). Forward only.
     """
-    from ..arguments import check_tensors
     from .inputs import check
 
     check_tensors(q, k, v, enable_gqa=True)
@@ -235,8 +235,6 @@ def _split_kv(q, cache, Hkv, Nk, pages, seqlens, page_size, num_splits, scale, i
     """Both launches (split, then combine) for a contiguous or a paged cache. Nk: the cache's
     length, or for a paged one the table's capacity (each sequence's own length is read by the
     kernel from seqlens, so the host never waits for the device)."""
-    from ..arguments import check_scale
-
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     k, v, stride_k, stride_v = cache
@@ -248,9 +246,7 @@ def _split_kv(q, cache, Hkv, Nk, pages, seqlens, page_size, num_splits, scale, i
     if Nq > MAX_ROWS:
         raise ValueError(f"q: {name} is for a few queries (Nq <= {MAX_ROWS}), got "
                          f"Nq={Nq}; use flashedu.attention for long query blocks")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    check_num_splits(num_splits)  # before the plan's cache: True would hash as 1
     interpreted = runtime.triton_interpreted()
     launch = _launch_plan(B, H, Hkv, Nq, Nk, d, q.dtype, sm_count(q.device, interpreted),
                           interpreted, num_splits, is_causal, page_size)
@@ -327,9 +323,7 @@ def sm_count(device, interpreted: bool) -> int:
 def choose_num_splits(programs: int, Nk: int, Bc: int, sms: int, num_splits=None) -> int:
     """How many chunks of keys: enough programs for about two waves on every SM, but each
     chunk at least 4 K/V tiles long (shorter ones spend more on the merge than they save)."""
-    if num_splits is not None:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-            raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if check_num_splits(num_splits) is not None:
         return min(num_splits, math.ceil(Nk / Bc))
     wanted = math.ceil(2 * sms / programs)
     return max(1, min(wanted, math.ceil(Nk / (4 * Bc)), MAX_SPLITS))

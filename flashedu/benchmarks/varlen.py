@@ -32,43 +32,68 @@ def lengths_of(tokens: int, low: int, high: int, seed: int) -> list[int]:
     return out
 
 
+def packed(lengths, device):
+    """(cu_seqlens, the longest length, each token's document id) of documents packed in order."""
+    import torch
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device,
+                      dtype=torch.int32)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                  torch.tensor(lengths, device=device))
+    return cu, max(lengths), doc
+
+
+def document_mask(doc, total, device):
+    """FlexAttention's block mask of causal attention within each document."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def document_causal(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (ki <= qi)
+
+    return create_block_mask(document_causal, None, None, total, total, device=device)
+
+
+def ours(q, k, v, cu, longest):
+    """flashedu's varlen attention of the packed q, k, v (total, H, d), causal per document."""
+    import flashedu
+
+    return flashedu.varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
+                                     backend="triton")
+
+
+def theirs(flex, q, k, v, mask, device):
+    """FlexAttention on the same packed row, as one sequence of batch 1 with the mask."""
+    # FlexAttention refuses inputs that require grad on a CPU (it has no CPU backward)
+    qb, kb, vb = (t.transpose(0, 1)[None] for t in ((q, k, v) if device != "cpu" else
+                                                    (q.detach(), k.detach(), v.detach())))
+    return flex(qb, kb, vb, block_mask=mask)[0].transpose(0, 1)
+
+
 def one_case(lengths, H, d, args, device, dtype) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    import flashedu
     from flashedu import tolerance
 
     total = sum(lengths)
     g = torch.Generator(device=device).manual_seed(total + d)
     q, k, v = (torch.randn(total, H, d, device=device, dtype=dtype, generator=g,
                            requires_grad=True) for _ in range(3))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device,
-                      dtype=torch.int32)
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                  torch.tensor(lengths, device=device))
-
-    def document_causal(b, h, qi, ki):
-        return (doc[qi] == doc[ki]) & (ki <= qi)
+    cu, longest, doc = packed(lengths, device)
 
     def flex_mask():
-        return create_block_mask(document_causal, None, None, total, total, device=device)
+        return document_mask(doc, total, device)
 
     mask = flex_mask()
     flex = flex_attention if device == "cpu" else core.compiled_flex()
-    longest = max(lengths)
 
     def fe():
-        return flashedu.varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
-                                         backend="triton")
+        return ours(q, k, v, cu, longest)
 
     def fx():
-        # FlexAttention refuses inputs that require grad on a CPU (it has no CPU backward)
-        qb, kb, vb = (t.transpose(0, 1)[None] for t in ((q, k, v) if device != "cpu" else
-                                                        (q.detach(), k.detach(), v.detach())))
-        return flex(qb, kb, vb, block_mask=mask)[0].transpose(0, 1)
+        return theirs(flex, q, k, v, mask, device)
 
     padded = [torch.zeros(len(lengths), H, longest, d, device=device, dtype=dtype,
                           requires_grad=True) for _ in range(3)]
@@ -111,52 +136,40 @@ def new_packing_times(total, H, d, args, device, dtype, qkv, dout, flex) -> dict
     does: flashedu builds its tiles from the cuts in the call, FlexAttention its block mask
     (create_block_mask) from the document ids. The same inputs, --new-packings packings."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    import flashedu
 
     q, k, v = qkv
-    packings = []
-    for seed in range(1, 3 * args.new_packings + 4):  # warm-up, then one run per kind
-        lengths = lengths_of(total, *args.lengths, args.seed + 1000 * seed)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device,
-                          dtype=torch.int32)
-        doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                      torch.tensor(lengths, device=device))
-        packings.append((cu, max(lengths), doc))
+    packings = [packed(lengths_of(total, *args.lengths, args.seed + 1000 * seed), device)
+                for seed in range(1, 3 * args.new_packings + 2)]  # warm-up, one run per kind
 
-    def ours(packing):
+    def ours_new(packing):
         cu, longest, _ = packing
-        return flashedu.varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True,
-                                         backend="triton")
+        return ours(q, k, v, cu, longest)
 
-    def theirs(packing):
-        doc = packing[2]
-        mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None,
-                                 None, total, total, device=device)
-        qb, kb, vb = (t.transpose(0, 1)[None] for t in ((q, k, v) if device != "cpu" else
-                                                        (q.detach(), k.detach(), v.detach())))
-        return flex(qb, kb, vb, block_mask=mask)[0].transpose(0, 1)
+    def theirs_new(packing):
+        return theirs(flex, q, k, v, document_mask(packing[2], total, device), device)
 
     def wall_ms(fn, chosen, backward):
-        fn(packings[0]) if not backward else fn(packings[0]).backward(dout)  # warm-up
-        core.synchronize(device)
-        start = time.perf_counter()
-        for packing in chosen:
+        def run(packing):
             out = fn(packing)
             if backward:
                 out.backward(dout)
+
+        run(packings[0])  # warm-up, untimed
+        core.synchronize(device)
+        start = time.perf_counter()
+        for packing in chosen:
+            run(packing)
         core.synchronize(device)
         return (time.perf_counter() - start) / len(chosen) * 1e3
 
     n = args.new_packings
     row = {}
     with torch.no_grad():
-        row["new_flashedu_fwd_ms"] = wall_ms(ours, packings[1:1 + n], False)
-        row["new_flex_fwd_ms"] = wall_ms(theirs, packings[1:1 + n], False)
-    row["new_flashedu_fwdbwd_ms"] = wall_ms(ours, packings[1 + n:1 + 2 * n], True)
+        row["new_flashedu_fwd_ms"] = wall_ms(ours_new, packings[1:1 + n], False)
+        row["new_flex_fwd_ms"] = wall_ms(theirs_new, packings[1:1 + n], False)
+    row["new_flashedu_fwdbwd_ms"] = wall_ms(ours_new, packings[1 + n:1 + 2 * n], True)
     row["new_flex_fwdbwd_ms"] = (float("nan") if device == "cpu" else  # no CPU backward
-                                 wall_ms(theirs, packings[1 + 2 * n:1 + 3 * n], True))
+                                 wall_ms(theirs_new, packings[1 + 2 * n:1 + 3 * n], True))
     for mode in ("fwd", "fwdbwd"):
         row[f"new_{mode}_vs_flex"] = row[f"new_flex_{mode}_ms"] / row[f"new_flashedu_{mode}_ms"]
     for t in (q, k, v):

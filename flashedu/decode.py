@@ -216,7 +216,8 @@ class PagedKVCache:
         self.pages: dict[int, list[int]] = {}  # sequence -> its pages in order
         self.lengths: dict[int, int] = {}  # sequence -> tokens stored
         self._next_id = 0
-        self._tables = {}  # seqs -> (block table, seqlens) until the pages or lengths change
+        # seqs -> (block table, seqlens), and the slots of a write, until pages or lengths change
+        self._tables = {}
 
     def add_sequence(self) -> int:
         """A new, empty sequence; returns its id."""
@@ -250,16 +251,7 @@ class PagedKVCache:
             raise ValueError(f"k and v must be (len(seqs), Hkv, n, d) = ({len(seqs)}, "
                              f"{self.k.shape[3]}, n, {self.k.shape[4]}), got {tuple(k.shape)} "
                              f"and {tuple(v.shape)}")
-        pages, rows = [], []
-        for s in seqs:
-            if self.lengths[s] < n:
-                raise ValueError(f"sequence {s} holds {self.lengths[s]} tokens, fewer than the "
-                                 f"{n} written: call extend first")
-            j = np.arange(self.lengths[s] - n, self.lengths[s])
-            pages.append(np.asarray(self.pages[s])[j // self.page_size])
-            rows.append(j % self.page_size)
-        page = torch.as_tensor(np.concatenate(pages), device=self.k.device)
-        row = torch.as_tensor(np.concatenate(rows), device=self.k.device)
+        page, row = self._slots(tuple(seqs), n)
         # (B, Hkv, n, d) -> one (Hkv, d) row per token, in the order of (page, row)
         Hkv, d = k.shape[1], k.shape[3]
         self.k[layer, page, row] = k.transpose(1, 2).reshape(-1, Hkv, d)
@@ -285,6 +277,24 @@ class PagedKVCache:
         table, seqlens = self._table(seqs)
         return paged_attention(q, self.k[layer], self.v[layer], table, seqlens,
                                check_indices=False, **kwargs)
+
+    def _slots(self, seqs: tuple, n: int):
+        """(page, row) of each sequence's last n tokens, in order: looked up once for all the
+        layers of a step (kept until the pages or lengths change)."""
+        key = ("slots", seqs, n)
+        if key not in self._tables:
+            pages, rows = [], []
+            for s in seqs:
+                if self.lengths[s] < n:
+                    raise ValueError(f"sequence {s} holds {self.lengths[s]} tokens, fewer than "
+                                     f"the {n} written: call extend first")
+                j = np.arange(self.lengths[s] - n, self.lengths[s])
+                pages.append(np.asarray(self.pages[s])[j // self.page_size])
+                rows.append(j % self.page_size)
+            device = self.k.device
+            self._tables[key] = (torch.as_tensor(np.concatenate(pages), device=device),
+                                 torch.as_tensor(np.concatenate(rows), device=device))
+        return self._tables[key]
 
     def _table(self, seqs):
         """Built once per change of pages or lengths, so the layers of a step share one copy

@@ -59,6 +59,9 @@ SUBCOMMANDS = {
     "paged": ("flashedu.benchmarks.paged",
               "decoding from a paged KV cache against a contiguous one and SDPA (GPU; "
               "--dry-run on a CPU)"),
+    "dropout": ("flashedu.benchmarks.dropout",
+                "what dropout costs against p=0, flashedu beside SDPA-flash (GPU; --dry-run on "
+                "a CPU)"),
     "notebooks": ("flashedu.benchmarks.notebooks", "run the notebooks top to bottom, timed"),
     "sass": ("flashedu.benchmarks.sass",
              "registers, spills and instruction mix of the kernels for a GPU (CPU: compiles)"),

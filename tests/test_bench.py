@@ -458,3 +458,17 @@ def test_paged_dry_run(tmp_path, capsys):
     rows = json.loads(out.read_text())["cases"]
     assert rows and all("error" not in r and r["max_err_paged"] < 1e-5 and r["paged_ms"] > 0
                         and r["checked_ms"] > 0 and r["contiguous_ms"] > 0 for r in rows)
+
+
+def test_dropout_dry_run(tmp_path, capsys):
+    """Dropout against p=0 through the triton backend (Triton's interpreter): both rates have
+    times for the forward and the forward+backward, and the costs are their ratios."""
+    out = tmp_path / "dropout.json"
+    code, text = run(["dropout", "--dry-run", "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = json.loads(out.read_text())["cases"]
+    assert {r["causal"] for r in rows} == {False, True}
+    for r in rows:
+        for mode in ("fwd", "fwdbwd"):
+            p0, p1 = r[f"flashedu_p0_{mode}_ms"], r[f"flashedu_p0.1_{mode}_ms"]
+            assert p0 > 0 and p1 > 0 and r[f"flashedu_{mode}_cost"] == p1 / p0

@@ -292,6 +292,17 @@ def density(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    """argparse type: a rate in [0, 1), as dropout takes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"a rate is in [0, 1), got {value:g}")
+    return value
+
+
 def boolean(text: str) -> bool:
     """argparse type: true/false (also 1/0, yes/no); anything else is an error."""
     words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

@@ -56,6 +56,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=core.positive_int, default=6)
     p.add_argument("--n-layers", type=core.positive_int, default=12,
                    help="12: GPT-2 small (GPTConfig's default)")
+    p.add_argument("--dropout", type=core.probability, default=0.0,
+                   help="GPTConfig.dropout: embeddings, residual branches and attention")
     p.add_argument("--out", type=core.output_file, default="gpt_bench.json")
     p.add_argument("--commit", default=None,
                    help="default: $GIT_COMMIT, else this checkout's commit")
@@ -101,7 +103,7 @@ def check_triton() -> str | None:
 def train_run(method, T, args, data) -> dict:
     B = args.tokens_per_step // T
     row = {"method": method, "seq_len": T, "batch": B}
-    config = GPTConfig(max_seq_len=T, n_layers=args.n_layers, dropout=0.0, mixed_precision=True,
+    config = GPTConfig(max_seq_len=T, n_layers=args.n_layers, dropout=args.dropout, mixed_precision=True,
                        compile_model=False, gradient_accumulation_steps=1, device="cuda",
                        warmup_steps=10, attention_backend=METHODS[method])
     settings = TrainSettings(batch_size=B, seq_len=T, max_steps=1000, progress=False)
@@ -172,7 +174,8 @@ def print_table(results, seq_lens, methods):
         cells = []
         for m in methods:
             r = next(r for r in results if r["method"] == m and r["seq_len"] == T)
-            cells.append(f"{r['tokens_per_s'] / 1e3:8.1f} ktok/s {r['peak_gib']:6.1f} GiB"
+            cells.append(f"{r['step_ms']:6.1f} ms {r['tokens_per_s'] / 1e3:6.1f} ktok/s "
+                         f"{r['peak_gib']:5.1f} GiB"
                          if r["status"] == "ok" else r["status"])
         print(f"{T:>6} | " + " | ".join(f"{c:>28}" for c in cells))
 
@@ -185,7 +188,7 @@ def environment(args, argv) -> dict:
             "tokens_per_step": args.tokens_per_step,
             "warmup_steps": args.warmup, "timed_steps": args.steps,
             "model": {"d_model": 768, "n_layers": args.n_layers, "n_heads": 12, "d_ff": 3072,
-                      "vocab_size": 50257, "dropout": 0.0, "autocast": "bf16",
+                      "vocab_size": 50257, "dropout": args.dropout, "autocast": "bf16",
                       "optimizer": "AdamW", "grad_clip": 1.0}}
 
 

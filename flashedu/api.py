@@ -45,7 +45,8 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     across calls, pass ``block_mask=BlockMask.from_bool_mask(mask)`` built once instead.
     is_causal: query i sees keys j <= i (top-left aligned, as SDPA's is_causal).
     scale: defaults to 1/sqrt(d). dropout_p: in [0, 1]; 1 drops every weight (zeros, as
-    SDPA). block_mask: a :class:`flashedu.BlockMask`; tiles it marks False are skipped, its
+    SDPA); the mask draws it in steps of 1/256, kept weights scaled by the inverse of the keep
+    rate drawn (:mod:`flashedu.dropout`), and a rate in (0, 1/512) or [1 - 1/512, 1) is refused. block_mask: a :class:`flashedu.BlockMask`; tiles it marks False are skipped, its
     mask mod masks its partial tiles element-wise (:meth:`BlockMask.from_mask_mod`).
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` (:mod:`flashedu.mods`), applied to
     scale * q k^T before attn_mask is added and the masks apply (``mods.alibi`` needs one

@@ -98,6 +98,10 @@ def check_dropout(p) -> float:
     p = as_float(p, "dropout_p")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {p}")
+    if p < 1.0:
+        from .dropout import threshold
+
+        threshold(p)  # the rate must be one the stream can draw (steps of 1/256)
     return p
 
 

@@ -10,23 +10,35 @@ generator. flashedu uses Philox4x32 (Salmon et al. 2011, "Parallel random number
 The stream, shared by every backend (this module is its NumPy form, ``flashedu.triton.dropout``
 its Triton form, :func:`keep_mask_torch` its torch form for the naive backend):
 
-    key     = seed (64 bits: low word k0, high word k1)
-    counter = (col // 4, row, bh, offset mod 2**32)    bh = batch * H + query head
-    r0, r1, r2, r3 = Philox4x32-7(counter, key)       7 rounds, as FlashAttention-2
-    r       = r_(col % 4)                              one call gives 4 neighbouring columns
-    keep    = (r >> 1) >= threshold(p)                 threshold = round(p * 2**31)
+    key      = seed (64 bits: low word k0, high word k1)
+    counter  = (col & ~0b11001,  row & ~0b1000,  bh,  offset mod 2**32)
+    r0..r3   = Philox4x32-7(counter, key)          7 rounds, as FlashAttention-2
+    byte     = byte 2 (row bit 3) + (col bit 0)  of word r_(col bits 3-4)
+    keep     = byte >= threshold(p)                threshold = round(256 p)
 
-so entry (row, col) of head bh is kept with probability 1 - threshold / 2**31 (p to within
-2**-31), and every kept entry is scaled by 1 / (1 - p), as torch's dropout does. Rows and
-columns are the query and key positions in the whole sequence, not in a tile: any tiling
-(Br, Bc) gives the same mask. The numbers are integers throughout, so NumPy, torch and a GPU
-agree bit for bit.
+One call gives 16 bytes, one per entry, as FlashAttention-2 draws them: the 16 entries whose
+positions differ only in bit 3 of the row and bits 0, 3 and 4 of the column, i.e. rows
+{r, r + 8} and columns {c, c + 1, c + 8, c + 9, c + 16, c + 17, c + 24, c + 25}. They are the
+16 entries one thread of a GPU holds in the result of a tensor-core matrix multiply (rows
+lane / 4 and 8 more, columns 2 (lane % 4), one more, and the same 8, 16, 24 further), so a
+kernel draws one call for 16 of its own entries and never moves random numbers between
+threads (``flashedu.triton.dropout``).
+
+With 8 bits an entry the rate drawn is threshold / 256: p in steps of 1/256 (p = 0.1 draws
+26/256 = 0.1016). :func:`keep_scale` is 256 / (256 - threshold), the inverse of the keep rate
+drawn, so that the dropped P_ij is P_ij on average exactly. A rate that rounds to 0 or to 1
+(0 < p < 1/512, p >= 1 - 1/512) is refused rather than silently changed into no dropout or
+dropping everything. Rows and columns are the query and key positions in the whole sequence,
+not in a tile: any tiling gives the same mask. The numbers are integers throughout, so NumPy,
+torch and a GPU agree bit for bit.
 
 (seed, offset) come from torch's generator of the inputs' device (:func:`draw_rng`): a run
 after ``torch.manual_seed`` repeats, two calls drop differently.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -36,18 +48,33 @@ PHILOX_ROUND_B = 0xCD9E8D57  # multiplies c2
 PHILOX_KEY_A = 0x9E3779B9  # added to k0 after every round (the golden ratio)
 PHILOX_KEY_B = 0xBB67AE85  # added to k1 (sqrt(3) - 1)
 N_ROUNDS = 7  # FlashAttention-2's choice; 7 rounds pass BigCrush, Triton's default is 10
-WORDS = 4  # random words per Philox call: 4 neighbouring key columns
-KEEP_BITS = 31  # a word's top 31 bits are compared with the threshold
+ENTRIES = 16  # entries per Philox call: one byte each
+KEEP_BITS = 8  # the bits of an entry compared with the threshold
 
 _U32 = np.uint32
 _MASK32 = 0xFFFFFFFF
 
 
 def threshold(p: float) -> int:
-    """The integer t with keep = (r >> 1) >= t: round(p * 2**31), below 2**31 for any p < 1."""
+    """The integer t with keep = byte >= t: 256 p rounded half up. The rate drawn is t / 256."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    return min(int(round(p * 2 ** KEEP_BITS)), 2 ** KEEP_BITS - 1)
+    t = math.floor(p * 2 ** KEEP_BITS + 0.5)
+    if p > 0 and not 0 < t < 2 ** KEEP_BITS:
+        raise ValueError(f"dropout_p={p} rounds to {t}/256: the kernels draw the rate in steps "
+                         f"of 1/256, so use 0, or a rate in [1/512, 1 - 1/512)")
+    return t
+
+
+def drawn_rate(p: float) -> float:
+    """The rate the mask drops at: threshold(p) / 256 (0.1 -> 0.1015625)."""
+    return threshold(p) / 2 ** KEEP_BITS
+
+
+def keep_scale(p: float) -> float:
+    """What a kept entry is multiplied by: 1 / (1 - drawn_rate(p)), so that the dropped
+    P_ij is P_ij on average exactly (1 for p = 0)."""
+    return 2 ** KEEP_BITS / (2 ** KEEP_BITS - threshold(p))
 
 
 def philox(seed: int, c0, c1, c2, c3, n_rounds: int = N_ROUNDS):
@@ -68,20 +95,30 @@ def philox(seed: int, c0, c1, c2, c3, n_rounds: int = N_ROUNDS):
     return c0, c1, c2, c3
 
 
-def random_words(seed: int, offset: int, bh: int, rows, cols):
-    """The uint32 word r of every (row, col): shape (len(rows), len(cols))."""
+def counters(rows, cols):
+    """(c0, c1) of each entry's Philox call: 16 entries share one (see the module's doc)."""
+    return cols & ~0b11001, rows & ~0b1000
+
+
+def word_and_shift(rows, cols):
+    """Which of the call's four words holds an entry's byte, and that byte's bit offset."""
+    return (cols >> 3) & 3, 16 * ((rows >> 3) & 1) + 8 * (cols & 1)
+
+
+def random_bytes(seed: int, offset: int, bh: int, rows, cols):
+    """The random byte of every (row, col): uint32 in [0, 256), shape (len(rows), len(cols))."""
     rows = np.asarray(rows, dtype=np.int64)[:, None]
     cols = np.asarray(cols, dtype=np.int64)[None, :]
-    words = philox(seed, cols // WORDS, rows, bh, int(offset) & _MASK32)
-    word = np.broadcast_to(cols % WORDS, words[0].shape)
-    return np.choose(word, words)
+    c0, c1 = counters(rows, cols)
+    words = philox(seed, c0, c1, bh, int(offset) & _MASK32)
+    word, shift = (np.broadcast_to(x, words[0].shape) for x in word_and_shift(rows, cols))
+    return (np.choose(word, words) >> shift.astype(_U32)) & _U32(0xFF)
 
 
 def keep_tile(seed: int, offset: int, bh: int, rows, cols, p: float) -> np.ndarray:
     """Z_ij of one tile: bool (len(rows), len(cols)), True where P_ij is kept. ``rows`` and
     ``cols`` are the tile's query and key positions in the sequence; ``bh`` = b * H + h."""
-    r = random_words(seed, offset, bh, rows, cols)
-    return (r >> _U32(1)) >= threshold(p)
+    return random_bytes(seed, offset, bh, rows, cols) >= threshold(p)
 
 
 def dropout_mask(seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, p: float) -> np.ndarray:
@@ -150,8 +187,7 @@ def keep_mask_torch(rng, B: int, H: int, Nq: int, Nk: int, p: float):
     cols = torch.arange(Nk, device=dev).view(1, 1, 1, Nk)
     bh = torch.arange(B * H, device=dev).view(B, H, 1, 1)
     shape = (B, H, Nq, Nk)
-    c0 = (cols // WORDS).expand(shape)
-    c1 = rows.expand(shape)
+    c0, c1 = (c.expand(shape) for c in counters(rows, cols))
     c2 = bh.expand(shape)
     c3 = (offset & _MASK32).expand(shape)
     for _ in range(N_ROUNDS):
@@ -160,6 +196,7 @@ def keep_mask_torch(rng, B: int, H: int, Nq: int, Nk: int, p: float):
         c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
         k0 = (k0 + PHILOX_KEY_A) & _MASK32
         k1 = (k1 + PHILOX_KEY_B) & _MASK32
-    word = (cols % WORDS).expand(shape)
+    word, shift = word_and_shift(rows, cols)
+    word = word.expand(shape)
     r = torch.where(word == 0, c0, torch.where(word == 1, c1, torch.where(word == 2, c2, c3)))
-    return (r >> 1) >= threshold(p)
+    return ((r >> shift) & 0xFF) >= threshold(p)

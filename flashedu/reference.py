@@ -173,8 +173,9 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     Dropout (``dropout_p`` > 0, applied whenever it is > 0, also under torch.no_grad(), as
     SDPA does) drops the entries that :mod:`flashedu.dropout`'s stream drops, the numpy and
     triton backends' mask: ``dropout_rng`` = tensor([seed, offset]), drawn from torch's
-    generator of q's device when None (so torch.manual_seed repeats it). Kept entries of P
-    are scaled by 1 / (1 - p); the lse is that of the undropped scores.
+    generator of q's device when None (so torch.manual_seed repeats it). The stream draws
+    p in steps of 1/256 (``flashedu.dropout.drawn_rate``) and kept entries of P are scaled by
+    ``keep_scale(p)`` = 1 / (1 - drawn rate); the lse is that of the undropped scores.
 
     The element rules, in order: S = scale * q k^T; ``score_mod(S, b, h, q_idx, kv_idx)`` (on
     the whole (B, H, Nq, Nk) matrix with broadcast index tensors, see :mod:`flashedu.mods`); a
@@ -230,12 +231,12 @@ def naive_attention_torch(q, k, v, *, is_causal=False, scale=None, block_mask=No
     if sinks is not None:
         P = P[..., :-1]
     if dropout_p > 0:  # the paper's Z: one stream for every backend (flashedu.dropout)
-        from .dropout import draw_rng, keep_mask_torch
+        from .dropout import draw_rng, keep_mask_torch, keep_scale
 
         rng = draw_rng(q.device) if dropout_rng is None else dropout_rng.to(q.device)
         heads = math.prod(P.shape[:-2])
         Z = keep_mask_torch(rng, 1, heads, Nq, Nk, dropout_p).view(P.shape)
-        P = torch.where(Z, P * (1.0 / (1.0 - dropout_p)), torch.zeros_like(P))
+        P = torch.where(Z, P * keep_scale(dropout_p), torch.zeros_like(P))
     out = P @ v
     if return_lse:
         lse = torch.where(seen, m + torch.log(l_safe), float("-inf"))

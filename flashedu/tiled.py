@@ -146,14 +146,13 @@ class TileDropout:
     """Dropout on P (the paper's Algorithm 2, line 11, and Algorithm 4, line 13), tile by tile.
 
     ``tile(i, j, shape)`` is Z_ij / (1 - p): 1 / (1 - p) where entry (row, col) is kept, 0
-    where it is dropped, from :mod:`flashedu.dropout`'s stream for head ``bh`` (the same on
+    where it is dropped (p the rate drawn, ``flashedu.dropout.drawn_rate``: steps of 1/256), from :mod:`flashedu.dropout`'s stream for head ``bh`` (the same on
     every backend, for any tiling). Never stored: the backward calls ``tile`` again. With p = 0
     it is the number 1 (nothing dropped, nothing rescaled).
     """
 
     def __init__(self, p=0.0, seed=0, offset=0, bh=0, Br=1, Bc=1):
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+        _dropout.threshold(p)  # a rate the stream can draw, or ValueError
         self.p, self.seed, self.offset, self.bh, self.Br, self.Bc = p, seed, offset, bh, Br, Bc
 
     def tile(self, i: int, j: int, shape, dtype=np.float64):
@@ -162,7 +161,7 @@ class TileDropout:
         rows = np.arange(i * self.Br, i * self.Br + shape[0])
         cols = np.arange(j * self.Bc, j * self.Bc + shape[1])
         Z_ij = _dropout.keep_tile(self.seed, self.offset, self.bh, rows, cols, self.p)
-        return np.where(Z_ij, dtype(1.0 / (1.0 - self.p)), dtype(0.0))
+        return np.where(Z_ij, dtype(_dropout.keep_scale(self.p)), dtype(0.0))
 
 
 def _check(Q, K, V, block_q, block_k, scale):

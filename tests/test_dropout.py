@@ -62,7 +62,7 @@ def test_triton_philox_is_numpys():
     assert np.array_equal(out.cpu().numpy().view(np.uint32), expected)
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])  # 0.9: 2 * threshold > 2**31
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("tiles", [(16, 16), (32, 4), (16, 64)])
 def test_masks_bit_identical_numpy_torch_triton(p, tiles):
     """The keep-mask of the Triton jit function (any tiling), NumPy's and torch's are equal."""
@@ -76,20 +76,51 @@ def test_masks_bit_identical_numpy_torch_triton(p, tiles):
     assert np.array_equal(D.keep_mask_torch(rng, B, H, Nq, Nk, p).numpy(), Z)
 
 
+def test_sixteen_entries_a_call():
+    """One Philox call gives 16 bytes, one to each entry of rows {r, r + 8} and columns
+    {c, c + 1, c + 8, c + 9, ..., c + 25}: the entries one thread holds after a tensor-core
+    multiply. Every entry of a 32 x 64 block is named by exactly one (call, byte)."""
+    rows, cols = np.arange(32)[:, None], np.arange(64)[None, :]
+    c0, c1 = D.counters(rows, cols)
+    word, shift = D.word_and_shift(rows, cols)
+    call = np.broadcast_to(c1 * 1000 + c0, (32, 64))
+    slot = np.broadcast_to(word * 4 + shift // 8, (32, 64))
+    assert len(np.unique(call)) == 32 * 64 // D.ENTRIES
+    assert len({(a, b) for a, b in zip(call.ravel(), slot.ravel())}) == 32 * 64
+    first = call == call[0, 0]
+    assert {(int(r), int(c)) for r, c in zip(*np.nonzero(first))} == {
+        (r, c) for r in (0, 8) for c in (0, 1, 8, 9, 16, 17, 24, 25)}
+
+
+def test_random_bytes_are_the_words_bytes():
+    """Entry (row, col)'s byte is byte 2 (row bit 3) + (col bit 0) of word (col bits 3-4) of its
+    call's Philox words: the stream written out once more, by hand."""
+    seed, offset, bh = 0x0123456789ABCDEF, (7 << 32) + 5, 3
+    got = D.random_bytes(seed, offset, bh, np.arange(40), np.arange(70))
+    for row, col in [(0, 0), (8, 1), (9, 25), (17, 38), (39, 69)]:
+        words = D.philox(seed, col & ~0b11001, row & ~0b1000, bh, offset & 0xFFFFFFFF)
+        word = int(words[(col >> 3) & 3])
+        assert got[row, col] == (word >> (16 * ((row >> 3) & 1) + 8 * (col & 1))) & 0xFF
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate_within_statistical_bounds(p):
+    """Entries are kept at the rate drawn, 1 - threshold / 256, overall and in each of the 16
+    byte positions of a call."""
     Z = D.dropout_mask(11, 22, 2, 4, 64, 64, p)
-    n = Z.size
-    sigma = math.sqrt(p * (1 - p) / n)
-    assert abs(Z.mean() - (1 - p)) < 5 * sigma
-    for w in range(D.WORDS):  # each of Philox's four words (column c % 4) alone
-        part = Z[..., w::D.WORDS]
-        assert abs(part.mean() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / part.size)
+    q = 1 - D.drawn_rate(p)
+    assert abs(Z.mean() - q) < 5 * math.sqrt(q * (1 - q) / Z.size)
+    rows, cols = np.arange(64)[:, None], np.arange(64)[None, :]
+    word, shift = D.word_and_shift(rows, cols)
+    slot = np.broadcast_to(word * 4 + shift // 8, (64, 64))
+    for s in range(D.ENTRIES):
+        part = Z[..., slot == s]
+        assert abs(part.mean() - q) < 5 * math.sqrt(q * (1 - q) / part.size)
 
 
-def _agreement_ok(a, b, p):
-    """Two independent masks agree on a fraction (1-p)^2 + p^2 of entries."""
-    expected = (1 - p) ** 2 + p ** 2
+def _agreement_ok(a, b, q):
+    """Two independent masks of keep rate q agree on a fraction q^2 + (1-q)^2 of entries."""
+    expected = q ** 2 + (1 - q) ** 2
     sigma = math.sqrt(expected * (1 - expected) / a.size)
     return abs((a == b).mean() - expected) < 5 * sigma
 
@@ -103,17 +134,27 @@ def test_independence_across_heads_batches_calls_and_neighbours():
     assert _agreement_ok(Z[0, 0], D.dropout_mask(8, 6, 1, 1, 64, 64, p)[0, 0], p)  # seeds
     assert _agreement_ok(Z[..., :-1], Z[..., 1:], p)  # neighbouring columns (one Philox call)
     assert _agreement_ok(Z[..., :-1, :], Z[..., 1:, :], p)  # neighbouring rows
+    assert _agreement_ok(Z[..., :-8, :], Z[..., 8:, :], p)  # rows 8 apart (one call)
+    assert _agreement_ok(Z[..., :-8], Z[..., 8:], p)  # columns 8 apart (one call)
     torch.manual_seed(0)
     r1, r2 = D.draw_rng("cpu"), D.draw_rng("cpu")  # two calls draw two states
     assert not torch.equal(r1, r2)
 
 
-def test_threshold():
-    assert D.threshold(0.0) == 0
-    assert D.threshold(0.5) == 2 ** 30
-    assert D.threshold(1 - 1e-12) == 2 ** 31 - 1
-    with pytest.raises(ValueError):
-        D.threshold(1.0)
+def test_threshold_and_the_rate_drawn():
+    """p is drawn in steps of 1/256 and kept entries are scaled by the inverse of the keep rate
+    drawn; a rate that would round to no dropout, or to dropping everything, is refused."""
+    assert D.threshold(0.0) == 0 and D.keep_scale(0.0) == 1.0
+    assert D.threshold(0.5) == 128 and D.keep_scale(0.5) == 2.0
+    assert D.threshold(0.1) == 26 and D.drawn_rate(0.1) == 26 / 256
+    assert D.keep_scale(0.1) == 256 / 230
+    assert D.threshold(1 / 512) == 1 and D.threshold(1 - 1 / 256) == 255
+    for p in (1e-3, 1 - 1 / 512, 1.0, -0.1):
+        with pytest.raises(ValueError, match="dropout_p"):
+            D.threshold(p)
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="1/256"):
+        flashedu.attention(q, k, v, dropout_p=1e-3, backend="numpy")
 
 
 # ----------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .dropout import keep_tile
+from .dropout import dropped
 from .forward import (_LOG2E, dropout_args, dropout_state, element_args, exponent_scale,
                       load_tile, mods_args, register_cap)
 from .mods import mod_scores, visible
@@ -108,15 +108,14 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     if MASK:
         P_ijT = tl.where(visible(rows[None, :], cols[:, None], Nk, E, ctx, IS_CAUSAL, MASK_MOD),
                          P_ijT, 0.0)
-    ZP_ijT = P_ijT  # what the forward multiplied V_j by: P_ij, dropped and rescaled
-    if drop is not None:
-        seed, offset, bh, threshold, drop_scale = drop
-        keep = tl.trans(keep_tile(seed, offset, bh, rows, start_n, threshold, cols.shape[0]))
-        ZP_ijT = tl.where(keep, P_ijT * drop_scale, 0.0)
-    dV_j += tl.dot(ZP_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
-    dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
-    if drop is not None:
-        dP_ijT = tl.where(keep, dP_ijT * drop_scale, 0.0)
+    if drop is None:
+        dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
+        dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+    else:  # both products' dropout from one draw: S_ij transposed, entry (col, row)
+        dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+        dP_ijT = dropped(dP_ijT * drop[4], drop, start_m, start_n, TRANSPOSED=True)
+        ZP_ijT = dropped(P_ijT * drop[4], drop, start_m, start_n, TRANSPOSED=True)  # forward's
+        dV_j += tl.dot(ZP_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     if SCORE_MOD is not None:
         dS_ijT = dS_ijT * dsT
@@ -216,9 +215,7 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
                         P_ij, 0.0)
     dP_ij = tl.dot(dO_i, tl.trans(V_j), input_precision=DOT_PREC)
     if drop is not None:
-        seed, offset, bh, threshold, drop_scale = drop
-        keep = keep_tile(seed, offset, bh, rows, start_n, threshold, Bc)
-        dP_ij = tl.where(keep, dP_ij * drop_scale, 0.0)
+        dP_ij = dropped(dP_ij * drop[4], drop, drop[5], start_n)
     dS_ij = P_ij * (dP_ij - D_i[:, None])
     if DB_head is not None:  # a learned attn_mask: its gradient is dS_ij (the bias adds to s_ij)
         tl.store(DB_head + rows[:, None] * Nk + cols[None, :], dS_ij,
@@ -257,7 +254,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
     ctx = (b, h, Nq, scale, bias, score_args, mask_args)  # what the mods read
     drop = None
     if RNG is not None:
-        drop = dropout_state(RNG, bh, dropout)
+        drop = dropout_state(RNG, bh, dropout, i * Br)
     DB_head = None
     if DBIAS is not None:  # its gradient, (B, H, Nq, Nk) float32, zeros where no tile is visited
         DB_head = DBIAS + bh.to(tl.int64) * Nq * Nk

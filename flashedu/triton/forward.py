@@ -29,7 +29,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .dropout import keep_tile
+from .dropout import dropped
 from .mods import mod_scores, visible
 from .tiles import element_origin, full_tile, kv_tiles, masked_tile
 
@@ -64,8 +64,9 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, rows, Nk, qk_scale, ctx
     MASK: the tile may hold keys the rule hides (``mods.visible``: past Nk, causal, the block
     mask's element mask E, the compiled mask mod); they get -inf, so P_ij = 0 there.
     drop (the paper's Algorithm 2): P_ij times Z_ij after l_i took the undropped P_ij, before
-    the product with V_j; Z_ij from (seed, offset, bh) and the tile's position. The
-    1 / (1 - p) is the same for every entry: the kernel applies it once, to O_i at the end.
+    the product with V_j; Z_ij from (seed, offset, bh) and each entry's position. The
+    rescale (``flashedu.dropout.keep_scale``) is the same for every entry: the kernel applies
+    it once, to O_i at the end.
     SCORE_MOD, or a bias in ctx (mods.py): S_ij becomes score_mod(scale * S_ij) + attn_mask,
     and qk_scale is log2(e)."""
     cols = start_n + tl.arange(0, K_j.shape[0])  # the keys of this tile
@@ -86,9 +87,7 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, rows, Nk, qk_scale, ctx
     alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(P_ij, 1)
     if drop is not None:
-        seed, offset, bh, threshold, _ = drop
-        keep = keep_tile(seed, offset, bh, rows, start_n, threshold, K_j.shape[0])
-        P_ij = tl.where(keep, P_ij, 0.0)
+        P_ij = dropped(P_ij, drop, drop[5], start_n)
     # the rescaled O_i is the product's accumulator: the tensor cores add P_ij V_j into it
     O_i = tl.dot(P_ij.to(V_j.dtype), V_j, O_i * alpha[:, None], input_precision=DOT_PREC)
     return O_i, l_i, m_new
@@ -133,11 +132,13 @@ def exponent_scale(scale, bias, SCORE_MOD: tl.constexpr):
 
 
 @triton.jit
-def dropout_state(RNG, bh, dropout):
-    """(seed, offset, bh, threshold, 1 / (1 - p)) of a program: the call's [seed, offset]
-    tensor read on the device (``flashedu.dropout.draw_rng``) and dropout = (threshold,
-    1 / (1 - p))."""
-    return tl.load(RNG), tl.load(RNG + 1), bh, dropout[0], tl.cast(dropout[1], tl.float32)
+def dropout_state(RNG, bh, dropout, start_m=0):
+    """(seed, offset, bh, threshold, keep scale, start_m) of a program: the call's [seed,
+    offset] tensor read on the device (``flashedu.dropout.draw_rng``), dropout = (threshold,
+    keep scale), and the first query row of the program's Q tile (0 in the dK/dV program,
+    whose Q tiles change)."""
+    return (tl.load(RNG), tl.load(RNG + 1), bh, dropout[0], tl.cast(dropout[1], tl.float32),
+            start_m)
 
 
 @triton.jit
@@ -193,7 +194,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
     tuples (O has Q's); the options are None where a call has none, and then not compiled:
     LISTS a block mask's tile lists (tiles.py) and ELEM its partial tiles' element masks,
     RNG and dropout the dropout's state and
-    (threshold, 1 / (1 - p)), bias SDPA's float attn_mask, score_args and mask_args what the
+    (threshold, keep scale), bias SDPA's float attn_mask, score_args and mask_args what the
     SCORE_MOD and MASK_MOD hooks take (mods.py), prev = (O, L) a result to go on from, sinks
     the (H,) float32 sink logits."""
     i = tl.program_id(0)  # which Q tile
@@ -221,7 +222,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
     ctx = (b, h, Nq, scale, bias, score_args, mask_args)  # what the mods read
     drop = None
     if RNG is not None:
-        drop = dropout_state(RNG, bh, dropout)
+        drop = dropout_state(RNG, bh, dropout, i * Br)
     m_i, l_i, O_i = _initial_state(prev, sinks, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
                                    stride_q, Br, HEAD_DIM)
     # The K/V tiles this Q tile visits (tiles.py): num_full without an element mask, then the
@@ -288,13 +289,14 @@ def forward_launch(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, int
 
 
 def dropout_args(dropout_p, rng):
-    """(RNG, (threshold, 1 / (1 - p))) of the kernels: the [seed, offset] tensor, the keep
-    threshold round(p * 2**31) and the rescale; (None, None) without dropout (not compiled)."""
+    """(RNG, (threshold, keep scale)) of the kernels: the [seed, offset] tensor, the keep
+    threshold round(256 p) and the rescale 256 / (256 - threshold) (``flashedu.dropout``);
+    (None, None) without dropout (not compiled)."""
     if dropout_p == 0:
         return None, None
-    from ..dropout import threshold
+    from ..dropout import keep_scale, threshold
 
-    return rng, (threshold(dropout_p), 1.0 / (1.0 - dropout_p))
+    return rng, (threshold(dropout_p), keep_scale(dropout_p))
 
 
 def element_args(elements, block_mask, Br, Bc, transpose, device, is_causal):

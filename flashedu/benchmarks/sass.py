@@ -38,7 +38,7 @@ import sys
 import tempfile
 
 # resume: ring attention's forward_into; sinks: one sink logit per head
-VARIANTS = ("plain", "causal", "dropout", "resume", "sinks")
+VARIANTS = ("plain", "causal", "dropout", "resume", "sinks", "causal-dropout")
 MODES = ("fwd", "bwd")
 COUNTED = ("HGMMA", "HMMA", "MUFU", "FFMA", "FMUL", "IMAD", "LOP3", "SHF", "PRMT", "SEL",
            "STS", "LDS", "BAR")
@@ -291,8 +291,9 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     B, H = core.batch_heads(n, d)
     q, k, v, do = (torch.empty(B, H, n, d, dtype=core.torch_dtype(dtype)) for _ in range(4))
     config = resolve_config(d, q.dtype, None, q.device)
-    kw = dict(is_causal=variant == "causal", scale=d ** -0.5, interpreted=False)
-    drop = {"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])} if variant == "dropout" else {}
+    kw = dict(is_causal=variant.startswith("causal"), scale=d ** -0.5, interpreted=False)
+    drop = ({"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])} if variant.endswith("dropout")
+            else {})
     sinks = {"sinks": torch.zeros(H)} if variant == "sinks" else {}
     call = ops.Call(kw["is_causal"], kw["scale"], None, drop.get("dropout_p", 0.0),
                     drop.get("rng"), None, sinks.get("sinks"))

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .dropout import dropped
 from .forward import (_LOG2E, dropout_args, dropout_state, element_args, exponent_scale,
-                      load_tile, mods_args, register_cap)
+                      load_tile, mods_args)
 from .mods import mod_scores, visible
 from .tiles import element_origin, full_tile, kv_tiles, masked_tile, q_tiles
 
@@ -404,8 +404,7 @@ def launch_args(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal, scale, block_mas
             *dropout_args(dropout_p, rng), bias, dbias, score_args, mask_args)
     launches = []
     for consts in _launch_consts(Nq, Nk, d, is_causal, config, interpreted):
-        consts = register_cap({**consts, **hooks, "ACCUMULATE": accumulate,
-                               "DKDV": _masked(consts["DKDV"], masked),
-                               "DQ": _masked(consts["DQ"], masked)}, dropout_p)
+        consts = {**consts, **hooks, "ACCUMULATE": accumulate,
+                  "DKDV": _masked(consts["DKDV"], masked), "DQ": _masked(consts["DQ"], masked)}
         launches.append((_grid(consts, B, Hkv, Nq, Nk, H // Hkv), consts))
     return args, launches

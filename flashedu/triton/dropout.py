@@ -40,19 +40,25 @@ _SELECT = tl.constexpr("{ .reg .pred %keep; .reg .b32 %byte; prmt.b32 %byte, $2,
 
 
 @triton.jit
-def random_byte(seed, offset, bh, row0, r, col0, c):
-    """(word, b): the Philox word holding the random byte of entry (row0 + r, col0 + c) and
-    which byte (0-3). row0: a multiple of 16, col0: of 32 (0 always is); r and c: int32
-    tensors broadcast against each other. Written on the split so that, as the tile's start
-    is the same for all, the counters of a thread's 16 entries of one call are visibly the
-    same value, which the compiler then computes once."""
-    c0 = col0 + (c & ~0b11001)  # the entries of a call: columns differing in bits 0, 3, 4 ...
-    c1 = row0 + (r & ~0b1000)  # ... and rows differing in bit 3 (row0, col0 have none of them)
+def random_byte(seed, offset, bh, row0, r, col0, c, TRANSPOSED: tl.constexpr = False):
+    """(word, b): for each entry (row0 + r, col0 + c) of a tile, the Philox word holding its
+    random byte and which byte (0-3); the tile is (len(r), len(c)), or with TRANSPOSED
+    (len(c), len(r)). row0: a multiple of 16, col0: of 32 (0 always is); r and c: int32
+    vectors. The counters are computed on the vectors, before they are spread over the tile,
+    so that the 16 entries of one call that a thread holds get visibly the same value, which
+    the compiler then draws once."""
+    ck = col0 + (c & ~0b11001)  # the entries of a call: columns differing in bits 0, 3, 4 ...
+    rk = row0 + (r & ~0b1000)  # ... and rows differing in bit 3 (row0, col0 have none of them)
+    w = (c >> 3) & 3  # which word
+    b_c = c & 1  # which byte: 2 (row bit 3) + (col bit 0)
+    b_r = (r >> 2) & 2
+    if TRANSPOSED:
+        c0, c1, w, b = ck[:, None], rk[None, :], w[:, None], b_r[None, :] | b_c[:, None]
+    else:
+        c0, c1, w, b = ck[None, :], rk[:, None], w[None, :], b_r[:, None] | b_c[None, :]
     c0, c1 = tl.broadcast(c0, c1)
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, (offset & 0xFFFFFFFF).to(tl.uint32), N_ROUNDS_C)
-    w = (c >> 3) & 3
     word = tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
-    b = ((r >> 2) & 2) | (c & 1)
     return word, b + tl.zeros_like(c0)
 
 
@@ -68,7 +74,8 @@ def tile_start(start, SIZE: tl.constexpr, ALIGN: tl.constexpr):
 
 @triton.jit
 def keep_entries(seed, offset, bh, row, col, threshold):
-    """Z: int1, True where entry (row, col) of head ``bh`` is kept; threshold = round(256 p)."""
+    """Z: int1 (len(row), len(col)), True where entry (row, col) of head ``bh`` is kept;
+    threshold = round(256 p)."""
     word, b = random_byte(seed, offset, bh, 0, row, 0, col)
     return ((word >> (8 * b).to(tl.uint32)) & 0xFF) >= tl.cast(threshold, tl.uint32)
 
@@ -83,11 +90,11 @@ def dropped(x, state, start_m, start_n, TRANSPOSED: tl.constexpr = False):
     if TRANSPOSED:
         col0, c = tile_start(start_n, x.shape[0], 32)
         row0, r = tile_start(start_m, x.shape[1], 16)
-        word, b = random_byte(seed, offset, bh, row0, r[None, :], col0, c[:, None])
+        word, b = random_byte(seed, offset, bh, row0, r, col0, c, True)
     else:
         row0, r = tile_start(start_m, x.shape[0], 16)
         col0, c = tile_start(start_n, x.shape[1], 32)
-        word, b = random_byte(seed, offset, bh, row0, r[:, None], col0, c[None, :])
+        word, b = random_byte(seed, offset, bh, row0, r, col0, c)
     if PTX:
         selector = (0x4440 + b).to(tl.uint32)
         thr = tl.full(word.shape, 0, tl.uint32) + tl.cast(threshold, tl.uint32)
@@ -108,7 +115,7 @@ def _mask_kernel(RNG, Z, threshold, H, Nq, Nk, stride_zbh, Br: tl.constexpr, Bc:
     offset = tl.load(RNG + 1)
     rows = i * Br + tl.arange(0, Br)
     cols = j * Bc + tl.arange(0, Bc)
-    keep = keep_entries(seed, offset, bh, rows[:, None], cols[None, :], threshold)
+    keep = keep_entries(seed, offset, bh, rows, cols, threshold)
     ok = (rows[:, None] < Nq) & (cols[None, :] < Nk)
     tl.store(Z + bh * stride_zbh + rows[:, None] * Nk + cols[None, :], keep.to(tl.int8), mask=ok)
 

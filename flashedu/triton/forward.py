@@ -339,13 +339,4 @@ def launch_args(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interp
     args = (*args, *dropout_args(dropout_p, rng), *hook_args, prev, sinks)
     consts = {**consts, **hooks,
               "MASKED": consts["MASKED"] or elements or hooks.get("MASK_MOD") is not None}
-    return grid, args, register_cap(consts, dropout_p)
-
-
-def register_cap(consts: dict, dropout_p) -> dict:
-    """The launch's constants without the tile table's register cap where dropout is on: the
-    cap (maxnreg) was measured on the plain kernels, and dropout's Philox states need more
-    (213 registers at d=64 uncapped), which the cap would turn into spills."""
-    if dropout_p > 0 and "maxnreg" in consts:
-        consts = {n: c for n, c in consts.items() if n != "maxnreg"}
-    return consts
+    return grid, args, consts

@@ -76,6 +76,23 @@ def test_masks_bit_identical_numpy_torch_triton(p, tiles):
     assert np.array_equal(D.keep_mask_torch(rng, B, H, Nq, Nk, p).numpy(), Z)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("R, C, start_m, start_n", [(32, 64, 48, 128), (16, 32, 0, 32),
+                                                     (16, 16, 16, 48), (8, 32, 24, 0)])
+def test_the_kernels_drop_the_streams_entries(R, C, start_m, start_n, transposed):
+    """``dropped``, as the kernels call it on a tile of P_ij (or its transpose in the dK/dV
+    program), zeroes exactly the entries the NumPy stream drops: tiles drawn in the calls'
+    shape (rows in 16s, columns in 32s) and tiles drawn entry by entry alike."""
+    TD = _triton_dropout()
+    p = 0.3
+    rng = torch.tensor([0x0BADC0FFEE, (3 << 32) + 17], dtype=torch.int64)
+    seed, offset = D.rng_values(rng)
+    kept = TD.kept_by_kernels(rng.to(device("triton")), 5, p, R, C, start_m, start_n, transposed)
+    want = D.keep_tile(seed, offset, 5, np.arange(start_m, start_m + R),
+                       np.arange(start_n, start_n + C), p)
+    assert np.array_equal(kept.cpu().numpy(), want)
+
+
 def test_sixteen_entries_a_call():
     """One Philox call gives 16 bytes, one to each entry of rows {r, r + 8} and columns
     {c, c + 1, c + 8, c + 9, ..., c + 25}: the entries one thread holds after a tensor-core

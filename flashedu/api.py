@@ -3,12 +3,13 @@
 It checks every argument once (so no backend ever sees malformed input), folds the block mask's
 causal flag into ``is_causal``, and hands over to the chosen backend.
 
-A plain call (no attn_mask, dropout, score mod or lse; a block mask, with its mask mod, is
-allowed) whose signature an earlier call had (the same options and block mask; inputs with the
-same shapes, strides, dtype, device and alignment) passed those checks
-already: it goes straight to the repeat its backend left for that signature
-(``Backend.repeater``; the triton backend's is ``flashedu.triton_backend.make_repeat``) and skips the general
-path, whose host time is more than a small attention's kernels take on a GPU.
+A plain call (no attn_mask, score mod or lse; a block mask, with its mask mod, and dropout are
+allowed) whose signature an earlier call had (the same options, rate and block mask; inputs
+with the same shapes, strides, dtype, device and alignment) passed those checks already: it
+goes straight to the repeat its backend left for that signature (``Backend.repeater``; the
+triton backend's is ``flashedu.triton_backend.make_repeat``, which draws each call's dropout
+state as the general path does) and skips the general path, whose host time is more than a
+small attention's kernels take on a GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from . import ops
 from .arguments import (check_attn_mask, check_block_mask, check_dropout, check_flag,
                         check_score_mod, check_scale, check_sinks, check_tensors)
 from .backends import BACKENDS, backends_with, resolve_backend
+from .dropout import threshold
 from .masks import BlockMask
 
 # A plain call's signature -> its backend's repeat (``Backend.repeater``): a later call with the
@@ -46,7 +48,8 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
     is_causal: query i sees keys j <= i (top-left aligned, as SDPA's is_causal).
     scale: defaults to 1/sqrt(d). dropout_p: in [0, 1]; 1 drops every weight (zeros, as
     SDPA); the mask draws it in steps of 1/256, kept weights scaled by the inverse of the keep
-    rate drawn (:mod:`flashedu.dropout`), and a rate in (0, 1/512) or [1 - 1/512, 1) is refused. block_mask: a :class:`flashedu.BlockMask`; tiles it marks False are skipped, its
+    rate drawn (:mod:`flashedu.dropout`), and a rate in (0, 1/512) or [1 - 1/512, 1) is
+    refused. block_mask: a :class:`flashedu.BlockMask`; tiles it marks False are skipped, its
     mask mod masks its partial tiles element-wise (:meth:`BlockMask.from_mask_mod`).
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` (:mod:`flashedu.mods`), applied to
     scale * q k^T before attn_mask is added and the masks apply (``mods.alibi`` needs one
@@ -119,7 +122,7 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
             and ops.plain_eager(q, k, v, *(() if sinks is None else (sinks,)))):
         if len(REPEATS) >= _MAX_REPEATS:  # shapes that change every call: start over
             REPEATS.clear()
-        REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale, block_mask)
+        REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale, block_mask, dropout_p)
     return out
 
 
@@ -167,8 +170,9 @@ class _Zeros(torch.autograd.Function):
 
 def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, score_mod,
                 enable_gqa, return_lse, backend, sinks=None):
-    """The signature of a plain call, or None: no attn_mask, score mod, dropout or lse (a
-    block mask, with its mask mod, is a value; sinks are data, their layout is in the key);
+    """The signature of a plain call, or None: no attn_mask, score mod or lse, a dropout rate
+    the stream draws (a block mask, with its mask mod, is a value; sinks are data, their
+    layout is in the key);
     the options of their plain types; q, k, v (and the sinks) plain dense tensors, neither
     negative nor conjugate views.
     Everything the checks and the general path read of such a call is in it, so two calls with
@@ -178,8 +182,7 @@ def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, sco
             or return_lse is not False or type(is_causal) is not bool
             or type(enable_gqa) is not bool or type(backend) is not str
             or not (scale is None or type(scale) is float)
-            or type(dropout_p) not in (float, int) or dropout_p != 0
-            or torch.compiler.is_compiling()):
+            or not _repeatable_rate(dropout_p) or torch.compiler.is_compiling()):
         return None
     layouts = (_layout(q), _layout(k), _layout(v))
     if sinks is not None:
@@ -188,7 +191,20 @@ def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, sco
         return None
     # a block mask is a value, hashed once (BlockMask.__hash__); the same object, as a
     # training loop passes it, compares by identity
-    return (backend, is_causal, scale, enable_gqa, block_mask, *layouts)
+    return (backend, is_causal, scale, enable_gqa, block_mask, dropout_p, *layouts)
+
+
+def _repeatable_rate(p) -> bool:
+    """A plain float or int dropout rate the kernels draw: 0, or in (0, 1) on the stream's
+    steps (anything else takes the general path, which says what is wrong with it)."""
+    if type(p) not in (float, int):
+        return False
+    if p == 0:
+        return True
+    try:
+        return 0 < p < 1 and threshold(p) > 0
+    except ValueError:
+        return False
 
 
 def _layout(t):

@@ -146,8 +146,9 @@ class TileDropout:
     """Dropout on P (the paper's Algorithm 2, line 11, and Algorithm 4, line 13), tile by tile.
 
     ``tile(i, j, shape)`` is Z_ij / (1 - p): 1 / (1 - p) where entry (row, col) is kept, 0
-    where it is dropped (p the rate drawn, ``flashedu.dropout.drawn_rate``: steps of 1/256), from :mod:`flashedu.dropout`'s stream for head ``bh`` (the same on
-    every backend, for any tiling). Never stored: the backward calls ``tile`` again. With p = 0
+    where it is dropped (p the rate drawn, ``flashedu.dropout.drawn_rate``: steps of 1/256),
+    from :mod:`flashedu.dropout`'s stream for head ``bh`` (the same on every backend, for any
+    tiling). Never stored: the backward calls ``tile`` again. With p = 0
     it is the number 1 (nothing dropped, nothing rescaled).
     """
 

@@ -38,6 +38,7 @@ import math
 import torch
 
 from . import ops, runtime
+from .dropout import draw_rng
 from .triton import fast
 from .triton import forward as fwd
 from .triton import launch
@@ -176,10 +177,10 @@ KERNELS = ops.Kernels("triton", launch.forward, launch.backward, _row_dot, natur
 # ----- the repeat of a plain call ---------------------------------------------------------
 
 
-def make_repeat(q, k, v, is_causal: bool, scale: float, block_mask=None):
+def make_repeat(q, k, v, is_causal: bool, scale: float, block_mask=None, dropout_p=0.0):
     """The Repeat of a checked plain call, or None where the call's inputs are copied by the
     general path (its launches then take other tensors than the caller's). ``is_causal`` has
-    the block mask's causal flag folded in, as the general path's."""
+    the block mask's causal flag folded in, as the general path's; ``dropout_p`` < 1, checked."""
     interpreted = runtime.triton_interpreted()
     if interpreted and q.dtype != torch.float32:  # the interpreter runs float32 copies
         return None
@@ -188,7 +189,7 @@ def make_repeat(q, k, v, is_causal: bool, scale: float, block_mask=None):
         if t.stride(-1) != 1 or torch.empty_like(t).stride() != t.stride():
             return None
     config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
-    return Repeat(is_causal, scale, block_mask, config, interpreted)
+    return Repeat(is_causal, scale, block_mask, config, interpreted, dropout_p)
 
 
 class Repeat:
@@ -199,11 +200,12 @@ class Repeat:
     name = "triton"
     natural_lse = staticmethod(natural_lse)
     sink_row_dot = staticmethod(_sink_row_dot)
-    __slots__ = ("is_causal", "scale", "block_mask", "call", "config", "interpreted",
-                 "forward_plan", "backward_plan", "dout_layout")
+    __slots__ = ("is_causal", "scale", "block_mask", "dropout_p", "call", "config",
+                 "interpreted", "forward_plan", "backward_plan", "dout_layout")
 
-    def __init__(self, is_causal, scale, block_mask, config, interpreted):
+    def __init__(self, is_causal, scale, block_mask, config, interpreted, dropout_p=0.0):
         self.is_causal, self.scale, self.block_mask = is_causal, scale, block_mask
+        self.dropout_p = dropout_p
         # its mask mod, where tiles need it
         self.call = ops.Call(is_causal, scale, block_mask,
                              mods=ops.Mods.of(None, None, block_mask))
@@ -211,29 +213,30 @@ class Repeat:
         self.forward_plan = self.backward_plan = self.dout_layout = None
 
     def __call__(self, q, k, v, sinks=None):
-        if sinks is None:
-            if not ops.plain_eager(q, k, v):
-                return None
-            return ops.Attention.apply(self, self.call, False, q, k, v, None, None)
-        if not ops.plain_eager(q, k, v, sinks):
+        if not ops.plain_eager(q, k, v, *(() if sinks is None else (sinks,))):
             return None
-        call = ops.Call(self.is_causal, self.scale, self.block_mask, mods=self.call.mods,
-                        sinks=sinks)  # the sinks are this call's data
+        call = self.call
+        if sinks is not None or self.dropout_p > 0:  # this call's data: its sinks, its RNG state
+            rng = draw_rng(q.device) if self.dropout_p > 0 else None  # as the general path draws
+            call = ops.Call(self.is_causal, self.scale, self.block_mask, self.dropout_p, rng,
+                            self.call.mods, sinks)
         return ops.Attention.apply(self, call, False, q, k, v, None, sinks)
 
     def forward(self, q, k, v, call):
         """(O, L2) as ``launch.forward`` returns them."""
         if self.forward_plan is None:
             kept = []
-            tiles = self.config.forward_tiles(self.block_mask, k.shape[2])
+            tiles = self.config.forward_tiles(self.block_mask, k.shape[2], self.dropout_p > 0)
             out = launch.forward(q, k, v, call, tiles=tiles, interpreted=self.interpreted,
                                  keep=kept)
             self.forward_plan = kept[0] if kept else None
             return out
         o = torch.empty_like(q)
         lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        sinks = () if call.sinks is None else (call.sinks.float().contiguous(),)
-        self.forward_plan.start(q, k, v, o, lse2, *sinks)  # (one launch: start checks it)
+        # the call's own tensors after the five it leads with: the RNG state, the sinks
+        fresh = () if call.rng is None else (call.rng,)
+        fresh += () if call.sinks is None else (call.sinks.float().contiguous(),)
+        self.forward_plan.start(q, k, v, o, lse2, *fresh)  # (one launch: start checks it)
         return o, lse2
 
     def backward(self, q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None):
@@ -256,6 +259,7 @@ class Repeat:
         stream = fast.stream_for(first, *launches)  # the checks, once for all launches
         if first is not None:  # the preprocess: D = rowsum(dO * O)
             first.start(o, do, D, stream=stream)
+        rng = () if call.rng is None else (call.rng,)
         for planned in launches:
-            planned.start(q, k, v, do, lse2, D, dq, dk, dv, stream=stream)
+            planned.start(q, k, v, do, lse2, D, dq, dk, dv, *rng, stream=stream)
         return dq, dk, dv

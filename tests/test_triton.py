@@ -516,6 +516,29 @@ def test_a_repeated_call_with_sinks_takes_the_repeat_with_this_call_s_sinks(monk
         assert (r.forward_plan is not None) == (step >= 1)
 
 
+def test_a_repeated_dropout_call_draws_its_own_state_as_the_general_path(monkeypatch):
+    """Dropout takes the repeat too: each call draws its RNG state from torch's generator as
+    the general path does, so after the same torch.manual_seed a repeated call drops the
+    entries the first call dropped (output and gradients equal), and two calls in a row drop
+    differently; the rate is in the signature."""
+    from flashedu import triton_backend as repeat
+
+    repeats = _repeats(monkeypatch)
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16)
+    dout = torch.randn(1, 2, 40, 16, device=_device())
+    runs = []
+    for _ in range(3):
+        torch.manual_seed(7)
+        runs.append(_grads(q, k, v, dout, is_causal=True, dropout_p=0.25))
+    (r,) = repeats.values()
+    assert isinstance(r, repeat.Repeat) and r.dropout_p == 0.25 and r.forward_plan is not None
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    one, two = (_grads(q, k, v, dout, is_causal=True, dropout_p=0.25)[0] for _ in range(2))
+    assert not torch.equal(one, two)
+    _grads(q, k, v, dout, is_causal=True, dropout_p=0.5)
+    assert len(repeats) == 2
+
+
 @pytest.mark.parametrize("change", ["causal", "scale", "strides", "alignment", "gqa", "dtype"])
 def test_a_repeat_is_kept_per_signature(monkeypatch, change):
     """A call that differs in anything the checks or the launches read gets its own repeat
@@ -553,9 +576,9 @@ def test_a_repeat_is_kept_per_signature(monkeypatch, change):
 
 
 def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
-    """Negative and conjugate views, options of other types, masks, dropout and lse, and
-    inputs the general path copies (a last dim with a stride) all take the general path, and
-    are right."""
+    """Negative and conjugate views, options of other types, masks, lse, a dropout rate of
+    another type or off the stream's steps, and inputs the general path copies (a last dim
+    with a stride) all take the general path, and are right."""
     from flashedu import triton_backend as repeat
 
     repeats = _repeats(monkeypatch)
@@ -571,7 +594,10 @@ def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
     flashedu.attention(q, k, v, backend="triton", is_causal=np.bool_(False))
     flashedu.attention(q, k, v, backend="triton", scale=np.float32(0.25))
     flashedu.attention(q, k, v, backend="triton", return_lse=True)
-    flashedu.attention(q, k, v, backend="triton", dropout_p=0.1)
+    flashedu.attention(q, k, v, backend="triton", dropout_p=np.float64(0.1))
+    flashedu.attention(q, k, v, backend="triton", dropout_p=1)
+    with pytest.raises(ValueError, match="1/256"):
+        flashedu.attention(q, k, v, backend="triton", dropout_p=1e-4)
     assert repeats == before
     strided = torch.randn(1, 2, 33, 32, device=_device())[..., ::2].requires_grad_()
     for _ in range(2):

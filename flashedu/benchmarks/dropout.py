@@ -70,7 +70,8 @@ def one_case(shape, args, device, dtype) -> dict:
 
 def parse_args(argv):
     p = core.parser("dropout", __doc__)
-    p.add_argument("--p", type=core.probability, default=0.1, help="the dropout rate timed against p=0")
+    p.add_argument("--p", type=core.probability, default=0.1,
+                   help="the dropout rate timed against p=0")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--reps", type=core.positive_int, default=3,
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
         out["cases"].append(row)
         line = list(shape)
         for provider in args.providers:
-            line += [f"{row[f'{provider}_fwd_cost']:.2f}x", f"{row[f'{provider}_fwdbwd_cost']:.2f}x",
+            line += [f"{row[f'{provider}_fwd_cost']:.2f}x",
+                     f"{row[f'{provider}_fwdbwd_cost']:.2f}x",
                      f"{row[f'{provider}_p0_fwdbwd_ms']:.3f}",
                      f"{row[f'{provider}_p{args.p:g}_fwdbwd_ms']:.3f}"]
         lines.append(line)

@@ -4,9 +4,9 @@
     r0..r3  = tl.philox(seed, counter, 7 rounds)
     keep    = byte 2 (row bit 3) + (col bit 0) of r_(col bits 3-4)  >=  threshold
 
-The forward (after P_ij, before P_ij V_j) and both backward programs call :func:`dropped` with the
-same (seed, offset, bh) and each entry's row and column in the sequence, so the backward drops
-exactly the forward's entries without the mask ever being stored.
+The forward (after P_ij, before P_ij V_j) and both backward programs call :func:`dropped` with
+the same (seed, offset, bh) and each entry's row and column in the sequence, so the backward
+drops exactly the forward's entries without the mask ever being stored.
 
 A tile whose rows come in 16s and columns in 32s is drawn in the call's own shape: reshaped
 to (row // 16, row bit 3, row bits 0-2, col // 32, col bits 3-4, col bits 1-2, col bit 0), the

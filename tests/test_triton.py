@@ -499,10 +499,10 @@ def test_a_repeated_call_with_sinks_takes_the_repeat_with_this_call_s_sinks(monk
     from flashedu import triton_backend as repeat
 
     repeats = _repeats(monkeypatch)
-    dout = torch.randn(1, 4, 40, 16)
+    dout = torch.randn(1, 4, 40, 16, device=_device())
     for step in range(4):
         q, k, v = _qkv(1, 4, 2, 40, 40, 16)
-        sinks = torch.randn(4, requires_grad=True)
+        sinks = torch.randn(4, device=_device(), requires_grad=True)
         out = flashedu.attention(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks,
                                  backend="triton")
         grads = torch.autograd.grad(out, (q, k, v, sinks), dout)

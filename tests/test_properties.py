@@ -433,7 +433,9 @@ def test_arguments_are_checked(value, arg):
         lo, hi = flashedu.arguments.SCALE_RANGE
         ok = value is None or (is_real and math.isfinite(value) and lo <= float(value) <= hi)
     else:
-        ok = is_real and 0 <= value <= 1  # 1 drops everything: zeros, as SDPA
+        # 1 drops everything (zeros, as SDPA); other rates are drawn in steps of 1/256, and one
+        # that would round to no dropout or to dropping everything is refused
+        ok = is_real and (value == 0 or value == 1 or 1 / 512 <= value < 1 - 1 / 512)
     if ok:
         out = flashedu.attention(Q, K, V, backend="naive", **{arg: value})
         assert out.shape == Q.shape

@@ -108,14 +108,13 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     if MASK:
         P_ijT = tl.where(visible(rows[None, :], cols[:, None], Nk, E, ctx, IS_CAUSAL, MASK_MOD),
                          P_ijT, 0.0)
-    if drop is None:
-        dV_j += tl.dot(P_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
-        dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
-    else:  # both products' dropout from one draw: S_ij transposed, entry (col, row)
-        dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+    ZP_ijT = P_ijT  # what the forward multiplied V_j by: P_ij, dropped and rescaled
+    if drop is not None:  # S_ij transposed: entry (col, row); dP_ij's drop below is this draw
+        ZP_ijT = dropped(P_ijT * drop[4], drop, start_m, start_n, TRANSPOSED=True)
+    dV_j += tl.dot(ZP_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
+    dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
+    if drop is not None:
         dP_ijT = dropped(dP_ijT * drop[4], drop, start_m, start_n, TRANSPOSED=True)
-        ZP_ijT = dropped(P_ijT * drop[4], drop, start_m, start_n, TRANSPOSED=True)  # forward's
-        dV_j += tl.dot(ZP_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     if SCORE_MOD is not None:
         dS_ijT = dS_ijT * dsT

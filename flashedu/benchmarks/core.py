@@ -69,6 +69,20 @@ def gpu_available() -> bool:
     return bool(runtime.configure()["gpu"])
 
 
+def bench_device(dry_run: bool, name: str) -> str | None:
+    """Where ``flashedu bench NAME`` runs: for a dry run the kernels' device (the CPU under
+    Triton's interpreter, else the GPU), else "cuda" where there is a GPU; None where there is
+    none, having said so (the caller then exits with 1)."""
+    if dry_run:
+        from .. import runtime
+
+        return str(runtime.kernel_device())
+    if not gpu_available():
+        needs_gpu(f"flashedu bench {name} (or --dry-run for a CPU check)")
+        return None
+    return "cuda"
+
+
 def needs_gpu(prog: str) -> int:
     """Say that ``prog`` times a CUDA GPU and none is visible; the exit status (1)."""
     print(f"{prog}: needs a CUDA GPU; none is visible here, so nothing was measured.",

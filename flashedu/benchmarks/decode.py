@@ -85,13 +85,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         args.nk = [n for n in args.nk if n <= 256] or [64, 256]
         args.heads, args.kv_heads, args.d, args.dtype, args.reps = 4, 2, 32, "fp32", 2
-        from .. import runtime
-
-        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
-    elif not core.gpu_available():
-        return core.needs_gpu("flashedu bench decode (or --dry-run for a CPU check)")
-    else:
-        device = "cuda"
+    device = core.bench_device(args.dry_run, "decode")
+    if device is None:
+        return 1
     import torch
 
     dtype = core.torch_dtype(args.dtype)

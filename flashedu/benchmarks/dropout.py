@@ -92,13 +92,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         shapes, args.dtype, args.reps = [(1, 2, 64, 16, False), (1, 2, 64, 16, True)], "fp32", 1
         args.providers = ["flashedu"]
-        from .. import runtime
-
-        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
-    elif not core.gpu_available():
-        return core.needs_gpu("flashedu bench dropout (or --dry-run for a CPU check)")
-    else:
-        device = "cuda"
+    device = core.bench_device(args.dry_run, "dropout")
+    if device is None:
+        return 1
     dtype = core.torch_dtype(args.dtype)
     out = {"environment": core.environment(["dropout", *argv]), "cases": []}
     print(core.headline(out["environment"]), flush=True)

@@ -226,13 +226,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         dry_run_sizes(args)
-        from .. import runtime
-
-        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
-    elif not core.gpu_available():
-        return core.needs_gpu("flashedu bench transformers (or --dry-run for a CPU check)")
-    else:
-        device = "cuda"
+    device = core.bench_device(args.dry_run, "transformers")
+    if device is None:
+        return 1
     try:
         import transformers
 

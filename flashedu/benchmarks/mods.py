@@ -153,15 +153,11 @@ def main(argv=None) -> int:
     if args.dry_run:
         args.n, args.windows, args.doc_n, args.docs = [128], [48], [128], [3]
         args.d, args.dtype = [32], "fp32"
-        from .. import runtime
-
-        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
-        # compiled Flex finds no kernel for a 64-position score mod on a GPU
+    device = core.bench_device(args.dry_run, "mods")
+    if device is None:
+        return 1
+    if args.dry_run:  # compiled Flex finds no kernel for a 64-position score mod on a GPU
         args.score_n = [64] if device == "cpu" else [128]
-    elif not core.gpu_available():
-        return core.needs_gpu("flashedu bench mods (or --dry-run for a CPU check)")
-    else:
-        device = "cuda"
     import torch
 
     dtype = core.torch_dtype(args.dtype)

@@ -144,13 +144,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         args.batch, args.nk, args.page_size = [2], [40], [16]
         args.heads, args.kv_heads, args.d, args.dtype, args.reps = 4, 2, 16, "fp32", 1
-        from .. import runtime
-
-        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
-    elif not core.gpu_available():
-        return core.needs_gpu("flashedu bench paged (or --dry-run for a CPU check)")
-    else:
-        device = "cuda"
+    device = core.bench_device(args.dry_run, "paged")
+    if device is None:
+        return 1
     dtype = core.torch_dtype(args.dtype)
     out = {"environment": core.environment(["paged", *argv]), "cases": []}
     print(core.headline(out["environment"]), flush=True)

@@ -88,13 +88,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         args.n, args.d, args.dtype, args.reps = [48], [16], "fp32", 1
-        from .. import runtime
-
-        device = str(runtime.kernel_device())  # the CPU under the interpreter, else the GPU
-    elif not core.gpu_available():
-        return core.needs_gpu("flashedu bench sinks (or --dry-run for a CPU check)")
-    else:
-        device = "cuda"
+    device = core.bench_device(args.dry_run, "sinks")
+    if device is None:
+        return 1
     dtype = core.torch_dtype(args.dtype)
     out = {"environment": core.environment(["sinks", *argv]), "cases": []}
     print(core.headline(out["environment"]), flush=True)

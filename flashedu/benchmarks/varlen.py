@@ -203,13 +203,9 @@ def main(argv=None) -> int:
         args.tokens, args.lengths, args.d, args.dtype, args.reps = [96], [16, 48], [16], \
             "fp32", 1
         args.new_packings = min(args.new_packings, 2)
-        from .. import runtime
-
-        device = str(runtime.kernel_device())
-    elif not core.gpu_available():
-        return core.needs_gpu("flashedu bench varlen (or --dry-run for a CPU check)")
-    else:
-        device = "cuda"
+    device = core.bench_device(args.dry_run, "varlen")
+    if device is None:
+        return 1
     dtype = core.torch_dtype(args.dtype)
     out = {"environment": core.environment(["varlen", *argv]), "cases": []}
     print(core.headline(out["environment"]), flush=True)

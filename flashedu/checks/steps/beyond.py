@@ -25,14 +25,9 @@ import numpy as np
 
 from ... import reference
 from ..numpy_exercises import H_N1, H_NQNK, H_WIDE, _qkv, _rng, _wide_qkv
-from ..steptools import case, function_step
+from ..steptools import case, function_step, untouched
 
 F32, F64 = np.float32, np.float64
-
-
-def _keep(value):
-    """What the function returned, untouched: the outputs must keep the inputs' dtype."""
-    return value
 
 
 def _cast(arrays, dtype):
@@ -408,7 +403,7 @@ def _filled(cell) -> bool:
 
 
 def _merge_step(name, symbol, cases, diagnose=None):
-    ex = function_step(name, symbol, cases, adapt=_keep, diagnose=diagnose)
+    ex = function_step(name, symbol, cases, adapt=untouched, diagnose=diagnose)
     ex.inspect = _merge_shortcut
     return ex
 
@@ -416,7 +411,7 @@ def _merge_step(name, symbol, cases, diagnose=None):
 STEPS = [
     function_step("step_intensity_matmul", "intensity_matmul", _intensity_cases,
                   diagnose=_diagnose_intensity),
-    function_step("step_naive_attention", "naive_attention", _naive_cases, adapt=_keep,
+    function_step("step_naive_attention", "naive_attention", _naive_cases, adapt=untouched,
                   diagnose=_diagnose_naive),
     _merge_step("step_merge_two", "merge_two", _merge_cases, _diagnose_merge),
     _merge_step("step_partial_attention", "partial_attention", _partial_cases),

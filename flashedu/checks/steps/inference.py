@@ -20,14 +20,9 @@ import numpy as np
 from ... import reference
 from ...merge import merge
 from ..numpy_exercises import H_N1, H_WIDE, _qkv, _wide_qkv
-from ..steptools import case, function_step
+from ..steptools import case, function_step, untouched
 
 F32, F64 = np.float32, np.float64
-
-
-def _keep(value):
-    """What the function returned, untouched: the outputs must keep the inputs' dtype."""
-    return value
 
 
 def _number(value):
@@ -300,9 +295,9 @@ def _diagnose_packed(case_, wrong, outputs):
 STEPS = [
     function_step("step_decode_intensity", "decode_intensity", _intensity_cases,
                   diagnose=_diagnose_intensity),
-    function_step("step_read_cache", "read_cache", _page_cases, adapt=_keep,
+    function_step("step_read_cache", "read_cache", _page_cases, adapt=untouched,
                   diagnose=_diagnose_pages),
-    function_step("step_online_sink", "online_sink_attention", _online_cases, adapt=_keep),
+    function_step("step_online_sink", "online_sink_attention", _online_cases, adapt=untouched),
     function_step("step_sink_gradient", "sink_gradient", _grad_cases, adapt=_number,
                   diagnose=_diagnose_grad),
     function_step("step_packed_visible", "packed_visible", _packed_cases,

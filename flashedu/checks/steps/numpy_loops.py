@@ -31,17 +31,12 @@ from ..numpy_exercises import (
     _softmax_inputs,
     stepper_hint,
 )
-from ..steptools import as_arrays, case, function_step
+from ..steptools import as_arrays, case, function_step, untouched
 
 F32, F64 = np.float32, np.float64
 # float32 inputs whose outputs come back as float64 (the notebook's loops keep m_i, l_i in
 # float64): compared in float64, with float32's error floor
 F32_FLOOR = FLOOR["float32"] / FLOOR["float64"]
-
-
-def _keep(value):
-    """What the function returned, untouched: the softmax steps must keep the input's dtype."""
-    return value
 
 
 # ----------------------------------------------------------------------------------------
@@ -291,7 +286,7 @@ def _diagnose_loop(case, wrong, outputs):
 
 
 STEPS = [
-    function_step("step_safe_softmax", "my_safe_softmax", _safe_softmax_cases, adapt=_keep),
+    function_step("step_safe_softmax", "my_safe_softmax", _safe_softmax_cases, adapt=untouched),
     function_step("step_online_stats", "online_stats", _online_stats_cases, adapt=_adapt_stats,
                   diagnose=_diagnose_stats),
     function_step("step_forward_kv_outer", "flash_forward_kv_outer", _forward_cases(H_KV),

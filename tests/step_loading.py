@@ -6,6 +6,12 @@ from __future__ import annotations
 import importlib.util
 import itertools
 
+import pytest
+
+from flashedu import course
+from flashedu.checks import check
+from flashedu.checks.result import NOT_IMPLEMENTED
+from flashedu.course.build import strip_source
 from flashedu.course.notebooks import find, solution_code
 
 _counter = itertools.count()
@@ -36,3 +42,24 @@ def loaders(header: str, namespace=None):
         return load(step_id, source, tmp_path)
 
     return load, mutant
+
+
+def solved_and_skeleton_tests(steps, namespace, load):
+    """The two tests of every notebook's steps (``steps``: step id -> its check): the solved
+    step passes its check, and the learner's skeleton is "not implemented yet". A test module
+    takes them as its own: ``test_solved_step_passes, test_skeleton_is_not_implemented_yet =
+    solved_and_skeleton_tests(STEPS, namespace, load)``."""
+
+    @pytest.mark.parametrize("step_id", list(steps))
+    def test_solved_step_passes(step_id):
+        result = check(steps[step_id], course.reference(step_id, namespace()), seed=0)
+        assert result.passed, str(result)
+
+    @pytest.mark.parametrize("step_id", list(steps))
+    def test_skeleton_is_not_implemented_yet(step_id, tmp_path):
+        skeleton = strip_source(find(step_id, "step").source)
+        assert "# YOUR CODE HERE" in skeleton
+        result = check(steps[step_id], load(step_id, skeleton, tmp_path), seed=0)
+        assert result.status == NOT_IMPLEMENTED, str(result)
+
+    return test_solved_step_passes, test_skeleton_is_not_implemented_yet

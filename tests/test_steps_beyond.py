@@ -12,9 +12,6 @@ import step_loading
 
 from flashedu import course
 from flashedu.checks import check
-from flashedu.course.build import strip_source
-from flashedu.checks.result import NOT_IMPLEMENTED
-from flashedu.course.notebooks import find
 
 STEPS = {  # step id -> its check
     "00.intensity": "step_intensity_matmul",
@@ -40,18 +37,8 @@ def namespace():
 load, mutant = step_loading.loaders(HEADER, namespace)
 
 
-@pytest.mark.parametrize("step_id", list(STEPS))
-def test_solved_step_passes(step_id):
-    result = check(STEPS[step_id], course.reference(step_id, namespace()), seed=0)
-    assert result.passed, str(result)
-
-
-@pytest.mark.parametrize("step_id", list(STEPS))
-def test_skeleton_is_not_implemented_yet(step_id, tmp_path):
-    skeleton = strip_source(find(step_id, "step").source)
-    assert "# YOUR CODE HERE" in skeleton
-    result = check(STEPS[step_id], load(step_id, skeleton, tmp_path), seed=0)
-    assert result.status == NOT_IMPLEMENTED, str(result)
+test_solved_step_passes, test_skeleton_is_not_implemented_yet = \
+    step_loading.solved_and_skeleton_tests(STEPS, namespace, load)
 
 
 PARTIAL_TAIL = """    m = S.max(axis=1)

@@ -11,12 +11,8 @@ import pytest
 import step_loading
 
 import flashedu
-from flashedu import course
 from flashedu.checks import EXERCISES, check
 from flashedu.checks import STEPS as CHECKS
-from flashedu.course.build import strip_source
-from flashedu.checks.result import NOT_IMPLEMENTED
-from flashedu.course.notebooks import find
 
 pytestmark = pytest.mark.skipif(flashedu.available_backends()["triton"] is not None,
                                 reason="triton backend unavailable (no triton, or no GPU and no "
@@ -38,18 +34,8 @@ def namespace():
     return {"triton": triton, "tl": tl}
 
 
-@pytest.mark.parametrize("step_id", list(STEPS))
-def test_solved_step_passes(step_id):
-    result = check(STEPS[step_id], course.reference(step_id, namespace()), seed=0)
-    assert result.passed, str(result)
-
-
-@pytest.mark.parametrize("step_id", list(STEPS))
-def test_skeleton_is_not_implemented_yet(step_id, tmp_path):
-    skeleton = strip_source(find(step_id, "step").source)
-    assert "# YOUR CODE HERE" in skeleton
-    result = check(STEPS[step_id], load(step_id, skeleton, tmp_path), seed=0)
-    assert result.status == NOT_IMPLEMENTED, str(result)
+test_solved_step_passes, test_skeleton_is_not_implemented_yet = \
+    step_loading.solved_and_skeleton_tests(STEPS, namespace, load)
 
 
 @pytest.mark.parametrize("which", ["dkdv", "dq"])

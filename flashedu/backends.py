@@ -15,7 +15,9 @@ them, and only when its flag below says it has them (:func:`flashedu.attention` 
 otherwise, naming the backends that do): ``attn_mask`` (SDPA's, a bool or float tensor
 broadcastable to (B, H, Nq, Nk)), ``score_mod`` (a :mod:`flashedu.mods` score mod, already
 bound to (Nq, Nk)), ``return_lse=True`` (return ``(out, lse)``, lse natural-log (B, H, Nq)),
-``sinks`` (a (H,) tensor of sink logits).
+``sinks`` (a (H,) tensor of sink logits), ``seqs`` (packed variable-length sequences that the
+kernels find from their cuts, :class:`flashedu.varlen.Packing`; :func:`flashedu.varlen_attention`
+hands them to a backend with ``has_packed``, a block mask of the packing to the others).
 A block mask whose partial tiles need its mask mod (``block_mask.needs_mask_mod``) goes only to
 a backend with ``has_mask_mod`` (or whose ``mask_mod_kinds`` compile that library kind). A
 backend with a feature has it forward and backward.
@@ -85,6 +87,7 @@ class Backend:
     has_mask_mod: bool = False  # any mask mod on the partial tiles of a block mask
     has_return_lse: bool = False  # return_lse=True
     has_sinks: bool = False  # sinks=, with their gradient
+    has_packed: bool = False  # seqs=, packed sequences read from their cuts in the kernels
     # library mask mods (their ``kind``) compiled natively, when has_mask_mod is False
     mask_mod_kinds: frozenset = frozenset()
     # library score mods (their ``kind``) compiled natively, when has_score_mod is False
@@ -116,7 +119,7 @@ BACKENDS: dict[str, Backend] = {
     # (bool: as a mask mod; float: a bias read tile by tile)
     "triton": Backend("triton", _triton, True, True, "gpu", has_attn_mask=True,
                       has_score_mod=False, has_mask_mod=True, has_return_lse=True,
-                      has_sinks=True,
+                      has_sinks=True, has_packed=True,
                       score_mod_kinds=frozenset({"softcap", "alibi", "triton"}),
                       repeater=_triton_repeat),
 }

@@ -62,14 +62,17 @@ class Call:
     """One call's checked options, as a backend's kernels take them. ``mods``: a :class:`Mods`
     or None; ``rng``: dropout's [seed, offset] tensor, or None without dropout; ``sinks``:
     the (H,) sink logits, or None (the forward starts each row's softmax from its head's sink;
-    the backward needs nothing more, since the lse includes it)."""
+    the backward needs nothing more, since the lse includes it); ``seqs``: packed
+    variable-length sequences in inputs of batch 1 (:class:`flashedu.varlen.Packing`), or
+    None."""
 
-    __slots__ = ("is_causal", "scale", "block_mask", "dropout_p", "rng", "mods", "sinks")
+    __slots__ = ("is_causal", "scale", "block_mask", "dropout_p", "rng", "mods", "sinks", "seqs")
 
     def __init__(self, is_causal, scale, block_mask=None, dropout_p=0.0, rng=None, mods=None,
-                 sinks=None):
+                 sinks=None, seqs=None):
         self.is_causal, self.scale, self.block_mask = is_causal, scale, block_mask
         self.dropout_p, self.rng, self.mods, self.sinks = dropout_p, rng, mods, sinks
+        self.seqs = seqs
 
     @property
     def attn_mask(self):
@@ -118,10 +121,11 @@ class Kernels:
 
 def attention(kernels: Kernels, q, k, v, *, is_causal: bool, scale: float, block_mask,
               dropout_p: float = 0.0, attn_mask=None, score_mod=None, return_lse=False,
-              sinks=None):
+              sinks=None, seqs=None):
     """``out``, or ``(out, lse)`` with ``return_lse``: what the backends call, their inputs
     checked. ``dropout_p`` > 0 draws the call's RNG state (seed, offset) from torch's
-    generator of q's device."""
+    generator of q's device. ``seqs``: packed sequences (:class:`flashedu.varlen.Packing`),
+    for the backends whose kernels read them (``Backend.has_packed``)."""
     if kernels.prepare is not None:
         attn_mask, block_mask = kernels.prepare(q, k, v, attn_mask, block_mask, score_mod)
     rng = None
@@ -130,8 +134,8 @@ def attention(kernels: Kernels, q, k, v, *, is_causal: bool, scale: float, block
 
         rng = draw_rng(q.device)
     mods = Mods.of(attn_mask, score_mod, block_mask)
-    call = Call(is_causal, scale, block_mask, dropout_p, rng, mods, sinks)
-    if mods is None and not return_lse and sinks is None:
+    call = Call(is_causal, scale, block_mask, dropout_p, rng, mods, sinks, seqs)
+    if mods is None and not return_lse and sinks is None and seqs is None:
         if plain_eager(q, k, v):
             return Attention.apply(kernels, call, False, q, k, v, None, None)
         return _operator_call(kernels, q, k, v, call)
@@ -150,7 +154,8 @@ def _modded(kernels, call, return_lse, q, k, v):
     return Attention.apply(kernels, call, return_lse, q, k, v, attn_mask, sinks)
 
 
-MODDED_CALL = "with attn_mask, score_mod, return_lse, sinks or a block mask's mask mod"
+MODDED_CALL = ("with attn_mask, score_mod, return_lse, sinks, packed sequences or a block "
+               "mask's mask mod")
 
 
 class Attention(torch.autograd.Function):

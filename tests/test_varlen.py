@@ -84,6 +84,83 @@ def test_varlen_matches_each_sequence_alone(backend, is_causal):
                         floor_scale=tolerance.GRADIENT, name=name)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_self_attention_packing_matches_each_sequence_alone(backend, is_causal):
+    """The same cuts for queries and keys (a training batch), GQA, an empty sequence and
+    sequences ending inside a tile: the triton kernels read these cuts themselves."""
+    _mask_mods(backend)
+    dtype = CAPS[backend].dtypes[0]
+    dev = device(backend)
+    lengths = [5, 0, 37, 9, 20]
+    cu = _cu(lengths, dev)
+    q = torch.randn(sum(lengths), 4, 16, dtype=dtype).to(dev).requires_grad_()
+    k, v = (torch.randn(sum(lengths), 2, 16, dtype=dtype).to(dev).requires_grad_()
+            for _ in range(2))
+    out, lse = flashedu.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths),
+                                         is_causal=is_causal, return_lse=True, backend=backend,
+                                         block_size=16)
+    wrt = (q, k, v)
+    ref, ref_lse = _by_sequence(*(t.double() for t in wrt), cu, cu, is_causal)
+    plain, plain_lse = _by_sequence(q, k, v, cu, cu, is_causal, upcast=False)
+    tolerance.check(out, ref, plain, factor=tolerance.FORWARD, name="out")
+    tolerance.check(lse, ref_lse, plain_lse, dtype=dtype, factor=tolerance.FORWARD, name="lse")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, wrt, dout)
+    want = torch.autograd.grad(ref, wrt, dout.double())
+    rough = torch.autograd.grad(plain, wrt, dout)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, want, rough):
+        tolerance.check(g, r, p, dtype=dtype, factor=tolerance.GRADIENT,
+                        floor_scale=tolerance.GRADIENT, name=name)
+
+
+@pytest.mark.parametrize("lengths_k, is_causal, dropout_p, reads_cuts", [
+    ("same", True, 0.0, True),  # a training batch
+    ("same", False, 0.0, True),
+    ([7, 3, 17, 4], False, 0.0, True),  # other key cuts, not causal
+    ([7, 3, 17, 4], True, 0.0, False),  # bottom-right causal: the block mask's rule
+    ("same", True, 0.25, False),  # dropout: drawn at positions of the packed row
+])
+def test_the_triton_kernels_read_the_cuts_where_they_can(monkeypatch, lengths_k, is_causal,
+                                                         dropout_p, reads_cuts):
+    """Where the triton kernels take the cuts themselves no block mask is built; elsewhere
+    the packing's block mask is (and the result is the same, as the tests above check)."""
+    if flashedu.available_backends()["triton"] is not None:
+        pytest.skip("triton is not available here")
+    built = []
+    from_packed = flashedu.BlockMask.from_packed.__func__
+
+    def counted(cls, *args, **kwargs):
+        built.append(args)
+        return from_packed(cls, *args, **kwargs)
+
+    monkeypatch.setattr(flashedu.BlockMask, "from_packed", classmethod(counted))
+    dev = device("triton")
+    cu_q = _cu(LENGTHS_Q, dev)
+    cu_k = cu_q if lengths_k == "same" else _cu(lengths_k, dev)
+    total_k = int(cu_k[-1])
+    q = torch.randn(sum(LENGTHS_Q), 4, 16, device=dev, requires_grad=True)
+    k, v = (torch.randn(total_k, 2, 16, device=dev, requires_grad=True) for _ in range(2))
+    out = flashedu.varlen_attention(q, k, v, cu_q, cu_k, 17, 17, is_causal=is_causal,
+                                    dropout_p=dropout_p, backend="triton", block_size=16)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(k.grad).all()
+    assert (len(built) == 0) == reads_cuts
+
+
+def test_cuts_changed_in_place_are_checked_again():
+    """The cuts' values are copied to the host once per tensor and reused while the tensor
+    is unchanged; a change in place is seen (and checked) at the next call."""
+    q, k, v = (torch.randn(31, 2, 8) for _ in range(3))
+    cu = _cu(LENGTHS_Q, "cpu")
+    first = flashedu.varlen_attention(q, k, v, cu, cu, 17, 17, backend="numpy")
+    cu[1] = 40  # no longer non-decreasing
+    with pytest.raises(ValueError, match="never decrease"):
+        flashedu.varlen_attention(q, k, v, cu, cu, 40, 40, backend="numpy")
+    cu[:] = _cu([9, 0, 13, 9], "cpu")  # other lengths, the same total
+    other = flashedu.varlen_attention(q, k, v, cu, cu, 13, 13, backend="numpy")
+    assert not torch.allclose(first, other)
+
+
 def test_equal_cuts_and_causal_skip_the_tiles_above_the_diagonal():
     """Self-attention packing (the same cuts for queries and keys) with is_causal: the block
     mask is causal, so the kernels also skip every tile above the diagonal."""

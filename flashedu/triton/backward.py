@@ -31,9 +31,10 @@ import triton.language as tl
 
 from .dropout import dropped
 from .forward import (_LOG2E, dropout_args, dropout_state, element_args, exponent_scale,
-                      load_tile, mods_args)
+                      load_tile, mods_args, row_strides, sequences_arg)
 from .mods import mod_scores, visible
-from .tiles import element_origin, full_tile, kv_tiles, masked_tile, q_tiles
+from .tiles import (element_origin, full_tile, kv_tiles, masked_tile, q_tiles, sequence,
+                    starts_inside)
 
 
 @triton.jit
@@ -125,11 +126,19 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
 @triton.jit
 def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, stride_q, stride_k,
                   stride_v, stride_do, stride_dk, stride_dv, H, GROUP, Nq, Nk, d, RNG, dropout,
-                  bias, score_args, mask_args, Br: tl.constexpr, Bc: tl.constexpr,
+                  bias, score_args, mask_args, SEQS, Br: tl.constexpr, Bc: tl.constexpr,
                   HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                   EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, SCORE_MOD: tl.constexpr,
                   MASK_MOD: tl.constexpr, ACCUMULATE: tl.constexpr):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
+    rows_per_head = Nq
+    q0, k0, base, Nq, Nk = sequence(SEQS, b, H, Nq, Nk)  # tiles.py: packed sequences
+    Q += q0 * stride_q[2]
+    dO += q0 * stride_do[2]
+    K += k0 * stride_k[2]
+    V += k0 * stride_v[2]
+    dK += k0 * stride_dk[2]
+    dV += k0 * stride_dv[2]
     cols = j * Bc + tl.arange(0, Bc)
     dims = tl.arange(0, HEAD_DIM)
     col_ok = cols[:, None] < Nk
@@ -146,8 +155,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, str
         h = h_kv * GROUP + g
         Q_head = Q + b * stride_q[0] + h * stride_q[1]
         dO_head = dO + b * stride_do[0] + h * stride_do[1]
-        L_head = L + (b * H + h) * Nq
-        D_head = D + (b * H + h) * Nq
+        L_head = L + base + h * rows_per_head
+        D_head = D + base + h * rows_per_head
         ctx = (b, h, Nq, scale, bias, score_args, mask_args)  # what the mods read
         drop = None
         if RNG is not None:
@@ -228,11 +237,18 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
 @triton.jit
 def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, stride_k, stride_v,
                 stride_do, stride_dq, H, GROUP, Nq, Nk, d, RNG, dropout, bias, DBIAS,
-                score_args, mask_args, Br: tl.constexpr, Bc: tl.constexpr,
+                score_args, mask_args, SEQS, Br: tl.constexpr, Bc: tl.constexpr,
                 HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, SCORE_MOD: tl.constexpr,
                 MASK_MOD: tl.constexpr, ACCUMULATE: tl.constexpr):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
+    rows_per_head = Nq
+    q0, k0, base, Nq, Nk = sequence(SEQS, b, H, Nq, Nk)  # tiles.py: packed sequences
+    Q += q0 * stride_q[2]
+    dO += q0 * stride_do[2]
+    dQ += q0 * stride_dq[2]
+    K += k0 * stride_k[2]
+    V += k0 * stride_v[2]
     h_kv = h // GROUP
     rows = i * Br + tl.arange(0, Br)
     dims = tl.arange(0, HEAD_DIM)
@@ -243,8 +259,9 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
     dO_i = load_tile(dO + b * stride_do[0] + h * stride_do[1] + rows[:, None] * stride_do[2]
                      + dims[None, :], row_ok, dim_ok, True, not EVEN_D)
     bh = b * H + h
-    L_i = tl.load(L + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
-    D_i = tl.load(D + bh * Nq + rows, mask=rows < Nq, other=0.0)
+    row0 = base + h * rows_per_head  # this head's first row in L and D
+    L_i = tl.load(L + row0 + rows, mask=rows < Nq, other=float("inf"))
+    D_i = tl.load(D + row0 + rows, mask=rows < Nq, other=0.0)
     K_head = K + b * stride_k[0] + h_kv * stride_k[1]
     V_head = V + b * stride_v[0] + h_kv * stride_v[1]
     dQ_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
@@ -281,8 +298,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
 @triton.jit
 def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, scale, stride_q, stride_k, stride_v,
                     stride_do, stride_dq, stride_dk, stride_dv, H, GROUP, Nq, Nk, d,
-                    Q_LISTS, KV_LISTS, Q_ELEM, KV_ELEM, RNG, dropout, bias, DBIAS, score_args,
-                    mask_args,
+                    Q_LISTS, KV_LISTS, Q_ELEM, KV_ELEM, RNG, dropout, mod_args, DBIAS, SEQS,
                     DKDV: tl.constexpr, DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
                     IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
                     SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
@@ -292,7 +308,8 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, scale, stride_q, stride_k, st
     warps. DKDV, DQ: (Br, Bc, MASKED) of that kind's programs (its tiles, and whether some of
     them need a mask), or None where the launch has none. Programs [0, Tc) compute dK_j,
     dV_j; the GROUP * Tr after them dQ_i for the group's query heads. Strides, options and
-    hooks as the forward's; DBIAS: where a learned attn_mask's gradient goes. ACCUMULATE: dQ,
+    hooks as the forward's; DBIAS: where a learned attn_mask's gradient goes; SEQS: packed
+    sequences (``tiles.sequence``; the program counts are the longest one's). ACCUMULATE: dQ,
     dK, dV are added to what the output buffers hold."""
     pid = tl.program_id(0)
     bh_kv = tl.program_id(1)
@@ -300,26 +317,32 @@ def backward_kernel(Q, K, V, dO, L, D, dQ, dK, dV, scale, stride_q, stride_k, st
     b = bh_kv // Hkv
     h_kv = bh_kv % Hkv
     DOT_PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    bias, score_args, mask_args = mod_args  # as the forward's
+    longest_q, longest_k = Nq, Nk
+    if SEQS is not None:
+        longest_q, longest_k = SEQS[2], SEQS[3]
     if DKDV is not None:
-        Tc = tl.cdiv(Nk, DKDV[1])
+        Tc = tl.cdiv(longest_k, DKDV[1])
+        # (a packed sequence's programs past its end do nothing: the grid fits the longest)
         if pid < Tc:
-            _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_LISTS, Q_ELEM, scale, stride_q,
-                          stride_k, stride_v, stride_do, stride_dk, stride_dv, H, GROUP, Nq, Nk,
-                          d, RNG, dropout, bias, score_args, mask_args, DKDV[0], DKDV[1],
-                          HEAD_DIM, IS_CAUSAL, DKDV[2], EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD,
-                          ACCUMULATE)
+            if starts_inside(SEQS, b, pid * DKDV[1], 1):
+                _dkdv_program(pid, b, h_kv, Q, K, V, dO, L, D, dK, dV, Q_LISTS, Q_ELEM, scale,
+                              stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, H,
+                              GROUP, Nq, Nk, d, RNG, dropout, bias, score_args, mask_args, SEQS,
+                              DKDV[0], DKDV[1], HEAD_DIM, IS_CAUSAL, DKDV[2], EVEN_D, DOT_PREC,
+                              SCORE_MOD, MASK_MOD, ACCUMULATE)
         q_pid = pid - Tc
     else:
         q_pid = pid
     if DQ is not None:
+        Tr = tl.cdiv(longest_q, DQ[0])
         if q_pid >= 0:
-            Tr = tl.cdiv(Nq, DQ[0])
-            _dq_program(q_pid % Tr, b, h_kv * GROUP + q_pid // Tr, Q, K, V, dO, L, D, dQ,
-                        KV_LISTS, KV_ELEM, scale, stride_q, stride_k, stride_v, stride_do,
-                        stride_dq, H,
-                        GROUP, Nq, Nk, d, RNG, dropout, bias, DBIAS, score_args, mask_args,
-                        DQ[0], DQ[1], HEAD_DIM, IS_CAUSAL, DQ[2], EVEN_D, DOT_PREC, SCORE_MOD,
-                        MASK_MOD, ACCUMULATE)
+            if starts_inside(SEQS, b, (q_pid % Tr) * DQ[0], 0):
+                _dq_program(q_pid % Tr, b, h_kv * GROUP + q_pid // Tr, Q, K, V, dO, L, D, dQ,
+                            KV_LISTS, KV_ELEM, scale, stride_q, stride_k, stride_v, stride_do,
+                            stride_dq, H, GROUP, Nq, Nk, d, RNG, dropout, bias, DBIAS,
+                            score_args, mask_args, SEQS, DQ[0], DQ[1], HEAD_DIM, IS_CAUSAL,
+                            DQ[2], EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD, ACCUMULATE)
 
 
 def _preprocess_launch(o, do, D, rows, sink=None, dlse=None):
@@ -380,27 +403,34 @@ def _grid(consts, B, Hkv, Nq, Nk, GROUP):
 
 
 def launch_args(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal, scale, block_mask, config,
-                interpreted, dropout_p=0.0, rng=None, mods=None, dbias=None, accumulate=False):
+                interpreted, dropout_p=0.0, rng=None, mods=None, dbias=None, accumulate=False,
+                seqs=None):
     """(args, [(grid, consts)]) of backward_kernel: its arguments, led by (q, k, v, do, lse2,
     D, dq, dk, dv) and shared by its launches (one with both kinds of program, or one each:
-    ``_launch_consts``), then each launch's grid and constants. The dropout and ``mods`` as
-    the forward's ``launch_args``; ``dbias``: where a learned attn_mask's gradient goes, or
-    None; ``accumulate``: the kernels add to what dq, dk, dv hold."""
+    ``_launch_consts``), then each launch's grid and constants. The dropout, ``mods`` and
+    packed sequences ``seqs`` as the forward's ``launch_args``; ``dbias``: where a learned
+    attn_mask's gradient goes, or None; ``accumulate``: the kernels add to what dq, dk, dv
+    hold."""
     from . import sparse
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    (bias, score_args, mask_args), hooks, elements = mods_args(mods, block_mask, q, k)
-    masked = elements or hooks.get("MASK_MOD") is not None  # the mods need the masked loops
+    hook_args, hooks, elements = mods_args(mods, block_mask, q, k)
+    # the mods need the masked loops, and so do packed sequences (each may end inside a tile)
+    masked = elements or hooks.get("MASK_MOD") is not None or seqs is not None
     t1, t2 = config.dkdv, config.dq
     q_lists = sparse.kernel_lists(block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
     kv_lists = sparse.kernel_lists(block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
     q_elem = element_args(elements, block_mask, t1.Br, t1.Bc, True, q.device, is_causal)
     kv_elem = element_args(elements, block_mask, t2.Br, t2.Bc, False, q.device, is_causal)
-    args = (q, k, v, do, lse2, D, dq, dk, dv, scale, q.stride()[:3], k.stride()[:3],
-            v.stride()[:3], do.stride()[:3], dq.stride()[:3], dk.stride()[:3],
-            dv.stride()[:3], H, H // Hkv, Nq, Nk, d, q_lists, kv_lists, q_elem, kv_elem,
-            *dropout_args(dropout_p, rng), bias, dbias, score_args, mask_args)
+    args = (q, k, v, do, lse2, D, dq, dk, dv, scale,
+            *row_strides(seqs, q, k, v, do, dq, dk, dv), H, H // Hkv, Nq, Nk, d, q_lists,
+            kv_lists, q_elem, kv_elem, *dropout_args(dropout_p, rng), hook_args, dbias,
+            sequences_arg(seqs))
+    # programs per (batch, K/V head), as the lengths need them: for packed sequences, per
+    # (sequence, K/V head), as the longest sequence needs them
+    B, Nq, Nk = (B, Nq, Nk) if seqs is None else (len(seqs.cu_seqlens_q) - 1, seqs.max_seqlen_q,
+                                                  seqs.max_seqlen_k)
     launches = []
     for consts in _launch_consts(Nq, Nk, d, is_causal, config, interpreted):
         consts = {**consts, **hooks, "ACCUMULATE": accumulate,

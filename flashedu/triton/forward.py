@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .dropout import dropped
 from .mods import mod_scores, visible
-from .tiles import element_origin, full_tile, kv_tiles, masked_tile
+from .tiles import element_origin, full_tile, kv_tiles, masked_tile, sequence
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 _LOG2E = tl.constexpr(LOG2E)
@@ -171,21 +171,22 @@ def _initial_state(prev, sinks, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride
 
 
 @triton.jit
-def _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_o):
-    """O_i / l_i and L_i = m_i + log2(l_i), stored. A row that saw no key (l_i = 0) gets O = 0
-    and L = +inf, so that the backward's P = exp2(S - L) is 0 there: zero gradients, no NaN.
-    A row of NaN scores (l_i NaN) keeps NaN in both: it saw keys, whose values are unknown."""
+def _store_output(O_i, l_i, m_i, O, L, b, h, row0, rows, dims, row_ok, dim_ok, Nq, stride_o):
+    """O_i / l_i and L_i = m_i + log2(l_i), stored (L_i at L + row0 + rows). A row that saw no
+    key (l_i = 0) gets O = 0 and L = +inf, so that the backward's P = exp2(S - L) is 0 there:
+    zero gradients, no NaN. A row of NaN scores (l_i NaN) keeps NaN in both: it saw keys,
+    whose values are unknown."""
     seen = l_i != 0
     O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
     L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
     tl.store(O + b * stride_o[0] + h * stride_o[1] + rows[:, None] * stride_o[2] + dims[None, :],
              O_i.to(O.dtype.element_ty), mask=row_ok & dim_ok)
-    tl.store(L + bh * Nq + rows, L_i, mask=rows < Nq)
+    tl.store(L + row0 + rows, L_i, mask=rows < Nq)
 
 
 @triton.jit
 def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP, Nq, Nk, d,
-                   LISTS, ELEM, RNG, dropout, bias, score_args, mask_args, prev, sinks,
+                   LISTS, ELEM, RNG, dropout, mod_args, prev, sinks, SEQS,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
@@ -194,15 +195,27 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
     tuples (O has Q's); the options are None where a call has none, and then not compiled:
     LISTS a block mask's tile lists (tiles.py) and ELEM its partial tiles' element masks,
     RNG and dropout the dropout's state and
-    (threshold, keep scale), bias SDPA's float attn_mask, score_args and mask_args what the
-    SCORE_MOD and MASK_MOD hooks take (mods.py), prev = (O, L) a result to go on from, sinks
-    the (H,) float32 sink logits."""
+    (threshold, keep scale), mod_args = (bias, score_args, mask_args): SDPA's float attn_mask
+    and what the SCORE_MOD and MASK_MOD hooks take (mods.py), each None where absent, prev = (O, L) a result to go on from, sinks
+    the (H,) float32 sink logits, SEQS packed sequences (``tiles.sequence``: b is then the
+    sequence, the grid sized by the longest)."""
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)
     b = bh // H
     h = bh % H
     h_kv = h // GROUP  # grouped-query attention: heads h_kv*GROUP .. share one K/V head
     DOT_PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    bias, score_args, mask_args = mod_args
+    rows_per_head = Nq
+    q0, k0, base, Nq, Nk = sequence(SEQS, b, H, Nq, Nk)
+    row0 = base + h * rows_per_head  # this head's first row in L
+    if SEQS is not None:
+        if i * Br >= Nq:  # a Q tile past this sequence's end (the grid fits the longest)
+            return
+    Q += q0 * stride_q[2]
+    O += q0 * stride_q[2]
+    K += k0 * stride_k[2]
+    V += k0 * stride_v[2]
     rows = i * Br + tl.arange(0, Br)
     dims = tl.arange(0, HEAD_DIM)  # padded to a power of two; dims >= d are masked off
     row_ok = rows[:, None] < Nq
@@ -249,7 +262,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
                                           SCORE_MOD, MASK_MOD)
     if drop is not None:  # Algorithm 2's 1 / (1 - p), once per row instead of once per entry
         O_i = O_i * drop[4]
-    _store_output(O_i, l_i, m_i, O, L, b, h, bh, rows, dims, row_ok, dim_ok, Nq, stride_q)
+    _store_output(O_i, l_i, m_i, O, L, b, h, row0, rows, dims, row_ok, dim_ok, Nq, stride_q)
 
 
 def dot_precision(dtype) -> str:
@@ -272,20 +285,40 @@ def _launch_consts(Nq, Nk, d, is_causal, tiles, interpreted):
 
 
 def forward_launch(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interpreted,
-                   elements=False):
+                   elements=False, seqs=None):
     """(grid, args, consts) of forward_kernel for these tensors, up to its ELEM: shared with
     the variants of ``ablations.py``, whose kernels take the same arguments. ``o`` must have
-    q's strides. ``elements``: the lists carry the block mask's element masks."""
+    q's strides. ``elements``: the lists carry the block mask's element masks. ``seqs``:
+    packed sequences (``flashedu.varlen.Packing``) in tensors of batch 1."""
     from . import sparse
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lists = sparse.kernel_lists(block_mask, tiles.Br, tiles.Bc, False, q.device, is_causal)
     elem = element_args(elements, block_mask, tiles.Br, tiles.Bc, False, q.device, is_causal)
-    args = (q, k, v, o, lse2, scale, q.stride()[:3], k.stride()[:3], v.stride()[:3], H,
-            H // Hkv, Nq, Nk, d, lists, elem)
+    args = (q, k, v, o, lse2, scale, *row_strides(seqs, q, k, v), H, H // Hkv, Nq, Nk, d, lists,
+            elem)
     consts = dict(_launch_consts(Nq, Nk, d, is_causal, tiles, interpreted))
-    return (-(-Nq // tiles.Br), B * H), args, consts
+    if seqs is None:
+        return (-(-Nq // tiles.Br), B * H), args, consts
+    # packed sequences: a program per (Q tile of the longest, sequence * head); those past
+    # their sequence's end return at once, and every sequence may end inside a tile
+    consts["MASKED"] = True
+    return (-(-seqs.max_seqlen_q // tiles.Br), (len(seqs.cu_seqlens_q) - 1) * H), args, consts
+
+
+def row_strides(seqs, *tensors):
+    """The (batch, head, row) strides of ``tensors`` as the kernels take them: with packed
+    sequences (``seqs``), batch 1 holds them all and the batch stride is 0 (the kernels move
+    to a sequence's rows through SEQS, ``tiles.sequence``)."""
+    if seqs is None:
+        return [t.stride()[:3] for t in tensors]
+    return [(0, *t.stride()[1:3]) for t in tensors]
+
+
+def sequences_arg(seqs):
+    """The SEQS argument of the kernels (``tiles.sequence``), or None."""
+    return None if seqs is None else tuple(seqs)
 
 
 def dropout_args(dropout_p, rng):
@@ -328,15 +361,15 @@ def mods_args(mods, block_mask, q, k):
 
 
 def launch_args(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interpreted,
-                dropout_p=0.0, rng=None, mods=None, prev=None, sinks=None):
+                dropout_p=0.0, rng=None, mods=None, prev=None, sinks=None, seqs=None):
     """(grid, args, consts) of forward_kernel: ``forward_launch``'s, then the dropout, the
-    mods, ``prev`` and the ``sinks`` (None where the call has none: not compiled). ``scale``
-    is the softmax scale."""
+    mods, ``prev``, the ``sinks`` and the packed sequences ``seqs`` (None where the call has
+    none: not compiled). ``scale`` is the softmax scale."""
     hook_args, hooks, elements = mods_args(mods, block_mask, q, k)
     grid, args, consts = forward_launch(q, k, v, o, lse2, is_causal=is_causal, scale=scale,
                                         block_mask=block_mask, tiles=tiles,
-                                        interpreted=interpreted, elements=elements)
-    args = (*args, *dropout_args(dropout_p, rng), *hook_args, prev, sinks)
+                                        interpreted=interpreted, elements=elements, seqs=seqs)
+    args = (*args, *dropout_args(dropout_p, rng), hook_args, prev, sinks, sequences_arg(seqs))
     consts = {**consts, **hooks,
               "MASKED": consts["MASKED"] or elements or hooks.get("MASK_MOD") is not None}
     return grid, args, consts

@@ -62,19 +62,20 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
     block_mask; dropout_p > 0 with rng = tensor([seed, offset]) on q's device (the RNG state of
     ``flashedu.dropout``; L2 is still that of the undropped scores); mods, a score mod compiled
     in (the library's, or one written in Triton; L2 is then that of the modded scores) and the
-    block mask's mask mod on its partial tiles; sinks, the (H,) sink logits (L2 includes them).
+    block mask's mask mod on its partial tiles; sinks, the (H,) sink logits (L2 includes them);
+    seqs, packed sequences (``flashedu.varlen.Packing``; q of batch 1 holds them all).
     ``tiles``: the forward's tiles (None: the tile table's for this call); ``interpreted``:
     whether Triton runs in its interpreter (None: as :mod:`flashedu.runtime` decided).
     ``keep``: a list; the call's launch plan (``fast.Launch``) is appended to it, if the call
     has one (a repeated call's shortest path keeps it: ``flashedu.triton_backend``)."""
     q, k, v = (kernel_layout(t) for t in (q, k, v))
     is_causal, scale, block_mask = call.is_causal, call.scale, call.block_mask
-    dropout_p, rng, mods, sinks = call.dropout_p, call.rng, call.mods, call.sinks
+    dropout_p, rng, mods, sinks, seqs = call.dropout_p, call.rng, call.mods, call.sinks, call.seqs
     if interpreted is None:
         interpreted = runtime.triton_interpreted()
-    if tiles is None:
+    if tiles is None:  # packed sequences: the tiles of the longest one's keys
         tiles = resolve_config(q.shape[-1], q.dtype, block_mask, q.device).forward_tiles(
-            block_mask, k.shape[2], dropout_p > 0)
+            block_mask, k.shape[2] if seqs is None else seqs.max_seqlen_k, dropout_p > 0)
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
     (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -86,9 +87,10 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
     # a call laid out as an earlier one repeats its launch (fast.PLANS); a score mod or an
     # attn_mask is a Python object or data that the plan's key cannot hold (a mask mod is
     # part of the block mask, which the key holds). The kernel is keyed by id (hashing a
-    # JITFunction costs a Python call); the plan holds it, so the id stays its own.
+    # JITFunction costs a Python call); the plan holds it, so the id stays its own. Packed
+    # sequences bring new cuts with each batch: no plan.
     plan_key = plan = None
-    if mods is None or mods.mask_mod_only:
+    if (mods is None or mods.mask_mod_only) and seqs is None:
         plan_key = fast.signature((q32, k32, v32, *live[5:]), id(fwd.forward_kernel), is_causal,
                                   scale, block_mask, mods is not None, tiles, interpreted,
                                   dropout_p, sinks is not None)
@@ -102,7 +104,7 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
         key = (tiles, q.shape[-1], q.dtype, dropout_p > 0, mods is not None)
         launch = _launch(q32, k32, v32, o, lse2, key, is_causal=is_causal, scale=scale,
                          block_mask=block_mask, tiles=tiles, interpreted=interpreted,
-                         dropout_p=dropout_p, rng=rng, mods=mods, sinks=sinks)
+                         dropout_p=dropout_p, rng=rng, mods=mods, sinks=sinks, seqs=seqs)
         if plan_key is not None:
             fast.remember(plan_key, launch)
             plan = launch
@@ -201,7 +203,7 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
     sum many calls with one rounding each). Returns ``into``."""
     q, k, v, o, do = (kernel_layout(t) for t in (q, k, v, o, do))
     is_causal, scale, block_mask = call.is_causal, call.scale, call.block_mask
-    dropout_p, rng, mods = call.dropout_p, call.rng, call.mods
+    dropout_p, rng, mods, seqs = call.dropout_p, call.rng, call.mods, call.seqs
     if interpreted is None:
         interpreted = runtime.triton_interpreted()
     if config is None:
@@ -212,7 +214,8 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
         (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
     else:
         dq, dk, dv = _check_into(into, q, k, v)
-    config = config.backward_entry(is_causal, dropout_p > 0, block_mask, k.shape[2])
+    config = config.backward_entry(is_causal, dropout_p > 0, block_mask,
+                                   k.shape[2] if seqs is None else seqs.max_seqlen_k)
     B, H, Nq = q.shape[:3]
     Nk = k.shape[2]
     own_D = D is None
@@ -223,8 +226,8 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
     # a call laid out as an earlier one repeats its launches (fast.PLANS); a score mod or an
     # attn_mask, an lse gradient and the mask's gradient take the general path (a mask mod
     # is part of the block mask, which the key holds)
-    plan_key = None
-    if (mods is None or mods.mask_mod_only) and dlse is None and not mask_grad:
+    plan_key = None  # (packed sequences bring new cuts with each batch: no plan)
+    if (mods is None or mods.mask_mod_only) and dlse is None and not mask_grad and seqs is None:
         given = live[6:9] if into is not None else ()  # outputs laid out by the caller
         plan_key = fast.signature((*live[:6], o, *live[9:], *given), id(bwd.backward_kernel),
                                   own_D, config, is_causal, scale, block_mask, mods is not None,
@@ -258,7 +261,7 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
         args, kernel_launches = bwd.launch_args(
             q, k, v, do, lse2, D, dq, dk, dv, is_causal=is_causal, scale=scale,
             block_mask=block_mask, config=config, interpreted=interpreted, dropout_p=dropout_p,
-            rng=rng, mods=mods, dbias=dbias, accumulate=into is not None)
+            rng=rng, mods=mods, dbias=dbias, accumulate=into is not None, seqs=seqs)
         launches = []
         try:
             for grid, consts in kernel_launches:

@@ -27,6 +27,32 @@ import triton.language as tl
 
 
 @triton.jit
+def sequence(SEQS, b, H, Nq, Nk):
+    """Where a program's rows lie: (q0, k0, base, Nq, Nk), its sequence's first query and
+    key row in Q and K, where its rows begin in the row tensors L and D (head h's at base +
+    h * Nq, Nq as given), and the sequence's lengths. Packed sequences (SEQS = (cu_seqlens_q,
+    cu_seqlens_k, longest q, longest k)): b is the sequence, whose rows are cu_seqlens_q[b] ..
+    cu_seqlens_q[b+1] - 1 of the packed (1, H, total, d) tensors (Nq, Nk: the totals), as
+    flash-attn's varlen kernels read them; otherwise batch b of (B, H, Nq, d)."""
+    if SEQS is not None:
+        q0 = tl.load(SEQS[0] + b)
+        k0 = tl.load(SEQS[1] + b)
+        return q0, k0, q0, tl.load(SEQS[0] + b + 1) - q0, tl.load(SEQS[1] + b + 1) - k0
+    else:
+        return 0, 0, b * H * Nq, Nq, Nk
+
+
+@triton.jit
+def starts_inside(SEQS, b, start, AXIS: tl.constexpr):
+    """Whether a tile whose first row is ``start`` (queries: AXIS 0, keys: 1) begins inside
+    packed sequence b (``sequence``); always, without packed sequences."""
+    if SEQS is not None:
+        return start < tl.load(SEQS[AXIS] + b + 1) - tl.load(SEQS[AXIS] + b)
+    else:
+        return True
+
+
+@triton.jit
 def listed(row, b, h, LISTS, ELEM):
     """(num, num_full, idx_row, e0) of one row of a block mask's lists (``sparse.kernel_lists``):
     the row's tile count, how many of them need no element mask, where its indices are, and

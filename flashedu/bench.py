@@ -123,20 +123,37 @@ def measure(provider: str, case: Case) -> dict:
     return {"ms": ms, "tflops": core.tflops(case.flops(), ms), "peak_mb": peak / 2**20}
 
 
-def run_all(cases, providers, progress=True, on_row=None) -> list[dict]:
+def run_all(cases, providers, progress=True, on_row=None, rounds=1) -> list[dict]:
+    """One row per (case, provider). With ``rounds`` > 1 each case's providers are timed in
+    turn, round after round, in an order that turns around every round, and the median round
+    is kept (``core.interleaved_ms`` says why)."""
     from tqdm.auto import tqdm
 
-    jobs = [(c, p) for c in cases for p in providers
-            if c.density is None or p in SPARSE_PROVIDERS]
     rows = []
-    bar = tqdm(jobs, desc="bench", disable=not progress)
-    for case, provider in bar:
-        bar.set_postfix_str(f"{provider} {case.label()}")
-        rows.append({**asdict(case), "label": case.label(), "provider": provider,
-                     **measure(provider, case)})
+    bar = tqdm(cases, desc="bench", disable=not progress)
+    for case in bar:
+        chosen = [p for p in providers if case.density is None or p in SPARSE_PROVIDERS]
+        bar.set_postfix_str(case.label())
+        results = {p: [] for p in chosen}
+        for r in range(rounds):
+            for provider in (chosen if r % 2 == 0 else chosen[::-1]):
+                results[provider].append(measure(provider, case))
+        for provider in chosen:
+            rows.append({**asdict(case), "label": case.label(), "provider": provider,
+                         **_median_round(results[provider])})
         if on_row is not None:
             on_row(rows)
     return rows
+
+
+def _median_round(results: list[dict]) -> dict:
+    """The round with the median time (its TFLOPs and memory), and every round's ms; the
+    first error if a round failed."""
+    failed = [r for r in results if "error" in r]
+    if failed:
+        return failed[0]
+    ordered = sorted(results, key=lambda r: r["ms"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds_ms": [r["ms"] for r in results]}
 
 
 # ----------------------------------------------------------------------------------------
@@ -232,6 +249,8 @@ def parse_args(argv):
     p.add_argument("--json", type=core.output_file, default=None, help="write the results here")
     p.add_argument("--plot", type=core.output_file, default=None,
                    help="write a bar chart (png) here")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="time each case's providers in turn this many rounds (the median)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if "flashedu" not in args.providers:
@@ -286,7 +305,8 @@ def main(argv=None) -> int:
         if args.json:
             core.write_json(args.json, {**env, "rows": rows})
 
-    rows = run_all(cases, args.providers, progress=not args.no_progress, on_row=save)
+    rows = run_all(cases, args.providers, progress=not args.no_progress, on_row=save,
+                   rounds=args.rounds)
     print("\n" + core.headline(env))
     print("cells: peer TFLOPs and flashedu's speed-up over it (peer ms / flashedu ms)\n")
     print(table(rows, args.providers))

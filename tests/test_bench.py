@@ -119,6 +119,41 @@ def test_overhead_providers_take_turns_and_keep_their_best_round(monkeypatch):
         assert got[p]["bench_us"] == 250
 
 
+def test_interleaved_timing_turns_the_order_around_and_keeps_medians(monkeypatch):
+    """Two functions timed in turn: A B, B A, A B; each one's median round."""
+    order, times = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 9.0])}
+
+    def fake_time_ms(fn, cpu_repeats=3, **kw):
+        order.append(fn())
+        return next(times[order[-1]])
+
+    monkeypatch.setattr(core, "time_ms", fake_time_ms)
+    ms, rounds = core.interleaved_ms({"a": (lambda: "a", {}), "b": (lambda: "b", {})}, 3)
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert ms == {"a": 2.0, "b": 5.0} and rounds == {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 9.0]}
+
+
+def test_bench_rounds_take_turns_and_keep_the_median_round(monkeypatch):
+    """``flashedu bench --rounds 3``: each case's providers in turn, order turned around each
+    round; each row is its provider's median round, with every round's ms."""
+    order = []
+    ms = {"flashedu": iter([2.0, 3.0, 1.0]), "baseline": iter([4.0, 6.0, 5.0])}
+
+    def fake_measure(provider, case):
+        order.append(provider)
+        t = next(ms[provider])
+        return {"ms": t, "tflops": 1 / t, "peak_mb": 1.0}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    case = bench.build_cases(bench.parse_args(["--n", "256", "--d", "64", "--modes", "fwd",
+                                               "--causal", "false", "--density"]))
+    rows = bench.run_all(case, ["flashedu", "baseline"], progress=False, rounds=3)
+    assert order == ["flashedu", "baseline", "baseline", "flashedu", "flashedu", "baseline"]
+    got = {r["provider"]: r for r in rows}
+    assert got["flashedu"]["ms"] == 2.0 and got["flashedu"]["rounds_ms"] == [2.0, 3.0, 1.0]
+    assert got["baseline"]["ms"] == 5.0 and got["baseline"]["tflops"] == 1 / 5.0
+
+
 def test_baseline_provider_calls_the_other_checkout_as_flashedu_is_called(monkeypatch,
                                                                           tmp_path):
     """``baseline`` goes through the other checkout's public ``attention`` (checks included),

@@ -3,8 +3,9 @@
 A sink is one more term of each row's softmax denominator: the forward starts its online
 softmax from it (m_i = sink, l_i = 1) instead of from nothing, and the backward adds one
 reduction for the sinks' gradient, -sum_i P_i,sink (D_i - dlse_i). Each case times the same
-inputs with and without sinks, and checks the output with sinks against the merge rule applied
-to the output without them: O_sink = O * exp(L - L_sink), L_sink = logaddexp(L, sink).
+inputs with and without sinks, in turn over ``--rounds`` rounds (the medians are reported),
+and checks the output with sinks against the merge rule applied to the output without them:
+O_sink = O * exp(L - L_sink), L_sink = logaddexp(L, sink).
 
     flashedu bench sinks --json docs/bench/sinks_h100.json
     flashedu bench sinks --dry-run      # tiny sizes (no GPU: Triton's interpreter)
@@ -53,17 +54,25 @@ def one_case(N, d, causal, args, device, dtype) -> dict:
     row = {"N": N, "d": d, "causal": causal, "B": q.shape[0], "H": q.shape[1],
            "dtype": args.dtype, "max_diff": merge_error(q, k, v, sinks, causal)}
     dout = q.detach().clone().normal_()
+    forward, forward_backward = {}, {}
     for name, extra in (("none", {}), ("sinks", {"sinks": sinks})):
-        def forward(extra=extra):
+        def call(extra=extra):
             return flashedu.attention(q, k, v, is_causal=causal, backend="triton", **extra)
 
-        def forward_backward(forward=forward):
-            forward().backward(dout)
+        def no_grad(call=call):
+            with torch.no_grad():
+                call()
 
-        with torch.no_grad():
-            row[f"{name}_fwd_ms"] = core.time_ms(forward, cpu_repeats=args.reps)
-        row[f"{name}_fwdbwd_ms"] = core.time_ms(forward_backward, cpu_repeats=args.reps,
-                                                grad_to_none=[q, k, v, sinks])
+        def step(call=call):
+            call().backward(dout)
+
+        forward[name] = (no_grad, {})
+        forward_backward[name] = (step, {"grad_to_none": [q, k, v, sinks]})
+    for mode, timed in (("fwd", forward), ("fwdbwd", forward_backward)):
+        ms, rounds = core.interleaved_ms(timed, args.rounds, cpu_repeats=args.reps)
+        for name in timed:
+            row[f"{name}_{mode}_ms"] = ms[name]
+            row[f"{name}_{mode}_rounds"] = rounds[name]
     row["fwd_cost"] = row["sinks_fwd_ms"] / row["none_fwd_ms"]
     row["fwdbwd_cost"] = row["sinks_fwdbwd_ms"] / row["none_fwdbwd_ms"]
     return row
@@ -77,6 +86,8 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--reps", type=core.positive_int, default=3,
                    help="dry run only: timed repetitions")
+    p.add_argument("--rounds", type=core.positive_int, default=5,
+                   help="rounds of timing none and sinks in turn (the median is reported)")
     p.add_argument("--json", type=core.output_file, help="write the results here")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU and Triton's interpreter at tiny sizes")
@@ -87,7 +98,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.dry_run:
-        args.n, args.d, args.dtype, args.reps = [48], [16], "fp32", 1
+        args.n, args.d, args.dtype, args.reps, args.rounds = [48], [16], "fp32", 1, 2
     device = core.bench_device(args.dry_run, "sinks")
     if device is None:
         return 1

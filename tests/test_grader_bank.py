@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from flashedu import runtime
 from flashedu.checks import EXERCISES, engine, gate
 from test_checks import load
 
@@ -307,6 +308,9 @@ def test_the_bank_is_large_enough():
 @pytest.mark.parametrize("name, mistake, replace, words", WRONG, ids=[f"{w[0]}: {w[1]}" for w in WRONG])
 def test_wrong_kernel_is_rejected(name, mistake, replace, words, compiled, tmp_path):
     ex = EXERCISES[name]
+    if "IndexError" in words and not runtime.numba_simulated():
+        pytest.skip("only numba's simulator checks indices; on a GPU the rows read past the "
+                    "array's end go undetected (this kernel never uses their values)")
     if "does not compile for a GPU" in words:
         failure, verdict = compiled[(name, mistake)]
         assert failure is None, f"the cases should pass in the interpreter:\n{failure}"

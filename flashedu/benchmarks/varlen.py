@@ -100,8 +100,15 @@ def one_case(lengths, H, d, args, device, dtype) -> dict:
     padded = [torch.zeros(len(lengths), H, longest, d, device=device, dtype=dtype,
                           requires_grad=True) for _ in range(3)]
 
+    # the padded batch on SDPA's flash kernel (16-bit on a GPU); the efficient one takes a GPU
+    # dry run's float32, the math one a CPU's
+    chosen = SDPBackend.MATH
+    if device != "cpu":
+        chosen = (SDPBackend.FLASH_ATTENTION if dtype in (torch.float16, torch.bfloat16)
+                  else SDPBackend.EFFICIENT_ATTENTION)
+
     def pad():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION if device == "cuda" else SDPBackend.MATH):
+        with sdpa_kernel(chosen):
             return F.scaled_dot_product_attention(*padded, is_causal=True)
 
     row = {"tokens": total, "docs": len(lengths), "longest": longest, "H": H, "d": d,

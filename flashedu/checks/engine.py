@@ -249,9 +249,11 @@ def execute_case(ex: Exercise, fn, case: Case) -> Call:
     measure = case.memory_budget is not None
     view = _CaseView(case, args)
     cpu = time.process_time()
-    with shortcuts_blocked(ex.blocked), one_blas_thread(case.cpu_budget is not None):
+    timed = case.cpu_budget is not None
+    with shortcuts_blocked(ex.blocked), one_blas_thread(timed):
         if ex.invoke is None:
-            call = call_limited(fn, args, case.kwargs, timeout=ex.timeout, measure_memory=measure)
+            call = call_limited(_in_one_thread(fn) if timed else fn, args, case.kwargs,
+                                timeout=ex.timeout, measure_memory=measure)
         else:
             call = ex.invoke(fn, view, ex.timeout, measure)
     if case.cpu_budget is not None:  # this process's own figure; a supervisor takes its own
@@ -263,15 +265,26 @@ def execute_case(ex: Exercise, fn, case: Case) -> Call:
 
 @contextlib.contextmanager
 def one_blas_thread(active: bool = True):
-    """NumPy's BLAS on one thread while active: where a case's CPU time is measured, since
-    OpenBLAS's idle threads spin and bill CPU time in proportion to the cores, not the work."""
+    """The thread pools (NumPy's BLAS, OpenMP's for the calling thread) on one thread while
+    active: where a case's CPU time is measured, since idle pool threads spin and bill CPU time
+    in proportion to the cores, not the work (on a 16-core GPU host, OpenMP's made the
+    course's own block-sparse solution bill 4x its budget)."""
     if not active:
         yield
         return
     from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(limits=1, user_api="blas"):
+    with threadpool_limits(limits=1):
         yield
+
+
+def _in_one_thread(fn):
+    """``fn`` with the thread pools on one thread in the thread that runs it: OpenMP's limit
+    holds per calling thread, and the learner's function runs in a worker thread."""
+    def run(*args, **kwargs):
+        with one_blas_thread():
+            return fn(*args, **kwargs)
+    return run
 
 
 class _CaseView:

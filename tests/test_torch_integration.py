@@ -187,6 +187,28 @@ def test_meta_tensors_give_the_output_shape(backend, dtype, no_kernels):
     assert [g.shape for g in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
 
 
+@pytest.mark.parametrize("interpreted", [True, False])
+def test_the_triton_check_takes_fake_tensors_wherever_they_say_they_are(monkeypatch,
+                                                                         interpreted):
+    """A fake tensor stands for a device without being on it (FakeTensorMode makes CPU ones):
+    the triton backend's device check lets it through, compiled or interpreted, and still
+    refuses a real tensor on the wrong device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashedu.triton import inputs
+
+    monkeypatch.setattr(inputs.runtime, "triton_interpreted", lambda: interpreted)
+    with FakeTensorMode():
+        fake = torch.randn(1, 2, 8, 16)
+    inputs.check(fake, fake, fake)
+    real = torch.randn(1, 2, 8, 16, device="cpu" if not interpreted else "meta")
+    if interpreted:
+        inputs.check(real, real, real)  # meta: shapes only, as fake
+    else:
+        with pytest.raises(ValueError, match="must be CUDA tensors"):
+            inputs.check(real, real, real)
+
+
 @pytest.mark.parametrize("backend", ["naive", "numpy", "triton"])
 def test_fake_tensors_give_the_output_shape(backend, no_kernels):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode

@@ -20,7 +20,7 @@ def check(q, k, v):
     if d > MAX_HEAD_DIM:
         raise ValueError(f"q: head dim d={d} is not supported by the triton backend "
                          f"(1 <= d <= {MAX_HEAD_DIM})")
-    if q.device.type == "meta":  # shapes only: the operator's fake implementation runs
+    if _shapes_only(q):  # the operator's fake implementation runs, wherever they "are"
         return
     if runtime.triton_interpreted():
         if q.device.type != "cpu":
@@ -29,3 +29,12 @@ def check(q, k, v):
     elif q.device.type != "cuda":
         raise ValueError(f"q, k, v must be CUDA tensors for the compiled triton backend, got "
                          f"device {q.device}; move them with .cuda()")
+
+
+def _shapes_only(t) -> bool:
+    """A meta tensor, or a fake one (FakeTensorMode, torch.compile's tracing): shapes, no data.
+    A fake tensor reports the device it stands for (often the CPU), which says nothing about
+    where the kernels would run."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type == "meta" or isinstance(t, FakeTensor)

@@ -194,10 +194,10 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
     """One program per (Q tile i, batch * query head). Strides come as (batch, head, row)
     tuples (O has Q's); the options are None where a call has none, and then not compiled:
     LISTS a block mask's tile lists (tiles.py) and ELEM its partial tiles' element masks,
-    RNG and dropout the dropout's state and
-    (threshold, keep scale), mod_args = (bias, score_args, mask_args): SDPA's float attn_mask
-    and what the SCORE_MOD and MASK_MOD hooks take (mods.py), each None where absent, prev = (O, L) a result to go on from, sinks
-    the (H,) float32 sink logits, SEQS packed sequences (``tiles.sequence``: b is then the
+    RNG and dropout the dropout's state and (threshold, keep scale), mod_args = (bias,
+    score_args, mask_args): SDPA's float attn_mask and what the SCORE_MOD and MASK_MOD hooks
+    take (mods.py), each None where absent, prev = (O, L) a result to go on from, sinks the
+    (H,) float32 sink logits, SEQS packed sequences (``tiles.sequence``: b is then the
     sequence, the grid sized by the longest)."""
     i = tl.program_id(0)  # which Q tile
     bh = tl.program_id(1)  # which (batch, query head)

@@ -33,11 +33,14 @@ def sequence(SEQS, b, H, Nq, Nk):
     h * Nq, Nq as given), and the sequence's lengths. Packed sequences (SEQS = (cu_seqlens_q,
     cu_seqlens_k, longest q, longest k)): b is the sequence, whose rows are cu_seqlens_q[b] ..
     cu_seqlens_q[b+1] - 1 of the packed (1, H, total, d) tensors (Nq, Nk: the totals), as
-    flash-attn's varlen kernels read them; otherwise batch b of (B, H, Nq, d)."""
+    flash-attn's varlen kernels read them; otherwise batch b of (B, H, Nq, d). The first rows
+    come in 64 bits: a row times a row stride passes 2**31 in a batch of a few million tokens."""
     if SEQS is not None:
         q0 = tl.load(SEQS[0] + b)
         k0 = tl.load(SEQS[1] + b)
-        return q0, k0, q0, tl.load(SEQS[0] + b + 1) - q0, tl.load(SEQS[1] + b + 1) - k0
+        Lq = tl.load(SEQS[0] + b + 1) - q0
+        Lk = tl.load(SEQS[1] + b + 1) - k0
+        return q0.to(tl.int64), k0.to(tl.int64), q0, Lq, Lk
     else:
         return 0, 0, b * H * Nq, Nq, Nk
 

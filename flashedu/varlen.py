@@ -14,10 +14,9 @@ Two ways to compute it, one result:
   sequence, sequence, head) finds its sequence's first row and length in cu_seqlens and runs
   the dense loop over that sequence alone; programs past their sequence's end return at
   once. Nothing per pair or per tile is built on the host, and the whole batch is one launch,
-  forward and backward. Causal here is the dense kernel's rule within each sequence, so this
-  path takes self-attention packings (the same cuts for queries and keys), or any cuts
-  without is_causal, and no dropout (the dropout mask is drawn at positions in the packed
-  row, which the block mask path keeps).
+  forward and backward. Causal is each sequence's own, aligned to its bottom right (the
+  kernels' diagonal moved by Lk - Lq). Without dropout: its mask is drawn at positions in the
+  packed row, which the block mask path keeps.
 - Everywhere else, the packed tokens are one long sequence whose block mask shows each
   sequence its own keys (:func:`flashedu.mods.packed`, the tiles worked out from the cuts
   alone by :meth:`BlockMask.from_packed`): tiles that hold no pair of one sequence are never
@@ -73,8 +72,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     from .backends import BACKENDS
 
     spec = BACKENDS[_check_backend(backend, q)]
-    if total_q and total_k and _reads_cuts(spec, cuts, cu_seqlens_q is cu_seqlens_k, is_causal,
-                                           dropout_p):
+    if total_q and total_k and _reads_cuts(spec, dropout_p):
         packing = Packing(*(_on(cu, q.device) for cu in (cu_seqlens_q, cu_seqlens_k)),
                           *(-(-int(c.diff().max()) // 16) * 16 for c in cuts))
         out = _packed_call(spec, qb, kb, vb, packing, is_causal, scale, return_lse)
@@ -91,13 +89,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out[0].transpose(0, 1)
 
 
-def _reads_cuts(spec, cuts, same_tensor, is_causal, dropout_p) -> bool:
+def _reads_cuts(spec, dropout_p) -> bool:
     """Whether the backend's kernels take the call as a :class:`Packing`: they read cuts,
-    there is no dropout, and causal only where the cuts of queries and keys are equal (where
-    bottom-right and the kernels' own causal rule agree)."""
-    if not spec.has_packed or dropout_p != 0:
-        return False
-    return not is_causal or same_tensor or torch.equal(cuts[0], cuts[1])
+    and there is no dropout."""
+    return spec.has_packed and dropout_p == 0
 
 
 def _packed_call(spec, q, k, v, packing, is_causal, scale, return_lse):

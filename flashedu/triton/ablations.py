@@ -108,8 +108,8 @@ def forward_variant_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H
     m_i = tl.full([Br], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Br], dtype=tl.float32)
     O_i = tl.zeros([Br, HEAD_DIM], dtype=tl.float32)
-    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br, Bc,
-                                                          IS_CAUSAL)
+    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, 0, Br,
+                                                          Bc, IS_CAUSAL)
     if MASK_EVERY_TILE:  # no unmasked run: every tile pays for the mask
         num_full = 0
         a0 = 0

@@ -78,7 +78,7 @@ def _sink_part(sink, dlse, D_i, rows, bh, h, i, Nq):
 
 @triton.jit
 def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn, stride_dn,
-               start_m, start_n, dims, Nq, Nk, d, qk_scale, ctx, E, drop,
+               start_m, start_n, diag, dims, Nq, Nk, d, qk_scale, ctx, E, drop,
                Br: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, SCORE_MOD: tl.constexpr = None,
                MASK_MOD: tl.constexpr = None):
@@ -86,7 +86,8 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     products land directly in dK_j and dV_j. drop (the paper's Algorithm 4): the forward's
     Z_ij regenerated from (seed, offset, bh) and the tile's position; dV_j takes the dropped
     P_ij, dP_ij is dropped and rescaled the same way. SCORE_MOD and the visibility rule as in
-    the forward; dS_ij also takes the score mod's derivative."""
+    the forward (the queries' positions: their rows + diag, ``tiles.sequence``); dS_ij also
+    takes the score mod's derivative."""
     rows = start_m + tl.arange(0, Br)
     cols = start_n + tl.arange(0, K_j.shape[0])
     bias = ctx[4]  # SDPA's float attn_mask (mods.py), or None
@@ -107,8 +108,8 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
         S_ijT, dsT = mod_scores(S_ijT, rows[None, :], cols[:, None], Nk, ctx, SCORE_MOD)
     P_ijT = tl.math.exp2(S_ijT * qk_scale - L_i[None, :])
     if MASK:
-        P_ijT = tl.where(visible(rows[None, :], cols[:, None], Nk, E, ctx, IS_CAUSAL, MASK_MOD),
-                         P_ijT, 0.0)
+        P_ijT = tl.where(visible(rows[None, :] + diag, cols[:, None], Nk, E, ctx, IS_CAUSAL,
+                                 MASK_MOD), P_ijT, 0.0)
     ZP_ijT = P_ijT  # what the forward multiplied V_j by: P_ij, dropped and rescaled
     if drop is not None:  # S_ij transposed: entry (col, row); dP_ij's drop below is this draw
         ZP_ijT = dropped(P_ijT * drop[4], drop, start_m, start_n, TRANSPOSED=True)
@@ -132,7 +133,7 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, str
                   MASK_MOD: tl.constexpr, ACCUMULATE: tl.constexpr):
     """dK_j and dV_j of one K/V tile j: every Q tile i that sees it streams past."""
     rows_per_head = Nq
-    q0, k0, base, Nq, Nk = sequence(SEQS, b, H, Nq, Nk)  # tiles.py: packed sequences
+    q0, k0, base, Nq, Nk, diag = sequence(SEQS, b, H, Nq, Nk)  # tiles.py: packed sequences
     Q += q0 * stride_q[2]
     dO += q0 * stride_do[2]
     K += k0 * stride_k[2]
@@ -163,13 +164,13 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, str
             drop = dropout_state(RNG, b * H + h, dropout)
         # the Q tiles that see tile j (tiles.py): unmasked first, then the causal diagonal
         # and the ragged edge
-        num, num_full, u0, a0, na, b0, idx_row, e0 = q_tiles(j, b, h, LISTS, ELEM, Nq, Nk, Br,
-                                                             Bc, IS_CAUSAL)
+        num, num_full, u0, a0, na, b0, idx_row, e0 = q_tiles(j, b, h, LISTS, ELEM, Nq, Nk, diag,
+                                                             Br, Bc, IS_CAUSAL)
         for t in range(0, num_full):
             i = full_tile(t, u0, idx_row, LISTS)
             dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                    stride_q[2], stride_do[2], i * Br, j * Bc, dims, Nq, Nk, d,
-                                    qk_scale, ctx, None, drop, Br, IS_CAUSAL, False, EVEN_D,
+                                    stride_q[2], stride_do[2], i * Br, j * Bc, diag, dims, Nq,
+                                    Nk, d, qk_scale, ctx, None, drop, Br, IS_CAUSAL, False, EVEN_D,
                                     DOT_PREC, SCORE_MOD, MASK_MOD)
         if MASKED:
             for t in range(num_full, num):
@@ -178,8 +179,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, str
                 if ELEM is not None:  # a mask mod's partial tile: its element mask
                     E = (element_origin(ELEM, e0, t, i * Br, j * Bc, Br, Bc), Bc)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
-                                        stride_q[2], stride_do[2], i * Br, j * Bc, dims, Nq, Nk,
-                                        d, qk_scale, ctx, E, drop, Br, IS_CAUSAL, True, EVEN_D,
+                                        stride_q[2], stride_do[2], i * Br, j * Bc, diag, dims,
+                                        Nq, Nk, d, qk_scale, ctx, E, drop, Br, IS_CAUSAL, True, EVEN_D,
                                         DOT_PREC, SCORE_MOD, MASK_MOD)
     out_ok = col_ok & dim_ok
     _put(dK + b * stride_dk[0] + h_kv * stride_dk[1] + cols[:, None] * stride_dk[2]
@@ -205,7 +206,8 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
              MASK_MOD: tl.constexpr = None):
     """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (drop: dP_ij dropped
     and rescaled by the forward's Z_ij, regenerated; SCORE_MOD and the visibility rule as
-    above; DB_head: where a learned attn_mask's gradient dS_ij goes, or None)."""
+    above, rows the queries' positions as the forward's; DB_head: where a learned attn_mask's
+    gradient dS_ij goes, or None: only in calls whose positions are their rows)."""
     cols = start_n + tl.arange(0, Bc)
     col_ok = cols[:, None] < Nk
     dim_ok = dims[None, :] < d
@@ -243,7 +245,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
                 MASK_MOD: tl.constexpr, ACCUMULATE: tl.constexpr):
     """dQ_i of one Q tile i (query head h): the K/V tiles stream past as in the forward."""
     rows_per_head = Nq
-    q0, k0, base, Nq, Nk = sequence(SEQS, b, H, Nq, Nk)  # tiles.py: packed sequences
+    q0, k0, base, Nq, Nk, diag = sequence(SEQS, b, H, Nq, Nk)  # tiles.py: packed sequences
     Q += q0 * stride_q[2]
     dO += q0 * stride_do[2]
     dQ += q0 * stride_dq[2]
@@ -275,12 +277,13 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
     if DBIAS is not None:  # its gradient, (B, H, Nq, Nk) float32, zeros where no tile is visited
         DB_head = DBIAS + bh.to(tl.int64) * Nq * Nk
     # the K/V tiles this Q tile visits, exactly as in the forward
-    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br, Bc,
-                                                          IS_CAUSAL)
+    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, diag,
+                                                          Br, Bc, IS_CAUSAL)
+    pos = rows + diag  # the queries' positions against the keys, as in the forward
     for t in range(0, num_full):
         j = full_tile(t, u0, idx_row, LISTS)
         dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_k[2], stride_v[2],
-                        j * Bc, rows, dims, Nq, Nk, d, qk_scale, ctx, None, drop, DB_head, Bc,
+                        j * Bc, pos, dims, Nq, Nk, d, qk_scale, ctx, None, drop, DB_head, Bc,
                         IS_CAUSAL, False, EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD)
     if MASKED:
         for t in range(num_full, num):
@@ -289,7 +292,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
             if ELEM is not None:  # a mask mod's partial tile: its element mask
                 E = (element_origin(ELEM, e0, t, i * Br, j * Bc, Br, Bc), Bc)
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_k[2], stride_v[2],
-                            j * Bc, rows, dims, Nq, Nk, d, qk_scale, ctx, E, drop, DB_head, Bc,
+                            j * Bc, pos, dims, Nq, Nk, d, qk_scale, ctx, E, drop, DB_head, Bc,
                             IS_CAUSAL, True, EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD)
     _put(dQ + b * stride_dq[0] + h * stride_dq[1] + rows[:, None] * stride_dq[2] + dims[None, :],
          dQ_i * scale, row_ok & dim_ok, ACCUMULATE)

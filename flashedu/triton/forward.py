@@ -62,7 +62,9 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, rows, Nk, qk_scale, ctx
     qk_scale is scale * log2(e), so exp2(S_ij * qk_scale) = exp(scale * S_ij): the paper's exp,
     computed by the GPU's ex2 instruction. m_i is kept in that base-2 scale.
     MASK: the tile may hold keys the rule hides (``mods.visible``: past Nk, causal, the block
-    mask's element mask E, the compiled mask mod); they get -inf, so P_ij = 0 there.
+    mask's element mask E, the compiled mask mod); they get -inf, so P_ij = 0 there. rows:
+    the queries' positions against the keys (their rows, moved by the diagonal of
+    ``tiles.sequence`` for packed sequences).
     drop (the paper's Algorithm 2): P_ij times Z_ij after l_i took the undropped P_ij, before
     the product with V_j; Z_ij from (seed, offset, bh) and each entry's position. The
     rescale (``flashedu.dropout.keep_scale``) is the same for every entry: the kernel applies
@@ -207,7 +209,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
     DOT_PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
     bias, score_args, mask_args = mod_args
     rows_per_head = Nq
-    q0, k0, base, Nq, Nk = sequence(SEQS, b, H, Nq, Nk)
+    q0, k0, base, Nq, Nk, diag = sequence(SEQS, b, H, Nq, Nk)
     row0 = base + h * rows_per_head  # this head's first row in L
     if SEQS is not None:
         if i * Br >= Nq:  # a Q tile past this sequence's end (the grid fits the longest)
@@ -240,14 +242,15 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
                                    stride_q, Br, HEAD_DIM)
     # The K/V tiles this Q tile visits (tiles.py): num_full without an element mask, then the
     # causal diagonal and the ragged edge, from a block mask's lists or from the geometry.
-    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br, Bc,
-                                                          IS_CAUSAL)
+    num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, diag,
+                                                          Br, Bc, IS_CAUSAL)
+    pos = rows + diag  # each row's position against the keys: what the causal rule compares
     # Warp specialization (where Triton has it for this GPU): some warps only issue the
     # copies, the others only compute, so that loads and the softmax overlap.
     for t in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
         j = full_tile(t, u0, idx_row, LISTS)
         O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_k[2],
-                                      stride_v[2], j * Bc, rows, dims, Nk, d, qk_scale, ctx,
+                                      stride_v[2], j * Bc, pos, dims, Nk, d, qk_scale, ctx,
                                       None, drop, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, TMA,
                                       SCORE_MOD, MASK_MOD)
     if MASKED:  # only where some tile can need a mask (an empty loop measured slower)
@@ -257,7 +260,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
             if ELEM is not None:  # a mask mod's partial tile: its element mask
                 E = (element_origin(ELEM, e0, t, i * Br, j * Bc, Br, Bc), Bc)
             O_i, l_i, m_i = _forward_step(O_i, l_i, m_i, Q_i, K_src, V_src, stride_k[2],
-                                          stride_v[2], j * Bc, rows, dims, Nk, d, qk_scale, ctx,
+                                          stride_v[2], j * Bc, pos, dims, Nk, d, qk_scale, ctx,
                                           E, drop, Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, TMA,
                                           SCORE_MOD, MASK_MOD)
     if drop is not None:  # Algorithm 2's 1 / (1 - p), once per row instead of once per entry

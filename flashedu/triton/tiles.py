@@ -28,9 +28,11 @@ import triton.language as tl
 
 @triton.jit
 def sequence(SEQS, b, H, Nq, Nk):
-    """Where a program's rows lie: (q0, k0, base, Nq, Nk), its sequence's first query and
-    key row in Q and K, where its rows begin in the row tensors L and D (head h's at base +
-    h * Nq, Nq as given), and the sequence's lengths. Packed sequences (SEQS = (cu_seqlens_q,
+    """Where a program's rows lie: (q0, k0, base, Nq, Nk, diag), its sequence's first query
+    and key row in Q and K, where its rows begin in the row tensors L and D (head h's at base
+    + h * Nq, Nq as given), the sequence's lengths, and where its causal diagonal runs: query
+    row r sees keys up to r + diag (0: top-left, as SDPA's is_causal; packed sequences are
+    aligned to their bottom right, as flash-attn's varlen, diag = Nk - Nq). Packed sequences (SEQS = (cu_seqlens_q,
     cu_seqlens_k, longest q, longest k)): b is the sequence, whose rows are cu_seqlens_q[b] ..
     cu_seqlens_q[b+1] - 1 of the packed (1, H, total, d) tensors (Nq, Nk: the totals), as
     flash-attn's varlen kernels read them; otherwise batch b of (B, H, Nq, d). The first rows
@@ -40,9 +42,9 @@ def sequence(SEQS, b, H, Nq, Nk):
         k0 = tl.load(SEQS[1] + b)
         Lq = tl.load(SEQS[0] + b + 1) - q0
         Lk = tl.load(SEQS[1] + b + 1) - k0
-        return q0.to(tl.int64), k0.to(tl.int64), q0, Lq, Lk
+        return q0.to(tl.int64), k0.to(tl.int64), q0, Lq, Lk, Lk - Lq
     else:
-        return 0, 0, b * H * Nq, Nq, Nk
+        return 0, 0, b * H * Nq, Nq, Nk, 0
 
 
 @triton.jit
@@ -71,14 +73,15 @@ def listed(row, b, h, LISTS, ELEM):
 
 
 @triton.jit
-def kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
+def kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, diag, Br: tl.constexpr, Bc: tl.constexpr,
              IS_CAUSAL: tl.constexpr):
     """The K/V tiles that Q tile i (rows i*Br ..) visits, for the forward and the dQ pass:
     (num, num_full, u0, a0, na, b0, idx_row, e0), from the lists or (LISTS None) the geometry.
 
     Dense: tiles [0, num_full) lie wholly before the first query row's diagonal and inside Nk;
     [num_full, num) hold the diagonal or the ragged edge; tiles past the last row's diagonal
-    are not visited at all."""
+    are not visited at all. Causal: query row r sees keys up to r + diag (``sequence``); a
+    tile whose rows see no key has none to visit."""
     u0 = 0
     a0 = 0
     na = 0
@@ -88,9 +91,9 @@ def kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
     if LISTS is not None:
         num, num_full, idx_row, e0 = listed(i, b, h, LISTS, ELEM)
     else:
-        if IS_CAUSAL:
-            end = tl.minimum(Nk, (i + 1) * Br)  # query rows < (i+1)*Br see keys < that
-            num_full = tl.minimum(i * Br + 1, Nk) // Bc  # last key <= first query row
+        if IS_CAUSAL:  # (the counts clamped at 0: rows before the diagonal see nothing)
+            end = tl.maximum(tl.minimum(Nk, (i + 1) * Br + diag), 0)  # keys < this are seen
+            num_full = tl.maximum(tl.minimum(i * Br + 1 + diag, Nk), 0) // Bc  # seen by all
         else:
             end = Nk
             num_full = Nk // Bc
@@ -101,7 +104,7 @@ def kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
 
 
 @triton.jit
-def q_tiles(j, b, h, LISTS, ELEM, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
+def q_tiles(j, b, h, LISTS, ELEM, Nq, Nk, diag, Br: tl.constexpr, Bc: tl.constexpr,
             IS_CAUSAL: tl.constexpr):
     """The Q tiles that see K/V tile j (keys j*Bc ..), for the dK/dV pass (returns as
     ``kv_tiles``).
@@ -120,10 +123,11 @@ def q_tiles(j, b, h, LISTS, ELEM, Nq, Nk, Br: tl.constexpr, Bc: tl.constexpr,
     else:
         Tr = tl.cdiv(Nq, Br)
         full_end = Nq // Br  # tiles from full_end on hold rows past Nq
-        if IS_CAUSAL:
-            a0 = (j * Bc) // Br  # the first tile with a row that sees key j*Bc
-            # tiles from diag_end on start at or after the tile's last key: they see all of it
-            diag_end = tl.minimum(tl.cdiv(j * Bc + Bc - 1, Br), Tr)
+        if IS_CAUSAL:  # row r sees keys up to r + diag
+            # the first tile with a row that sees key j*Bc
+            a0 = tl.maximum(j * Bc - diag, 0) // Br
+            # tiles from diag_end on see all of the tile's keys, its last one included
+            diag_end = tl.minimum(tl.cdiv(tl.maximum(j * Bc + Bc - 1 - diag, 0), Br), Tr)
             na = tl.maximum(diag_end - a0, 0)
             u0 = diag_end
             num_full = tl.maximum(full_end - diag_end, 0)

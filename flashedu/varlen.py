@@ -15,9 +15,9 @@ Two ways to compute it, one result:
   the dense loop over that sequence alone; programs past their sequence's end return at
   once. Nothing per pair or per tile is built on the host, and the whole batch is one launch,
   forward and backward. Causal is each sequence's own, aligned to its bottom right (the
-  kernels' diagonal moved by Lk - Lq). Without dropout: its mask is drawn at positions in the
-  packed row, which the block mask path keeps.
-- Everywhere else, the packed tokens are one long sequence whose block mask shows each
+  kernels' diagonal moved by Lk - Lq).
+- With dropout (whose mask is drawn at positions of the packed row), and on the numpy and
+  naive backends, the packed tokens are one long sequence whose block mask shows each
   sequence its own keys (:func:`flashedu.mods.packed`, the tiles worked out from the cuts
   alone by :meth:`BlockMask.from_packed`): tiles that hold no pair of one sequence are never
   computed, tiles inside one sequence run unmasked, and only the tiles on a sequence's border

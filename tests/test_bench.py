@@ -408,11 +408,12 @@ def test_transformers_dry_run(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_correctness_smoke(capsys):
-    """The real-size check's two tiny cases and the ablation variants (Triton's interpreter
-    on a CPU, about 20 s)."""
+    """The real-size check's tiny cases (two batches, one packed batch) and the ablation
+    variants (Triton's interpreter on a CPU, about 20 s)."""
     code, text = run(["correctness", "--smoke"], capsys)
     assert code == 0, text
-    assert "2/2 cases passed" in text and "production kernels: ok" in text
+    assert "3/3 cases passed" in text and "production kernels: ok" in text
+    assert "ok   packed [20, 0, 45] keys [30, 5, 40]" in text
 
 
 def test_notebooks_runner_runs_a_notebook(tmp_path, capsys):

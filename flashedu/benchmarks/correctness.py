@@ -4,7 +4,8 @@ The rule of :mod:`flashedu.tolerance` (as tests/test_attention.py): error agains
 reference at most 2x (forward) or 3x (gradients) the error of plain PyTorch attention in the
 same dtype, plus a small floor. Also: backward determinism (two runs bit-identical), zeros for
 fully masked rows, and the slower variants of flashedu/triton/ablations.py against the
-production kernels (notebook 10 times them, so they must compute the same thing).
+production kernels (notebook 10 times them, so they must compute the same thing), and
+packed batches of uneven sequences (``varlen_attention``) against each sequence alone.
 
     flashedu bench correctness              # all cases
     flashedu bench correctness --smoke      # two tiny cases (on a CPU: Triton's interpreter)
@@ -47,6 +48,17 @@ CASES = [
 ]
 # --smoke: a few tiny cases (on a CPU: in Triton's interpreter), to check this benchmark itself
 SMOKE = [(1, 2, 1, 50, 40, 40, fp16, True, None), (1, 2, 2, 64, 64, 32, fp32, False, (0.5, 32, 0))]
+
+# Packed batches (varlen_attention, the kernels reading the cuts): (query lengths, key lengths
+# or None for the same cuts, H, Hkv, d, dtype, causal). Empty sequences, sequences ending
+# inside a tile, more keys than queries and more queries than keys (bottom-right causal: the
+# first rows see nothing).
+PACKED = [
+    ([1000, 37, 2500, 0, 700], None, 8, 2, 128, bf16, True),
+    ([300, 1200, 64, 2049], [1500, 900, 64, 17], 4, 4, 64, fp16, True),
+    ([513, 0, 1800], [77, 1300, 1800], 4, 1, 96, bf16, False),
+]
+PACKED_SMOKE = [([20, 0, 45], [30, 5, 40], 2, 1, 16, fp32, True)]
 
 
 def random_mask(Nq, Nk, density, block, seed, H):
@@ -124,6 +136,61 @@ def check(case, device="cuda") -> tuple[list[str], str]:
     return fails, summary
 
 
+def check_packed(case, device="cuda") -> tuple[list[str], str]:
+    """(failures, summary of errors) of one packed batch: varlen_attention's output and
+    gradients against each sequence attended to alone in float64, by the same rule as
+    :func:`check`, and its backward run twice bit for bit."""
+    lengths_q, lengths_k, H, Hkv, d, dtype, causal = case
+    lengths_k = lengths_q if lengths_k is None else lengths_k
+    torch.manual_seed(sum(lengths_q) + d)
+    cu_q, cu_k = (torch.tensor([0, *np.cumsum(n).tolist()], dtype=torch.int32, device=device)
+                  for n in (lengths_q, lengths_k))
+    q = torch.randn(sum(lengths_q), H, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), Hkv, d, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+
+    def call():
+        return flashedu.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                         is_causal=causal, backend="triton")
+
+    out = call()
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    fails = []
+    if not all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(call(), (q, k, v),
+                                                                             dout))):
+        fails.append("backward not deterministic")
+    errs = {n: [0.0, 0.0] for n in ("out", "dq", "dk", "dv")}
+    for s in range(len(lengths_q)):
+        a, b = int(cu_q[s]), int(cu_q[s + 1])
+        c, e = int(cu_k[s]), int(cu_k[s + 1])
+        if a == b:
+            continue
+        as_batch = (lambda t, lo, hi: t.detach()[lo:hi].transpose(0, 1)[None].requires_grad_())
+        qs, ks, vs = as_batch(q, a, b), as_batch(k, c, e), as_batch(v, c, e)
+        kw = dict(enable_gqa=True)
+        if causal:  # bottom-right: query n of Lq sees keys 0 .. n + Lk - Lq
+            n_q, n_k = b - a, e - c
+            kw["attn_mask"] = (torch.arange(n_k, device=device)[None, :]
+                               <= torch.arange(n_q, device=device)[:, None] + n_k - n_q)
+        ref = reference_attention(qs, ks, vs, **kw)
+        plain = naive_attention_torch(qs, ks, vs, upcast=False, **kw)
+        back = lambda t: t[0].transpose(0, 1)  # noqa: E731 - (1, H, n, d) -> (n, H, d)
+        d_out = dout[a:b].transpose(0, 1)[None]
+        g_ref = torch.autograd.grad(ref, (qs, ks, vs), d_out.double())
+        g_plain = torch.autograd.grad(plain, (qs, ks, vs), d_out)
+        mine = (out[a:b], grads[0][a:b], grads[1][c:e], grads[2][c:e])
+        for n, m, r, p in zip(errs, mine, (ref, *g_ref), (plain, *g_plain)):
+            errs[n][0] = max(errs[n][0], err(m, back(r)))
+            errs[n][1] = max(errs[n][1], err(back(p), back(r)))
+    for n, (e, base) in errs.items():
+        f = tolerance.FORWARD if n == "out" else tolerance.GRADIENT
+        limit = tolerance.allowed_error(dtype, base, factor=f, floor_scale=1 if n == "out" else f)
+        if not e <= limit:
+            fails.append(f"{n} error {e:.3g} > {limit:.3g} (PyTorch's {base:.3g})")
+    return fails, " ".join(f"{n}={e:.2e}/{b:.2e}" for n, (e, b) in errs.items())
+
+
 def sanitize(device="cuda") -> None:
     """One small odd-sized forward and backward (one launch of each kernel), for memcheck."""
     torch.manual_seed(0)
@@ -176,6 +243,17 @@ def check_ablations(device="cuda") -> list[str]:
     return fails
 
 
+def case_name(case) -> str:
+    """A case as the table and the JSON name it."""
+    if len(case) == 7:  # a packed batch
+        lengths_q, lengths_k, H, Hkv, d, dtype, causal = case
+        keys = "" if lengths_k is None else f" keys {lengths_k}"
+        return (f"packed {lengths_q}{keys} H={H} Hkv={Hkv} d={d} {str(dtype)[6:]} "
+                f"causal={causal}")
+    return (f"B={case[0]} H={case[1]} Hkv={case[2]} Nq={case[3]} Nk={case[4]} d={case[5]} "
+            f"{str(case[6])[6:]} causal={case[7]} mask={case[8]}")
+
+
 def parse_args(argv):
     p = core.parser("correctness", __doc__)
     p.add_argument("--sanitize", action="store_true", help="one small launch each, for memcheck")
@@ -197,19 +275,19 @@ def main(argv=None) -> int:
         return 0
     env = core.environment(["correctness", *argv])
     print(core.headline(env))
+    packed = PACKED_SMOKE if args.smoke else PACKED
     failed, rows = 0, []
-    for case in cases:
+    for run, case in [(check, c) for c in cases] + [(check_packed, c) for c in packed]:
         t = time.time()
-        fails, summary = check(case, device)
+        fails, summary = run(case, device)
         if gpu:
             torch.cuda.empty_cache()
         status = "FAIL " + "; ".join(fails) if fails else "ok"
         failed += bool(fails)
-        name = f"B={case[0]} H={case[1]} Hkv={case[2]} Nq={case[3]} Nk={case[4]} d={case[5]} " \
-               f"{str(case[6])[6:]} causal={case[7]} mask={case[8]}"
-        print(f"{status:<4} {name}  [{summary}]  {time.time() - t:.1f}s", flush=True)
-        rows.append({"case": name, "failures": fails, "errors": summary})
-    print(f"{len(cases) - failed}/{len(cases)} cases passed")
+        print(f"{status:<4} {case_name(case)}  [{summary}]  {time.time() - t:.1f}s", flush=True)
+        rows.append({"case": case_name(case), "failures": fails, "errors": summary})
+    total = len(cases) + len(packed)
+    print(f"{total - failed}/{total} cases passed")
     ablation_fails = check_ablations(device)
     print("ablations.py variants agree with the production kernels:",
           "; ".join(ablation_fails) if ablation_fails else "ok")

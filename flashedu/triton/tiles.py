@@ -32,11 +32,12 @@ def sequence(SEQS, b, H, Nq, Nk):
     and key row in Q and K, where its rows begin in the row tensors L and D (head h's at base
     + h * Nq, Nq as given), the sequence's lengths, and where its causal diagonal runs: query
     row r sees keys up to r + diag (0: top-left, as SDPA's is_causal; packed sequences are
-    aligned to their bottom right, as flash-attn's varlen, diag = Nk - Nq). Packed sequences (SEQS = (cu_seqlens_q,
-    cu_seqlens_k, longest q, longest k)): b is the sequence, whose rows are cu_seqlens_q[b] ..
-    cu_seqlens_q[b+1] - 1 of the packed (1, H, total, d) tensors (Nq, Nk: the totals), as
-    flash-attn's varlen kernels read them; otherwise batch b of (B, H, Nq, d). The first rows
-    come in 64 bits: a row times a row stride passes 2**31 in a batch of a few million tokens."""
+    aligned to their bottom right, as flash-attn's varlen: diag = Nk - Nq).
+    Packed sequences (SEQS = (cu_seqlens_q, cu_seqlens_k, longest q, longest k)): b is the
+    sequence, whose rows are cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 of the packed
+    (1, H, total, d) tensors (Nq, Nk: the totals), as flash-attn's varlen kernels read them;
+    otherwise batch b of (B, H, Nq, d). The first rows come in 64 bits: a row times a row
+    stride passes 2**31 in a batch of a few million tokens."""
     if SEQS is not None:
         q0 = tl.load(SEQS[0] + b)
         k0 = tl.load(SEQS[1] + b)

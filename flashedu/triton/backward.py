@@ -164,8 +164,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, str
             drop = dropout_state(RNG, b * H + h, dropout)
         # the Q tiles that see tile j (tiles.py): unmasked first, then the causal diagonal
         # and the ragged edge
-        num, num_full, u0, a0, na, b0, idx_row, e0 = q_tiles(j, b, h, LISTS, ELEM, Nq, Nk, diag,
-                                                             Br, Bc, IS_CAUSAL)
+        num, num_full, u0, a0, na, b0, idx_row, e0 = q_tiles(j, b, h, LISTS, ELEM, Nq, Nk,
+                                                             diag, Br, Bc, IS_CAUSAL)
         for t in range(0, num_full):
             i = full_tile(t, u0, idx_row, LISTS)
             dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,

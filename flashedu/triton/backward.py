@@ -180,8 +180,8 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, str
                     E = (element_origin(ELEM, e0, t, i * Br, j * Bc, Br, Bc), Bc)
                 dK_j, dV_j = _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head,
                                         stride_q[2], stride_do[2], i * Br, j * Bc, diag, dims,
-                                        Nq, Nk, d, qk_scale, ctx, E, drop, Br, IS_CAUSAL, True, EVEN_D,
-                                        DOT_PREC, SCORE_MOD, MASK_MOD)
+                                        Nq, Nk, d, qk_scale, ctx, E, drop, Br, IS_CAUSAL, True,
+                                        EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD)
     out_ok = col_ok & dim_ok
     _put(dK + b * stride_dk[0] + h_kv * stride_dk[1] + cols[:, None] * stride_dk[2]
          + dims[None, :], dK_j * scale, out_ok, ACCUMULATE)

@@ -322,6 +322,25 @@ def test_sass_compiles_the_package_launches_for_an_h100(tmp_path, capsys):
     assert "forward_kernel" in text and "regs" in text
 
 
+def test_sass_compiles_the_kernels_that_read_packed_cuts(tmp_path, capsys):
+    """The forward and backward that read a packed batch's cuts (varlen_attention), compiled
+    for sm_90 here: they build, the forward within the d=64 entry's register cap without
+    spills, as the causal kernels they extend."""
+    from flashedu.benchmarks import sass
+
+    if not sass.can_compile():
+        pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
+    out = tmp_path / "sass.json"
+    code, text = run(["sass", "--d", "64", "--variants", "causal", "packed", "--modes", "fwd",
+                      "bwd", "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = {(r["variant"], r["kernel"]): r for r in json.loads(out.read_text())["rows"]}
+    forward, causal = rows[("packed", "forward_kernel")], rows[("causal", "forward_kernel")]
+    assert 0 < forward["registers"] <= 128 and forward["spill_stores"] == 0
+    assert forward["instructions"] < 1.1 * causal["instructions"]
+    assert rows[("packed", "backward_kernel")]["registers"] <= 128
+
+
 def test_host_times_the_call_path_with_and_without_plans(tmp_path, capsys):
     """The host code of the triton backend, launches stubbed, in a fresh process: a row per
     shape, mode and variant, each a positive time, and the table's ratio column."""

@@ -50,6 +50,27 @@ def _by_sequence(q, k, v, cu_q, cu_k, causal, upcast=True):
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
+def _check_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, label=""):
+    """out, lse and the gradients of q, k, v against each sequence attended to alone, in
+    float64, within the suite's allowance (the error of the same attention in q's dtype);
+    queries that see no key have an lse of -inf in both."""
+    wrt, dtype = (q, k, v), q.dtype
+    ref, ref_lse = _by_sequence(*(t.double() for t in wrt), cu_q, cu_k, causal)
+    plain, plain_lse = _by_sequence(q, k, v, cu_q, cu_k, causal, upcast=False)
+    tolerance.check(out, ref, plain, factor=tolerance.FORWARD, name=f"out{label}")
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), label
+    tolerance.check(lse[seen], ref_lse[seen], plain_lse[seen], dtype=dtype,
+                    factor=tolerance.FORWARD, name=f"lse{label}")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, wrt, dout)
+    want = torch.autograd.grad(ref, wrt, dout.double())
+    rough = torch.autograd.grad(plain, wrt, dout)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, want, rough):
+        tolerance.check(g, r, p, dtype=dtype, factor=tolerance.GRADIENT,
+                        floor_scale=tolerance.GRADIENT, name=f"{name}{label}")
+
+
 def _mask_mods(backend):
     if not BACKENDS[backend].has_mask_mod:
         pytest.skip(f"{backend} applies no mask mod")
@@ -64,24 +85,10 @@ def test_varlen_matches_each_sequence_alone(backend, is_causal):
                                          is_causal=is_causal, return_lse=True, backend=backend,
                                          block_size=16)
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
-    wrt = (q, k, v)
-    ref, ref_lse = _by_sequence(*(t.double() for t in wrt), cu_q, cu_k, is_causal)
-    plain, plain_lse = _by_sequence(q, k, v, cu_q, cu_k, is_causal, upcast=False)
-    tolerance.check(out, ref, plain, factor=tolerance.FORWARD, name="out")
-    seen = torch.isfinite(ref_lse)  # queries that see no key: -inf in both
-    assert torch.equal(torch.isfinite(lse), seen)
-    tolerance.check(lse[seen], ref_lse[seen], plain_lse[seen], dtype=dtype,
-                    factor=tolerance.FORWARD, name="lse")
     if is_causal:  # the last sequence's first Lq - Lk queries see nothing: zeros
         a = sum(LENGTHS_Q[:3])
         assert (out[a:a + LENGTHS_Q[3] - LENGTHS_K[3]] == 0).all()
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, wrt, dout)
-    want = torch.autograd.grad(ref, wrt, dout.double())
-    rough = torch.autograd.grad(plain, wrt, dout)
-    for name, g, r, p in zip(("dq", "dk", "dv"), grads, want, rough):
-        tolerance.check(g, r, p, dtype=dtype, factor=tolerance.GRADIENT,
-                        floor_scale=tolerance.GRADIENT, name=name)
+    _check_each_sequence(out, lse, q, k, v, cu_q, cu_k, is_causal)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -99,18 +106,8 @@ def test_self_attention_packing_matches_each_sequence_alone(backend, is_causal):
     out, lse = flashedu.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths),
                                          is_causal=is_causal, return_lse=True, backend=backend,
                                          block_size=16)
-    wrt = (q, k, v)
-    ref, ref_lse = _by_sequence(*(t.double() for t in wrt), cu, cu, is_causal)
-    plain, plain_lse = _by_sequence(q, k, v, cu, cu, is_causal, upcast=False)
-    tolerance.check(out, ref, plain, factor=tolerance.FORWARD, name="out")
-    tolerance.check(lse, ref_lse, plain_lse, dtype=dtype, factor=tolerance.FORWARD, name="lse")
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, wrt, dout)
-    want = torch.autograd.grad(ref, wrt, dout.double())
-    rough = torch.autograd.grad(plain, wrt, dout)
-    for name, g, r, p in zip(("dq", "dk", "dv"), grads, want, rough):
-        tolerance.check(g, r, p, dtype=dtype, factor=tolerance.GRADIENT,
-                        floor_scale=tolerance.GRADIENT, name=name)
+    assert torch.isfinite(lse).all()  # every query sees a key
+    _check_each_sequence(out, lse, q, k, v, cu, cu, is_causal)
 
 
 def test_bottom_right_causal_over_many_tiles_on_the_kernels_that_read_the_cuts():
@@ -133,21 +130,8 @@ def test_bottom_right_causal_over_many_tiles_on_the_kernels_that_read_the_cuts()
         out, lse = flashedu.varlen_attention(q, k, v, cu_q, cu_k, int(lengths_q.max()),
                                              int(lengths_k.max()), is_causal=True,
                                              return_lse=True, backend="triton")
-        ref, ref_lse = _by_sequence(*(t.double() for t in (q, k, v)), cu_q, cu_k, True)
-        plain, plain_lse = _by_sequence(q, k, v, cu_q, cu_k, True, upcast=False)
         case = (lengths_q.tolist(), lengths_k.tolist())
-        tolerance.check(out, ref, plain, factor=tolerance.FORWARD, name=f"out {case}")
-        seen = torch.isfinite(ref_lse)
-        assert torch.equal(torch.isfinite(lse), seen), case
-        tolerance.check(lse[seen], ref_lse[seen], plain_lse[seen], dtype=q.dtype,
-                        factor=tolerance.FORWARD, name=f"lse {case}")
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        want = torch.autograd.grad(ref, (q, k, v), dout.double())
-        rough = torch.autograd.grad(plain, (q, k, v), dout)
-        for name, g, r, p in zip(("dq", "dk", "dv"), grads, want, rough):
-            tolerance.check(g, r, p, dtype=q.dtype, factor=tolerance.GRADIENT,
-                            floor_scale=tolerance.GRADIENT, name=f"{name} {case}")
+        _check_each_sequence(out, lse, q, k, v, cu_q, cu_k, True, label=f" {case}")
 
 
 @pytest.mark.parametrize("lengths_k, is_causal, dropout_p, reads_cuts", [

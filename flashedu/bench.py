@@ -126,7 +126,7 @@ def measure(provider: str, case: Case) -> dict:
 def run_all(cases, providers, progress=True, on_row=None, rounds=1) -> list[dict]:
     """One row per (case, provider). With ``rounds`` > 1 each case's providers are timed in
     turn, round after round, in an order that turns around every round, and the median round
-    is kept (``core.interleaved_ms`` says why)."""
+    is kept (``core.in_turn`` says why)."""
     from tqdm.auto import tqdm
 
     rows = []
@@ -135,9 +135,8 @@ def run_all(cases, providers, progress=True, on_row=None, rounds=1) -> list[dict
         chosen = [p for p in providers if case.density is None or p in SPARSE_PROVIDERS]
         bar.set_postfix_str(case.label())
         results = {p: [] for p in chosen}
-        for r in range(rounds):
-            for provider in (chosen if r % 2 == 0 else chosen[::-1]):
-                results[provider].append(measure(provider, case))
+        for provider in core.in_turn(chosen, rounds):
+            results[provider].append(measure(provider, case))
         for provider in chosen:
             rows.append({**asdict(case), "label": case.label(), "provider": provider,
                          **_median_round(results[provider])})

@@ -114,18 +114,23 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 100, grad_to_none=None,
     return statistics.median(samples)
 
 
+def in_turn(names, rounds: int):
+    """``names`` once per round, in an order that turns around every round (A B, B A, ...),
+    as one sequence. A GPU's clock and temperature drift over seconds: timing all of one and
+    then all of the other puts the drift between them, which at a few percent is what a
+    comparison of two kernels is asking."""
+    names = list(names)
+    for r in range(rounds):
+        yield from (names if r % 2 == 0 else names[::-1])
+
+
 def interleaved_ms(timed: dict, rounds: int, cpu_repeats: int = 3) -> tuple[dict, dict]:
     """({name: median ms}, {name: [ms per round]}) of the functions in ``timed`` (name ->
-    (fn, time_ms keywords)), each timed once per round in an order that turns around every
-    round (A B, B A, ...). A GPU's clock and temperature drift over seconds: timing all of one
-    and then all of the other puts the drift between them, which at a few percent is what a
-    comparison of two kernels is asking."""
-    names = list(timed)
-    samples = {name: [] for name in names}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            fn, kw = timed[name]
-            samples[name].append(time_ms(fn, cpu_repeats=cpu_repeats, **kw))
+    (fn, time_ms keywords)), each timed once per round, in turn (:func:`in_turn`)."""
+    samples = {name: [] for name in timed}
+    for name in in_turn(timed, rounds):
+        fn, kw = timed[name]
+        samples[name].append(time_ms(fn, cpu_repeats=cpu_repeats, **kw))
     return {name: statistics.median(ms) for name, ms in samples.items()}, samples
 
 

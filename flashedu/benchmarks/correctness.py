@@ -123,17 +123,30 @@ def check(case, device="cuda") -> tuple[list[str], str]:
             r = r.unflatten(1, (Hkv, group)).sum(2)
             p = p.float().unflatten(1, (Hkv, group)).sum(2)
             errs[n] = [err(mine, r), err(p, r)]
+    fails += over_allowance(errs, dtype)
+    if bm is not None:
+        dead = torch.as_tensor(~bm.element_mask().any(-1)).to(device).expand(B, H, Nq)
+        if out.detach()[dead].abs().max().item() != 0 or grads[0][dead].abs().max().item() != 0:
+            fails.append("fully masked rows are not zero")
+    summary = errors_text(errs)
+    return fails, summary
+
+
+def over_allowance(errs: dict, dtype) -> list[str]:
+    """The failures among ``errs`` ({"out" | "dq" | ...: [error, PyTorch's error]}): errors
+    past the rule of :mod:`flashedu.tolerance` (2x PyTorch's forward, 3x its gradients)."""
+    fails = []
     for n, (e, base) in errs.items():
         f = tolerance.FORWARD if n == "out" else tolerance.GRADIENT
         limit = tolerance.allowed_error(dtype, base, factor=f, floor_scale=1 if n == "out" else f)
         if not e <= limit:
             fails.append(f"{n} error {e:.3g} > {limit:.3g} (PyTorch's {base:.3g})")
-    if bm is not None:
-        dead = torch.as_tensor(~bm.element_mask().any(-1)).to(device).expand(B, H, Nq)
-        if out.detach()[dead].abs().max().item() != 0 or grads[0][dead].abs().max().item() != 0:
-            fails.append("fully masked rows are not zero")
-    summary = " ".join(f"{n}={e:.2e}/{b:.2e}" for n, (e, b) in errs.items())
-    return fails, summary
+    return fails
+
+
+def errors_text(errs: dict) -> str:
+    """``errs`` as the table prints them: name=error/PyTorch's error."""
+    return " ".join(f"{n}={e:.2e}/{b:.2e}" for n, (e, b) in errs.items())
 
 
 def check_packed(case, device="cuda") -> tuple[list[str], str]:
@@ -169,10 +182,11 @@ def check_packed(case, device="cuda") -> tuple[list[str], str]:
         as_batch = (lambda t, lo, hi: t.detach()[lo:hi].transpose(0, 1)[None].requires_grad_())
         qs, ks, vs = as_batch(q, a, b), as_batch(k, c, e), as_batch(v, c, e)
         kw = dict(enable_gqa=True)
-        if causal:  # bottom-right: query n of Lq sees keys 0 .. n + Lk - Lq
+        if causal:  # flash-attn's: aligned to the sequence's bottom right
             n_q, n_k = b - a, e - c
-            kw["attn_mask"] = (torch.arange(n_k, device=device)[None, :]
-                               <= torch.arange(n_q, device=device)[:, None] + n_k - n_q)
+            rule = flashedu.mods.causal("bottom_right", seq_lens=(n_q, n_k))
+            kw["attn_mask"] = rule(0, 0, torch.arange(n_q, device=device)[:, None],
+                                   torch.arange(n_k, device=device)[None, :])
         ref = reference_attention(qs, ks, vs, **kw)
         plain = naive_attention_torch(qs, ks, vs, upcast=False, **kw)
         back = lambda t: t[0].transpose(0, 1)  # noqa: E731 - (1, H, n, d) -> (n, H, d)
@@ -183,12 +197,8 @@ def check_packed(case, device="cuda") -> tuple[list[str], str]:
         for n, m, r, p in zip(errs, mine, (ref, *g_ref), (plain, *g_plain)):
             errs[n][0] = max(errs[n][0], err(m, back(r)))
             errs[n][1] = max(errs[n][1], err(back(p), back(r)))
-    for n, (e, base) in errs.items():
-        f = tolerance.FORWARD if n == "out" else tolerance.GRADIENT
-        limit = tolerance.allowed_error(dtype, base, factor=f, floor_scale=1 if n == "out" else f)
-        if not e <= limit:
-            fails.append(f"{n} error {e:.3g} > {limit:.3g} (PyTorch's {base:.3g})")
-    return fails, " ".join(f"{n}={e:.2e}/{b:.2e}" for n, (e, b) in errs.items())
+    fails += over_allowance(errs, dtype)
+    return fails, errors_text(errs)
 
 
 def sanitize(device="cuda") -> None:

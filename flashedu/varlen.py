@@ -64,7 +64,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     H must be a multiple of Hkv (grouped-query attention). ``block_size``: the tiles of the
     block mask, where one is used (the kernels' tiles divide it). The rest as
     :func:`flashedu.attention`."""
-    total_q, total_k, cuts = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    total_q, total_k, longest = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, block_size)
     # (total, H, d) -> (1, H, total, d): views; the kernels index rows and heads by stride
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -74,7 +74,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     spec = BACKENDS[_check_backend(backend, q)]
     if total_q and total_k and _reads_cuts(spec, dropout_p):
         packing = Packing(*(_on(cu, q.device) for cu in (cu_seqlens_q, cu_seqlens_k)),
-                          *(-(-int(c.diff().max()) // 16) * 16 for c in cuts))
+                          *(-(-n // 16) * 16 for n in longest))
         out = _packed_call(spec, qb, kb, vb, packing, is_causal, scale, return_lse)
     else:
         mask = None  # no query or no key: nothing to mask (a query that sees no key gives zeros)
@@ -134,7 +134,7 @@ def _values(cu):
 
 
 def _check(q, k, v, cu_q, cu_k, max_q, max_k, block_size):
-    """(total_q, total_k, the cuts' values on the host) after checking the packed layout; a
+    """(total_q, total_k, (longest q, longest k)) after checking the packed layout; a
     ValueError or TypeError naming the argument otherwise (the tensors themselves are checked
     as flashedu.attention checks them)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -143,7 +143,7 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k, block_size):
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total, heads, d), the sequences packed one "
                              f"after another, got shape {tuple(t.shape)}")
-    lengths = []
+    longest_seen, counts = [], []  # the longest sequence, the number of cuts
     for name, cu, total, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q),
                                      ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
         if not isinstance(cu, torch.Tensor) or cu.is_floating_point() or cu.dtype == torch.bool:
@@ -158,13 +158,14 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k, block_size):
                              f"{total}, got {values.tolist()}")
         if isinstance(longest, bool) or not isinstance(longest, int):
             raise TypeError(f"max_seqlen_{name[-1]} must be an int, got {type(longest).__name__}")
-        if longest < int(values.diff().max()):
+        longest_seen.append(int(values.diff().max()))
+        if longest < longest_seen[-1]:
             raise ValueError(f"max_seqlen_{name[-1]} = {longest} is shorter than the longest "
-                             f"sequence, {int(values.diff().max())}")
-        lengths.append(values)
-    if lengths[0].numel() != lengths[1].numel():
+                             f"sequence, {longest_seen[-1]}")
+        counts.append(values.numel())
+    if counts[0] != counts[1]:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe one batch, got "
-                         f"{lengths[0].numel() - 1} and {lengths[1].numel() - 1} sequences")
+                         f"{counts[0] - 1} and {counts[1] - 1} sequences")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16:
         raise ValueError(f"block_size must be an int >= 16, got {block_size!r}")
-    return q.shape[0], k.shape[0], lengths
+    return q.shape[0], k.shape[0], tuple(longest_seen)

@@ -102,6 +102,33 @@ def test_paged_equals_split_kv_on_the_same_keys():
     torch.testing.assert_close(paged, split, rtol=1e-5, atol=1e-6)
 
 
+def test_a_repeated_step_repeats_its_launch_plan(monkeypatch):
+    """A decoding step laid out as the last one (same shapes, strides, dtypes, options) adds no
+    plan and starts the last step's launches with its own tensors: right for new values, a new
+    block table and new lengths (each is a slot, read by the kernel); another layout or
+    return_lse gets its own plan, both right."""
+    from flashedu.triton import fast
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    first = random_pool([70, 33], 16, 2, 32, torch.float32, seed=3)
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(3))
+    paged_attention(*(t.to(DEVICE) for t in (q, *first)), num_splits=2)
+    plans = dict(fast.PLANS)
+    assert len(plans) == 1
+    k, v, table, seqlens = random_pool([20, 90], 16, 2, 32, torch.float32, seed=4,
+                                       width_extra=0)  # same table width, other pages
+    assert table.shape == first[2].shape and not torch.equal(table, first[2])
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(4))
+    out = paged_attention(*(t.to(DEVICE) for t in (q, k, v, table, seqlens)), num_splits=2)
+    assert fast.PLANS == plans  # repeated, not rebuilt
+    O_ref, L_ref = reference(q, k, v, table, seqlens, 16, False)
+    torch.testing.assert_close(out.cpu().double(), O_ref, rtol=1e-5, atol=1e-5)
+    out, lse = paged_attention(*(t.to(DEVICE) for t in (q, k, v, table, seqlens)),
+                               num_splits=2, return_lse=True)
+    assert len(fast.PLANS) == 2
+    torch.testing.assert_close(lse.cpu().double(), L_ref, rtol=1e-5, atol=1e-5)
+
+
 def test_float64_numpy_is_the_exact_reference():
     k, v, table, seqlens = random_pool([30, 64], 16, 1, 8, torch.float64, seed=2)
     q = torch.randn(2, 2, 2, 8, dtype=torch.float64)

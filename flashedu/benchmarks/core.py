@@ -114,6 +114,24 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 100, grad_to_none=None,
     return statistics.median(samples)
 
 
+def device_us(fn, calls: int = 30) -> float | None:
+    """Microseconds per call that ``fn``'s kernels spend on the GPU, summed over its kernels
+    by torch.profiler: the device's share alone, without the host's time between launches
+    (which ``time_ms`` includes where the host is the slower side). None without a GPU."""
+    if not gpu_available():
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages()) / calls
+
+
 def in_turn(names, rounds: int):
     """``names`` once per round, in an order that turns around every round (A B, B A, ...),
     as one sequence. A GPU's clock and temperature drift over seconds: timing all of one and

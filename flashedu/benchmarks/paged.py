@@ -2,13 +2,16 @@
 
 One decoding step: B sequences, one new query each, attend to their Nk cached keys. The same
 keys are held twice: contiguous, (B, Hkv, Nk, d), and paged, pages of --page-size rows scattered
-at random over a pool (the worst case for locality). Timed in one process:
+at random over a pool (the worst case for locality). Timed in one process, each call once per
+round in turn (--rounds; the median kept):
 - paged: ``flashedu.decode.paged_attention`` (one launch for the batch; check_indices=False, as
   PagedKVCache calls it), and the same with its index check (one wait for the device);
 - contiguous: split-KV decoding (``flashedu.triton.decode.split_kv_attention``);
 - SDPA on the contiguous cache, each of its kernels selected explicitly (grouped-query through
   enable_gqa where the kernel takes it, else with K and V expanded to every query head).
-A step reads the whole cache once, so the table shows GB/s of K/V read.
+A step reads the whole cache once, so the table shows GB/s of K/V read. Each call is also
+measured by its kernels' time on the GPU alone (torch.profiler): at small caches a call's time
+is the host's (Python, launches), and the two columns tell the host's share from the kernels'.
 
     flashedu bench paged --json docs/bench/paged.json
     flashedu bench paged --dry-run      # tiny sizes (no GPU: Triton's interpreter)
@@ -16,6 +19,8 @@ A step reads the whole cache once, so the table shows GB/s of K/V read.
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 import sys
 
 from . import core
@@ -46,29 +51,52 @@ def paged_copy(k, v, page_size: int, generator):
     return pools[0], pools[1], table, seqlens
 
 
-def sdpa_timings(q, k, v, reps) -> dict:
-    """ms of each SDPA kernel on the contiguous cache (an error text where it refuses)."""
-    import torch
+def sdpa_calls(q, k, v) -> dict:
+    """{kernel: (call, how, context) or (None, error text, None)}: each SDPA kernel on the
+    contiguous cache, grouped-query through enable_gqa where it takes it, else with K and V
+    expanded to every query head; ``context`` selects the kernel (entered around the timing,
+    not inside each call: a context per call would bill its Python to SDPA)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     G = q.shape[1] // k.shape[1]
+    ke, ve = (t.repeat_interleave(G, dim=1) for t in (k, v))
+    ways = (("gqa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+            ("expanded", lambda: F.scaled_dot_product_attention(q, ke, ve)))
     out = {}
     for name in SDPA_KERNELS:
-        with sdpa_kernel(getattr(SDPBackend, name)):
+        backend = getattr(SDPBackend, name)
+        out[name] = (None, "refused", None)
+        for how, call in ways:
             try:
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-                how = "gqa"
-            except RuntimeError:
-                ke, ve = (t.repeat_interleave(G, dim=1) for t in (k, v))
-                call = lambda: F.scaled_dot_product_attention(q, ke, ve)  # noqa: E731
-                how = "expanded"
-            try:
-                with torch.no_grad():
-                    out[name] = (core.time_ms(call, cpu_repeats=reps), how)
+                with sdpa_kernel(backend):
+                    call()
             except RuntimeError as exc:
-                out[name] = (None, core.error_text(exc))
+                out[name] = (None, core.error_text(exc), None)
+                continue
+            out[name] = (call, how, lambda backend=backend: sdpa_kernel(backend))
+            break
+    return out
+
+
+def timed_in_turn(calls: dict, rounds: int, reps: int) -> dict:
+    """{name: median ms} of ``calls`` (name -> (fn, context maker or None)), each timed once per
+    round in turn (core.in_turn): the GPU's clock drifts over a run, and these differ by a few
+    percent."""
+    samples = {name: [] for name in calls}
+    for name in core.in_turn(calls, rounds):
+        fn, context = calls[name]
+        with context() if context else contextlib.nullcontext():
+            samples[name].append(core.time_ms(fn, cpu_repeats=reps))
+    return {name: statistics.median(ms) for name, ms in samples.items()}
+
+
+def device_times(calls: dict) -> dict:
+    """{name: microseconds per call of its kernels on the GPU} (core.device_us)."""
+    out = {}
+    for name, (fn, context) in calls.items():
+        with context() if context else contextlib.nullcontext():
+            out[name] = core.device_us(fn)
     return out
 
 
@@ -88,30 +116,40 @@ def one_case(B, Nk, page_size, args, device, dtype) -> dict:
     kc, vc, table, seqlens = paged_copy(k, v, page_size, torch.Generator().manual_seed(Nk))
     row = {"B": B, "Nk": Nk, "page_size": page_size, "H": H, "Hkv": Hkv, "d": d,
            "dtype": args.dtype}
-    paged = lambda: paged_attention(q, kc, vc, table, seqlens, check_indices=False)  # noqa: E731
-    checked = lambda: paged_attention(q, kc, vc, table, seqlens)  # noqa: E731
-    contiguous = lambda: split_kv_attention(q, k, v)  # noqa: E731
+    calls = {
+        "paged": (lambda: paged_attention(q, kc, vc, table, seqlens, check_indices=False), None),
+        "checked": (lambda: paged_attention(q, kc, vc, table, seqlens), None),
+        "contiguous": (lambda: split_kv_attention(q, k, v), None)}
     with torch.no_grad():
         ref = reference_attention(q, k, v, enable_gqa=True)
-        row["max_err_paged"] = tolerance.max_error(paged(), ref)
-        row["max_err_contiguous"] = tolerance.max_error(contiguous(), ref)
+        row["max_err_paged"] = tolerance.max_error(calls["paged"][0](), ref)
+        row["max_err_contiguous"] = tolerance.max_error(calls["contiguous"][0](), ref)
         limit = tolerance.allowed_error(dtype, row["max_err_contiguous"], floor_scale=2.0)
         del ref
         if row["max_err_paged"] > limit:
             row["error"] = f"paged error {row['max_err_paged']:.3g} > {limit:.3g}"
-        row["paged_ms"] = core.time_ms(paged, cpu_repeats=args.reps)
-        row["checked_ms"] = core.time_ms(checked, cpu_repeats=args.reps)
-        row["contiguous_ms"] = core.time_ms(contiguous, cpu_repeats=args.reps)
-    if device != "cpu":
-        for name, (ms, how) in sdpa_timings(q, k, v, args.reps).items():
-            row[f"sdpa_{name}_ms"], row[f"sdpa_{name}_how"] = ms, how
-        times = [row[f"sdpa_{n}_ms"] for n in SDPA_KERNELS if row[f"sdpa_{n}_ms"] is not None]
-        row["sdpa_best_ms"] = min(times) if times else None
+        if device != "cpu":
+            for name, (call, how, context) in sdpa_calls(q, k, v).items():
+                row[f"sdpa_{name}_how"] = how
+                if call is not None:
+                    calls[f"sdpa_{name}"] = (call, context)
+        ms = timed_in_turn(calls, args.rounds, args.reps)
+        gpu_us = device_times({n: c for n, c in calls.items() if n != "checked"})
+    for name in calls:
+        row[f"{name}_ms"] = ms[name]
+        if gpu_us.get(name) is not None:
+            row[f"{name}_gpu_us"] = gpu_us[name]
+    sdpa = [n for n in calls if n.startswith("sdpa_")]
+    if sdpa:
+        best = min(sdpa, key=lambda n: ms[n])
+        row["sdpa_best"], row["sdpa_best_ms"] = best[5:], ms[best]
+        row["sdpa_best_vs_paged"] = ms[best] / ms["paged"]
+        if gpu_us.get(best) is not None:
+            row["sdpa_best_gpu_us"] = gpu_us[best]
+            row["sdpa_best_vs_paged_gpu"] = gpu_us[best] / gpu_us["paged"]
     kv_bytes = 2 * k.numel() * k.element_size()
     row["paged_GBps"] = kv_bytes / row["paged_ms"] / 1e6
     row["paged_vs_contiguous"] = row["paged_ms"] / row["contiguous_ms"]
-    if row.get("sdpa_best_ms"):
-        row["sdpa_best_vs_paged"] = row["sdpa_best_ms"] / row["paged_ms"]
     return row
 
 
@@ -127,6 +165,8 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--max-cache-gb", type=float, default=8.0,
                    help="skip cases whose cache (held twice) is larger")
+    p.add_argument("--rounds", type=core.positive_int, default=3,
+                   help="times each call is timed, the calls in turn (the median is kept)")
     p.add_argument("--reps", type=core.positive_int, default=3,
                    help="dry run only: timed repetitions")
     p.add_argument("--json", type=core.output_file, help="write the results here")
@@ -138,12 +178,27 @@ def parse_args(argv):
     return args
 
 
+def _sdpa_columns(row) -> list:
+    """SDPA's best time and its ratio to paged's, then the GPU's time alone of paged,
+    contiguous and SDPA's best kernel, and that ratio ("-" where not measured: a CPU run)."""
+    def us(key):
+        return "-" if row.get(key) is None else f"{row[key]:.1f}"
+
+    best = row.get("sdpa_best_ms")
+    return ["-" if best is None else f"{best:.4f} ({row['sdpa_best']})",
+            "-" if best is None else f"{row['sdpa_best_vs_paged']:.2f}x",
+            us("paged_gpu_us"), us("contiguous_gpu_us"), us("sdpa_best_gpu_us"),
+            "-" if row.get("sdpa_best_vs_paged_gpu") is None
+            else f"{row['sdpa_best_vs_paged_gpu']:.2f}x"]
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.dry_run:
         args.batch, args.nk, args.page_size = [2], [40], [16]
         args.heads, args.kv_heads, args.d, args.dtype, args.reps = 4, 2, 16, "fp32", 1
+        args.rounds = 1
     device = core.bench_device(args.dry_run, "paged")
     if device is None:
         return 1
@@ -151,7 +206,8 @@ def main(argv=None) -> int:
     out = {"environment": core.environment(["paged", *argv]), "cases": []}
     print(core.headline(out["environment"]), flush=True)
     head = ["B", "Nk", "page", "paged ms", "checked ms", "contiguous ms", "paged/contig",
-            "SDPA best ms", "SDPA/paged", "paged GB/s", "err"]
+            "SDPA best ms", "SDPA/paged", "GPU us: paged", "contiguous", "SDPA best",
+            "SDPA/paged", "paged GB/s", "err"]
     lines = []
     itemsize = 4 if args.dtype == "fp32" else 2
     for B in args.batch:
@@ -161,13 +217,11 @@ def main(argv=None) -> int:
             for page_size in args.page_size:
                 row = one_case(B, Nk, page_size, args, device, dtype)
                 out["cases"].append(row)
-                best = row.get("sdpa_best_ms")
                 lines.append([B, Nk, page_size, f"{row['paged_ms']:.4f}",
                               f"{row['checked_ms']:.4f}", f"{row['contiguous_ms']:.4f}",
                               f"{row['paged_vs_contiguous']:.3f}x",
-                              "-" if best is None else f"{best:.4f}",
-                              "-" if best is None else f"{row['sdpa_best_vs_paged']:.2f}x",
-                              f"{row['paged_GBps']:.0f}", f"{row['max_err_paged']:.1e}"])
+                              *_sdpa_columns(row), f"{row['paged_GBps']:.0f}",
+                              f"{row['max_err_paged']:.1e}"])
                 print(" | ".join(str(x) for x in lines[-1]), flush=True)
                 if "error" in row:
                     print(f"B={B} Nk={Nk} page={page_size} ERROR: {row['error']}", flush=True)

@@ -52,34 +52,45 @@ from .tiles import chunk_tiles, full_tile, masked_tile
 
 MAX_ROWS = 64  # query rows (heads x queries) one program holds in registers
 MAX_SPLITS = 128
+# the split kernel's launch on a GPU: two stages leave room for three programs per SM
+# (BENCHMARKS.md, "Decoding from a paged cache: one page entry per tile")
+SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
-def cache_rows(j, row_ok, b, pages, stride_b, stride_n, PAGE_SIZE: tl.constexpr):
-    """Where keys j (a vector) of sequence b lie, as offsets from the head's start: rows j of
-    batch b in a contiguous cache; in a paged one (pages = (block_table, its row length)), row
-    j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE], stride_b then being the page's
-    stride. The page lookup is the only difference. Keys past the sequence (not row_ok) read
-    no table entry; their rows are masked by the load."""
-    if pages is None:
-        return b * stride_b + j * stride_n
+def cache_rows(start_n, j, row_ok, b, block_table, width, stride_kb, stride_kn, stride_vb,
+               stride_vn, Bc: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Where keys j = start_n .. start_n + Bc - 1 of sequence b lie in K and in V, as offsets
+    from the head's start: rows j of batch b in a contiguous cache (no block_table); in a
+    paged one, row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE] (the table's rows
+    ``width`` entries apart), stride_kb, stride_vb then being the pages' strides. The page lookup is the only
+    difference, done once for K and V. Where pages hold whole tiles (PAGE_SIZE a multiple of
+    Bc; tiles start at multiples of Bc) the tile reads one table entry; else each row reads
+    its own. Keys past the sequence (not row_ok) read no entry; their rows are masked by the
+    load."""
+    if block_table is None:
+        return b * stride_kb + j * stride_kn, b * stride_vb + j * stride_vn
     else:
-        block_table, width = pages
-        page = tl.load(block_table + b * width + j // PAGE_SIZE, mask=row_ok, other=0)
-        return page.to(tl.int64) * stride_b + (j % PAGE_SIZE) * stride_n
+        if PAGE_SIZE % Bc == 0:  # start_n < the sequence's length: its entry exists
+            page = tl.load(block_table + b * width + start_n // PAGE_SIZE).to(tl.int64)
+        else:
+            page = tl.load(block_table + b * width + j // PAGE_SIZE, mask=row_ok,
+                           other=0).to(tl.int64)
+        row = j % PAGE_SIZE
+        return page * stride_kb + row * stride_kn, page * stride_vb + row * stride_vn
 
 
 @triton.jit
-def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, b, pages, stride_kb, stride_kn,
-               stride_vb, stride_vn, pos, dims, Nk, d, qk_scale, ctx, Bc: tl.constexpr,
+def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, b, block_table, width, stride_kb,
+               stride_kn, stride_vb, stride_vn, pos, dims, Nk, d, qk_scale, ctx, Bc: tl.constexpr,
                IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
                DOT_PREC: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Load K_j, V_j (keys start_n ..) from the cache, then the forward's softmax step."""
     j = start_n + tl.arange(0, Bc)
     row_ok = j < Nk
     dim_ok = dims[None, :] < d
-    K_rows = cache_rows(j, row_ok, b, pages, stride_kb, stride_kn, PAGE_SIZE)
-    V_rows = cache_rows(j, row_ok, b, pages, stride_vb, stride_vn, PAGE_SIZE)
+    K_rows, V_rows = cache_rows(start_n, j, row_ok, b, block_table, width, stride_kb,
+                                stride_kn, stride_vb, stride_vn, Bc, PAGE_SIZE)
     K_j = load_tile(K_head + K_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
                     not EVEN_D)
     V_j = load_tile(V_head + V_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
@@ -89,17 +100,17 @@ def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, b, pages, stride_kb,
 
 
 @triton.jit
-def split_kernel(Q, K, V, O_part, L_part, qk_scale,
+def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
                  stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, H, GROUP, HEADS, Nq, Nk, d, chunk, num_splits,
-                 pages, seqlens,
+                 width,
                  BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                  PAGE_SIZE: tl.constexpr = 0):
-    """Program (s, g): chunk s of the keys for the query heads of group g. ``pages`` = (block
-    table, its row length) for a paged cache (K and V are then pools of pages whose stride_kb,
-    stride_vb are the pages' strides), ``seqlens`` each sequence's cache length; None where the
-    cache is one contiguous (B, Hkv, Nk, d) block, and then not compiled."""
+    """Program (s, g): chunk s of the keys for the query heads of group g. For a paged cache,
+    ``block_table`` (rows ``width`` entries apart) and ``seqlens``, each sequence's cache
+    length (K and V are then pools of pages whose stride_kb, stride_vb are the pages' strides);
+    both None where the cache is one contiguous (B, Hkv, Nk, d) block, and then not compiled."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     s = tl.program_id(0)  # which chunk of keys
     g = tl.program_id(1)  # which (batch, group of HEADS query heads sharing one K/V head)
@@ -133,16 +144,16 @@ def split_kernel(Q, K, V, O_part, L_part, qk_scale,
     ctx = (b, h, Nq, qk_scale, None, None, None)  # no mods here
     for t in range(0, num_full):
         j = full_tile(t, u0, idx_row, None)
-        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, pages,
-                                   stride_kb, stride_kn, stride_vb, stride_vn, pos, dims, Nk, d,
-                                   qk_scale, ctx, Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC,
-                                   PAGE_SIZE)
+        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, block_table,
+                                   width, stride_kb, stride_kn, stride_vb, stride_vn, pos, dims,
+                                   Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, False, EVEN_D,
+                                   DOT_PREC, PAGE_SIZE)
     for t in range(num_full, num):
         j = masked_tile(t, num_full, a0, na, b0, idx_row, None)
-        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, pages,
-                                   stride_kb, stride_kn, stride_vb, stride_vn, pos, dims, Nk, d,
-                                   qk_scale, ctx, Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC,
-                                   PAGE_SIZE)
+        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, block_table,
+                                   width, stride_kb, stride_kn, stride_vb, stride_vn, pos, dims,
+                                   Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, True, EVEN_D,
+                                   DOT_PREC, PAGE_SIZE)
 
     # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
     # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).
@@ -180,8 +191,9 @@ def combine_kernel(O_part, L_part, O, L, stride_ob, stride_oh, stride_on, H, Nq,
     acc = acc / tl.where(seen, total, 1.0)
     tl.store(O + b * stride_ob + h * stride_oh + n * stride_on + dims, acc.to(O.dtype.element_ty),
              mask=dims < d)
-    tl.store(L + bh * Nq + n, tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)),
-                                       float("-inf")))
+    if L is not None:  # asked for (return_lse): else not compiled
+        tl.store(L + bh * Nq + n, tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)),
+                                           float("-inf")))
 
 
 def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
@@ -203,7 +215,7 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     # (B, Hkv, Nk, d): the batch's stride, the head's, the row's
     cache = (k, v, (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2)))
-    return _split_kv(q, cache, Hkv, Nk, None, None, 0, num_splits, scale, is_causal, return_lse,
+    return _split_kv(q, cache, Hkv, Nk, None, 0, num_splits, scale, is_causal, return_lse,
                      "split_kv_attention")
 
 
@@ -225,16 +237,17 @@ def paged_kv_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, num_s
     # (num_pages, page_size, Hkv, d): the page's stride, the head's, the row's
     cache = (k_cache, v_cache, (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)),
              (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1)))
-    pages = (block_table, block_table.stride(0))
-    return _split_kv(q, cache, Hkv, capacity, pages, cache_seqlens, page_size, num_splits, scale,
-                     is_causal, return_lse, "paged_kv_attention")
+    pages = (block_table, cache_seqlens, block_table.stride(0))
+    return _split_kv(q, cache, Hkv, capacity, pages, page_size, num_splits, scale, is_causal,
+                     return_lse, "paged_kv_attention")
 
 
-def _split_kv(q, cache, Hkv, Nk, pages, seqlens, page_size, num_splits, scale, is_causal,
-              return_lse, name):
+def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal, return_lse,
+              name):
     """Both launches (split, then combine) for a contiguous or a paged cache. Nk: the cache's
     length, or for a paged one the table's capacity (each sequence's own length is read by the
-    kernel from seqlens, so the host never waits for the device)."""
+    kernel from seqlens, so the host never waits for the device). ``pages``: None, or (block
+    table, seqlens, the table's row stride)."""
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     k, v, stride_k, stride_v = cache
@@ -247,32 +260,60 @@ def _split_kv(q, cache, Hkv, Nk, pages, seqlens, page_size, num_splits, scale, i
         raise ValueError(f"q: {name} is for a few queries (Nq <= {MAX_ROWS}), got "
                          f"Nq={Nq}; use flashedu.attention for long query blocks")
     check_num_splits(num_splits)  # before the plan's cache: True would hash as 1
-    interpreted = runtime.triton_interpreted()
-    launch = _launch_plan(B, H, Hkv, Nq, Nk, d, q.dtype, sm_count(q.device, interpreted),
-                          interpreted, num_splits, is_causal, page_size)
-    S, chunk, heads, split_consts, combine_consts = launch
     q = q if q.stride(-1) == 1 else q.contiguous()
     dtype = q.dtype
+    interpreted = runtime.triton_interpreted()
     q, k, v = interpreter_fp32(interpreted, q, k, v)
-
-    HEAD_DIM = split_consts["HEAD_DIM"]
-    O_part = torch.empty((B, H, S, Nq, HEAD_DIM), dtype=torch.float32, device=q.device)
-    L_part = torch.empty((B, H, S, Nq), dtype=torch.float32, device=q.device)
-    sq = q.stride()
-    fast.run(split_kernel, (S, B * H // heads),
-             (q, k, v, O_part, L_part, scale * LOG2E, sq[0], sq[1], sq[2], *stride_k, *stride_v,
-              H, H // Hkv, heads, Nq, Nk, d, chunk, S, pages, seqlens), split_consts)
-
-    out = torch.empty_like(q)  # float32 under the interpreter: cast back below
-    lse2 = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-    so = out.stride()
-    fast.run(combine_kernel, (B * H, Nq),
-             (O_part, L_part, out, lse2, so[0], so[1], so[2], H, Nq, d, S), combine_consts)
+    table, seqlens, width = (None, None, 0) if pages is None else pages
+    given = (q, k, v) if pages is None else (q, k, v, table, seqlens)
+    # a decoding step repeats the last one's layout: its launches are kept as a plan and
+    # started again with this call's tensors (fast.PLANS), the host's time being the step's
+    # budget at small caches
+    plan_key = fast.signature(given, id(split_kernel), scale, is_causal, num_splits, return_lse)
+    plan = fast.PLANS.get(plan_key)
+    if plan is not None:
+        out, lse2 = _repeat(plan, given)
+    else:
+        S, chunk, heads, split_consts, combine_consts = _launch_plan(
+            B, H, Hkv, Nq, Nk, d, dtype, sm_count(q.device, interpreted), interpreted,
+            num_splits, is_causal, page_size)
+        shapes = ((B, H, S, Nq, split_consts["HEAD_DIM"]), (B, H, S, Nq), (B, H, Nq))
+        O_part, L_part, out, lse2 = _buffers(q, shapes, return_lse)
+        sq, so = q.stride(), out.stride()
+        split = (split_kernel, (S, B * H // heads),
+                 (q, k, v, O_part, L_part, table, seqlens, scale * LOG2E, sq[0], sq[1], sq[2],
+                  *stride_k, *stride_v, H, H // Hkv, heads, Nq, Nk, d, chunk, S, width),
+                 split_consts)
+        combine = (combine_kernel, (B * H, Nq),
+                   (O_part, L_part, out, lse2, so[0], so[1], so[2], H, Nq, d, S), combine_consts)
+        fast.run(*split)
+        fast.run(*combine)
+        # the call's own tensors lead each launch's arguments (the paged ones: table, lengths)
+        fast.remember(plan_key, (fast.Launch(*split, tuple(range(len(given) + 2))),
+                                 fast.Launch(*combine, tuple(range(4 if return_lse else 3))),
+                                 shapes, return_lse))
     if out.dtype != dtype:
-        out = out.to(dtype)
-    if return_lse:
-        return out, lse2 * math.log(2.0)  # -inf stays -inf
-    return out
+        out = out.to(dtype)  # float32 under the interpreter: cast back
+    return (out, lse2 * math.log(2.0)) if return_lse else out  # -inf stays -inf
+
+
+def _buffers(q, shapes, return_lse):
+    """The split's partial results (O_s, L_s), then the output and (if asked) its base-2 lse."""
+    O_part = torch.empty(shapes[0], dtype=torch.float32, device=q.device)
+    L_part = torch.empty(shapes[1], dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(shapes[2], dtype=torch.float32, device=q.device) if return_lse else None
+    return O_part, L_part, torch.empty_like(q), lse2
+
+
+def _repeat(plan, given):
+    """A call laid out as the one that made ``plan``: its two launches with new buffers.
+    Returns (out, its base-2 lse or None)."""
+    split, combine, shapes, return_lse = plan
+    O_part, L_part, out, lse2 = _buffers(given[0], shapes, return_lse)
+    stream = fast.stream_for(split, combine)
+    split.start(*given[:3], O_part, L_part, *given[3:], stream=stream)
+    combine.start(O_part, L_part, out, *(() if lse2 is None else (lse2,)), stream=stream)
+    return out, lse2
 
 
 @functools.lru_cache(maxsize=256)
@@ -286,7 +327,7 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
     split_consts = dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
                         HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
                         DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size,
-                        **({} if interpreted else {"num_warps": 4, "num_stages": 3}))
+                        **({} if interpreted else SPLIT_LAUNCH))
     combine_consts = dict(BLOCK_S=triton.next_power_of_2(S), HEAD_DIM=HEAD_DIM)
     return S, chunk, heads, split_consts, combine_consts
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import worker
 from .engine import (HINT_SECONDS, execute_case, grade_cases, learner_hint, make_result,
-                     new_seed, preflight, set_seed)
+                     new_seed, one_thread_for_good, preflight, set_seed)
 from .result import CheckResult
 
 _HEADER = struct.Struct("<Q")
@@ -218,6 +218,7 @@ def _serve(ex, fn, rfd: int, wfd: int) -> None:
                 sys.modules["torch"].set_num_threads(1)  # OpenMP pools do not survive a fork
             except Exception:  # noqa: BLE001
                 pass
+        one_thread_for_good()  # this process runs the learner's code alone
         while True:
             blob = _recv(rfd)
             if blob is None:

@@ -256,8 +256,9 @@ def execute_case(ex: Exercise, fn, case: Case) -> Call:
                                 timeout=ex.timeout, measure_memory=measure)
         else:
             call = ex.invoke(fn, view, ex.timeout, measure)
-    if case.cpu_budget is not None:  # this process's own figure; a supervisor takes its own
-        call.cpu_seconds = time.process_time() - cpu
+        if timed:  # this process's own figure (a supervisor takes its own), read before the
+            # pools are restored: threads started by the restore spin for a while
+            call.cpu_seconds = time.process_time() - cpu
     call.inputs_after = [np.asarray(a) for a in args if isinstance(a, np.ndarray)]
     call.evidence = collect() if collect is not None else {}
     return call
@@ -278,11 +279,28 @@ def one_blas_thread(active: bool = True):
         yield
 
 
+def one_thread_for_good() -> None:
+    """The thread pools on one thread for the rest of this process, where it runs the learner's
+    code for the grader. A case timed by its CPU time limits them for the call and restores
+    them after (one_blas_thread); restoring OpenBLAS to N threads starts N - 1 threads that
+    spin before they sleep, and a supervisor that reads the process's CPU time after the
+    answer billed them to the learner: 0.2-0.3 s on a 16-core host, four times the
+    block-sparse budget, for the course's own solution. Limited for good, the restore starts
+    nothing."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1)  # not as a context: kept until the process exits
+
+
 def _in_one_thread(fn):
-    """``fn`` with the thread pools on one thread in the thread that runs it: OpenMP's limit
-    holds per calling thread, and the learner's function runs in a worker thread."""
+    """``fn`` with OpenMP on one thread in the thread that runs it: OpenMP's limit holds per
+    calling thread, and the learner's function runs in a worker thread. (The BLAS limit is
+    process-wide, set by the caller's one_blas_thread: set and restored here too, the restore
+    would start BLAS threads that spin while the call's CPU time is still being counted.)"""
+    from threadpoolctl import threadpool_limits
+
     def run(*args, **kwargs):
-        with one_blas_thread():
+        with threadpool_limits(limits=1, user_api="openmp"):
             return fn(*args, **kwargs)
     return run
 

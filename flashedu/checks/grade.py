@@ -273,6 +273,10 @@ def _grade_cases(ex, ask, gate) -> CheckResult:
 
     def execute(case) -> Call:
         measured = case.memory_budget is not None or case.cpu_budget is not None
+        if case.cpu_budget is not None:  # the worker's thread pools to one thread and idle
+            # before the watch starts: pool threads spinning after earlier work (the
+            # notebook's cells, earlier cases) would be billed to this case
+            ask({"what": "settle", "exercise": ex.name}, 30)
         watch = Watch() if measured else None
         answer = ask(worker.request_payload(ex, case), ex.timeout + 60)
         if not isinstance(answer, dict):

@@ -153,7 +153,8 @@ def payload_to_call(payload: dict):
 def serve(namespace: dict, folder: str, request: str) -> None:
     """Answer one request of the grader (called from the cell the grader adds)."""
     from flashedu.checks import EXERCISES
-    from flashedu.checks.engine import execute_case, one_thread_for_good, preflight
+    from flashedu.checks.engine import (execute_case, one_thread_for_good, others_idle,
+                                        preflight)
 
     folder = Path(folder)
     ask = read(folder / request)
@@ -173,8 +174,11 @@ def serve(namespace: dict, folder: str, request: str) -> None:
         text = learner_hint(ex, fn, tuple(ask["args"])) if ex.hint else None
         write(folder / (request + "-reply"), {"hint": text})
         return
-    if ask.get("timed"):  # the grader reads this process's CPU time after the answer
+    if ask["what"] == "settle":  # before a timed case: see grade._grade_cases
         one_thread_for_good()
+        others_idle()
+        write(folder / (request + "-reply"), {"settled": True})
+        return
     call = execute_case(ex, fn, case_from_request(ask))
     write(folder / (request + "-reply"), call_to_payload(call))
 

@@ -362,9 +362,12 @@ def sm_count(device, interpreted: bool) -> int:
 
 
 def choose_num_splits(programs: int, Nk: int, Bc: int, sms: int, num_splits=None) -> int:
-    """How many chunks of keys: enough programs for about two waves on every SM, but each
-    chunk at least 4 K/V tiles long (shorter ones spend more on the merge than they save)."""
+    """How many chunks of keys: about four programs for every SM (three fit at once with two
+    pipeline stages; the fourth evens out the tail), but each chunk at least 2 K/V tiles long
+    (shorter ones spend more on the merge than they save). Swept on an H200 at 1-32
+    sequences of 1K-64K keys (BENCHMARKS.md): each step's GPU time within 7% of its best
+    split count, where two programs an SM and chunks of 4 tiles were up to 42% over it."""
     if check_num_splits(num_splits) is not None:
         return min(num_splits, math.ceil(Nk / Bc))
-    wanted = math.ceil(2 * sms / programs)
-    return max(1, min(wanted, math.ceil(Nk / (4 * Bc)), MAX_SPLITS))
+    wanted = math.ceil(4 * sms / programs)
+    return max(1, min(wanted, math.ceil(Nk / (2 * Bc)), MAX_SPLITS))

@@ -362,12 +362,13 @@ def sm_count(device, interpreted: bool) -> int:
 
 
 def choose_num_splits(programs: int, Nk: int, Bc: int, sms: int, num_splits=None) -> int:
-    """How many chunks of keys: about four programs for every SM (three fit at once with two
-    pipeline stages; the fourth evens out the tail), but each chunk at least 2 K/V tiles long
-    (shorter ones spend more on the merge than they save). Swept on an H200 at 1-32
-    sequences of 1K-64K keys (BENCHMARKS.md): each step's GPU time within 7% of its best
-    split count, where two programs an SM and chunks of 4 tiles were up to 42% over it."""
+    """How many chunks of keys: about three programs for every SM (as many as fit on one at
+    once with two pipeline stages), but each chunk at least 2 K/V tiles long (shorter ones
+    spend more on the merge than they save). Swept on an H200 at 1-32 sequences of 1K-64K
+    keys (BENCHMARKS.md): where measured, each step's GPU time within 7% of its best split
+    count; two programs an SM and chunks of 4 tiles were up to 42% over it, four programs
+    an SM up to 24%."""
     if check_num_splits(num_splits) is not None:
         return min(num_splits, math.ceil(Nk / Bc))
-    wanted = math.ceil(4 * sms / programs)
+    wanted = math.ceil(3 * sms / programs)
     return max(1, min(wanted, math.ceil(Nk / (2 * Bc)), MAX_SPLITS))

@@ -232,6 +232,33 @@ def test_cpu_time_is_measured_outside_the_kernel(tmp_path):
     assert row["points"] == 0 and "CPU time" in row["message"], row
 
 
+def test_a_timed_case_waits_for_the_other_threads_to_stop_spending_cpu():
+    """others_idle returns once the process's other threads are idle: after a thread that
+    spins for 0.3 s (as pool threads do after work), not before it stops; at once where none
+    spins (within its first windows)."""
+    import threading
+    import time
+
+    from flashedu.checks.engine import others_idle
+
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+    start = time.monotonic()
+    others_idle()
+    assert time.monotonic() - start < 0.5  # nothing spins here
+    spinner = threading.Thread(target=spin, args=(0.3,))
+    spinner.start()
+    start = time.monotonic()
+    others_idle(most=5.0)
+    waited = time.monotonic() - start
+    alive = spinner.is_alive()
+    spinner.join()
+    assert not alive and 0.2 < waited < 4.0, waited
+
+
 def test_a_watch_counts_the_cpu_time_of_processes_below_it():
     from flashedu.checks.memory import Watch
 

@@ -63,11 +63,11 @@ def cache_rows(start_n, j, row_ok, b, block_table, width, stride_kb, stride_kn, 
     """Where keys j = start_n .. start_n + Bc - 1 of sequence b lie in K and in V, as offsets
     from the head's start: rows j of batch b in a contiguous cache (no block_table); in a
     paged one, row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE] (the table's rows
-    ``width`` entries apart), stride_kb, stride_vb then being the pages' strides. The page lookup is the only
-    difference, done once for K and V. Where pages hold whole tiles (PAGE_SIZE a multiple of
-    Bc; tiles start at multiples of Bc) the tile reads one table entry; else each row reads
-    its own. Keys past the sequence (not row_ok) read no entry; their rows are masked by the
-    load."""
+    ``width`` entries apart), stride_kb, stride_vb then being the pages' strides. The page
+    lookup is the only difference, done once for K and V. Where pages hold whole tiles
+    (PAGE_SIZE a multiple of Bc; tiles start at multiples of Bc) the tile reads one table
+    entry; else each row reads its own. Keys past the sequence (not row_ok) read no entry;
+    their rows are masked by the load."""
     if block_table is None:
         return b * stride_kb + j * stride_kn, b * stride_vb + j * stride_vn
     else:

@@ -12,6 +12,8 @@ round in turn (--rounds; the median kept):
 A step reads the whole cache once, so the table shows GB/s of K/V read. Each call is also
 measured by its kernels' time on the GPU alone (torch.profiler): at small caches a call's time
 is the host's (Python, launches), and the two columns tell the host's share from the kernels'.
+Under the table, the cells that meet each goal (paged within 10% of contiguous, paged at least
+SDPA's best) are counted both ways.
 
     flashedu bench paged --json docs/bench/paged.json
     flashedu bench paged --dry-run      # tiny sizes (no GPU: Triton's interpreter)
@@ -178,6 +180,31 @@ def parse_args(argv):
     return args
 
 
+def goals(cases) -> dict:
+    """How many cells meet the two goals, paged within 10% of contiguous and at least SDPA's
+    best, by the step's time and by the kernels' GPU time alone (where measured)."""
+    def count(key_a, key_b, test):
+        rows = [r for r in cases if r.get(key_a) is not None and r.get(key_b) is not None]
+        return sum(test(r[key_a], r[key_b]) for r in rows), len(rows)
+
+    within = lambda paged, contiguous: paged <= 1.10 * contiguous  # noqa: E731
+    ahead = lambda paged, sdpa: paged <= sdpa  # noqa: E731
+    counts = {"paged_within_10pct_of_contiguous": count("paged_ms", "contiguous_ms", within),
+              "paged_within_10pct_of_contiguous_gpu": count("paged_gpu_us", "contiguous_gpu_us",
+                                                            within),
+              "paged_at_least_sdpa": count("paged_ms", "sdpa_best_ms", ahead),
+              "paged_at_least_sdpa_gpu": count("paged_gpu_us", "sdpa_best_gpu_us", ahead)}
+    lines = []
+    for goal, key in (("paged within 10% of contiguous", "paged_within_10pct_of_contiguous"),
+                      ("paged at least SDPA's best", "paged_at_least_sdpa")):
+        said = [f"{met} of {of} cells by {how}" for (met, of), how in
+                ((counts[key], "the step's time"), (counts[key + "_gpu"], "the GPU's time"))
+                if of]
+        if said:
+            lines.append(f"{goal}: " + ", ".join(said))
+    return {**{name: list(v) for name, v in counts.items()}, "lines": lines}
+
+
 def _sdpa_columns(row) -> list:
     """SDPA's best time and its ratio to paged's, then the GPU's time alone of paged,
     contiguous and SDPA's best kernel, and that ratio ("-" where not measured: a CPU run)."""
@@ -226,6 +253,9 @@ def main(argv=None) -> int:
                 if "error" in row:
                     print(f"B={B} Nk={Nk} page={page_size} ERROR: {row['error']}", flush=True)
     print(core.format_table(head, lines))
+    out["goals"] = goals(out["cases"])
+    for line in out["goals"]["lines"]:
+        print(line)
     if args.json:
         core.write_json(args.json, out)
         print(f"wrote {args.json}")

@@ -11,6 +11,7 @@ dry runs and the NumPy benchmark, takes the median of a few ``time.perf_counter`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -142,13 +143,18 @@ def in_turn(names, rounds: int):
         yield from (names if r % 2 == 0 else names[::-1])
 
 
-def interleaved_ms(timed: dict, rounds: int, cpu_repeats: int = 3) -> tuple[dict, dict]:
+def interleaved_ms(timed: dict, rounds: int, cpu_repeats: int = 3,
+                   contexts: dict | None = None) -> tuple[dict, dict]:
     """({name: median ms}, {name: [ms per round]}) of the functions in ``timed`` (name ->
-    (fn, time_ms keywords)), each timed once per round, in turn (:func:`in_turn`)."""
+    (fn, time_ms keywords)), each timed once per round, in turn (:func:`in_turn`).
+    ``contexts``: {name: a function making a context entered around that function's timing}
+    (one SDPA kernel selected, say: entered inside each call, its Python would be timed too)."""
+    contexts = contexts or {}
     samples = {name: [] for name in timed}
     for name in in_turn(timed, rounds):
         fn, kw = timed[name]
-        samples[name].append(time_ms(fn, cpu_repeats=cpu_repeats, **kw))
+        with contexts[name]() if name in contexts else contextlib.nullcontext():
+            samples[name].append(time_ms(fn, cpu_repeats=cpu_repeats, **kw))
     return {name: statistics.median(ms) for name, ms in samples.items()}, samples
 
 

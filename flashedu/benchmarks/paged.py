@@ -22,7 +22,6 @@ SDPA's best) are counted both ways.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import sys
 
 from . import core
@@ -56,19 +55,25 @@ def paged_copy(k, v, page_size: int, generator):
 def sdpa_calls(q, k, v) -> dict:
     """{kernel: (call, how, context) or (None, error text, None)}: each SDPA kernel on the
     contiguous cache, grouped-query through enable_gqa where it takes it, else with K and V
-    expanded to every query head; ``context`` selects the kernel (entered around the timing,
-    not inside each call: a context per call would bill its Python to SDPA)."""
+    expanded to every query head (once, the first time a kernel needs it); ``context`` selects
+    the kernel (entered around the timing, not inside each call: a context per call would bill
+    its Python to SDPA)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     G = q.shape[1] // k.shape[1]
-    ke, ve = (t.repeat_interleave(G, dim=1) for t in (k, v))
+    expanded = []
+
+    def with_expanded():
+        if not expanded:
+            expanded.extend(t.repeat_interleave(G, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, *expanded)
+
     ways = (("gqa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
-            ("expanded", lambda: F.scaled_dot_product_attention(q, ke, ve)))
+            ("expanded", with_expanded))
     out = {}
     for name in SDPA_KERNELS:
         backend = getattr(SDPBackend, name)
-        out[name] = (None, "refused", None)
         for how, call in ways:
             try:
                 with sdpa_kernel(backend):
@@ -79,18 +84,6 @@ def sdpa_calls(q, k, v) -> dict:
             out[name] = (call, how, lambda backend=backend: sdpa_kernel(backend))
             break
     return out
-
-
-def timed_in_turn(calls: dict, rounds: int, reps: int) -> dict:
-    """{name: median ms} of ``calls`` (name -> (fn, context maker or None)), each timed once per
-    round in turn (core.in_turn): the GPU's clock drifts over a run, and these differ by a few
-    percent."""
-    samples = {name: [] for name in calls}
-    for name in core.in_turn(calls, rounds):
-        fn, context = calls[name]
-        with context() if context else contextlib.nullcontext():
-            samples[name].append(core.time_ms(fn, cpu_repeats=reps))
-    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 def device_times(calls: dict) -> dict:
@@ -135,7 +128,9 @@ def one_case(B, Nk, page_size, args, device, dtype) -> dict:
                 row[f"sdpa_{name}_how"] = how
                 if call is not None:
                     calls[f"sdpa_{name}"] = (call, context)
-        ms = timed_in_turn(calls, args.rounds, args.reps)
+        ms = core.interleaved_ms({n: (fn, {}) for n, (fn, c) in calls.items()}, args.rounds,
+                                 cpu_repeats=args.reps,
+                                 contexts={n: c for n, (fn, c) in calls.items() if c})[0]
         gpu_us = device_times({n: c for n, c in calls.items() if n != "checked"})
     for name in calls:
         row[f"{name}_ms"] = ms[name]

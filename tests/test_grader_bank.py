@@ -313,7 +313,7 @@ def test_wrong_kernel_is_rejected(name, mistake, replace, words, compiled, tmp_p
                     "array's end go undetected (this kernel never uses their values)")
     if "does not compile for a GPU" in words:
         failure, verdict = compiled[(name, mistake)]
-        if _compiled_by_the_cases(name):  # on a GPU the cases compile it: they reject it
+        if engine.compiled_here(name):  # on a GPU the cases compile it: they reject it
             assert failure is not None and "raised an error" in failure, failure
             return
         assert failure is None, f"the cases should pass in the interpreter:\n{failure}"
@@ -327,19 +327,11 @@ def test_wrong_kernel_is_rejected(name, mistake, replace, words, compiled, tmp_p
     assert not missing, f"message lacks {missing}:\n{message}"
 
 
-def _compiled_by_the_cases(name) -> bool:
-    """On a GPU the cases launch the learner's kernel compiled, not in the interpreter or
-    numba's simulator: a kernel that does not compile fails its first case."""
-    if name.startswith("numba_"):
-        return not runtime.numba_simulated()
-    return not runtime.triton_interpreted()
-
-
 @pytest.mark.parametrize("name, variant, replace", CORRECT, ids=[f"{c[0]}: {c[1]}" for c in CORRECT])
 def test_correct_variant_passes(name, variant, replace, compiled):
     failure, verdict = compiled[(name, variant)]
     assert failure is None, failure
     # numba on a GPU: the cases compiled the kernel for it, and the gate says so
     said = ("numba compiled your kernel for this GPU" if name.startswith("numba_")
-            and _compiled_by_the_cases(name) else "Compiled for a GPU")
+            and engine.compiled_here(name) else "Compiled for a GPU")
     assert isinstance(verdict, engine.Remark) and verdict.startswith(said), verdict

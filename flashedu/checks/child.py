@@ -39,8 +39,8 @@ import warnings
 import numpy as np
 
 from . import worker
-from .engine import (HINT_SECONDS, execute_case, grade_cases, learner_hint, make_result,
-                     new_seed, one_thread_for_good, preflight, set_seed)
+from .engine import (HINT_SECONDS, compiled_here, execute_case, grade_cases, learner_hint,
+                     make_result, new_seed, one_thread_for_good, preflight, set_seed)
 from .result import CheckResult
 
 _HEADER = struct.Struct("<Q")
@@ -95,11 +95,7 @@ def usable(ex) -> str | None:
         return "this platform has no safe fork"
     if os.environ.get("FLASHEDU_CHECK_IN_PROCESS") == "1":
         return "FLASHEDU_CHECK_IN_PROCESS=1"
-    from .. import runtime
-
-    kernel = ex.name.startswith(("numba_", "triton_"))
-    if kernel and not (runtime.numba_simulated() if ex.name.startswith("numba_")
-                       else runtime.triton_interpreted()):
+    if compiled_here(ex.name):
         return "GPU kernels run in this process: CUDA does not survive a fork"
     return None
 

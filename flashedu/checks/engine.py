@@ -281,6 +281,16 @@ def one_blas_thread(active: bool = True):
         yield
 
 
+def compiled_here(name: str) -> bool:
+    """Whether exercise ``name``'s kernel runs compiled for a GPU here: a numba_ or triton_
+    exercise where numba's simulator, or Triton's interpreter, is off."""
+    from .. import runtime
+
+    if name.startswith("numba_"):
+        return not runtime.numba_simulated()
+    return name.startswith("triton_") and not runtime.triton_interpreted()
+
+
 def others_idle(most: float = 1.0, window: float = 0.02) -> None:
     """Wait, up to ``most`` seconds, until this process's other threads stop spending CPU time,
     before a case's CPU time is counted process-wide: BLAS and OpenMP pool threads spin for a

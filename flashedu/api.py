@@ -84,13 +84,9 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
                 return out
     name = _check_backend(backend, q)
     spec = BACKENDS[name]
-    is_causal = check_flag(is_causal, "is_causal")
-    enable_gqa = check_flag(enable_gqa, "enable_gqa")
-    check_tensors(q, k, v, enable_gqa)
-    q, k, v = (t.resolve_neg().resolve_conj() for t in (q, k, v))
-    scale = check_scale(scale, q.shape[-1])
+    q, k, v, is_causal, scale, return_lse = checked_arguments(q, k, v, is_causal, enable_gqa,
+                                                              scale, return_lse)
     dropout_p = check_dropout(dropout_p)
-    return_lse = check_flag(return_lse, "return_lse")
     extras = {}  # features a backend receives only when the call uses them
     if attn_mask is not None:
         extras["attn_mask"] = check_attn_mask(attn_mask, q, k, is_causal)
@@ -124,6 +120,20 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p
             REPEATS.clear()
         REPEATS[key] = spec.repeater()(q, k, v, is_causal, scale, block_mask, dropout_p)
     return out
+
+
+def checked_arguments(q, k, v, is_causal, enable_gqa, scale, return_lse):
+    """(q, k, v, is_causal, scale, return_lse) after the checks every entry makes of the
+    arguments it shares with SDPA: the flags, the tensors (grouped-query attention where
+    enable_gqa), the scale (None: 1/sqrt(d)); q, k, v with any negative or conjugate bit
+    resolved."""
+    is_causal = check_flag(is_causal, "is_causal")
+    enable_gqa = check_flag(enable_gqa, "enable_gqa")
+    check_tensors(q, k, v, enable_gqa)
+    q, k, v = (t.resolve_neg().resolve_conj() for t in (q, k, v))
+    scale = check_scale(scale, q.shape[-1])
+    return_lse = check_flag(return_lse, "return_lse")
+    return q, k, v, is_causal, scale, return_lse
 
 
 def _empty_attention(q, k, v, is_causal, scale, block_mask, return_lse=False, **features):

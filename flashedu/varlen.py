@@ -99,13 +99,10 @@ def _packed_call(spec, q, k, v, packing, is_causal, scale, return_lse):
     """The backend's entry with the packing, after the checks :func:`flashedu.attention` makes
     of its arguments (the tensors as one batch of grouped-query attention, the flags, the
     scale)."""
-    from .arguments import check_flag, check_scale, check_tensors
+    from .api import checked_arguments
 
-    is_causal = check_flag(is_causal, "is_causal")
-    return_lse = check_flag(return_lse, "return_lse")
-    check_tensors(q, k, v, True)
-    q, k, v = (t.resolve_neg().resolve_conj() for t in (q, k, v))
-    scale = check_scale(scale, q.shape[-1])
+    q, k, v, is_causal, scale, return_lse = checked_arguments(q, k, v, is_causal, True, scale,
+                                                              return_lse)
     extras = {"return_lse": True} if return_lse else {}
     return spec.load()(q, k, v, is_causal=is_causal, scale=scale, block_mask=None,
                        seqs=packing, **extras)

@@ -79,15 +79,19 @@ def test_masks_bit_identical_numpy_torch_triton(p, tiles):
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("R, C, start_m, start_n", [(32, 64, 48, 128), (16, 32, 0, 32),
                                                      (16, 16, 16, 48), (8, 32, 24, 0)])
-def test_the_kernels_drop_the_streams_entries(R, C, start_m, start_n, transposed):
+@pytest.mark.parametrize("p, dtype", [(0.3, torch.float32), (0.7, torch.float32),
+                                      (0.3, torch.bfloat16), (0.7, torch.float16)])
+def test_the_kernels_drop_the_streams_entries(R, C, start_m, start_n, transposed, p, dtype):
     """``dropped``, as the kernels call it on a tile of P_ij (or its transpose in the dK/dV
     program), zeroes exactly the entries the NumPy stream drops: tiles drawn in the calls'
-    shape (rows in 16s, columns in 32s) and tiles drawn entry by entry alike."""
+    shape (rows in 16s, columns in 32s) and tiles drawn entry by entry alike, float32 tiles
+    and 16-bit ones (selected two entries at a time on a GPU), rates whose 256 - threshold
+    has its top bit set (0.3) and clear (0.7): the two cases of the bytes' carry test."""
     TD = _triton_dropout()
-    p = 0.3
     rng = torch.tensor([0x0BADC0FFEE, (3 << 32) + 17], dtype=torch.int64)
     seed, offset = D.rng_values(rng)
-    kept = TD.kept_by_kernels(rng.to(device("triton")), 5, p, R, C, start_m, start_n, transposed)
+    kept = TD.kept_by_kernels(rng.to(device("triton")), 5, p, R, C, start_m, start_n, transposed,
+                              dtype)
     want = D.keep_tile(seed, offset, 5, np.arange(start_m, start_m + R),
                        np.arange(start_n, start_n + C), p)
     assert np.array_equal(kept.cpu().numpy(), want)

@@ -29,7 +29,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .dropout import dropped
+from .dropout import dropped, keep_rate
 from .forward import (_LOG2E, dropout_args, dropout_state, element_args, exponent_scale,
                       load_tile, mods_args, row_strides, sequences_arg)
 from .mods import mod_scores, visible
@@ -85,7 +85,8 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     """One Q tile i against the program's K_j, V_j; computed transposed (Bc x Br) so that the
     products land directly in dK_j and dV_j. drop (the paper's Algorithm 4): the forward's
     Z_ij regenerated from (seed, offset, bh) and the tile's position; dV_j takes the dropped
-    P_ij, dP_ij is dropped and rescaled the same way. SCORE_MOD and the visibility rule as in
+    P_ij, dP_ij is dropped the same way, and the keep scale s waits for the program's end (D_i
+    divided by it here). SCORE_MOD and the visibility rule as in
     the forward (the queries' positions: their rows + diag, ``tiles.sequence``); dS_ij also
     takes the score mod's derivative."""
     rows = start_m + tl.arange(0, Br)
@@ -110,13 +111,14 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     if MASK:
         P_ijT = tl.where(visible(rows[None, :] + diag, cols[:, None], Nk, E, ctx, IS_CAUSAL,
                                  MASK_MOD), P_ijT, 0.0)
-    ZP_ijT = P_ijT  # what the forward multiplied V_j by: P_ij, dropped and rescaled
+    ZP_ijT = P_ijT.to(dO_i.dtype)  # what the forward multiplied V_j by: P_ij, dropped
     if drop is not None:  # S_ij transposed: entry (col, row); dP_ij's drop below is this draw
-        ZP_ijT = dropped(P_ijT * drop[4], drop, start_m, start_n, TRANSPOSED=True)
-    dV_j += tl.dot(ZP_ijT.to(dO_i.dtype), dO_i, input_precision=DOT_PREC)
+        ZP_ijT = dropped(ZP_ijT, drop, start_m, start_n, TRANSPOSED=True)
+        D_i = D_i * keep_rate(drop)  # dS = s P (Z dP - D / s): s waits for dK_j's end
+    dV_j += tl.dot(ZP_ijT, dO_i, input_precision=DOT_PREC)
     dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
     if drop is not None:
-        dP_ijT = dropped(dP_ijT * drop[4], drop, start_m, start_n, TRANSPOSED=True)
+        dP_ijT = dropped(dP_ijT, drop, start_m, start_n, TRANSPOSED=True)
     dS_ijT = P_ijT * (dP_ijT - D_i[None, :])
     if SCORE_MOD is not None:
         dS_ijT = dS_ijT * dsT
@@ -182,9 +184,13 @@ def _dkdv_program(j, b, h_kv, Q, K, V, dO, L, D, dK, dV, LISTS, ELEM, scale, str
                                         stride_q[2], stride_do[2], i * Br, j * Bc, diag, dims,
                                         Nq, Nk, d, qk_scale, ctx, E, drop, Br, IS_CAUSAL, True,
                                         EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD)
+    dK_scale = scale
+    if RNG is not None:  # the keep scale, left out of every step's dropped P_ij and dS_ij
+        dK_scale = scale * dropout[1]
+        dV_j = dV_j * dropout[1]
     out_ok = col_ok & dim_ok
     _put(dK + b * stride_dk[0] + h_kv * stride_dk[1] + cols[:, None] * stride_dk[2]
-         + dims[None, :], dK_j * scale, out_ok, ACCUMULATE)
+         + dims[None, :], dK_j * dK_scale, out_ok, ACCUMULATE)
     _put(dV + b * stride_dv[0] + h_kv * stride_dv[1] + cols[:, None] * stride_dv[2]
          + dims[None, :], dV_j, out_ok, ACCUMULATE)
 
@@ -205,7 +211,8 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
              DOT_PREC: tl.constexpr, SCORE_MOD: tl.constexpr = None,
              MASK_MOD: tl.constexpr = None):
     """One K_j, V_j tile against the program's Q_i: dQ_i += dS_ij K_j (drop: dP_ij dropped
-    and rescaled by the forward's Z_ij, regenerated; SCORE_MOD and the visibility rule as
+    by the forward's Z_ij, regenerated, D_i divided by the keep scale, which dQ_i takes at the
+    end; SCORE_MOD and the visibility rule as
     above, rows the queries' positions as the forward's; DB_head: where a learned attn_mask's
     gradient dS_ij goes, or None: only in calls whose positions are their rows)."""
     cols = start_n + tl.arange(0, Bc)
@@ -224,11 +231,12 @@ def _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_kn, stride_vn, st
         P_ij = tl.where(visible(rows[:, None], cols[None, :], Nk, E, ctx, IS_CAUSAL, MASK_MOD),
                         P_ij, 0.0)
     dP_ij = tl.dot(dO_i, tl.trans(V_j), input_precision=DOT_PREC)
-    if drop is not None:
-        dP_ij = dropped(dP_ij * drop[4], drop, drop[5], start_n)
+    if drop is not None:  # D_i came divided by the keep scale s: dS_ij is short of its s
+        dP_ij = dropped(dP_ij, drop, drop[5], start_n)
     dS_ij = P_ij * (dP_ij - D_i[:, None])
     if DB_head is not None:  # a learned attn_mask: its gradient is dS_ij (the bias adds to s_ij)
-        tl.store(DB_head + rows[:, None] * Nk + cols[None, :], dS_ij,
+        dS_full = dS_ij if drop is None else dS_ij * drop[4]
+        tl.store(DB_head + rows[:, None] * Nk + cols[None, :], dS_full,
                  mask=(rows[:, None] < Nq) & (cols[None, :] < Nk))
     if SCORE_MOD is not None:
         dS_ij = dS_ij * ds
@@ -273,6 +281,7 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
     drop = None
     if RNG is not None:
         drop = dropout_state(RNG, bh, dropout, i * Br)
+        D_i = D_i * keep_rate(drop)  # dS = s P (Z dP - D / s): s waits for dQ_i's end
     DB_head = None
     if DBIAS is not None:  # its gradient, (B, H, Nq, Nk) float32, zeros where no tile is visited
         DB_head = DBIAS + bh.to(tl.int64) * Nq * Nk
@@ -294,8 +303,9 @@ def _dq_program(i, b, h, Q, K, V, dO, L, D, dQ, LISTS, ELEM, scale, stride_q, st
             dQ_i = _dq_step(dQ_i, Q_i, dO_i, L_i, D_i, K_head, V_head, stride_k[2], stride_v[2],
                             j * Bc, pos, dims, Nq, Nk, d, qk_scale, ctx, E, drop, DB_head, Bc,
                             IS_CAUSAL, True, EVEN_D, DOT_PREC, SCORE_MOD, MASK_MOD)
+    dQ_scale = scale if drop is None else scale * drop[4]  # the keep scale, left out above
     _put(dQ + b * stride_dq[0] + h * stride_dq[1] + rows[:, None] * stride_dq[2] + dims[None, :],
-         dQ_i * scale, row_ok & dim_ok, ACCUMULATE)
+         dQ_i * dQ_scale, row_ok & dim_ok, ACCUMULATE)
 
 
 @triton.jit

@@ -18,8 +18,11 @@ calls once and uses all of its bytes. The backward's dK/dV program holds S_ij tr
 where a thread has 4 entries of a call (rows r, r + 8 and columns c, c + 8): it draws a call
 for each 4. Other tiles (and the mask kernel) compute each entry's counter on its own.
 
-On a GPU the byte's test and the select are three instructions an entry (byte permute,
-compare, select) in a few lines of PTX; Triton's own form (the interpreter's) shifts and masks.
+The byte test runs on whole words (:func:`keep_flags`, four entries at once: byte >= t is
+the carry out of byte + (256 - t), found without carries crossing bytes), and a select then
+only reads one flag: on a GPU a byte permute that spreads the flag's bit over a mask and an
+AND, two instructions for a float32 entry and two for a pair of 16-bit ones (P_ij as the
+product takes it); Triton's own form (the interpreter's) shifts and compares.
 :func:`dropout_mask` runs the stream in a tiny kernel that writes the mask, for tests.
 """
 
@@ -36,9 +39,13 @@ N_ROUNDS_C = tl.constexpr(N_ROUNDS)
 # Triton's interpreter has no inline PTX; it takes Triton's form of the byte test.
 PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-# prmt: byte b of the word, zero-extended (selector 0x4440 + b); keep where it is >= threshold
-_SELECT = tl.constexpr("{ .reg .pred %keep; .reg .b32 %byte; prmt.b32 %byte, $2, 0, $3; "
-                       "setp.ge.u32 %keep, %byte, $4; selp.f32 $0, $1, 0f00000000, %keep; }")
+# mask = byte b's top bit spread over a word (prmt's sign mode: selector nibble 8 + b), then AND
+_SELECT_32 = tl.constexpr("{ .reg .b32 %m; prmt.b32 %m, $2, 0, $3; and.b32 $0, $1, %m; }")
+# two 16-bit entries in one register, each with its own flags and byte (selector byte 0x88 +
+# 0x11 b): the second entry's flags are bytes 4-7 of the permute's pair of words, so its
+# selector byte moves up by 0x44 into the mask's upper half; one permute builds both masks
+_SELECT_16X2 = tl.constexpr("{ .reg .b32 %m; mad.lo.u32 %m, $3, 256, 17408; or.b32 %m, %m, $2; "
+                            "prmt.b32 %m, $4, $5, %m; and.b32 $0, $1, %m; }")
 
 
 @triton.jit
@@ -47,6 +54,39 @@ def _call_words(seed, offset, bh, c0, c1, jj):
     c0, c1 = tl.broadcast(c0, c1)
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, (offset & 0xFFFFFFFF).to(tl.uint32), N_ROUNDS_C)
     return tl.where(jj == 0, r0, tl.where(jj == 1, r1, tl.where(jj == 2, r2, r3)))
+
+
+# majority(word, y, top) in one three-input logic op (truth table 0xE8); spelled out in
+# Triton, the compiler turns the uniform `top` into a select per word
+_MAJORITY = tl.constexpr("{ .reg .b32 %y; and.b32 %y, $1, 0x7F7F7F7F; add.u32 %y, %y, $2; "
+                         "lop3.b32 $0, $1, %y, $3, 0xE8; }")
+
+
+@triton.jit
+def keep_flags(word, threshold):
+    """The keep test of a word's four bytes at once: bit 7 of each byte of the result is set
+    where that byte is >= threshold. byte >= t is the carry out of byte + (256 - t): the low
+    seven bits are added with no carry leaving a byte (bit 7 of the sum is the carry into
+    bit 7), and the carry out is the majority of the byte's top bit, (256 - t)'s top bit and
+    that carry."""
+    T = 256 - tl.cast(threshold, tl.uint32)  # 1 .. 255
+    low = (T & 0x7F) * 0x01010101  # T's low seven bits, in every byte
+    top = tl.where(T >= 128, 0xFFFFFFFF, 0).to(tl.uint32)  # T's top bit, in every byte
+    if PTX:
+        word, low = tl.broadcast(word, low)
+        word, top = tl.broadcast(word, top)
+        return tl.inline_asm_elementwise(_MAJORITY, "=r,r,r,r", [word, low, top],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        y = (word & 0x7F7F7F7F) + low
+        return (word & y) | (word & top) | (y & top)
+
+
+@triton.jit
+def keep_rate(state):
+    """1 / the keep scale of a program's dropout state: (256 - threshold) / 256, exact in
+    float32, so that multiplying by it is dividing by the scale."""
+    return (256 - state[3]).to(tl.float32) * 0.00390625
 
 
 @triton.jit
@@ -72,23 +112,27 @@ def keep_entries(seed, offset, bh, row, col, threshold):
     """Z: int1 (len(row), len(col)), True where entry (row, col) of head ``bh`` is kept;
     threshold = round(256 p)."""
     word, b = random_byte(seed, offset, bh, row, col)
-    return ((word >> (8 * b).to(tl.uint32)) & 0xFF) >= tl.cast(threshold, tl.uint32)
+    return ((keep_flags(word, threshold) >> (8 * b + 7).to(tl.uint32)) & 1) != 0
 
 
 @triton.jit
-def _select(x, word, b, threshold):
-    """x where byte b of word is >= threshold, else 0."""
+def _select(x, flags, b):
+    """x where byte b of flags (``keep_flags``) has its top bit set, else 0. x float32, or
+    16-bit (on a GPU: selected two entries a register)."""
+    x, flags = tl.broadcast(x, flags)
+    x, b = tl.broadcast(x, b)
     if PTX:
-        x, word = tl.broadcast(x, word)
-        x, b = tl.broadcast(x, b)
-        word, b = tl.broadcast(word, b)
-        selector = (0x4440 + b).to(tl.uint32)
-        thr = tl.full(word.shape, 0, tl.uint32) + tl.cast(threshold, tl.uint32)
-        return tl.inline_asm_elementwise(_SELECT, "=f,f,r,r,r", [x, word, selector, thr],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        if x.dtype.primitive_bitwidth == 16:  # two entries a register (pack=2)
+            sel = (0x88 + 0x11 * b).to(tl.uint32)
+            return tl.inline_asm_elementwise(_SELECT_16X2, "=r,r,r,r,r,r", [x, sel, flags],
+                                             dtype=x.dtype, is_pure=True, pack=2)
+        else:
+            sel = (0x8888 + 0x1111 * b).to(tl.uint32)
+            return tl.inline_asm_elementwise(_SELECT_32, "=r,r,r,r", [x, flags, sel],
+                                             dtype=x.dtype, is_pure=True, pack=1)
     else:
-        keep = ((word >> (8 * b).to(tl.uint32)) & 0xFF) >= tl.cast(threshold, tl.uint32)
-        return tl.where(keep, x, 0.0)
+        keep = ((flags >> (8 * b + 7).to(tl.uint32)) & 1) != 0
+        return tl.where(keep, x, 0.0).to(x.dtype)
 
 
 @triton.jit
@@ -111,7 +155,7 @@ def _dropped_by_calls(x, seed, offset, bh, threshold, start_m, start_n,
             + g[None, None, None, None, None, None, :]
         word = _call_words(seed, offset, bh, c0, c1, jj[None, :, None, None, None, None, None])
         b = 2 * h[None, None, None, None, None, :, None] + dl[None, None, None, :, None, None, None]
-        return tl.reshape(_select(x, word, b, threshold), (C, R))
+        return tl.reshape(_select(x, keep_flags(word, threshold), b), (C, R))
     else:  # (row // 16, bit 3, bits 0-2, col // 32, bits 3-4, bits 1-2, bit 0)
         x = tl.reshape(x, (R // 16, 2, 8, C // 32, 4, 4, 2))
         c0 = start_n + 32 * blk[None, None, None, :, None, None, None] \
@@ -120,7 +164,7 @@ def _dropped_by_calls(x, seed, offset, bh, threshold, start_m, start_n,
             + g[None, None, :, None, None, None, None]
         word = _call_words(seed, offset, bh, c0, c1, jj[None, None, None, None, :, None, None])
         b = 2 * h[None, :, None, None, None, None, None] + dl[None, None, None, None, None, None, :]
-        return tl.reshape(_select(x, word, b, threshold), (R, C))
+        return tl.reshape(_select(x, keep_flags(word, threshold), b), (R, C))
 
 
 @triton.jit
@@ -143,7 +187,7 @@ def dropped(x, state, start_m, start_n, TRANSPOSED: tl.constexpr = False):
         r = start_m + tl.arange(0, R)
         c = start_n + tl.arange(0, C)
         word, b = random_byte(seed, offset, bh, r, c, TRANSPOSED)
-        return _select(x, word, b, threshold)
+        return _select(x, keep_flags(word, threshold), b)
 
 
 @triton.jit
@@ -178,28 +222,30 @@ def dropout_mask(rng, B: int, H: int, Nq: int, Nk: int, p: float, Br: int = 16, 
 @triton.jit
 def _dropped_kernel(RNG, Out, bh, start_m, start_n, threshold, R: tl.constexpr, C: tl.constexpr,
                     TRANSPOSED: tl.constexpr):
-    """Writes dropped() of a tile of ones: 1 where kept, 0 where dropped."""
+    """Writes dropped() of a tile of ones of Out's type: 1 where kept, 0 where dropped."""
     state = (tl.load(RNG), tl.load(RNG + 1), bh, threshold, 1.0, start_m)
+    dtype = Out.dtype.element_ty
     if TRANSPOSED:
         i, j = tl.arange(0, C)[:, None], tl.arange(0, R)[None, :]
-        ones = tl.full((C, R), 1.0, tl.float32)
+        ones = tl.full((C, R), 1.0, dtype)
         tl.store(Out + i * R + j, dropped(ones, state, start_m, start_n, TRANSPOSED=True))
     else:
         i, j = tl.arange(0, R)[:, None], tl.arange(0, C)[None, :]
-        ones = tl.full((R, C), 1.0, tl.float32)
+        ones = tl.full((R, C), 1.0, dtype)
         tl.store(Out + i * C + j, dropped(ones, state, start_m, start_n))
 
 
 def kept_by_kernels(rng, bh: int, p: float, rows: int, cols: int, start_m: int, start_n: int,
-                    transposed: bool = False):
+                    transposed: bool = False, dtype=None):
     """bool (rows, cols): what :func:`dropped`, as the attention kernels call it, keeps of the
     tile of rows start_m.. and columns start_n.. of head ``bh`` (with ``transposed``, of the
-    transposed tile, as the dK/dV program holds it; returned in (row, col) order). For tests."""
+    transposed tile, as the dK/dV program holds it; returned in (row, col) order), the tile
+    of ``dtype`` (float32 by default; the forward selects P_ij in 16 bits). For tests."""
     import torch
 
     from ..dropout import threshold
 
-    out = torch.zeros(rows * cols, dtype=torch.float32, device=rng.device)
+    out = torch.zeros(rows * cols, dtype=dtype or torch.float32, device=rng.device)
     _dropped_kernel[(1,)](rng, out, bh, start_m, start_n, threshold(p), R=rows, C=cols,
                           TRANSPOSED=transposed)
     kept = out.view((cols, rows) if transposed else (rows, cols)) == 1.0

@@ -88,10 +88,11 @@ def _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, rows, Nk, qk_scale, ctx
     P_ij = tl.math.exp2(S_ij * qk_scale - m_use[:, None])  # one fused multiply-add, one ex2
     alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(P_ij, 1)
-    if drop is not None:
+    P_ij = P_ij.to(V_j.dtype)  # the product's operand
+    if drop is not None:  # selected in the operand's type: two entries a register in 16 bits
         P_ij = dropped(P_ij, drop, drop[5], start_n)
     # the rescaled O_i is the product's accumulator: the tensor cores add P_ij V_j into it
-    O_i = tl.dot(P_ij.to(V_j.dtype), V_j, O_i * alpha[:, None], input_precision=DOT_PREC)
+    O_i = tl.dot(P_ij, V_j, O_i * alpha[:, None], input_precision=DOT_PREC)
     return O_i, l_i, m_new
 
 

@@ -199,10 +199,10 @@ def test_short_backwards_take_one_launch():
     assert not bwd.fused(config.GPU_16BIT[64], 16384)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_block_mask_fits_the_dropout_tiles_too(monkeypatch, d):
-    """A call with dropout and a block mask runs on dropout's own tiles (the H100's d=128
-    forward: 128 x 128, 2 stages; d=256's backward: a 2-stage dQ): those are fitted to the
+    """A call with dropout and a block mask runs on dropout's own tiles (the H100's d=64
+    dK/dV tiles of 64 x 64; d=256's backward: a 2-stage dQ): those are fitted to the
     mask's block too, or a 64-row block would be read as 128-row tiles."""
     from flashedu.triton import autograd, config
 
@@ -1243,19 +1243,28 @@ def test_short_sequences_take_the_short_entry_s_tiles():
     assert d256.backward_entry(True, True, None, 512) is d256.dropout_backward
 
 
-def test_dropout_forward_has_its_own_tiles_where_the_forward_s_do_not_fit():
-    """sm_90, d=128: 3 stages with dropout need more shared memory than the H100 has
-    (compiled: 240 KB of 227), so a dropout call takes the 2-stage tiles."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_takes_its_own_tiles_and_they_fit(d):
+    """sm_90: a call with dropout takes dropout's forward tiles (and at d=64 its backward
+    entry), a call without takes the forward's; a block-sparse dropout call the same tiles
+    without TMA; and dropout's tiles fit the H100's 227 KB of shared memory by the table's
+    own estimate (the GPU test below launches them)."""
     from flashedu.triton import config
 
-    entry = config.GPU_16BIT[128]
-    assert entry.forward_tiles(None, 8192, True) == dataclasses.replace(entry.forward,
-                                                                        num_stages=2)
+    entry = config.GPU_16BIT[d]
+    tiles = entry.dropout_forward
+    assert tiles is not None and tiles != entry.forward
+    assert entry.forward_tiles(None, 8192, True) == tiles
     assert entry.forward_tiles(None, 8192) == entry.forward
-    assert config.GPU_16BIT[64].forward_tiles(None, 8192, True) == config.GPU_16BIT[64].forward
-    mask = flashedu.BlockMask.causal(256)  # block-sparse: the same stages, no TMA
+    mask = flashedu.BlockMask.causal(256)
     assert entry.forward_tiles(mask, 256, True) == dataclasses.replace(
-        entry.forward, num_stages=2, tma=False, warp_specialize=False)
+        tiles, tma=False, warp_specialize=False)
+    backward = entry.backward_entry(False, True, None, 8192)
+    assert backward is (entry.dropout_backward or entry)
+    assert config.smem_estimate("forward", tiles.Br, tiles.Bc, tiles.num_stages, d, 2) <= 227 << 10
+    for kind in ("dkdv", "dq"):
+        t = getattr(backward, kind)
+        assert config.smem_estimate(kind, t.Br, t.Bc, t.num_stages, d, 2) <= 227 << 10, kind
 
 
 @pytest.mark.gpu

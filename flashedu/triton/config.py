@@ -59,10 +59,12 @@ class KernelConfig:
     # Tiles of the block-sparse forward. None: the forward's, without TMA and warp
     # specialization (on the block-sparse loops TMA alone measured 3-9% slower, speed.md).
     sparse_forward: Tiles | None = None
-    # Tiles of the forward with dropout, where the forward's do not fit it: None, the forward's.
+    # Tiles of the forward with dropout, where the forward's do not fit it or dropout runs
+    # faster on others: None, the forward's.
     dropout_forward: Tiles | None = None
-    # The backward with dropout, where the backward's tiles do not fit it: None, the backward's.
-    # A dropout call takes it, causal or not (it replaces causal_backward too).
+    # The backward with dropout, where the backward's tiles do not fit it or dropout runs
+    # faster on others: None, the backward's. A dropout call takes it, causal or not (it
+    # replaces causal_backward too).
     dropout_backward: "KernelConfig | None" = None
     # The entry (forward and backward tiles) of a call without a block mask or dropout while
     # the key length is below short_until (None: this entry at every length). A short
@@ -123,6 +125,11 @@ _D256 = KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(64, 64, 8, 2), Tiles(
                      fused_backward=False)
 _SMALL_D = KernelConfig(Tiles(128, 64, 8, 3, maxnreg=128), Tiles(32, 128, 8, 3, maxnreg=128),
                         Tiles(128, 64, 8, 3, maxnreg=128), fused_backward=True, split_from=8192)
+# With dropout at d=64 (H200, N=4096, p=0.1, each alone): a forward of 4 warps 3% faster, and
+# a dK/dV program on 64 x 64 tiles with 4 warps 9% faster than the 32 x 128 of 8 warps, where
+# the registers the mask's draws take spill (BENCHMARKS.md, "Dropout's select in 16 bits")
+_SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
+                   dropout_backward=replace(_SMALL_D, dkdv=Tiles(64, 64, 4, 3)))
 GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,
@@ -134,9 +141,10 @@ GPU_16BIT = {
                       causal_backward=KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3),
                                                    Tiles(128, 64, 8, 3), fused_backward=True,
                                                    split_from=16384),
-                      # dropout's forward needs 240 KB of shared memory with 3 stages, more
-                      # than the H100's 227 (compiled, `flashedu bench sass`): 2 stages, 176 KB
-                      dropout_forward=replace(_FORWARD_128, num_stages=2),
+                      # dropout's forward: 64 x 64 tiles of 4 warps, 2% (non-causal) and 6%
+                      # (causal) faster than the forward's tiles with 2 stages (with 3 they
+                      # need 240 KB of shared memory, more than the H100's 227)
+                      dropout_forward=Tiles(64, 64, 4, 3),
                       # below 2048 keys 64 x 64 tiles with 4 warps, one backward launch:
                       # forward 1.06-1.35x, backward 1.06-1.13x the entries above, causal or
                       # not (BENCHMARKS.md, "Short sequences: small tiles")

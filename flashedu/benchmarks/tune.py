@@ -4,6 +4,7 @@ The winners go into flashedu/triton/config.py by hand (one reviewed table beats 
 that silently changes between machines). Shapes as ``flashedu bench``: B * N = 16384, H * d = 2048.
 
     flashedu bench tune --n 8192 --d 64 128
+    flashedu bench tune --n 4096 --d 64 128 --dropout 0.1   # the dropout entries
 """
 
 from __future__ import annotations
@@ -33,33 +34,38 @@ def bench(fn) -> float:
     return core.try_time_ms(fn, warmup=10, rep=40)
 
 
-def tune(n, d, causal, log):
+def tune(n, d, causal, log, dropout_p=0.0):
+    from flashedu.dropout import draw_rng
     from flashedu.ops import Call
     from flashedu.triton.config import kernel_config
     from flashedu.triton.launch import backward, forward
 
     q, k, v, do = core.standard_inputs(n, d)
     scale = d ** -0.5
-    base = kernel_config(d, False, False)
+    call = Call(causal, scale, dropout_p=dropout_p,
+                rng=draw_rng(q.device) if dropout_p else None)
+    # the entry such a call takes, without the entries it would hand over to (causal,
+    # dropout, short): each candidate then replaces its tiles in what is launched
+    base = dataclasses.replace(
+        kernel_config(d, False, False).backward_entry(causal, dropout_p > 0, None, n),
+        causal_backward=None, dropout_backward=None, short=None)
     fl = core.flops(n, d, causal)
     best = {}
     times = {}
     for t in FWD:
-        times[t] = bench(lambda: forward(q, k, v, Call(causal, scale),
-                                         tiles=t, interpreted=False))
+        times[t] = bench(lambda: forward(q, k, v, call, tiles=t, interpreted=False))
     best["forward"] = min(times, key=times.get)
     log(f"d={d} causal={causal} forward: " + ", ".join(
         f"{t.Br}x{t.Bc}/w{t.num_warps}/s{t.num_stages} {fl / times[t] / 1e9:.0f}TF"
         for t in FWD))
-    o, lse2 = forward(q, k, v, Call(causal, scale),
-                      tiles=best["forward"], interpreted=False)
+    o, lse2 = forward(q, k, v, call, tiles=best["forward"], interpreted=False)
     for name, cands in (("dkdv", DKDV), ("dq", DQ)):
         times = {}
         for t in cands:
             chosen = {"dkdv": best["dkdv"]} if "dkdv" in best else {}
             cfg = dataclasses.replace(base, **{**chosen, name: t})
-            times[t] = bench(lambda: backward(q, k, v, o, lse2, do, Call(causal, scale),
-                                              config=cfg, interpreted=False))
+            times[t] = bench(lambda: backward(q, k, v, o, lse2, do, call, config=cfg,
+                                              interpreted=False))
         best[name] = min(times, key=times.get)
         log(f"d={d} causal={causal} bwd varying {name}: " + ", ".join(
             f"{t.Br}x{t.Bc}/w{t.num_warps}/s{t.num_stages} {2.5 * fl / times[t] / 1e9:.0f}TF"
@@ -73,6 +79,8 @@ def parse_args(argv):
     p.add_argument("--d", type=core.head_dim, nargs="+", default=[64, 128], help="head dims")
     p.add_argument("--causal", type=core.boolean, nargs="+", default=[False, True],
                    help="causal values to tune (true/false, 1/0)")
+    p.add_argument("--dropout", type=core.probability, default=0.0,
+                   help="tune calls with this dropout rate (the table's dropout entries)")
     p.add_argument("--json", type=core.output_file, default=None, help="write the winners here")
     return p.parse_args(argv)
 
@@ -86,7 +94,7 @@ def main(argv=None) -> int:
     for d in args.d:
         for causal in args.causal:
             out[f"d={d} causal={causal}"] = tune(args.n, d, causal,
-                                                 lambda s: print(s, flush=True))
+                                                 lambda s: print(s, flush=True), args.dropout)
     print(json.dumps(out, indent=1))
     if args.json:
         core.write_json(args.json, {**core.environment(["tune", *argv]), "best": out})

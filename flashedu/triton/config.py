@@ -125,11 +125,13 @@ _D256 = KernelConfig(Tiles(128, 64, 8, 2, tma=True), Tiles(64, 64, 8, 2), Tiles(
                      fused_backward=False)
 _SMALL_D = KernelConfig(Tiles(128, 64, 8, 3, maxnreg=128), Tiles(32, 128, 8, 3, maxnreg=128),
                         Tiles(128, 64, 8, 3, maxnreg=128), fused_backward=True, split_from=8192)
-# With dropout at d=64 (H200, N=4096, p=0.1, each alone): a forward of 4 warps 3% faster, and
-# a dK/dV program on 64 x 64 tiles with 4 warps 9% faster than the 32 x 128 of 8 warps, where
-# the registers the mask's draws take spill (BENCHMARKS.md, "Dropout's select in 16 bits")
+# With dropout at d=64 (H200, N=1024-4096, p=0.1): a forward of 4 warps 0-3% faster, and
+# dK/dV on 64 x 64 tiles with 4 warps 10-13% faster than on the 32 x 128 of 8 warps, where
+# the registers the mask's draws take spill; dQ on 64 x 64 1-4% more (one launch: the dK/dV
+# program's 4 warps; BENCHMARKS.md, "Dropout's select in 16 bits")
 _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
-                   dropout_backward=replace(_SMALL_D, dkdv=Tiles(64, 64, 4, 3)))
+                   dropout_backward=replace(_SMALL_D, dkdv=Tiles(64, 64, 4, 3),
+                                            dq=Tiles(64, 64, 4, 3)))
 GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,

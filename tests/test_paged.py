@@ -129,6 +129,97 @@ def test_a_repeated_step_repeats_its_launch_plan(monkeypatch):
     torch.testing.assert_close(lse.cpu().double(), L_ref, rtol=1e-5, atol=1e-5)
 
 
+def check_paged(out, lse, q, k, v, table, seqlens, page_size, causal):
+    """out and lse against the float64 reference: -inf exactly where a query sees no key."""
+    O_ref, L_ref = reference(q, k, v, table, seqlens, page_size, causal)
+    torch.testing.assert_close(out.cpu().double(), O_ref, rtol=1e-5, atol=1e-5)
+    seen = torch.isfinite(L_ref)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    torch.testing.assert_close(lse.cpu().double()[seen], L_ref[seen], rtol=1e-5, atol=1e-4)
+
+
+def counters_at_zero(merged: bool) -> bool:
+    """The one-launch merge left its counters as it found them (one buffer, where it merged)."""
+    from flashedu.triton import decode
+
+    assert len(decode._COUNTERS) == int(merged)
+    return all(c == 0 for buf in decode._COUNTERS.values() for c in buf.cpu().tolist())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_each_merge_matches_the_reference(merge_path, causal):
+    """One launch (the group's last program merges) and two (combine_kernel): sequences of 70,
+    5 (shorter than a chunk: its later chunks are empty), 0 and 33 keys, 2 queries, 3 splits."""
+    lengths = [70, 5, 0, 33]
+    k, v, table, seqlens = random_pool(lengths, 16, 2, 32, torch.float32, seed=5)
+    q = torch.randn(4, 4, 2, 32, generator=torch.Generator().manual_seed(5))
+    out, lse = paged_attention(*(t.to(DEVICE) for t in (q, k, v, table, seqlens)),
+                               is_causal=causal, num_splits=3, return_lse=True)
+    check_paged(out, lse, q, k, v, table, seqlens, 16, causal)
+    assert counters_at_zero(merge_path)
+
+
+def test_a_repeated_step_is_right_every_time(merge_path):
+    """A plan started again and again (three steps of one layout, new keys, pages and lengths
+    each time): every step right, and the counters back at zero after each."""
+    from flashedu.triton import fast
+
+    for seed, lengths in enumerate([[50, 20], [20, 60], [64, 17]]):  # 6 pages, at most 4
+        k, v, table, seqlens = random_pool(lengths, 16, 2, 32, torch.float32, seed=seed)
+        q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(seed))
+        out, lse = paged_attention(*(t.to(DEVICE) for t in (q, k, v, table, seqlens)),
+                                   num_splits=3, return_lse=True)
+        check_paged(out, lse, q, k, v, table, seqlens, 16, False)
+        assert counters_at_zero(merge_path)
+    assert len(fast.PLANS) == 1
+
+
+def poisoned(cache, table, seqlens, page_size):
+    """The pool with NaN in every row no sequence uses (past each sequence's end in its last
+    page, and the spare pages)."""
+    used = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seqlens.tolist()):
+        j = torch.arange(n)
+        used[table[b, j // page_size].long(), j % page_size] = True
+    return cache.masked_fill(~used[:, :, None, None], float("nan"))
+
+
+@pytest.mark.parametrize("page_size, tma", [(32, True), (64, True), (24, False)])
+def test_tma_reads_pages_through_one_descriptor(monkeypatch, page_size, tma):
+    """K_j, V_j through one descriptor over the pool's rows of a head, where pages hold whole
+    tiles (of Bc = 16 rows under the interpreter, whose descriptors let the CPU check the row
+    arithmetic; 32 on a GPU in float32); pages of 24 rows keep the pointer loads. Rows no sequence uses hold NaN:
+    rows past a sequence's end inside its last page are read by the descriptor, and must
+    reach neither the scores nor P_ij V_j."""
+    from flashedu.triton import fast
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    monkeypatch.setattr(fast, "tma_on", lambda interpreted, *tensors: True)
+    if DEVICE.type != "cuda":  # no GPU allocator to install for descriptors on the CPU
+        monkeypatch.setattr(fast, "_ALLOCATOR_CHECKED", True)
+    k, v, table, seqlens = random_pool([45, 7, 0], page_size, 2, 32, torch.float32, seed=9)
+    k, v = (poisoned(c, table, seqlens, page_size) for c in (k, v))
+    q = torch.randn(3, 4, 2, 32, generator=torch.Generator().manual_seed(9))
+    out, lse = paged_attention(*(t.to(DEVICE) for t in (q, k, v, table, seqlens)),
+                               is_causal=True, num_splits=2, return_lse=True)
+    assert [plan.split.consts["TMA"] for plan in fast.PLANS.values()] == [tma]
+    check_paged(out, lse, q, k, v, table, seqlens, page_size, True)
+
+
+def test_one_descriptor_needs_whole_tiles_in_one_array_of_rows():
+    from flashedu.triton.decode import tma_layout
+
+    pool = torch.zeros(6, 32, 2, 8)  # (num_pages, page_size, Hkv, d)
+    strides = (pool.stride(0), pool.stride(2), pool.stride(1))  # (page, head, row)
+    assert tma_layout((1, 2, 3), (1, 2, 3), 0, 64)  # a contiguous cache: always
+    assert tma_layout(strides, strides, 32, 16) and tma_layout(strides, strides, 32, 32)
+    assert not tma_layout(strides, strides, 32, 64)  # a tile would span two pages
+    gaps = pool[:, :16]  # pages of 16 rows, 32 rows apart
+    spaced = (gaps.stride(0), gaps.stride(2), gaps.stride(1))
+    assert not tma_layout(spaced, spaced, 16, 16)
+    assert not tma_layout(strides, spaced, 16, 16)
+
+
 def test_float64_numpy_is_the_exact_reference():
     k, v, table, seqlens = random_pool([30, 64], 16, 1, 8, torch.float64, seed=2)
     q = torch.randn(2, 2, 2, 8, dtype=torch.float64)

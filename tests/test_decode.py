@@ -7,7 +7,6 @@ import torch
 import flashedu
 from flashedu import tolerance
 from flashedu.reference import naive_attention
-from flashedu.triton import decode, fast
 from flashedu.triton.decode import (
     choose_num_splits,
     heads_per_program,
@@ -71,84 +70,26 @@ def test_matches_reference(case):
     torch.testing.assert_close(lse.cpu().double(), L_ref, rtol=1e-5, atol=1e-4)
 
 
-def counters_at_zero(merged: bool) -> bool:
-    """The one-launch merge left its counters as it found them (one buffer, where it merged)."""
-    assert len(decode._COUNTERS) == int(merged)
-    return all(c == 0 for buf in decode._COUNTERS.values() for c in buf.cpu().tolist())
-
-
+@pytest.mark.parametrize("merge_tile", [1, 8192])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("num_splits", [4, 1])
-def test_each_merge_matches_the_reference(merge_path, causal, num_splits):
-    """One launch (the group's last program merges; with one split, it writes its answer) and
-    two (combine_kernel) give the float64 answer and lse: 4 query heads of 3 queries packed in
-    a program, a ragged last tile, a padded head dim, 3 splits (4 asked: rounding leaves 3)."""
+def test_the_merge_in_steps_of_any_size(monkeypatch, merge_tile, causal):
+    """combine_kernel loads the partials MERGE_SPLITS splits a step (about MERGE_TILE values):
+    one split a step (its loop runs once a split) and all of them at once give the float64
+    answer and lse; 4 query heads of 3 queries, a ragged last tile, a padded head dim, 3
+    splits (4 asked: rounding leaves 3)."""
+    from flashedu.triton import decode, fast
+
+    monkeypatch.setattr(decode, "MERGE_TILE", merge_tile)
+    monkeypatch.setattr(fast, "PLANS", {})
+    decode._launch_plan.cache_clear()  # its constexprs read MERGE_TILE
     B, H, Hkv, Nq, Nk, d = 2, 8, 2, 3, 75, 24
     q = randn(B, H, Nq, d)
     k, v = randn(B, Hkv, Nk, d), randn(B, Hkv, Nk, d)
-    out, lse = split_kv_attention(q, k, v, num_splits=num_splits, is_causal=causal,
-                                  return_lse=True)
+    out, lse = split_kv_attention(q, k, v, num_splits=4, is_causal=causal, return_lse=True)
+    decode._launch_plan.cache_clear()
     O_ref, L_ref = reference(q, k, v, bottom_right(Nq, Nk) if causal else np.ones((Nq, Nk), bool))
     torch.testing.assert_close(out.cpu().double(), O_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), L_ref, rtol=1e-5, atol=1e-4)
-    assert counters_at_zero(merge_path and num_splits > 1)
-
-
-def test_tma_loads_give_the_reference_answer(monkeypatch):
-    """K_j, V_j through tensor descriptors (TMA on a GPU; Triton's interpreter has them too,
-    so the CPU checks the descriptor's rows): rows past Nk and dims past d come as zeros."""
-    monkeypatch.setattr(fast, "PLANS", {})
-    monkeypatch.setattr(fast, "tma_on", lambda interpreted, *tensors: True)
-    if DEVICE.type != "cuda":  # no GPU allocator to install for descriptors on the CPU
-        monkeypatch.setattr(fast, "_ALLOCATOR_CHECKED", True)
-    q, k, v = randn(2, 4, 2, 24), randn(2, 2, 75, 24), randn(2, 2, 75, 24)
-    out = split_kv_attention(q, k, v, num_splits=3, is_causal=True)
-    assert [plan.split.consts["TMA"] for plan in fast.PLANS.values()] == [True]
-    O_ref, _ = reference(q, k, v, bottom_right(2, 75))
-    torch.testing.assert_close(out.cpu().double(), O_ref, rtol=1e-5, atol=1e-5)
-
-
-def test_the_split_kernel_builds_for_an_h100_each_way(monkeypatch):
-    """What the interpreter cannot show: the split kernel compiles for sm_90 with the merge in
-    its last program (the branch on the counter's old value), with TMA descriptors over a
-    contiguous cache and over a pool of pages, and alone writing its answer (one split);
-    without spills, and within the registers that leave three programs of 4 warps an SM."""
-    from flashedu import runtime
-    from flashedu.benchmarks import sass
-
-    if not sass.can_compile():
-        pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
-    launches = []
-
-    def capture(kernel, grid, args, consts, switches=None, slots=()):
-        launches.append((args, {**consts, **(switches or {})}))
-
-    monkeypatch.setattr(fast, "PLANS", {})
-    monkeypatch.setattr(fast, "launch", capture)
-    monkeypatch.setattr(fast, "tma_on", lambda interpreted, *tensors: True)  # an aligned sm_90
-    monkeypatch.setattr(runtime, "triton_interpreted", lambda: False)
-    monkeypatch.setattr(decode, "sm_count", lambda device, interpreted: 132)
-    q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16)
-    k = torch.empty(1, 8, 8192, 128, dtype=torch.bfloat16)
-    contiguous = (k, k, (k.stride(0), k.stride(1), k.stride(2)), (k.stride(0), k.stride(1),
-                                                                  k.stride(2)), 8192)
-    pool = torch.empty(256, 64, 8, 128, dtype=torch.bfloat16)  # pages of 64 rows
-    pages = (pool, pool, (pool.stride(0), pool.stride(2), pool.stride(1)),
-             (pool.stride(0), pool.stride(2), pool.stride(1)), 256 * 64)
-    table, seqlens = torch.zeros(1, 64, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    monkeypatch.setattr(decode, "FUSED_COMBINE", True)
-    with torch.no_grad():  # (cache, Nk, pages, page size, causal) with TMA or not, num_splits
-        for cache, Nk, paged, page_size, causal, tma, splits in [
-                (contiguous, 8192, None, 0, False, False, None),
-                (pages, 4096, (table, seqlens, 64), 64, True, True, None),
-                (contiguous, 8192, None, 0, False, True, 1)]:
-            monkeypatch.setattr(decode, "SPLIT_TMA", tma)
-            decode._split_kv(q, cache, 8, Nk, paged, page_size, splits, None, causal, False, "")
-    assert ["BLOCK_S" in consts for _, consts in launches] == [True, True, False]  # merges
-    for args, consts in launches:
-        row = sass.compile_kernel(decode.split_kernel, args, consts)
-        assert row["spill_stores"] == 0 and row["registers"] <= 168, (consts, row)
-        assert ("UTMALDG" in row["ops"]) == consts["TMA"]
 
 
 def test_every_split_count_gives_the_same_answer():

@@ -10,9 +10,8 @@ Split-KV gives the keys to several programs instead:
 1. ``split_kernel``: program (s, g) runs the forward's inner loop (the same ``_softmax_step``)
    over chunk s of the keys only and writes a *partial* result: O_s normalized by its own l, and
    its logsumexp L_s (base 2), exactly the (O, L) pair of ``flashedu.merge``.
-2. the merge rule over the num_splits partials, L = log Σ_s e^{L_s}, O = Σ_s e^{L_s - L} O_s
-   (in base 2 here; ``merge``): by the split kernel itself, or by ``combine_kernel``, a second
-   launch with one program per query row (``FUSED_COMBINE`` chooses).
+2. ``combine_kernel``: one program per query row merges the num_splits partials with the merge
+   rule, L = log Σ_s e^{L_s}, O = Σ_s e^{L_s - L} O_s (in base 2 here; ``merge``).
 
 Grouped-query attention is packed: the query heads that share one K/V head go into the rows of
 one program (row r is head r // Nq, query r % Nq), so each K/V tile is read once per group
@@ -31,39 +30,6 @@ the page of each of its rows, so tiles keep their size whatever the page size. E
 has its own length, ``cache_seqlens[b]``, read by the kernel, so one launch serves sequences of
 any lengths.
 
-One launch instead of two. At small caches a decoding step takes a few microseconds, and a
-second launch is a large part of it. So each program, once it has stored its partial,
-increments its group's counter (one int32 per group g, ``counters[g]``); the program that
-finds num_splits - 1 there is the last of its group, merges the group's partials into the
-output, and sets the counter back to 0. That this last program reads every other program's
-partial, not stale memory, rests on the increment's ordering, ``sem="acq_rel"``:
-- release: a program's stores of its partial happen before its increment (a barrier first
-  gathers every thread's stores before the one thread that increments). Another program that
-  sees the incremented value also sees those stores.
-- acquire: the last program's loads of the partials happen after its own increment. That
-  increment read the value the others' increments left, and each of those, a read-modify-write
-  of the same counter, carries on the releases before it: the last program sees every
-  other program's stores.
-Programs of one group run in any order and at once; no program waits for another (the last
-to arrive does the merge, the others exit), so nothing deadlocks whatever the GPU schedules.
-Every launch leaves the counters at zero (every program increments once, empty chunks too; the
-last one resets), so a counter buffer is zeroed once when allocated and reused by every later
-launch without a memset. Reuse is safe only between launches that run one after another:
-two launches sharing a buffer at once (the same layout on two streams) would count each
-other's arrivals. The buffer is therefore kept per (device, stream) (``_counters``), shared by
-every launch on that stream; a launch captured into a CUDA graph gets its own. Triton's
-interpreter runs the programs one at a time, so the CPU tests check the bookkeeping (the last
-program merges, the counters end at zero) but not concurrency.
-
-K_j and V_j by TMA (``SPLIT_TMA``): on Hopper and newer, where the forward's rule allows it
-(``fast.tma_on``: compiled, 16-byte aligned), the tiles come from tensor descriptors instead
-of pointer loads. One descriptor per K/V head must reach every tile: a contiguous cache's
-(B, Hkv, Nk, d) gives batch b's head an (Nk, d) array; a paged cache qualifies where a tile
-lies in one page (PAGE_SIZE a multiple of Bc) and the pages lie one after another in the pool
-(``tma_layout``), the descriptor then spanning the pool's rows of that head. There the copy
-engine reads rows past a sequence's end from whatever the pool holds next, so those V rows
-are zeroed before P_ij V_j (their P_ij is 0, but 0 * NaN is NaN).
-
 Forward only (inference); for training use flashedu.attention.
 """
 
@@ -71,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -90,28 +55,22 @@ MAX_SPLITS = 128
 # the split kernel's launch on a GPU: two stages leave room for three programs per SM
 # (BENCHMARKS.md, "Decoding from a paged cache: one page entry per tile")
 SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}
-# Switches read when a call's launch plan is made (each setting gets its own plan, so both can
-# be timed in one process): the merge done by the split kernel's last program of each group,
-# one launch (else combine_kernel, a second launch); K/V tiles fetched by TMA where the GPU
-# and the cache's layout allow it (else pointer loads).
-FUSED_COMBINE = True
-SPLIT_TMA = True
-MERGE_TILE = 8192  # partial values one merge step loads (64 a thread with 4 warps): all in flight
+MERGE_TILE = 8192  # partial values one step of the merge loads: all in flight together
 
 
 @triton.jit
-def cache_rows(start_n, j, row_ok, b, block_table, width, stride_k, stride_v, Bc: tl.constexpr,
-               PAGE_SIZE: tl.constexpr):
+def cache_rows(start_n, j, row_ok, b, block_table, width, stride_kb, stride_kn, stride_vb,
+               stride_vn, Bc: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Where keys j = start_n .. start_n + Bc - 1 of sequence b lie in K and in V, as offsets
     from the head's start: rows j of batch b in a contiguous cache (no block_table); in a
     paged one, row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE] (the table's rows
-    ``width`` entries apart), stride_k[0], stride_v[0] then being the pages' strides. The page
+    ``width`` entries apart), stride_kb, stride_vb then being the pages' strides. The page
     lookup is the only difference, done once for K and V. Where pages hold whole tiles
     (PAGE_SIZE a multiple of Bc; tiles start at multiples of Bc) the tile reads one table
     entry; else each row reads its own. Keys past the sequence (not row_ok) read no entry;
     their rows are masked by the load."""
     if block_table is None:
-        return b * stride_k[0] + j * stride_k[2], b * stride_v[0] + j * stride_v[2]
+        return b * stride_kb + j * stride_kn, b * stride_vb + j * stride_vn
     else:
         if PAGE_SIZE % Bc == 0:  # start_n < the sequence's length: its entry exists
             page = tl.load(block_table + b * width + start_n // PAGE_SIZE).to(tl.int64)
@@ -119,79 +78,103 @@ def cache_rows(start_n, j, row_ok, b, block_table, width, stride_k, stride_v, Bc
             page = tl.load(block_table + b * width + j // PAGE_SIZE, mask=row_ok,
                            other=0).to(tl.int64)
         row = j % PAGE_SIZE
-        return page * stride_k[0] + row * stride_k[2], page * stride_v[0] + row * stride_v[2]
+        return page * stride_kb + row * stride_kn, page * stride_vb + row * stride_vn
 
 
 @triton.jit
-def tile_row(start_n, b, block_table, width, PAGE_SIZE: tl.constexpr):
-    """The row of the K/V descriptors (TMA) where the tile of keys start_n .. lies: start_n in
-    a contiguous cache (the descriptor is batch b's); in a paged one, whose pages hold whole
-    tiles and lie one after another in the pool, its page's first row plus its place there."""
-    if block_table is None:
-        return start_n
-    else:
-        page = tl.load(block_table + b * width + start_n // PAGE_SIZE)
-        return page * PAGE_SIZE + start_n % PAGE_SIZE
-
-
-@triton.jit
-def split_step(O_i, l_i, m_i, Q_i, K_src, V_src, start_n, b, block_table, width, stride_k,
-               stride_v, pos, dims, Nk, d, qk_scale, ctx, Bc: tl.constexpr,
+def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, b, block_table, width, stride_kb,
+               stride_kn, stride_vb, stride_vn, pos, dims, Nk, d, qk_scale, ctx, Bc: tl.constexpr,
                IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
-               DOT_PREC: tl.constexpr, PAGE_SIZE: tl.constexpr, TMA: tl.constexpr):
-    """Load K_j, V_j (keys start_n ..) from the cache, then the forward's softmax step.
-    K_src, V_src: the head's K and V, as pointers or (TMA) as tensor descriptors."""
+               DOT_PREC: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Load K_j, V_j (keys start_n ..) from the cache, then the forward's softmax step."""
     j = start_n + tl.arange(0, Bc)
     row_ok = j < Nk
-    if TMA:
-        row = tile_row(start_n, b, block_table, width, PAGE_SIZE)
-        K_j = K_src.load([row, 0])
-        V_j = V_src.load([row, 0])
-        if MASK and block_table is not None:
-            # rows past the sequence's end are the pool's next rows, not zeros: whatever they
-            # hold (even NaN) must not reach O_i through P_ij V_j = 0 * V_j (K_j's rows are
-            # masked out of S_ij by the softmax step)
-            V_j = tl.where(row_ok[:, None], V_j, 0.0)
-    else:
-        dim_ok = dims[None, :] < d
-        K_rows, V_rows = cache_rows(start_n, j, row_ok, b, block_table, width, stride_k,
-                                    stride_v, Bc, PAGE_SIZE)
-        K_j = load_tile(K_src + K_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
-                        not EVEN_D)
-        V_j = load_tile(V_src + V_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
-                        not EVEN_D)
+    dim_ok = dims[None, :] < d
+    K_rows, V_rows = cache_rows(start_n, j, row_ok, b, block_table, width, stride_kb,
+                                stride_kn, stride_vb, stride_vn, Bc, PAGE_SIZE)
+    K_j = load_tile(K_head + K_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
+                    not EVEN_D)
+    V_j = load_tile(V_head + V_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
+                    not EVEN_D)
     return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, pos, Nk, qk_scale, ctx, None,
                          None, IS_CAUSAL, MASK, DOT_PREC)
 
 
 @triton.jit
-def kv_sources(K, V, b, h_kv, block_table, stride_k, stride_v, kv_rows, d, Bc: tl.constexpr,
-               HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
-    """K/V head h_kv as the loads read it: pointers to its first row (of batch b's cache, or of
-    the pool), or (TMA) descriptors over its kv_rows rows of d values (batch b's Nk rows, or
-    every row of the pool), fetched Bc x HEAD_DIM at a time, zeros past either edge."""
-    K_head = K + h_kv * stride_k[1]
-    V_head = V + h_kv * stride_v[1]
-    if TMA:
-        if block_table is None:
-            K_head += b * stride_k[0]
-            V_head += b * stride_v[0]
-        K_src = tl.make_tensor_descriptor(K_head, [kv_rows, d], [stride_k[2], 1], [Bc, HEAD_DIM])
-        V_src = tl.make_tensor_descriptor(V_head, [kv_rows, d], [stride_v[2], 1], [Bc, HEAD_DIM])
-    else:
-        K_src = K_head
-        V_src = V_head
-    return K_src, V_src
+def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
+                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, H, GROUP, HEADS, Nq, Nk, d, chunk, num_splits,
+                 width,
+                 BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr = 0):
+    """Program (s, g): chunk s of the keys for the query heads of group g. For a paged cache,
+    ``block_table`` (rows ``width`` entries apart) and ``seqlens``, each sequence's cache
+    length (K and V are then pools of pages whose stride_kb, stride_vb are the pages' strides);
+    both None where the cache is one contiguous (B, Hkv, Nk, d) block, and then not compiled."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
+    s = tl.program_id(0)  # which chunk of keys
+    g = tl.program_id(1)  # which (batch, group of HEADS query heads sharing one K/V head)
+    heads_per_b = H // HEADS
+    b = g // heads_per_b
+    h0 = (g % heads_per_b) * HEADS  # first query head of this program
+    h_kv = h0 // GROUP
+    if seqlens is not None:
+        Nk = tl.load(seqlens + b)  # this sequence's cache length
+
+    r = tl.arange(0, BLOCK_M)
+    h = h0 + r // Nq  # packed rows: query head of each row ...
+    n = r % Nq  # ... and its query index
+    row_ok = r < HEADS * Nq
+    pos = n + Nk - Nq  # bottom-right causal: query n sits at position Nk - Nq + n
+    dims = tl.arange(0, HEAD_DIM)
+    dim_ok = dims[None, :] < d
+    Q_i = load_tile(Q + b * stride_qb + h[:, None] * stride_qh + n[:, None] * stride_qn
+                    + dims[None, :], row_ok[:, None], dim_ok, True, not EVEN_D)
+    K_head = K + h_kv * stride_kh
+    V_head = V + h_kv * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    O_i = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo = s * chunk
+    hi = tl.maximum(tl.minimum(lo + chunk, Nk), lo)  # a chunk past this sequence's end is empty
+    # this chunk's tiles (tiles.py): those every query sees whole need no mask (the first
+    # query sits at position Nk - Nq); the diagonal and the ragged edge pay for one
+    num, num_full, u0, a0, na, b0, idx_row, e0 = chunk_tiles(lo, hi, Nq, Nk, Bc, IS_CAUSAL)
+    ctx = (b, h, Nq, qk_scale, None, None, None)  # no mods here
+    for t in range(0, num_full):
+        j = full_tile(t, u0, idx_row, None)
+        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, block_table,
+                                   width, stride_kb, stride_kn, stride_vb, stride_vn, pos, dims,
+                                   Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, False, EVEN_D,
+                                   DOT_PREC, PAGE_SIZE)
+    for t in range(num_full, num):
+        j = masked_tile(t, num_full, a0, na, b0, idx_row, None)
+        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, block_table,
+                                   width, stride_kb, stride_kn, stride_vb, stride_vn, pos, dims,
+                                   Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, True, EVEN_D,
+                                   DOT_PREC, PAGE_SIZE)
+
+    # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
+    # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).
+    seen = l_i > 0
+    O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
+    L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = (b * H + h) * num_splits + s  # O_part: (B, H, S, Nq, HEAD_DIM), L_part: (B, H, S, Nq)
+    tl.store(O_part + (row * Nq + n)[:, None] * HEAD_DIM + dims[None, :], O_i,
+             mask=row_ok[:, None])
+    tl.store(L_part + row * Nq + n, L_i, mask=row_ok)
 
 
 @triton.jit
 def merge(O_part, L_part, part, row_ok, Nq, num_splits, dims, BLOCK_S: tl.constexpr,
           SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The merge rule of ``flashedu.merge`` (base 2) over the num_splits partial results
-    (O_s, L_s) of some query rows: m = max_s L_s, w_s = 2^(L_s - m), O = Σ_s w_s O_s / Σ_s w_s,
-    L = m + log2 Σ_s w_s. ``part``: each row's entry of split 0 in L_part (split s's is s * Nq
-    further on; O_part's rows are HEAD_DIM wide). A row that no split saw a key of gives O = 0,
-    L = -inf. Returns (O, L).
+    (O_s, L_s) of some query rows: m = max_s L_s, w_s = 2^(L_s - m), O = sum_s w_s O_s /
+    sum_s w_s, L = m + log2 sum_s w_s. ``part``: each row's entry of split 0 in L_part (split
+    s's is s * Nq further on; O_part's rows are HEAD_DIM wide). A row that no split saw a key
+    of gives O = 0, L = -inf. Returns (O, L).
 
     The L_s first, all at once (BLOCK_S >= num_splits of them); then the O_s, SPLITS splits a
     step: the step's loads are in flight together, where one split a step would wait for a
@@ -204,8 +187,6 @@ def merge(O_part, L_part, part, row_ok, Nq, num_splits, dims, BLOCK_S: tl.conste
     total = tl.sum(tl.math.exp2(L_s - m[:, None]), 1)
     O = tl.zeros([part.shape[0], HEAD_DIM], dtype=tl.float32)
     step = tl.arange(0, SPLITS)
-    # tiles (split, row, d), the splits outermost: Triton then spreads the warps over the rows,
-    # and each thread sums its splits in registers
     for s0 in range(0, num_splits, SPLITS):
         at = (s0 + step)[:, None] * Nq + part[None, :]  # (split, row): where its L_s is
         ok = (s0 + step < num_splits)[:, None] & row_ok[None, :]
@@ -220,116 +201,7 @@ def merge(O_part, L_part, part, row_ok, Nq, num_splits, dims, BLOCK_S: tl.conste
 
 
 @triton.jit
-def store_rows(O, L, O_i, L_i, b, h, n, dims, row_ok, stride_o, H, Nq, d):
-    """The answer of query rows (head h, query n of batch b): O_i into O (its strides
-    stride_o), and, where asked for (L not None), the base-2 L_i into L (B, H, Nq)."""
-    row = b * stride_o[0] + h * stride_o[1] + n * stride_o[2]
-    tl.store(O + row[:, None] + dims[None, :], O_i.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dims[None, :] < d))
-    if L is not None:
-        tl.store(L + (b * H + h) * Nq + n, L_i, mask=row_ok)
-
-
-@triton.jit
-def last_to_finish(counters, g, num_splits):
-    """Whether this program is the last of group g's num_splits to be done with its partial
-    result (see the module docstring for why the order of the counter's increment makes the
-    others' partials visible to that program)."""
-    tl.debug_barrier()  # every thread's stores of the partial come before the increment
-    return tl.atomic_add(counters + g, 1, sem="acq_rel") == num_splits - 1
-
-
-@triton.jit
-def group_rows(h0, HEADS, Nq, ROWS: tl.constexpr):
-    """(h, n, row_ok) of a program's ROWS rows: the query heads h0 .. h0 + HEADS - 1 packed,
-    row r being head h0 + r // Nq, query r % Nq; rows past HEADS * Nq are padding."""
-    r = tl.arange(0, ROWS)
-    return h0 + r // Nq, r % Nq, r < HEADS * Nq
-
-
-@triton.jit
-def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, O, counters, L, qk_scale,
-                 stride_q, stride_k, stride_v, stride_o, H, GROUP, HEADS, Nq, Nk, d, chunk,
-                 num_splits, width, kv_rows,
-                 BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr = 0, TMA: tl.constexpr = False,
-                 BLOCK_S: tl.constexpr = 1, MERGE_ROWS: tl.constexpr = 1,
-                 MERGE_SPLITS: tl.constexpr = 1):
-    """Program (s, g): chunk s of the keys for the query heads of group g. Strides come as
-    (batch or page, head, row) tuples. For a paged cache, ``block_table`` (rows ``width``
-    entries apart) and ``seqlens``, each sequence's cache length (K and V are then pools of
-    pages, kv_rows rows in all); both None where the cache is one contiguous (B, Hkv, Nk, d)
-    block, and then not compiled. Where the result goes, by which arguments are None:
-    - O, counters, L None (two launches): the partial (O_s, L_s) into O_part, L_part, for
-      combine_kernel;
-    - counters given (one launch): the partial too, and the group's last program to finish
-      merges all of them into O (and L, the base-2 lse, where asked for), the group's
-      HEADS * Nq rows padded to MERGE_ROWS (``merge``: BLOCK_S, MERGE_SPLITS);
-    - O_part, L_part None (one launch, num_splits 1): the chunk is all the keys, its result
-      the answer, written to O (and L) directly."""
-    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
-    s = tl.program_id(0)  # which chunk of keys
-    g = tl.program_id(1)  # which (batch, group of HEADS query heads sharing one K/V head)
-    heads_per_b = H // HEADS
-    b = g // heads_per_b
-    h0 = (g % heads_per_b) * HEADS  # first query head of this program
-    h_kv = h0 // GROUP
-    if seqlens is not None:
-        Nk = tl.load(seqlens + b)  # this sequence's cache length
-
-    h, n, row_ok = group_rows(h0, HEADS, Nq, BLOCK_M)
-    pos = n + Nk - Nq  # bottom-right causal: query n sits at position Nk - Nq + n
-    dims = tl.arange(0, HEAD_DIM)
-    dim_ok = dims[None, :] < d
-    Q_i = load_tile(Q + b * stride_q[0] + h[:, None] * stride_q[1] + n[:, None] * stride_q[2]
-                    + dims[None, :], row_ok[:, None], dim_ok, True, not EVEN_D)
-    K_src, V_src = kv_sources(K, V, b, h_kv, block_table, stride_k, stride_v, kv_rows, d, Bc,
-                              HEAD_DIM, TMA)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    O_i = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo = s * chunk
-    hi = tl.maximum(tl.minimum(lo + chunk, Nk), lo)  # a chunk past this sequence's end is empty
-    # this chunk's tiles (tiles.py): those every query sees whole need no mask (the first
-    # query sits at position Nk - Nq); the diagonal and the ragged edge pay for one
-    num, num_full, u0, a0, na, b0, idx_row, e0 = chunk_tiles(lo, hi, Nq, Nk, Bc, IS_CAUSAL)
-    ctx = (b, h, Nq, qk_scale, None, None, None)  # no mods here
-    for t in range(0, num_full):
-        j = full_tile(t, u0, idx_row, None)
-        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_src, V_src, j * Bc, b, block_table,
-                                   width, stride_k, stride_v, pos, dims, Nk, d, qk_scale, ctx,
-                                   Bc, IS_CAUSAL, False, EVEN_D, DOT_PREC, PAGE_SIZE, TMA)
-    for t in range(num_full, num):
-        j = masked_tile(t, num_full, a0, na, b0, idx_row, None)
-        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_src, V_src, j * Bc, b, block_table,
-                                   width, stride_k, stride_v, pos, dims, Nk, d, qk_scale, ctx,
-                                   Bc, IS_CAUSAL, True, EVEN_D, DOT_PREC, PAGE_SIZE, TMA)
-
-    # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
-    # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).
-    seen = l_i > 0
-    O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
-    L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    if O_part is None:  # the only chunk: its result is the answer
-        store_rows(O, L, O_i, L_i, b, h, n, dims, row_ok, stride_o, H, Nq, d)
-    else:
-        part = (b * H + h) * num_splits * Nq + n  # each row's split 0 in L_part: (B, H, S, Nq)
-        tl.store(O_part + (part + s * Nq)[:, None] * HEAD_DIM + dims[None, :], O_i,
-                 mask=row_ok[:, None])
-        tl.store(L_part + part + s * Nq, L_i, mask=row_ok)
-        if counters is not None:
-            if last_to_finish(counters, g, num_splits):  # the group's partials are all in
-                h_g, n_g, ok_g = group_rows(h0, HEADS, Nq, MERGE_ROWS)  # not padded to 16
-                O_g, L_g = merge(O_part, L_part, (b * H + h_g) * num_splits * Nq + n_g, ok_g,
-                                 Nq, num_splits, dims, BLOCK_S, MERGE_SPLITS, HEAD_DIM)
-                store_rows(O, L, O_g, L_g, b, h_g, n_g, dims, ok_g, stride_o, H, Nq, d)
-                tl.store(counters + g, 0)  # zero again for the next launch
-
-
-@triton.jit
-def combine_kernel(O_part, L_part, O, L, stride_o, H, Nq, d, num_splits,
+def combine_kernel(O_part, L_part, O, L, stride_ob, stride_oh, stride_on, H, Nq, d, num_splits,
                    BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Program (b * H + h, n): the merge of query row n of head h's num_splits partials."""
     bh = tl.program_id(0)
@@ -338,7 +210,11 @@ def combine_kernel(O_part, L_part, O, L, stride_o, H, Nq, d, num_splits,
     row_ok = n < Nq
     O_n, L_n = merge(O_part, L_part, bh * num_splits * Nq + n, row_ok, Nq, num_splits, dims,
                      BLOCK_S, MERGE_SPLITS, HEAD_DIM)
-    store_rows(O, L, O_n, L_n, bh // H, bh % H, n, dims, row_ok, stride_o, H, Nq, d)
+    row = (bh // H) * stride_ob + (bh % H) * stride_oh + n * stride_on
+    tl.store(O + row[:, None] + dims[None, :], O_n.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (dims[None, :] < d))
+    if L is not None:  # asked for (return_lse): else not compiled
+        tl.store(L + bh * Nq + n, L_n, mask=row_ok)
 
 
 def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
@@ -358,9 +234,8 @@ def split_kv_attention(q, k, v, *, num_splits=None, scale=None, is_causal=False,
     check(q, k, v)  # dtype, head dim, device for compiled vs interpreted triton
     Hkv, Nk = k.shape[1], k.shape[2]
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
-    # (B, Hkv, Nk, d): the batch's stride, the head's, the row's; a head has Nk rows
-    cache = (k, v, (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2)),
-             Nk)
+    # (B, Hkv, Nk, d): the batch's stride, the head's, the row's
+    cache = (k, v, (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2)))
     return _split_kv(q, cache, Hkv, Nk, None, 0, num_splits, scale, is_causal, return_lse,
                      "split_kv_attention")
 
@@ -378,35 +253,25 @@ def paged_kv_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, num_s
     from .inputs import check
 
     check(q, k_cache, v_cache)
-    num_pages, page_size, Hkv = k_cache.shape[:3]
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     capacity = block_table.shape[1] * page_size  # the longest cache the table can describe
-    # (num_pages, page_size, Hkv, d): the page's stride, the head's, the row's; a head has
-    # num_pages * page_size rows in the pool
+    # (num_pages, page_size, Hkv, d): the page's stride, the head's, the row's
     cache = (k_cache, v_cache, (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)),
-             (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1)), num_pages * page_size)
+             (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1)))
     pages = (block_table, cache_seqlens, block_table.stride(0))
     return _split_kv(q, cache, Hkv, capacity, pages, page_size, num_splits, scale, is_causal,
                      return_lse, "paged_kv_attention")
 
 
-class Plan(NamedTuple):
-    """A call's launches, kept for the next call laid out alike (``fast.PLANS``)."""
-    split: fast.Launch
-    combine: fast.Launch | None  # None: one launch, the split kernel merges (FUSED_COMBINE)
-    shapes: tuple  # of O_part and L_part (None: one split, no partials), of the base-2 lse
-    groups: int  # counters the launch needs (0: none), one per program group
-    return_lse: bool
-
-
 def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal, return_lse,
               name):
-    """The launches (split then combine, or the split alone: FUSED_COMBINE) for a contiguous
-    or a paged cache. Nk: the cache's length, or for a paged one the table's capacity (each
-    sequence's own length is read by the kernel from seqlens, so the host never waits for the
-    device). ``pages``: None, or (block table, seqlens, the table's row stride)."""
+    """Both launches (split, then combine) for a contiguous or a paged cache. Nk: the cache's
+    length, or for a paged one the table's capacity (each sequence's own length is read by the
+    kernel from seqlens, so the host never waits for the device). ``pages``: None, or (block
+    table, seqlens, the table's row stride)."""
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    k, v = cache[:2]
+    k, v, stride_k, stride_v = cache
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(f"{name} is forward-only (decoding): call it under "
                            "torch.no_grad(), or use flashedu.attention to train")
@@ -424,149 +289,75 @@ def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal,
     given = (q, k, v) if pages is None else (q, k, v, table, seqlens)
     # a decoding step repeats the last one's layout: its launches are kept as a plan and
     # started again with this call's tensors (fast.PLANS), the host's time being the step's
-    # budget at small caches. The switches are part of the key, so that both settings can be
-    # timed in one process.
-    plan_key = fast.signature(given, id(split_kernel), scale, is_causal, num_splits, return_lse,
-                              FUSED_COMBINE, SPLIT_TMA)
+    # budget at small caches
+    plan_key = fast.signature(given, id(split_kernel), scale, is_causal, num_splits, return_lse)
     plan = fast.PLANS.get(plan_key)
     if plan is not None:
         out, lse2 = _repeat(plan, given)
     else:
-        out, lse2, plan = _first(given, (k, v, *cache[2:]), Hkv, Nk, width, page_size,
-                                 num_splits, scale, is_causal, return_lse, interpreted)
-        fast.remember(plan_key, plan)
+        S, chunk, heads, split_consts, combine_consts = _launch_plan(
+            B, H, Hkv, Nq, Nk, d, dtype, sm_count(q.device, interpreted), interpreted,
+            num_splits, is_causal, page_size)
+        shapes = ((B, H, S, Nq, split_consts["HEAD_DIM"]), (B, H, S, Nq), (B, H, Nq))
+        O_part, L_part, out, lse2 = _buffers(q, shapes, return_lse)
+        sq, so = q.stride(), out.stride()
+        split = (split_kernel, (S, B * H // heads),
+                 (q, k, v, O_part, L_part, table, seqlens, scale * LOG2E, sq[0], sq[1], sq[2],
+                  *stride_k, *stride_v, H, H // Hkv, heads, Nq, Nk, d, chunk, S, width),
+                 split_consts)
+        combine = (combine_kernel, (B * H, Nq),
+                   (O_part, L_part, out, lse2, so[0], so[1], so[2], H, Nq, d, S), combine_consts)
+        fast.run(*split)
+        fast.run(*combine)
+        # the call's own tensors lead each launch's arguments (the paged ones: table, lengths)
+        fast.remember(plan_key, (fast.Launch(*split, tuple(range(len(given) + 2))),
+                                 fast.Launch(*combine, tuple(range(4 if return_lse else 3))),
+                                 shapes, return_lse))
     if out.dtype != dtype:
         out = out.to(dtype)  # float32 under the interpreter: cast back
     return (out, lse2 * math.log(2.0)) if return_lse else out  # -inf stays -inf
 
 
-def _first(given, cache, Hkv, Nk, width, page_size, num_splits, scale, is_causal, return_lse,
-           interpreted):
-    """The first call of a layout: its launches, made. Returns (out, its base-2 lse or None,
-    the Plan that repeats them)."""
-    q, (k, v, stride_k, stride_v, kv_rows) = given[0], cache
-    table, seqlens = (given[3:] if len(given) == 5 else (None, None))
-    B, H, Nq, d = q.shape
-    fused = FUSED_COMBINE
-    S, chunk, heads, split_consts, combine_consts = _launch_plan(
-        B, H, Hkv, Nq, Nk, d, q.dtype, sm_count(q.device, interpreted), interpreted,
-        num_splits, is_causal, page_size, fused)
-    groups = B * H // heads
-    partials = (B, H, S, Nq, split_consts["HEAD_DIM"]), (B, H, S, Nq)
-    shapes = (None if fused and S == 1 else partials, (B, H, Nq))
-    O_part, L_part, out, lse2 = _buffers(q, shapes, return_lse)
-    counted = groups if fused and S > 1 else 0
-    counters = _counters(q.device, counted) if counted else None
-    # one launch: the output (and lse) are the split kernel's; two: combine_kernel's
-    O, L = (out, lse2) if fused else (None, None)
-    args = (*given[:3], O_part, L_part, table, seqlens, O, counters, L, scale * LOG2E,
-            q.stride()[:3], stride_k, stride_v, out.stride()[:3], H, H // Hkv, heads, Nq, Nk, d,
-            chunk, S, width, kv_rows)
-    # the call's own tensors lead the arguments (None where it has no such tensor)
-    if fused:  # q, k, v, the partials, the paged ones, the output, the counters, the lse
-        own = 10 if return_lse else 9
-    else:  # q, k, v, the partials, the paged ones (table, lengths)
-        own = 5 if table is None else 7
-    tma = SPLIT_TMA and tma_layout(stride_k, stride_v, page_size, split_consts["Bc"])
-    split = fast.launch(split_kernel, (S, groups), args, split_consts,
-                        {"TMA": tma and fast.tma_on(interpreted, k, v)}, tuple(range(own)))
-    combine = None
-    if not fused:
-        combine = (combine_kernel, (B * H, Nq),
-                   (O_part, L_part, out, lse2, out.stride()[:3], H, Nq, d, S), combine_consts)
-        fast.run(*combine)
-        combine = fast.Launch(*combine, tuple(range(4 if return_lse else 3)))
-    return out, lse2, Plan(split, combine, shapes, counted, return_lse)
-
-
 def _buffers(q, shapes, return_lse):
-    """The split's partial results (O_s, L_s; None where there are none), then the output and
-    (if asked) its base-2 lse."""
-    O_part = L_part = None
-    if shapes[0] is not None:
-        O_part = torch.empty(shapes[0][0], dtype=torch.float32, device=q.device)
-        L_part = torch.empty(shapes[0][1], dtype=torch.float32, device=q.device)
-    lse2 = torch.empty(shapes[1], dtype=torch.float32, device=q.device) if return_lse else None
+    """The split's partial results (O_s, L_s), then the output and (if asked) its base-2 lse."""
+    O_part = torch.empty(shapes[0], dtype=torch.float32, device=q.device)
+    L_part = torch.empty(shapes[1], dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(shapes[2], dtype=torch.float32, device=q.device) if return_lse else None
     return O_part, L_part, torch.empty_like(q), lse2
 
 
 def _repeat(plan, given):
-    """A call laid out as the one that made ``plan``: its launches with new buffers.
+    """A call laid out as the one that made ``plan``: its two launches with new buffers.
     Returns (out, its base-2 lse or None)."""
-    split, combine, shapes, groups, return_lse = plan
-    q = given[0]
-    O_part, L_part, out, lse2 = _buffers(q, shapes, return_lse)
+    split, combine, shapes, return_lse = plan
+    O_part, L_part, out, lse2 = _buffers(given[0], shapes, return_lse)
     stream = fast.stream_for(split, combine)
-    if combine is not None:
-        split.start(*given[:3], O_part, L_part, *given[3:], stream=stream)
-        combine.start(O_part, L_part, out, *(() if lse2 is None else (lse2,)), stream=stream)
-    else:
-        counters = _counters(q.device, groups, stream) if groups else None
-        table, seqlens = given[3:] if len(given) == 5 else (None, None)
-        split.start(*given[:3], O_part, L_part, table, seqlens, out, counters,
-                    *(() if lse2 is None else (lse2,)), stream=stream)
+    split.start(*given[:3], O_part, L_part, *given[3:], stream=stream)
+    combine.start(O_part, L_part, out, *(() if lse2 is None else (lse2,)), stream=stream)
     return out, lse2
-
-
-_COUNTERS: dict = {}  # (device, raw stream) -> the one-launch merge's counters on that stream
-
-
-def _counters(device, groups: int, stream=None):
-    """At least ``groups`` int32 counters, all zero, for a one-launch call on the current stream
-    of ``device`` (``stream``: its raw handle where the caller has it). Every launch leaves
-    them zero again, so the launches of one stream, which run one after another, share one
-    buffer; two streams' launches may run at once, so each stream has its own. A launch
-    captured into a CUDA graph gets its own (the capture records their zeroing), as the
-    graph may be replayed on another stream."""
-    if device.type == "cuda":
-        if torch._C._cuda_isCurrentStreamCapturing():
-            return torch.zeros(groups, dtype=torch.int32, device=device)
-        if stream is None:
-            stream = torch._C._cuda_getCurrentRawStream(device.index)
-    buf = _COUNTERS.get((device, stream))
-    if buf is None or buf.numel() < groups:
-        buf = torch.zeros(groups, dtype=torch.int32, device=device)
-        _COUNTERS[(device, stream)] = buf
-    return buf
-
-
-def tma_layout(stride_k, stride_v, page_size: int, Bc: int) -> bool:
-    """Whether one tensor descriptor per K/V head reaches every tile of the cache (strides:
-    (batch or page, head, row)): always in a contiguous cache (page_size 0), and in a paged
-    one whose pages hold whole tiles (a tile then lies in one page) and lie one after another
-    in the pool (a page's stride page_size rows), so that the pool's rows of one head are one
-    (num_pages * page_size, d) array."""
-    if page_size == 0:
-        return True
-    return page_size % Bc == 0 and all(st[0] == page_size * st[2] for st in (stride_k, stride_v))
 
 
 @functools.lru_cache(maxsize=256)
 def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_causal,
-                 page_size, fused):
-    """(S, chunk, heads, the split kernel's constexprs, the combine kernel's or None): worked
-    out once per problem shape, since a model decodes the same shapes step after step (the
-    host's time is a decoding step's budget). ``fused``: one launch, the merge in the split
-    kernel (which then needs the merge's constexprs)."""
+                 page_size):
+    """(S, chunk, heads, the split kernel's constexprs, the combine kernel's): worked out once
+    per problem shape, since a model decodes the same shapes step after step (the host's time
+    is a decoding step's budget)."""
     heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)
     HEAD_DIM = padded_head_dim(d)
-    rows = triton.next_power_of_2(heads * Nq)  # a program's query rows
-    split_consts = dict(BLOCK_M=max(16, rows), Bc=Bc, HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal,
-                        EVEN_D=HEAD_DIM == d, DOT_PREC=dot_precision(dtype),
-                        PAGE_SIZE=page_size, **({} if interpreted else SPLIT_LAUNCH))
-    if not fused:
-        return S, chunk, heads, split_consts, merge_consts(S, 1, HEAD_DIM)
-    if S > 1:  # (one split writes its answer: no merge)
-        split_consts.update(merge_consts(S, rows, HEAD_DIM), MERGE_ROWS=rows)
-    return S, chunk, heads, split_consts, None
+    split_consts = dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
+                        HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
+                        DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size,
+                        **({} if interpreted else SPLIT_LAUNCH))
+    return S, chunk, heads, split_consts, merge_consts(S, HEAD_DIM)
 
 
-def merge_consts(S: int, rows: int, HEAD_DIM: int) -> dict:
-    """``merge``'s constexprs for S splits of ``rows`` rows at a time: BLOCK_S, and how many
-    splits a step so that a step loads about MERGE_TILE values."""
+def merge_consts(S: int, HEAD_DIM: int) -> dict:
+    """combine_kernel's constexprs for S splits: BLOCK_S, and how many splits a step of
+    ``merge`` loads, about MERGE_TILE values."""
     BLOCK_S = triton.next_power_of_2(S)
     return dict(BLOCK_S=BLOCK_S, HEAD_DIM=HEAD_DIM,
-                MERGE_SPLITS=max(1, min(BLOCK_S, MERGE_TILE // (rows * HEAD_DIM))))
+                MERGE_SPLITS=max(1, min(BLOCK_S, MERGE_TILE // HEAD_DIM)))
 
 
 def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):

@@ -64,44 +64,35 @@ def _major(index) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def tma_on(interpreted: bool, *tensors) -> bool:
-    """Whether a compiled kernel may fetch these tensors' tiles by TMA (the interpreter has no
-    copy engine to time: its kernels keep pointer loads)."""
-    return not interpreted and tma_ok(*tensors)
-
-
 def switches(tiles, interpreted: bool, *tensors) -> dict:
     """The TMA / WARP_SPECIALIZE constexprs for a launch with these tiles and tensors."""
-    if not (tiles.tma or tiles.warp_specialize) or not tma_on(interpreted, *tensors):
+    if interpreted or not (tiles.tma or tiles.warp_specialize) or not tma_ok(*tensors):
         return dict(OFF)
     return {"TMA": bool(tiles.tma), "WARP_SPECIALIZE": bool(tiles.tma and tiles.warp_specialize)}
 
 
 def launch(kernel, grid, args, consts: dict, fast: dict, slots: tuple = ()) -> Launch:
     """kernel[grid](*args, **consts, **fast), or the pointer version where fast does not build.
-    ``fast``: the kernel's switches among OFF's (``switches``, or TMA alone for a kernel
-    without warp specialization). Returns the launch made, to be repeated with the call's own
-    tensors in ``slots``."""
+    Returns the launch made, to be repeated with the call's own tensors in ``slots``."""
     used = {**consts, **fast}
-    off = {name: False for name in fast}
-    if any(fast.values()):  # the common case pays for no bookkeeping
+    if fast != OFF:  # the common case pays for no bookkeeping
         key = (kernel, tuple(consts.items()), args[0].dtype)
         if key in _NO_FAST:
-            used = {**consts, **off}
-        elif fast.get("TMA"):
+            used = {**consts, **OFF}
+        elif fast["TMA"]:
             ensure_allocator()
     try:
         run(kernel, grid, args, used)
     except OUT_OF_RESOURCES:
         raise  # the caller retries with smaller tiles
     except Exception as exc:  # noqa: BLE001 - only the TMA / warp-specialized build may fail
-        if not any(used[name] for name in fast):
+        if not (used["TMA"] or used["WARP_SPECIALIZE"]):
             raise
         warnings.warn(f"flashedu: the TMA / warp-specialized kernel did not build on this "
                       f"Triton ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                       f"using the pointer version for these settings", stacklevel=3)
         _NO_FAST.add(key)
-        used = {**consts, **off}
+        used = {**consts, **OFF}
         run(kernel, grid, args, used)
     return Launch(kernel, grid, args, used, slots)
 
@@ -430,9 +421,9 @@ class Launch:
             stream = stream_for(self)
             if stream is None:  # no compiled kernel, a launch hook, another device current
                 return run(self.kernel, self.grid, self._args(tensors), self.consts)
-        if self.go is not None:  # the tensors go in as addresses (see Opened.bind); None
-            try:  # where the call has no such tensor (an option's, compiled out)
-                return self.go(stream, [t if t is None else t.data_ptr() for t in tensors])
+        if self.go is not None:  # the tensors go in as addresses (see Opened.bind)
+            try:
+                return self.go(stream, [t.data_ptr() for t in tensors])
             except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs
                 return _direct_failed(exc, self.kernel, self.grid, self._args(tensors),
                                       self.consts)

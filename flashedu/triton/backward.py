@@ -107,7 +107,8 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     # With dropout a thread here draws a Philox call for each 4 of its entries (dropout.py).
     # Causal, on small K/V tiles, S_ij held upright (each call drawn once) measured 10-13%
     # faster on an H200, the transposed P_ij and dS_ij going through shared memory; not
-    # causal 2-4% slower, and at 128 x 128 it spills (BENCHMARKS.md, "Dropout's select").
+    # causal 2-6% slower, and on 128 x 128 K/V tiles it spills (BENCHMARKS.md, "Dropout's
+    # select in 16 bits").
     if drop is not None and IS_CAUSAL and K_j.shape[0] * K_j.shape[1] <= 64 * 64:
         return _dkdv_upright(dK_j, dV_j, K_j, V_j, Q_i, dO_i, L_i, D_i, rows, cols, diag, Nk,
                              qk_scale, ctx, E, drop, start_m, start_n, IS_CAUSAL, MASK,

@@ -556,3 +556,5 @@ def test_dropout_dry_run(tmp_path, capsys):
         for mode in ("fwd", "fwdbwd"):
             p0, p1 = r[f"flashedu_p0_{mode}_ms"], r[f"flashedu_p0.1_{mode}_ms"]
             assert p0 > 0 and p1 > 0 and r[f"flashedu_{mode}_cost"] == p1 / p0
+        assert not [key for key in r if "gpu" in key]  # no kernel times without a GPU ...
+    assert "GPU: fwd cost" in text  # ... and the table says so with "-"

@@ -89,7 +89,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to measure")
         return 0
-    cases = [row for shape in SHAPES for row in sweep(shape, args.p, lambda s: print(s, flush=True))]
+    def log(line):
+        print(line, flush=True)
+    cases = [row for shape in SHAPES for row in sweep(shape, args.p, log)]
     env = core.environment(["scripts/gpu_dropout_tiles.py", *(argv or sys.argv[1:])])
     core.write_json(args.json, {"environment": env, "cases": cases})
     print(f"wrote {args.json}")

@@ -16,7 +16,8 @@ entries of a call are those one thread holds in the result of a tensor-core mult
 r + 8, columns 2t, 2t + 1 and the same 8, 16 and 24 further), so a thread draws each of its
 calls once and uses all of its bytes. The backward's dK/dV program holds S_ij transposed,
 where a thread has 4 entries of a call (rows r, r + 8 and columns c, c + 8): it draws a call
-for each 4 (with a causal mask on small K/V tiles it holds S_ij upright instead: backward.py). Other tiles (and the mask kernel) compute each entry's counter on its own.
+for each 4 (with a causal mask on small K/V tiles it holds S_ij upright instead: backward.py).
+Other tiles (and the mask kernel) compute each entry's counter on its own.
 
 The byte test runs on whole words (:func:`keep_flags`, four entries at once: byte >= t is
 the carry out of byte + (256 - t), found without carries crossing bytes), and a select then

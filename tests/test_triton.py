@@ -1269,6 +1269,21 @@ def test_dropout_takes_its_own_tiles_and_they_fit(d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="launches on a CUDA GPU")
+@pytest.mark.parametrize("d, causal", [(64, True), (64, False), (128, True)])
+def test_dropout_both_orientations_of_the_dkdv_step(d, causal):
+    """With dropout the dK/dV step holds S_ij upright where the mask is causal and the K/V
+    tiles small (d=64's 64 x 64), else transposed: both, on the tuned tiles with their
+    16-bit selects, give the float64 reference's values and gradients with the same dropout
+    stream; GQA, and lengths that are not multiples of the tiles."""
+    torch.manual_seed(d + causal)
+    q, k, v = _qkv(2, 4, 2, 333, 333, d, torch.bfloat16)
+    ref = _check_with_dropout_stream(q, k, v, is_causal=causal, dropout_p=0.1,
+                                     enable_gqa=True)
+    assert ref[0].abs().max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches on a CUDA GPU")
 @pytest.mark.parametrize("d", [128, 256])
 def test_dropout_with_a_block_mask_on_the_tuned_tiles(d):
     """Dropout and a block mask of 64-row blocks at the head dims whose tables have tiles of

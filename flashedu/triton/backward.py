@@ -104,6 +104,8 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     else:
         L_i = tl.load(L_head + rows)
         D_i = tl.load(D_head + rows)
+    if drop is not None:  # dS = s P (Z dP - D / s): the keep scale s waits for dK_j's end
+        D_i = D_i * keep_rate(drop)
     # With dropout a thread here draws a Philox call for each 4 of its entries (dropout.py).
     # Causal, on small K/V tiles, S_ij held upright (each call drawn once) measured 10-13%
     # faster on an H200, the transposed P_ij and dS_ij going through shared memory; not
@@ -123,7 +125,6 @@ def _dkdv_step(dK_j, dV_j, K_j, V_j, Q_head, dO_head, L_head, D_head, stride_qn,
     ZP_ijT = P_ijT.to(dO_i.dtype)  # what the forward multiplied V_j by: P_ij, dropped
     if drop is not None:  # S_ij transposed: entry (col, row); dP_ij's drop below is this draw
         ZP_ijT = dropped(ZP_ijT, drop, start_m, start_n, TRANSPOSED=True)
-        D_i = D_i * keep_rate(drop)  # dS = s P (Z dP - D / s): s waits for dK_j's end
     dV_j += tl.dot(ZP_ijT, dO_i, input_precision=DOT_PREC)
     dP_ijT = tl.dot(V_j, tl.trans(dO_i), input_precision=DOT_PREC)
     if drop is not None:
@@ -142,7 +143,8 @@ def _dkdv_upright(dK_j, dV_j, K_j, V_j, Q_i, dO_i, L_i, D_i, rows, cols, diag, N
     """``_dkdv_step``'s products with S_ij upright (Br x Bc), as the forward and the dQ
     program hold it: each Philox call drawn once for its 16 entries, and P_ij, dS_ij
     transposed into the products through shared memory (FlashAttention-2's backward). For
-    dropout only: without it the transposed step needs no such round trip."""
+    dropout only: without it the transposed step needs no such round trip. D_i comes divided
+    by the keep scale, as in ``_dkdv_step``."""
     S_ij = tl.dot(Q_i, tl.trans(K_j), input_precision=DOT_PREC)
     if SCORE_MOD is not None or ctx[4] is not None:
         S_ij, ds = mod_scores(S_ij, rows[:, None], cols[None, :], Nk, ctx, SCORE_MOD)
@@ -151,7 +153,6 @@ def _dkdv_upright(dK_j, dV_j, K_j, V_j, Q_i, dO_i, L_i, D_i, rows, cols, diag, N
         P_ij = tl.where(visible(rows[:, None] + diag, cols[None, :], Nk, E, ctx, IS_CAUSAL,
                                 MASK_MOD), P_ij, 0.0)
     ZP_ij = dropped(P_ij.to(dO_i.dtype), drop, start_m, start_n)
-    D_i = D_i * keep_rate(drop)  # dS = s P (Z dP - D / s): s waits for dK_j's end
     dV_j += tl.dot(tl.trans(ZP_ij), dO_i, input_precision=DOT_PREC)
     dP_ij = tl.dot(dO_i, tl.trans(V_j), input_precision=DOT_PREC)
     dP_ij = dropped(dP_ij, drop, start_m, start_n)

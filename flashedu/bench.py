@@ -46,6 +46,9 @@ SUBCOMMANDS = {
               "the paper's figures with ncu's byte counts (GPU; --cpu-dry-run on a CPU)"),
     "tune": ("flashedu.benchmarks.tune", "candidate tile configs of each kernel (GPU)"),
     "speed": ("flashedu.benchmarks.speed", "backward sweep, ablations, ncu launches (GPU)"),
+    "fa3": ("flashedu.benchmarks.fa3",
+            "FlashAttention-3's schedule on Hopper: the forward with each idea turned off, "
+            "beside the Triton kernel, cuDNN, FlashAttention-2 and FlexAttention (GPU)"),
     "forward": ("flashedu.benchmarks.forward_variants",
                 "forward variants against an earlier forward.py (GPU)"),
     "numpy": ("flashedu.benchmarks.cpu_numpy", "NumPy FlashAttention against naive NumPy (CPU)"),

@@ -181,7 +181,7 @@ def test_baseline_provider_calls_the_other_checkout_as_flashedu_is_called(monkey
 @pytest.mark.parametrize("argv", [
     ["overhead", "--shapes", "tiny"], ["numba", "check"], ["gpt", "--seq-lens", "256"],
     ["tune", "--n", "256"], ["speed", "regress"], ["forward", "--prev", __file__],
-    ["correctness"], ["decode"], ["paper", "--out", "unused"], ["transformers"],
+    ["correctness"], ["decode"], ["paper", "--out", "unused"], ["transformers"], ["fa3"],
 ])
 def test_gpu_only_subcommands_say_so_without_a_gpu(argv, capsys):
     code, text = run(argv, capsys)

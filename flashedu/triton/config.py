@@ -72,6 +72,17 @@ class KernelConfig:
     # to switch between, and the causal diagonal masks less of each tile.
     short: "KernelConfig | None" = None
     short_until: int = 0
+    # FlashAttention-3's forward (fa3.py) for dense and causal calls on sm_90 from
+    # ``schedule_from`` keys and queries on: its consumers, stages, registers and switches;
+    # None: the Triton kernel's forward.
+    schedule: dict | None = None
+    schedule_from: int = 0
+
+    def fa3_settings(self, Nq: int, Nk: int) -> dict | None:
+        """The fa3 kernel's settings for a call of Nq queries and Nk keys, or None."""
+        if self.schedule is None or min(Nq, Nk) < self.schedule_from:
+            return None
+        return self.schedule
 
     def _short(self, block_mask, Nk: int, dropout: bool) -> "KernelConfig | None":
         if block_mask is None and not dropout and Nk < self.short_until:
@@ -132,10 +143,16 @@ _SMALL_D = KernelConfig(Tiles(128, 64, 8, 3, maxnreg=128), Tiles(32, 128, 8, 3, 
 _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
                    dropout_backward=replace(_SMALL_D, dkdv=Tiles(64, 64, 4, 3),
                                             dq=Tiles(64, 64, 4, 3)))
+# FlashAttention-3's forward on sm_90 (fa3.py), from 4096 keys: at d=64 three consumers of 64
+# rows on three stages, 1.01-1.12x cuDNN and 1.08-1.20x the Triton kernel (causal 0.90-1.05x);
+# at d=128 two consumers, three stages, no ping-pong: 0.92-0.99x cuDNN, 1.06-1.11x the Triton
+# kernel (H200, BENCHMARKS.md "FlashAttention-3's schedule in Gluon").
+_FA3_64 = dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PINGPONG=True, OVERLAP=True)
+_FA3_128 = dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False, OVERLAP=True)
 GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,
-    64: _SMALL_D,
+    64: replace(_SMALL_D, schedule=_FA3_64, schedule_from=4096),
     128: KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3),
                       fused_backward=True, split_from=65536,
                       # causal: the same tiles; one launch is 1.0-1.15x faster up to N=8192,
@@ -152,7 +169,7 @@ GPU_16BIT = {
                       # not (BENCHMARKS.md, "Short sequences: small tiles")
                       short=KernelConfig(Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2),
                                          Tiles(64, 64, 4, 2), fused_backward=True),
-                      short_until=2048),
+                      short_until=2048, schedule=_FA3_128, schedule_from=4096),
     # dropout's dQ program needs 228 KB with 3 stages (`flashedu bench sass`): 2 stages
     256: replace(_D256, dropout_backward=replace(_D256, dq=replace(_D256.dq, num_stages=2))),
 }

@@ -18,7 +18,7 @@ import torch
 
 from .. import runtime
 from . import backward as bwd
-from . import fast
+from . import fa3, fast
 from . import forward as fwd
 from .autograd import resolve_config
 from .config import smaller
@@ -73,6 +73,11 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
     dropout_p, rng, mods, sinks, seqs = call.dropout_p, call.rng, call.mods, call.sinks, call.seqs
     if interpreted is None:
         interpreted = runtime.triton_interpreted()
+    if tiles is None and not interpreted:
+        settings = resolve_config(q.shape[-1], q.dtype, block_mask, q.device).fa3_settings(
+            q.shape[2], k.shape[2])
+        if settings is not None and fa3.usable(q, k, v, call):
+            return _fa3_forward(q, k, v, call, settings, keep)
     if tiles is None:  # packed sequences: the tiles of the longest one's keys
         tiles = resolve_config(q.shape[-1], q.dtype, block_mask, q.device).forward_tiles(
             block_mask, k.shape[2] if seqs is None else seqs.max_seqlen_k, dropout_p > 0)
@@ -111,6 +116,24 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
     if keep is not None and plan is not None:
         keep.append(plan)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), lse2
+
+
+def _fa3_forward(q, k, v, call, settings, keep):
+    """The forward by FlashAttention-3's schedule (fa3.py), through a launch plan as the
+    Triton kernel's."""
+    (q,), (o,) = outputs_like(q)
+    lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    key = fast.signature((q, k, v), id(fa3.fa3_forward_kernel), call.is_causal, call.scale)
+    plan = fast.PLANS.get(key)
+    if plan is not None:
+        plan.start(q, k, v, o, lse2)
+    else:
+        plan = fa3.forward(q, k, v, o, lse2, is_causal=call.is_causal, scale=call.scale,
+                           **settings)
+        fast.remember(key, plan)
+    if keep is not None:
+        keep.append(plan)
+    return o, lse2
 
 
 def forward_into(q, k, v, o, lse2, *, is_causal, scale, tiles, interpreted):

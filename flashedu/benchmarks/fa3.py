@@ -1,0 +1,162 @@
+"""FlashAttention-3's schedule on Hopper (``flashedu/triton/fa3.py``): the forward's TFLOP/s
+with the tile table's settings, with each of the schedule's ideas turned off in turn, beside
+the Triton kernel of ``forward.py``, SDPA's cuDNN and FlashAttention-2 backends and
+FlexAttention, in one process; the backward (flashedu's Triton backward, cuDNN's) beside
+them, and a bf16 matrix product for the card's measured peak.
+
+    flashedu bench fa3 --json docs/bench/fa3_h200.json
+
+The shapes: N = 4096, 8192, 16384 at d = 64 and 128, causal or not, with B * N = 16384
+tokens and H * d = 2048 (``core.batch_heads``), bf16. Needs an sm_90 GPU (H100, H200) and the
+Triton whose Gluon API the kernel is written against.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import core
+
+NS = (4096, 8192, 16384)
+DS = (64, 128)
+# the schedule's ideas, each turned off (or flipped) alone: (label, settings over the table's)
+ABLATIONS = (("ping-pong flipped", lambda s: {"PINGPONG": not s["PINGPONG"]}),
+             ("no overlap", lambda s: {"OVERLAP": False}),
+             ("2 stages", lambda s: {"STAGES": 2}),
+             ("shortest first", lambda s: {"LONGEST_FIRST": False}))
+PEERS = ("triton", "sdpa-cudnn", "sdpa-flash", "flex")
+
+
+def forward_fns(q, k, v, causal, settings) -> dict:
+    """{label: zero-argument forward}: fa3 with the table's settings and each ablation, the
+    Triton kernel, and the peers."""
+    import torch
+
+    from ..ops import Call
+    from ..triton import fa3, launch
+    from ..triton.autograd import resolve_config
+    from .peers import Case, make_forward
+
+    B, H, N, d = q.shape
+    scale = d ** -0.5
+    o = torch.empty_like(q)
+    lse2 = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+
+    def fa3_fn(extra):
+        return lambda: fa3.forward(q, k, v, o, lse2, is_causal=causal, scale=scale,
+                                   **{**settings, **extra})
+
+    fns = {"fa3": fa3_fn({})}
+    for label, change in ABLATIONS:
+        if label == "shortest first" and not causal:
+            continue
+        fns[label] = fa3_fn(change(settings))
+    tiles = resolve_config(d, q.dtype, None, q.device).forward_tiles(None, N)
+    call = Call(causal, scale)
+    fns["triton"] = lambda: launch.forward(q, k, v, call, tiles=tiles)
+    case = Case(n=N, d=d, causal=causal, mode="fwd", density=None, dtype="bf16")
+    for provider in PEERS[1:]:
+        fns[provider] = make_forward(provider, case, q, k, v)
+    return fns
+
+
+def backward_fns(q, k, v, causal) -> dict:
+    """{label: zero-argument backward} of flashedu's Triton backward and cuDNN's, each from
+    its own saved forward."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashedu
+
+    dout = torch.randn_like(q)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashedu.attention(*inputs, is_causal=causal, backend="triton")
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out_cudnn = F.scaled_dot_product_attention(*inputs, is_causal=causal)
+    return {name: (lambda o=o: torch.autograd.grad(o, inputs, dout, retain_graph=True))
+            for name, o in (("flashedu bwd", out), ("sdpa-cudnn bwd", out_cudnn))}
+
+
+def matmul_peak() -> float:
+    """TFLOP/s of a bf16 8192^3 matrix product (cuBLAS): the card's attainable peak."""
+    import torch
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return core.tflops(2 * 8192 ** 3, core.time_ms(lambda: a @ b))
+
+
+def one_case(N, d, causal, settings, rounds) -> dict:
+    import torch
+
+    B, H = core.batch_heads(N, d)
+    g = torch.Generator(device="cuda").manual_seed(N + d + causal)
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    fwd = forward_fns(q, k, v, causal, settings)
+    bwd = backward_fns(q, k, v, causal)
+    timed = {name: (fn, {}) for name, fn in {**fwd, **bwd}.items()}
+    ms, _ = core.interleaved_ms(timed, rounds)
+    flops = {"fwd": core.attention_flops(B, H, N, N, d, causal=causal, mode="fwd"),
+             "bwd": core.attention_flops(B, H, N, N, d, causal=causal, mode="bwd")}
+    row = {"B": B, "H": H, "N": N, "d": d, "causal": causal, "settings": settings, "ms": ms}
+    row["tflops"] = {name: core.tflops(flops["bwd" if name.endswith("bwd") else "fwd"], t)
+                     for name, t in ms.items()}
+    return row
+
+
+def parse_args(argv):
+    p = core.parser("fa3", __doc__)
+    p.add_argument("--n", type=core.positive_int, nargs="+", default=list(NS))
+    p.add_argument("--d", type=int, nargs="+", choices=DS, default=list(DS))
+    p.add_argument("--rounds", type=core.positive_int, default=3,
+                   help="each call timed this many times, the calls in turn (the median kept)")
+    p.add_argument("--json", type=core.output_file, help="write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if core.bench_device(False, "fa3") is None:
+        return 1
+    import torch
+
+    from ..ops import Call
+    from ..triton import fa3
+    from ..triton.autograd import resolve_config
+
+    probe = torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
+    if not fa3.usable(probe, probe, probe, Call(False, 1.0)):
+        print("flashedu bench fa3: the kernel needs an sm_90 GPU and Triton "
+              f"{' or '.join(fa3.TESTED_TRITON)}; this is compute capability "
+              f"{torch.cuda.get_device_capability()} with Triton {fa3.triton.__version__}",
+              file=sys.stderr)
+        return 1
+    out = {"environment": core.environment(["fa3", *argv]), "matmul_tflops": matmul_peak(),
+           "cases": []}
+    print(core.headline(out["environment"]), flush=True)
+    print(f"bf16 matmul 8192^3: {out['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    lines, head = [], None
+    for d in args.d:
+        settings = resolve_config(d, torch.bfloat16, None, "cuda").schedule
+        for N in args.n:
+            for causal in (False, True):
+                row = one_case(N, d, causal, dict(settings), args.rounds)
+                out["cases"].append(row)
+                t = row["tflops"]
+                names = [n for n in t if not n.endswith("bwd")]
+                head = head or (["d", "N", "causal", *names, "fwd / cuDNN", "bwd flashedu",
+                                 "bwd cuDNN", "bwd / cuDNN"])
+                line = [d, N, causal, *(f"{t[n]:.0f}" if n in t else "-" for n in head[3:-4]),
+                        f"{t['fa3'] / t['sdpa-cudnn']:.2f}", f"{t['flashedu bwd']:.0f}",
+                        f"{t['sdpa-cudnn bwd']:.0f}",
+                        f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}"]
+                lines.append(line)
+                print(" | ".join(str(x) for x in line), flush=True)
+    print("TFLOP/s (forward: 4 B H N^2 d, causal half; backward 2.5x that)")
+    print(core.format_table(head, lines))
+    if args.json:
+        core.write_json(args.json, out)
+        print(f"wrote {args.json}")
+    return 0

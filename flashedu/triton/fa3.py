@@ -1,0 +1,317 @@
+"""FlashAttention-3's forward schedule on Hopper, written in Gluon.
+
+The same loop as ``forward.py`` (Q_i held, K_j and V_j streamed past, the online softmax of
+m_i and l_i, O_i written once with L_i), laid out as FlashAttention-3 (Shah et al., 2024)
+lays it out on an H100, with every hardware step written down instead of left to Triton:
+
+- warp specialization: one warp only issues the copies (TMA) of Q_i, K_j and V_j into a ring
+  of shared-memory stages; two warpgroups of 4 warps (the consumers) only compute. Each
+  consumer owns 64 of the program's Br = 128 rows. Empty/ready mbarriers pass the stages
+  between them.
+- ping-pong (PINGPONG): the two consumers take turns issuing their matrix products, so that
+  one's softmax runs while the tensor cores serve the other (the paper's inter-warpgroup
+  overlap). A token passes between them through two mbarriers.
+- the softmax of tile j under the products of tile j+1 (OVERLAP): S_ij+1 = Q_i K_j+1^T and
+  O_i += P_ij V_j are issued together and asynchronously (wgmma); the consumer waits for S
+  only, computes its softmax while P V still runs, then waits for that one (the paper's
+  intra-warpgroup overlap).
+- registers moved from the copy warp to the consumers (``warp_specialize``'s register counts:
+  setmaxnreg).
+
+Only what a training step's dense attention needs: 16-bit inputs, head dim 64 or 128, causal
+(top-left, as SDPA's is_causal) or not, GQA, the base-2 logsumexp L_i for the backward. Other
+calls, GPUs and Tritons take the readable kernel of ``forward.py``; ``usable`` says which.
+The Gluon API used is Triton 3.6's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                                  tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    GLUON = True
+except ImportError:  # a Triton without Gluon's Hopper API: the readable kernel everywhere
+    GLUON = False
+
+TESTED_TRITON = ("3.6",)  # the Gluon API changes between releases
+M = 64  # rows of Q per consumer warpgroup: one wgmma's M
+Br = 2 * M  # rows of Q per program: two consumers
+LOG2E = 1.4426950408889634
+
+
+def usable(q, k, v, call) -> bool:
+    """Whether a forward call can take this kernel: Hopper (compute capability 9.0), this
+    Triton, 16-bit q/k/v alike, head dim 64 or 128, rows the copy engine can read (16-byte
+    aligned), and nothing but causal or dense attention asked for."""
+    if not GLUON or ".".join(triton.__version__.split(".")[:2]) not in TESTED_TRITON:
+        return False
+    if q.device.type != "cuda" or _capability(q.device.index) != (9, 0):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1]:
+        return False
+    if (call.block_mask is not None or call.dropout_p > 0 or call.mods is not None
+            or call.sinks is not None or call.seqs is not None):
+        return False
+    from .fast import tma_ok
+
+    return tma_ok(q, k, v)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+if GLUON:
+    _M = gl.constexpr(M)
+    _Br = gl.constexpr(Br)
+
+    @gluon.jit
+    def _descriptor(base, rows, stride, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """A head's (rows x HEAD_DIM) matrix for the copy engine, fetched BLOCK rows at a
+        time; rows past the end read as zeros."""
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM],
+                                                                    base.dtype.element_ty)
+        return tma.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride, 1],
+                                          [BLOCK, HEAD_DIM], layout)
+
+    @gluon.jit
+    def _load(descs, shared, row0, num_tiles, CONSUMERS: gl.constexpr,
+              Bc: gl.constexpr, STAGES: gl.constexpr):
+        """The copy warp: both consumers' Q rows once, then K_j and V_j into stage j % STAGES
+        as soon as both consumers have released what that stage held (K_j and V_j arrive on
+        barriers of their own: S_ij can start before V_j is in)."""
+        q_desc, k_desc, v_desc = descs
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = shared
+        mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
+        for j in range(num_tiles):
+            s = j % STAGES
+            free = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as released once
+            mbarrier.wait(kv_empty.index(s), free)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [j * Bc, 0], k_ready.index(s),
+                                            k_smem.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [j * Bc, 0], v_ready.index(s),
+                                            v_smem.index(s))
+
+    @gluon.jit
+    def _scores(S, j, rows, Nk, qk_scale, masked, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                layout: gl.constexpr):
+        """S_ij, -inf where ``masked`` (the ragged last tile, the causal diagonal) and a key is
+        past Nk or (causal) after the row. The scale is left to the exponent: m_i is kept
+        unscaled (scale > 0: the max is the same), and exp2(S * qk_scale - m_i * qk_scale) is
+        one fused multiply-add an entry."""
+        if masked:
+            cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
+            visible = cols[None, :] < Nk
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None])
+            S = gl.where(visible, S, float("-inf"))
+        return S
+
+    @gluon.jit
+    def _turn(turns, mine: gl.constexpr, n, PINGPONG: gl.constexpr):
+        """Wait for this consumer's n-th turn at the tensor cores."""
+        if PINGPONG:
+            mbarrier.wait(turns.index(mine), n & 1)
+
+    @gluon.jit
+    def _pass(turns, mine: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+        """Hand the turn to the next consumer (this one's products are issued, not
+        finished)."""
+        if PINGPONG:
+            mbarrier.arrive(turns.index((mine + 1) % CONSUMERS), count=1)
+
+    @gluon.jit
+    def _consume(shared, out, WG: gl.constexpr, CONSUMERS: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        """A consumer warpgroup: rows row0 + WG*M .. + M of the program's Q tile.
+
+        Iteration j issues S_ij = Q_i K_j^T together with O_i += P_i,j-1 V_j-1 (P of the
+        tile before), then the softmax of S_ij; the first iteration has no P V, the loop's
+        end one P V alone."""
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = shared
+        O, L, stride_on, row0, lse_row0, Nq, Nk, qk_scale, num_tiles, num_full = out
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, Bc, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        first = row0 + WG * _M
+        rows = first + gl.arange(0, _M, row_layout)
+        q = q_smem.index(WG)
+        mbarrier.wait(q_ready, 0)
+
+        zero = gl.zeros([_M, Bc], gl.float32, s_layout)
+        m_i = gl.full([_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([_M], gl.float32, row_layout)
+        O_i = gl.zeros([_M, HEAD_DIM], gl.float32, o_layout)
+
+        # j = 0: S_i0 alone
+        mbarrier.wait(k_ready.index(0), 0)
+        _turn(turns, WG, 0, PINGPONG)
+        S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+        _pass(turns, WG, CONSUMERS, PINGPONG)
+        S = warpgroup_mma_wait(0, deps=(S,))
+        S = _scores(S, 0, rows, Nk, qk_scale, num_full == 0, Bc, IS_CAUSAL, s_layout)
+        m_i = gl.max(S, axis=1)
+        P = gl.exp2(S * qk_scale - (m_i * qk_scale)[:, None])
+        l_i = gl.sum(P, axis=1)
+        P = gl.convert_layout(P.to(dtype), p_layout)  # carried as 16-bit A operand registers
+
+        for j in range(1, num_tiles):
+            s = j % STAGES
+            phase = (j // STAGES) & 1
+            prev = (j - 1) % STAGES
+            prev_phase = ((j - 1) // STAGES) & 1
+            mbarrier.wait(k_ready.index(s), phase)
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            _turn(turns, WG, j, PINGPONG)
+            S = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
+                              is_async=True)
+            O_i = warpgroup_mma(P, v_smem.index(prev), O_i, is_async=True)
+            _pass(turns, WG, CONSUMERS, PINGPONG)
+            if OVERLAP:  # S_ij only (issued first, done first); P V runs on
+                S = warpgroup_mma_wait(1, deps=(S,))
+            else:
+                S, O_i = warpgroup_mma_wait(0, deps=(S, O_i))
+            S = _scores(S, j, rows, Nk, qk_scale, j >= num_full, Bc, IS_CAUSAL, s_layout)
+            m_new = gl.maximum(m_i, gl.max(S, axis=1))
+            alpha = gl.exp2((m_i - m_new) * qk_scale)
+            P_f32 = gl.exp2(S * qk_scale - (m_new * qk_scale)[:, None])
+            l_i = l_i * alpha + gl.sum(P_f32, axis=1)
+            m_i = m_new
+            if OVERLAP:
+                O_i = warpgroup_mma_wait(0, deps=(O_i,))
+            mbarrier.arrive(kv_empty.index(prev), count=1)  # K_j-1 and V_j-1 read
+            O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            P = gl.convert_layout(P_f32.to(dtype), p_layout)
+
+        # the last tile's P V
+        last = (num_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
+        _turn(turns, WG, num_tiles, PINGPONG)
+        O_i = warpgroup_mma(P, v_smem.index(last), O_i, is_async=True)
+        _pass(turns, WG, CONSUMERS, PINGPONG)
+        O_i = warpgroup_mma_wait(0, deps=(O_i,))
+        mbarrier.arrive(kv_empty.index(last), count=1)
+
+        # O_i / l_i and L_i = m_i + log2(l_i) in the base-2 scale; every row saw key 0: l_i > 0
+        o_rows = first + gl.arange(0, _M, gl.SliceLayout(1, o_layout))
+        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = (O_i / l_o[:, None]).to(dtype)
+        gl.store(O + o_rows[:, None] * stride_on + dims[None, :], out,
+                 mask=o_rows[:, None] < Nq)
+        gl.store(L + lse_row0 + rows, m_i * qk_scale + gl.log2(l_i), mask=rows < Nq)
+
+    @gluon.jit
+    def fa3_forward_kernel(Q, K, V, O, L, qk_scale,
+                           stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                           stride_vb, stride_vh, stride_vn, H, GROUP, Nq, Nk,
+                           HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                           PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                           LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
+        forward_kernel. O has Q's strides; L is (B, H, Nq) contiguous, base-2."""
+        i = gl.program_id(0)
+        if IS_CAUSAL and LONGEST_FIRST:  # the last Q tiles see the most keys: start them first
+            i = gl.num_programs(0) - 1 - i
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        h_kv = h // GROUP  # grouped-query attention
+        Br: gl.constexpr = CONSUMERS * _M
+        row0 = i * Br
+        q_off = b * stride_qb + h * stride_qh
+        q_desc = _descriptor(Q + q_off, Nq, stride_qn, _M, HEAD_DIM)
+        k_desc = _descriptor(K + b * stride_kb + h_kv * stride_kh, Nk, stride_kn, Bc, HEAD_DIM)
+        v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc, HEAD_DIM)
+
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # every consumer releases it
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.init(turns.index(c), count=1)
+        mbarrier.arrive(turns.index(0), count=1)  # consumer 0 starts
+        fence_async_shared()
+
+        # the K/V tiles this Q tile visits, and how many of them need no mask
+        seen = Nk
+        if IS_CAUSAL:
+            seen = gl.minimum(Nk, row0 + Br)
+        num_tiles = gl.cdiv(seen, Bc)
+        num_full = Nk // Bc
+        if IS_CAUSAL:
+            num_full = gl.minimum(num_full, (row0 + 1) // Bc)
+
+        shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns)
+        out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles, num_full)
+        descs = (q_desc, k_desc, v_desc)
+        if CONSUMERS == 2:
+            gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                             IS_CAUSAL, PINGPONG, OVERLAP)),
+                                (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                             IS_CAUSAL, PINGPONG, OVERLAP)), (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc, STAGES))],
+                               [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                             IS_CAUSAL, PINGPONG, OVERLAP)),
+                                (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                             IS_CAUSAL, PINGPONG, OVERLAP)),
+                                (_consume, (shared, out, 2, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                             IS_CAUSAL, PINGPONG, OVERLAP)), (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc, STAGES))],
+                               [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+
+
+def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
+            CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
+            LONGEST_FIRST: bool = True):
+    """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
+    written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
+    warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
+    consumer thread, and the schedule's switches. Returns the launch (``fast.Launch``), to be
+    repeated with other q, k, v, o, lse2 laid out alike."""
+    from .fast import Launch, ensure_allocator, run
+
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
+    consts = dict(HEAD_DIM=d, Bc=128, STAGES=STAGES, CONSUMERS=CONSUMERS,
+                  IS_CAUSAL=bool(is_causal), PINGPONG=PINGPONG, OVERLAP=OVERLAP,
+                  LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    args = (q, k, v, o, lse2, float(scale) * LOG2E, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], H, H // Hkv, Nq, Nk)
+    grid = (triton.cdiv(Nq, CONSUMERS * M), B * H)
+    run(fa3_forward_kernel, grid, args, consts)
+    return Launch(fa3_forward_kernel, grid, args, consts, tuple(range(5)))

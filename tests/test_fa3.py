@@ -1,0 +1,124 @@
+"""FlashAttention-3's forward schedule (flashedu/triton/fa3.py): on an sm_90 GPU with the Triton
+its Gluon is written against, every switch of the schedule against the float64 reference on
+ragged, GQA and causal shapes, and the public API taking it from the tile table. Elsewhere the
+kernel is not used (``usable`` says no), which the CPU tests check."""
+
+import pytest
+import torch
+
+import flashedu  # first: decides GPU or interpreter before triton loads
+from flashedu import ops, tolerance
+from flashedu.reference import naive_attention_torch, reference_attention
+from flashedu.triton import fa3
+from flashedu.triton.config import GPU_16BIT
+
+CUDA = torch.cuda.is_available()
+
+
+def _fa3_here() -> bool:
+    if not CUDA or flashedu.runtime.triton_interpreted():
+        return False
+    probe = torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
+    return fa3.usable(probe, probe, probe, ops.Call(False, 1.0))
+
+
+FA3 = _fa3_here()
+needs_fa3 = pytest.mark.skipif(not FA3, reason="needs an sm_90 GPU and Triton "
+                               f"{' or '.join(fa3.TESTED_TRITON)} (fa3's Gluon API)")
+
+# (B, H, Hkv, Nq, Nk, d, causal, dtype): ragged lengths, Nq != Nk, GQA, one Q row past a tile
+SHAPES = [(2, 4, 4, 1000, 1000, 128, False, torch.bfloat16),
+          (2, 4, 4, 1000, 1000, 128, True, torch.bfloat16),
+          (1, 8, 2, 777, 1300, 64, False, torch.float16),
+          (1, 8, 2, 1300, 777, 64, True, torch.bfloat16),
+          (1, 2, 2, 129, 129, 128, True, torch.float16),
+          (1, 2, 1, 64, 300, 128, False, torch.bfloat16)]
+SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
+            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False),
+            dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240, OVERLAP=False, LONGEST_FIRST=False),
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160)]
+
+
+def _inputs(B, H, Hkv, Nq, Nk, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(B, n, N, d, device="cuda", dtype=dtype, generator=g)
+            for n, N in ((H, Nq), (Hkv, Nk), (Hkv, Nk))]
+
+
+@pytest.mark.gpu
+@needs_fa3
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("settings", SETTINGS, ids=str)
+def test_every_schedule_matches_the_float64_reference(shape, settings):
+    B, H, Hkv, Nq, Nk, d, causal, dtype = shape
+    if settings["CONSUMERS"] == 3 and d == 128:
+        pytest.skip("three consumers of d=128 do not fit the registers (not in the table)")
+    q, k, v = _inputs(B, H, Hkv, Nq, Nk, d, dtype, seed=Nq + Nk + d)
+    scale = d ** -0.5
+    o = torch.empty_like(q)
+    lse2 = torch.empty(B, H, Nq, device="cuda")
+    fa3.forward(q, k, v, o, lse2, is_causal=causal, scale=scale, **settings)
+    ref, lse = reference_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True,
+                                   return_lse=True)
+    plain = naive_attention_torch(q, k, v, is_causal=causal, scale=scale, enable_gqa=True,
+                                  upcast=False)
+    tolerance.check(o, ref, plain, dtype=dtype)
+    # L_i in base 2, as the backward reads it: float32 rounding of a sum of Nk terms
+    assert tolerance.max_error(lse2 / fa3.LOG2E, lse) < 1e-4
+
+
+@pytest.mark.gpu
+@needs_fa3
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_takes_the_schedule_from_the_table(d, causal):
+    """From 4096 keys the public API's forward is fa3's (its launch plan says so), and the
+    backward computed from its O and L is the reference's."""
+    from flashedu.triton import fast
+
+    fast.PLANS.clear()
+    B, H, N = 1, 2, 4096 + 77
+    q, k, v = (t.requires_grad_() for t in _inputs(B, H, H, N, N, d, torch.bfloat16, seed=d))
+    out = flashedu.attention(q, k, v, is_causal=causal, backend="triton")
+    kernels = {plan.kernel for plan in fast.PLANS.values()}
+    assert fa3.fa3_forward_kernel in kernels
+    dout = torch.randn_like(out)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    ref = reference_attention(q, k, v, is_causal=causal)
+    ref = (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
+    plain = naive_attention_torch(q, k, v, is_causal=causal, upcast=False)
+    plain = (plain, *torch.autograd.grad(plain, (q, k, v), dout))
+    for n, (g, r, p) in enumerate(zip(got, ref, plain)):
+        factor = tolerance.FORWARD if n == 0 else tolerance.GRADIENT
+        tolerance.check(g, r, p, dtype=torch.bfloat16, factor=factor, floor_scale=factor,
+                        name="out dq dk dv".split()[n])
+    again = flashedu.attention(q, k, v, is_causal=causal, backend="triton")  # the plan's start
+    assert torch.equal(again, out)
+
+
+def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
+    """d=64 and d=128 from 4096 queries and keys; below, and at other head dims, the Triton
+    kernel's forward."""
+    for d in (64, 128):
+        assert GPU_16BIT[d].fa3_settings(4096, 4096) is not None
+        assert GPU_16BIT[d].fa3_settings(4095, 8192) is None
+        assert GPU_16BIT[d].fa3_settings(8192, 2048) is None
+    for d in (16, 32, 256):
+        assert GPU_16BIT[d].fa3_settings(16384, 16384) is None
+
+
+@pytest.mark.parametrize("change", ["cpu", "float32", "d96", "dropout", "mask", "sinks"])
+def test_calls_the_schedule_cannot_serve_are_refused(change):
+    """``usable`` says no to what the kernel does not compute: the readable kernel takes it."""
+    device = "cuda" if CUDA else "cpu"
+    dtype = torch.float32 if change == "float32" else torch.bfloat16
+    d = 96 if change == "d96" else 64
+    q = torch.empty(1, 2, 256, d, device="cpu" if change == "cpu" else device, dtype=dtype)
+    call = ops.Call(False, 1.0)
+    if change == "dropout":
+        call = ops.Call(False, 1.0, dropout_p=0.1)
+    elif change == "mask":
+        call = ops.Call(False, 1.0, block_mask=object())
+    elif change == "sinks":
+        call = ops.Call(False, 1.0, sinks=torch.zeros(2))
+    assert not fa3.usable(q, q, q, call)

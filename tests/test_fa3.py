@@ -105,6 +105,8 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
         assert GPU_16BIT[d].fa3_settings(8192, 2048) is None
     for d in (16, 32, 256):
         assert GPU_16BIT[d].fa3_settings(16384, 16384) is None
+    for config in GPU_16BIT.values():  # the launch plans key calls by their entry
+        hash(config)
 
 
 @pytest.mark.parametrize("change", ["cpu", "float32", "d96", "dropout", "mask", "sinks"])

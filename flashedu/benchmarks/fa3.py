@@ -139,10 +139,10 @@ def main(argv=None) -> int:
     print(f"bf16 matmul 8192^3: {out['matmul_tflops']:.0f} TFLOP/s", flush=True)
     lines, head = [], None
     for d in args.d:
-        settings = resolve_config(d, torch.bfloat16, None, "cuda").schedule
+        settings = resolve_config(d, torch.bfloat16, None, "cuda").schedule.settings()
         for N in args.n:
             for causal in (False, True):
-                row = one_case(N, d, causal, dict(settings), args.rounds)
+                row = one_case(N, d, causal, settings, args.rounds)
                 out["cases"].append(row)
                 t = row["tflops"]
                 names = [n for n in t if not n.endswith("bwd")]

@@ -39,6 +39,24 @@ class Tiles:
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """FlashAttention-3's forward (fa3.py): consumer warpgroups of 64 rows each, K_j/V_j
+    stages in shared memory, registers per consumer thread, and the schedule's switches."""
+    consumers: int
+    stages: int
+    consumer_regs: int
+    pingpong: bool = True
+    overlap: bool = True
+    longest_first: bool = True
+
+    def settings(self) -> dict:
+        """The keywords of ``fa3.forward``."""
+        return dict(CONSUMERS=self.consumers, STAGES=self.stages,
+                    CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
+                    OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first)
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     forward: Tiles
     dkdv: Tiles  # backward, one program per K/V tile: Bc is its own tile, Br the Q tiles it visits
@@ -73,16 +91,15 @@ class KernelConfig:
     short: "KernelConfig | None" = None
     short_until: int = 0
     # FlashAttention-3's forward (fa3.py) for dense and causal calls on sm_90 from
-    # ``schedule_from`` keys and queries on: its consumers, stages, registers and switches;
-    # None: the Triton kernel's forward.
-    schedule: dict | None = None
+    # ``schedule_from`` keys and queries on; None: the Triton kernel's forward.
+    schedule: Schedule | None = None
     schedule_from: int = 0
 
     def fa3_settings(self, Nq: int, Nk: int) -> dict | None:
         """The fa3 kernel's settings for a call of Nq queries and Nk keys, or None."""
         if self.schedule is None or min(Nq, Nk) < self.schedule_from:
             return None
-        return self.schedule
+        return self.schedule.settings()
 
     def _short(self, block_mask, Nk: int, dropout: bool) -> "KernelConfig | None":
         if block_mask is None and not dropout and Nk < self.short_until:
@@ -147,8 +164,8 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # rows on three stages, 1.01-1.12x cuDNN and 1.08-1.20x the Triton kernel (causal 0.90-1.05x);
 # at d=128 two consumers, three stages, no ping-pong: 0.92-0.99x cuDNN, 1.06-1.11x the Triton
 # kernel (H200, BENCHMARKS.md "FlashAttention-3's schedule in Gluon").
-_FA3_64 = dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PINGPONG=True, OVERLAP=True)
-_FA3_128 = dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False, OVERLAP=True)
+_FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160)
+_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False)
 GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,

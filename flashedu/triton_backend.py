@@ -225,10 +225,8 @@ class Repeat:
     def forward(self, q, k, v, call):
         """(O, L2) as ``launch.forward`` returns them."""
         if self.forward_plan is None:
-            kept = []
-            tiles = self.config.forward_tiles(self.block_mask, k.shape[2], self.dropout_p > 0)
-            out = launch.forward(q, k, v, call, tiles=tiles, interpreted=self.interpreted,
-                                 keep=kept)
+            kept = []  # the table's tiles, or FlashAttention-3's schedule where it asks
+            out = launch.forward(q, k, v, call, interpreted=self.interpreted, keep=kept)
             self.forward_plan = kept[0] if kept else None
             return out
         o = torch.empty_like(q)

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
                 row = one_case(N, d, causal, settings, args.rounds)
                 out["cases"].append(row)
                 t = row["tflops"]
-                names = [n for n in t if not n.endswith("bwd")]
+                names = ["fa3", *(label for label, _ in ABLATIONS), *PEERS]
                 head = head or (["d", "N", "causal", *names, "fwd / cuDNN", "bwd flashedu",
                                  "bwd cuDNN", "bwd / cuDNN"])
                 line = [d, N, causal, *(f"{t[n]:.0f}" if n in t else "-" for n in head[3:-4]),

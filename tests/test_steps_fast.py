@@ -24,6 +24,7 @@ STEPS = {  # step id -> its check
     "10.kv_tiles": "step_kv_tiles",
     "10.smem": "step_smem",
     "10.programs_per_sm": "step_programs_per_sm",
+    "10.ring": "step_ring_slot",
 }
 
 
@@ -66,6 +67,11 @@ def test_skeleton_is_not_implemented_yet(step_id):
 
 
 MUTANTS = [  # step, what is wrong, replacements, words the message must hold
+    ("10.ring", "the copy warp waits on the consumers' parity",
+     [("1 - ready_phase", "ready_phase")], ["free_phase is wrong", "hang"]),
+    ("10.ring", "the parity of the tile, not of the stage's fill",
+     [("ready_phase = fill % 2", "ready_phase = j % 2")],
+     ["ready_phase is wrong", "fills of stage"]),
     ("10.kv_tiles", "causal tiles judged by the last row",
      [("min(Nk, first_row + 1) if causal", "min(Nk, last_row + 1) if causal")],
      ["num_full is wrong", "FIRST row"]),
@@ -108,6 +114,10 @@ def test_the_references_agree_with_the_package():
                 for causal in (False, True):
                     want = fast.kv_tiles_by_keys(i, Br, Bc, Nk, causal)
                     assert solved(i, Br, Bc, Nk, causal) == want, (i, Br, Bc, Nk, causal)
+    ring = course.reference("10.ring", {})
+    for j in range(40):
+        for stages in range(1, 6):
+            assert ring(j, stages) == fast.ring_by_running(j, stages), (j, stages)
     programs = course.reference("10.programs_per_sm", {})
     for regs in (24, 64, 127, 128, 129, 168, 255):
         for warps in (2, 4, 8):

@@ -59,6 +59,8 @@ def usable(q, k, v, call) -> bool:
         return False
     if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1]:
         return False
+    if q.shape[2] == 0 or k.shape[2] == 0:  # no key: the consumers would wait for K_0 forever
+        return False
     if (call.block_mask is not None or call.dropout_p > 0 or call.mods is not None
             or call.sinks is not None or call.seqs is not None):
         return False
@@ -108,19 +110,17 @@ if GLUON:
                                             v_smem.index(s))
 
     @gluon.jit
-    def _scores(S, j, rows, Nk, qk_scale, masked, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    def _scores(S_ij, j, rows, Nk, masked, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr,
                 layout: gl.constexpr):
-        """S_ij, -inf where ``masked`` (the ragged last tile, the causal diagonal) and a key is
-        past Nk or (causal) after the row. The scale is left to the exponent: m_i is kept
-        unscaled (scale > 0: the max is the same), and exp2(S * qk_scale - m_i * qk_scale) is
-        one fused multiply-add an entry."""
+        """S_ij (unscaled), -inf where ``masked`` (the ragged last tile, the causal diagonal)
+        and a key is past Nk or (causal) after the row."""
         if masked:
             cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
             visible = cols[None, :] < Nk
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
-            S = gl.where(visible, S, float("-inf"))
-        return S
+            S_ij = gl.where(visible, S_ij, float("-inf"))
+        return S_ij
 
     @gluon.jit
     def _turn(turns, mine: gl.constexpr, n, PINGPONG: gl.constexpr):
@@ -156,26 +156,26 @@ if GLUON:
         dtype: gl.constexpr = q_smem.dtype
         first = row0 + WG * _M
         rows = first + gl.arange(0, _M, row_layout)
-        q = q_smem.index(WG)
+        Q_i = q_smem.index(WG)
         mbarrier.wait(q_ready, 0)
 
         zero = gl.zeros([_M, Bc], gl.float32, s_layout)
-        m_i = gl.full([_M], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([_M], gl.float32, row_layout)
         O_i = gl.zeros([_M, HEAD_DIM], gl.float32, o_layout)
 
-        # j = 0: S_i0 alone
+        # j = 0: S_i0 alone. m_i is kept in the base-2 scale, as forward.py keeps it:
+        # exp2(S_ij * qk_scale - m_i) is one fused multiply-add and one ex2 an entry.
         mbarrier.wait(k_ready.index(0), 0)
         _turn(turns, WG, 0, PINGPONG)
-        S = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero, use_acc=False,
-                          is_async=True)
+        S_ij = warpgroup_mma(Q_i, k_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                             is_async=True)
         _pass(turns, WG, CONSUMERS, PINGPONG)
-        S = warpgroup_mma_wait(0, deps=(S,))
-        S = _scores(S, 0, rows, Nk, qk_scale, num_full == 0, Bc, IS_CAUSAL, s_layout)
-        m_i = gl.max(S, axis=1)
-        P = gl.exp2(S * qk_scale - (m_i * qk_scale)[:, None])
-        l_i = gl.sum(P, axis=1)
-        P = gl.convert_layout(P.to(dtype), p_layout)  # carried as 16-bit A operand registers
+        S_ij = warpgroup_mma_wait(0, deps=(S_ij,))
+        S_ij = _scores(S_ij, 0, rows, Nk, num_full == 0, Bc, IS_CAUSAL, s_layout)
+        m_i = gl.max(S_ij, axis=1) * qk_scale
+        P_ij = gl.exp2(S_ij * qk_scale - m_i[:, None])
+        l_i = gl.sum(P_ij, axis=1)
+        P_ij = gl.convert_layout(P_ij.to(dtype), p_layout)  # 16-bit A operand registers
 
         for j in range(1, num_tiles):
             s = j % STAGES
@@ -185,43 +185,43 @@ if GLUON:
             mbarrier.wait(k_ready.index(s), phase)
             mbarrier.wait(v_ready.index(prev), prev_phase)
             _turn(turns, WG, j, PINGPONG)
-            S = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
-                              is_async=True)
-            O_i = warpgroup_mma(P, v_smem.index(prev), O_i, is_async=True)
+            S_ij = warpgroup_mma(Q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+            O_i = warpgroup_mma(P_ij, v_smem.index(prev), O_i, is_async=True)  # P_i,j-1 V_j-1
             _pass(turns, WG, CONSUMERS, PINGPONG)
             if OVERLAP:  # S_ij only (issued first, done first); P V runs on
-                S = warpgroup_mma_wait(1, deps=(S,))
+                S_ij = warpgroup_mma_wait(1, deps=(S_ij,))
             else:
-                S, O_i = warpgroup_mma_wait(0, deps=(S, O_i))
-            S = _scores(S, j, rows, Nk, qk_scale, j >= num_full, Bc, IS_CAUSAL, s_layout)
-            m_new = gl.maximum(m_i, gl.max(S, axis=1))
-            alpha = gl.exp2((m_i - m_new) * qk_scale)
-            P_f32 = gl.exp2(S * qk_scale - (m_new * qk_scale)[:, None])
-            l_i = l_i * alpha + gl.sum(P_f32, axis=1)
+                S_ij, O_i = warpgroup_mma_wait(0, deps=(S_ij, O_i))
+            S_ij = _scores(S_ij, j, rows, Nk, j >= num_full, Bc, IS_CAUSAL, s_layout)
+            m_new = gl.maximum(m_i, gl.max(S_ij, axis=1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            P_next = gl.exp2(S_ij * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(P_next, axis=1)
             m_i = m_new
             if OVERLAP:
                 O_i = warpgroup_mma_wait(0, deps=(O_i,))
             mbarrier.arrive(kv_empty.index(prev), count=1)  # K_j-1 and V_j-1 read
             O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            P = gl.convert_layout(P_f32.to(dtype), p_layout)
+            P_ij = gl.convert_layout(P_next.to(dtype), p_layout)
 
         # the last tile's P V
         last = (num_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
         _turn(turns, WG, num_tiles, PINGPONG)
-        O_i = warpgroup_mma(P, v_smem.index(last), O_i, is_async=True)
+        O_i = warpgroup_mma(P_ij, v_smem.index(last), O_i, is_async=True)
         _pass(turns, WG, CONSUMERS, PINGPONG)
         O_i = warpgroup_mma_wait(0, deps=(O_i,))
         mbarrier.arrive(kv_empty.index(last), count=1)
 
-        # O_i / l_i and L_i = m_i + log2(l_i) in the base-2 scale; every row saw key 0: l_i > 0
+        # O_i / l_i and L_i = m_i + log2(l_i), base 2; every row saw key 0, so l_i > 0
         o_rows = first + gl.arange(0, _M, gl.SliceLayout(1, o_layout))
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         out = (O_i / l_o[:, None]).to(dtype)
         gl.store(O + o_rows[:, None] * stride_on + dims[None, :], out,
                  mask=o_rows[:, None] < Nq)
-        gl.store(L + lse_row0 + rows, m_i * qk_scale + gl.log2(l_i), mask=rows < Nq)
+        gl.store(L + lse_row0 + rows, m_i + gl.log2(l_i), mask=rows < Nq)
 
     @gluon.jit
     def fa3_forward_kernel(Q, K, V, O, L, qk_scale,

@@ -4,7 +4,9 @@
   (the split into an unmasked and a masked loop);
 - ``step_smem``: the shared memory a forward program asks for (tile shapes and pipeline depth);
 - ``step_programs_per_sm``: how many programs fit on one H100 SM at once (registers, shared
-  memory, threads).
+  memory, threads);
+- ``step_ring_slot``: where K/V tile j lands in a ring of shared-memory stages, and which phase
+  of each stage's mbarriers the copy warp and the consumers wait on (FlashAttention-3's loads).
 
 Every expected answer is computed here from the definition itself, not from the formula the
 notebook's solution uses: tiles by looking at each key of each tile, programs per SM by
@@ -231,7 +233,72 @@ def _diagnose_programs(case_, wrong, outputs):
     return f"yours is {got:g} programs, the right value {want}."
 
 
+# ------------------------------------------------------------------------------------------
+# 10.ring: the stage of tile j and the mbarrier phases waited on
+# ------------------------------------------------------------------------------------------
+
+H_RING = ("The copy warp fills the stages in turn, 0, 1, .., STAGES - 1, 0, ..: tile j goes to "
+          "stage j % STAGES, and it is that stage's (j // STAGES)-th fill (counting from 0). "
+          "An mbarrier's phases complete one after another and a wait names the parity (0 or "
+          "1) of the phase it waits for: the consumers wait for the fill's own completion of "
+          "the ready barrier, parity (j // STAGES) % 2.")
+H_FREE = ("Before the fill the copy warp waits until the consumers released the stage's "
+          "previous tile (the fill before, one completion of the free barrier earlier): the "
+          "opposite parity. A fresh barrier counts as if the phase before its first had "
+          "completed, so the first fill of each stage waits on parity 1 and passes at once.")
+
+
+def ring_by_running(j, stages):
+    """(stage, ready parity, free parity) of tile j: the ring run tile by tile, each barrier's
+    completions counted."""
+    fills = [0] * stages  # how often each stage was filled before
+    stage = 0
+    for _ in range(j):
+        fills[stage] += 1
+        stage = stage + 1 if stage + 1 < stages else 0
+    waited = fills[stage]  # this fill's completion of the ready barrier, counted from 0
+    ready = waited % 2
+    free = (waited - 1) % 2  # the release of the fill before; -1: a fresh barrier's
+    return stage, ready, free
+
+
+def _ring_cases():
+    specs = [(0, 2, "the first tile", H_FREE), (1, 2, "the second stage's first fill", H_FREE),
+             (2, 2, "two stages, stage 0 again", H_RING), (5, 3, "three stages", H_RING),
+             (3, 3, "three stages, stage 0's second fill", H_RING),
+             (7, 1, "one stage: every tile in stage 0", H_RING),
+             (12, 4, "four stages", H_RING)]
+    rng = _rng(3)
+    for _ in range(3):
+        specs.append((int(rng.integers(0, 200)), int(rng.integers(1, 6)), "random", H_RING))
+    return [case(f"j={j}, STAGES={st} ({what})", hint, (j, st),
+                 ("stage", "ready_phase", "free_phase"), ring_by_running(j, st))
+            for j, st, what, hint in specs]
+
+
+def _diagnose_ring(case_, wrong, outputs):
+    j, stages = case_.args
+    want = ring_by_running(j, stages)
+    got = tuple(outputs.get(n) for n in ("stage", "ready_phase", "free_phase"))
+    if any(g is None for g in got):
+        return None
+    got = tuple(float(g) for g in got)
+    if got[0] != want[0]:
+        return f"tile {j} goes to stage j % STAGES = {want[0]}, yours {got[0]:g}."
+    if got[1] == j % 2 and got[1] != want[1]:
+        return (f"the parity counts the fills of stage {want[0]}, not the tiles: the "
+                f"{j // stages}-th fill waits for parity (j // STAGES) % 2 = {want[1]}.")
+    if got[1] != want[1]:
+        return f"ready_phase should be {want[1]}, yours {got[1]:g}."
+    if got[2] == got[1]:
+        return ("free_phase equals ready_phase: the copy warp would wait for a release that "
+                "comes only after this very fill, and the kernel would hang. It waits for the "
+                "previous fill's release: the opposite parity.")
+    return f"free_phase should be {want[2]}, yours {got[2]:g}."
+
+
 STEPS = [
+    function_step("step_ring_slot", "ring_slot", _ring_cases, diagnose=_diagnose_ring),
     function_step("step_kv_tiles", "kv_tile_counts", _kv_cases, diagnose=_diagnose_kv),
     function_step("step_smem", "smem_kib", _smem_cases, diagnose=_diagnose_smem),
     function_step("step_programs_per_sm", "programs_per_sm", _programs_cases,

@@ -3,6 +3,8 @@ its Gluon is written against, every switch of the schedule against the float64 r
 ragged, GQA and causal shapes, and the public API taking it from the tile table. Elsewhere the
 kernel is not used (``usable`` says no), which the CPU tests check."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -96,6 +98,27 @@ def test_attention_takes_the_schedule_from_the_table(d, causal):
     assert torch.equal(again, out)
 
 
+@pytest.mark.gpu
+@needs_fa3
+def test_bench_fa3_runs_small(tmp_path, capsys):
+    """``flashedu bench fa3`` on one small case: a table, and JSON that says where it ran."""
+    import json
+
+    from flashedu import bench
+
+    out = tmp_path / "fa3.json"
+    code = bench.main(["fa3", "--n", "4096", "--d", "64", "--rounds", "1", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "fwd / cuDNN" in text
+    data = json.loads(out.read_text())
+    assert data["environment"]["command"].startswith("flashedu bench fa3")
+    assert data["matmul_tflops"] > 0
+    assert [(c["N"], c["d"], c["causal"]) for c in data["cases"]] == [(4096, 64, False),
+                                                                      (4096, 64, True)]
+    for case in data["cases"]:
+        assert all(t > 0 for t in case["tflops"].values())
+
+
 def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
     """d=64 and d=128 from 4096 queries and keys; below, and at other head dims, the Triton
     kernel's forward."""
@@ -124,3 +147,44 @@ def test_calls_the_schedule_cannot_serve_are_refused(change):
     elif change == "sinks":
         call = ops.Call(False, 1.0, sinks=torch.zeros(2))
     assert not fa3.usable(q, q, q, call)
+
+
+def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monkeypatch):
+    """launch.forward's dispatch, without a GPU (fa3's launch replaced by a recorder): a table
+    entry that asks for the schedule and a call it can serve go to fa3.forward once, later
+    calls laid out alike start its launch plan, and explicit tiles keep the Triton kernel (run
+    here by the interpreter)."""
+    from flashedu.triton import config, fast, launch
+
+    class Recorded:  # what fa3.forward returns: a launch to start again
+        starts = 0
+
+        def start(self, q, k, v, o, lse2):
+            self.starts += 1
+            o.fill_(2.0)
+
+    plan, settings_seen = Recorded(), []
+
+    def fake_forward(q, k, v, o, lse2, *, is_causal, scale, **settings):
+        settings_seen.append(settings)
+        o.fill_(1.0)
+        lse2.fill_(0.5)
+        return plan
+
+    entry = dataclasses.replace(config.INTERPRETER, schedule=config.Schedule(2, 3, 240),
+                                schedule_from=64)
+    monkeypatch.setattr(launch, "resolve_config", lambda *a, **kw: entry)
+    monkeypatch.setattr(fa3, "usable", lambda *a: True)
+    monkeypatch.setattr(fa3, "forward", fake_forward)
+    monkeypatch.setattr(fast, "PLANS", {})
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    call = ops.Call(True, 0.25)
+    o, lse2 = launch.forward(q, k, v, call, interpreted=False)
+    assert settings_seen == [entry.schedule.settings()]
+    assert (o == 1).all() and (lse2 == 0.5).all() and o.shape == q.shape
+    keep = []
+    o, _ = launch.forward(q, k, v, call, interpreted=False, keep=keep)
+    assert len(settings_seen) == 1 and plan.starts == 1 and keep == [plan] and (o == 2).all()
+    o, _ = launch.forward(q, k, v, call, tiles=entry.forward, interpreted=True)  # tiles given
+    ref = reference_attention(q, k, v, is_causal=True, scale=0.25)
+    assert len(settings_seen) == 1 and tolerance.max_error(o, ref) < 1e-5

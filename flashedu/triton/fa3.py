@@ -5,12 +5,12 @@ m_i and l_i, O_i written once with L_i), laid out as FlashAttention-3 (Shah et a
 lays it out on an H100, with every hardware step written down instead of left to Triton:
 
 - warp specialization: one warp only issues the copies (TMA) of Q_i, K_j and V_j into a ring
-  of shared-memory stages; two warpgroups of 4 warps (the consumers) only compute. Each
-  consumer owns 64 of the program's Br = 128 rows. Empty/ready mbarriers pass the stages
-  between them.
-- ping-pong (PINGPONG): the two consumers take turns issuing their matrix products, so that
-  one's softmax runs while the tensor cores serve the other (the paper's inter-warpgroup
-  overlap). A token passes between them through two mbarriers.
+  of shared-memory stages; two or three warpgroups of 4 warps (the consumers) only compute.
+  Each consumer owns 64 of the program's Br = 64 * CONSUMERS rows. Ready and free mbarriers
+  pass the stages between them.
+- ping-pong (PINGPONG): the consumers take turns, in order, at issuing their matrix products,
+  so that one's softmax runs while the tensor cores serve another (the paper's
+  inter-warpgroup overlap). The turn passes through one mbarrier per consumer.
 - the softmax of tile j under the products of tile j+1 (OVERLAP): S_ij+1 = Q_i K_j+1^T and
   O_i += P_ij V_j are issued together and asynchronously (wgmma); the consumer waits for S
   only, computes its softmax while P V still runs, then waits for that one (the paper's
@@ -43,7 +43,6 @@ except ImportError:  # a Triton without Gluon's Hopper API: the readable kernel 
 
 TESTED_TRITON = ("3.6",)  # the Gluon API changes between releases
 M = 64  # rows of Q per consumer warpgroup: one wgmma's M
-Br = 2 * M  # rows of Q per program: two consumers
 LOG2E = 1.4426950408889634
 
 
@@ -76,7 +75,6 @@ def _capability(index):
 
 if GLUON:
     _M = gl.constexpr(M)
-    _Br = gl.constexpr(Br)
 
     @gluon.jit
     def _descriptor(base, rows, stride, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -90,9 +88,9 @@ if GLUON:
     @gluon.jit
     def _load(descs, shared, row0, num_tiles, CONSUMERS: gl.constexpr,
               Bc: gl.constexpr, STAGES: gl.constexpr):
-        """The copy warp: both consumers' Q rows once, then K_j and V_j into stage j % STAGES
-        as soon as both consumers have released what that stage held (K_j and V_j arrive on
-        barriers of their own: S_ij can start before V_j is in)."""
+        """The copy warp: every consumer's Q rows once, then K_j and V_j into stage
+        j % STAGES as soon as every consumer has released what that stage held (K_j and V_j
+        arrive on barriers of their own: S_ij can start before V_j is in)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = shared
         mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)

@@ -171,6 +171,10 @@ def report() -> list[str]:
         status = available.get(name)
         where = spec.where() if status is None else f"unavailable ({status})"
         lines.append(f"  {name:<7}{where}")
+        if name == "triton" and status is None:
+            from .triton import fa3
+
+            lines.append(f"         FlashAttention-3's forward (Gluon): {fa3.status()}")
     lines.append(f"  auto   -> {resolve_backend('auto')}")
     return lines
 

@@ -188,3 +188,14 @@ def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monke
     o, _ = launch.forward(q, k, v, call, tiles=entry.forward, interpreted=True)  # tiles given
     ref = reference_attention(q, k, v, is_causal=True, scale=0.25)
     assert len(settings_seen) == 1 and tolerance.max_error(o, ref) < 1e-5
+
+
+def test_doctor_says_whether_the_schedule_runs_here():
+    from flashedu import runtime
+
+    import flashedu.backends  # noqa: F401  the layer that adds the backends' section
+
+    line = next(x for x in runtime.doctor(flashedu.__version__).splitlines()
+                if "FlashAttention-3's forward" in x)
+    assert line.endswith(fa3.status())
+    assert fa3.status().startswith("on" if FA3 else "off: ")

@@ -68,6 +68,20 @@ def usable(q, k, v, call) -> bool:
     return tma_ok(q, k, v)
 
 
+def status() -> str:
+    """Whether this machine runs the kernel, and if not why (``flashedu doctor``)."""
+    version = ".".join(triton.__version__.split(".")[:2])
+    if not GLUON or version not in TESTED_TRITON:
+        return (f"off: written against Triton {' or '.join(TESTED_TRITON)}'s Gluon, this is "
+                f"Triton {triton.__version__}")
+    if not torch.cuda.is_available():
+        return "off: no CUDA GPU"
+    major, minor = _capability(torch.cuda.current_device())
+    if (major, minor) != (9, 0):
+        return f"off: needs compute capability 9.0 (Hopper), this GPU has {major}.{minor}"
+    return "on for dense and causal 16-bit calls of d = 64 or 128 where the tile table asks"
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index):
     return torch.cuda.get_device_capability(index)

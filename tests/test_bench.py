@@ -62,6 +62,8 @@ def run(argv, capsys):
     ["mods", "--cap", "0"], ["mods", "--d", "300"], ["mods", "--dtype", "int8"],
     ["transformers", "--methods", "flash3"], ["transformers", "--heads", "6"],
     ["transformers", "--kv-heads", "3"], ["transformers", "--steps", "0"],
+    ["fa3", "--set", "FOO=1"], ["fa3", "--set", "STAGES=two"], ["fa3", "--d", "96"],
+    ["fa3", "--rounds", "0"],
 ])
 def test_bench_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -91,6 +93,10 @@ def test_bench_parses_good_arguments(tmp_path):
     assert over.shapes == ["gpt"] and over.causal == [False] and over.iters == 7
     assert over.rounds == 9
     assert over.providers[0] == "flashedu" and set(over.modes) == {"fwd", "fwd+bwd"}
+    from flashedu.benchmarks import fa3
+
+    sweep = fa3.parse_args(["--d", "64", "--set", "STAGES=4", "PINGPONG=0"])
+    assert sweep.d == [64] and dict(sweep.set) == {"STAGES": 4, "PINGPONG": False}
 
 
 def test_overhead_providers_take_turns_and_keep_their_best_round(monkeypatch):

@@ -19,11 +19,15 @@ from . import core
 
 NS = (4096, 8192, 16384)
 DS = (64, 128)
-# the schedule's ideas, each turned off (or flipped) alone: (label, settings over the table's)
-ABLATIONS = (("ping-pong flipped", lambda s: {"PINGPONG": not s["PINGPONG"]}),
-             ("no overlap", lambda s: {"OVERLAP": False}),
-             ("2 stages", lambda s: {"STAGES": 2}),
-             ("shortest first", lambda s: {"LONGEST_FIRST": False}))
+# the schedule's ideas, each turned off (or flipped) alone: (label, settings over the table's,
+# None where the idea does not apply)
+ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPONG"]}),
+             ("no overlap", lambda s, causal: {"OVERLAP": False}),
+             ("2 stages", lambda s, causal: {"STAGES": 2} if s["STAGES"] != 2 else None),
+             ("shortest first", lambda s, causal: {"LONGEST_FIRST": False} if causal else None),
+             # three consumers of 160 registers against two of 240 (d = 64)
+             ("2 consumers", lambda s, causal: ({"CONSUMERS": 2, "CONSUMER_REGS": 240}
+                                                if s["CONSUMERS"] == 3 else None)))
 PEERS = ("triton", "sdpa-cudnn", "sdpa-flash", "flex")
 
 
@@ -48,9 +52,9 @@ def forward_fns(q, k, v, causal, settings) -> dict:
 
     fns = {"fa3": fa3_fn({})}
     for label, change in ABLATIONS:
-        if label == "shortest first" and not causal:
-            continue
-        fns[label] = fa3_fn(change(settings))
+        extra = change(settings, causal)
+        if extra is not None:
+            fns[label] = fa3_fn(extra)
     tiles = resolve_config(d, q.dtype, None, q.device).forward_tiles(None, N)
     call = Call(causal, scale)
     fns["triton"] = lambda: launch.forward(q, k, v, call, tiles=tiles)
@@ -111,8 +115,27 @@ def parse_args(argv):
     p.add_argument("--d", type=int, nargs="+", choices=DS, default=list(DS))
     p.add_argument("--rounds", type=core.positive_int, default=3,
                    help="each call timed this many times, the calls in turn (the median kept)")
+    p.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", type=_setting,
+                   help="change the tile table's settings for every case, e.g. STAGES=2 "
+                        "CONSUMERS=2 CONSUMER_REGS=240 PINGPONG=0")
     p.add_argument("--json", type=core.output_file, help="write the results here")
     return p.parse_args(argv)
+
+
+SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "PINGPONG", "OVERLAP", "LONGEST_FIRST")
+
+
+def _setting(text: str) -> tuple:
+    """NAME=VALUE of --set: a name of fa3.forward's settings and an integer (0/1 for the
+    switches)."""
+    import argparse
+
+    name, _, value = text.partition("=")
+    if name not in SETTINGS or not value.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"expected NAME=INTEGER with NAME one of "
+                                         f"{', '.join(SETTINGS)}, got {text!r}")
+    number = int(value)
+    return name, bool(number) if name in SETTINGS[3:] else number
 
 
 def main(argv=None) -> int:
@@ -139,7 +162,8 @@ def main(argv=None) -> int:
     print(f"bf16 matmul 8192^3: {out['matmul_tflops']:.0f} TFLOP/s", flush=True)
     lines, head = [], None
     for d in args.d:
-        settings = resolve_config(d, torch.bfloat16, None, "cuda").schedule.settings()
+        settings = {**resolve_config(d, torch.bfloat16, None, "cuda").schedule.settings(),
+                    **dict(args.set)}
         for N in args.n:
             for causal in (False, True):
                 row = one_case(N, d, causal, settings, args.rounds)

@@ -160,10 +160,11 @@ _SMALL_D = KernelConfig(Tiles(128, 64, 8, 3, maxnreg=128), Tiles(32, 128, 8, 3, 
 _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
                    dropout_backward=replace(_SMALL_D, dkdv=Tiles(64, 64, 4, 3),
                                             dq=Tiles(64, 64, 4, 3)))
-# FlashAttention-3's forward on sm_90 (fa3.py), from 4096 keys: at d=64 three consumers of 64
-# rows on three stages, 1.01-1.12x cuDNN and 1.08-1.20x the Triton kernel (causal 0.90-1.05x);
-# at d=128 two consumers, three stages, no ping-pong: 0.92-0.99x cuDNN, 1.06-1.11x the Triton
-# kernel (H200, BENCHMARKS.md "FlashAttention-3's schedule in Gluon").
+# FlashAttention-3's forward on sm_90 (fa3.py), from 4096 keys (docs/bench/fa3_h200.json,
+# BENCHMARKS.md "FlashAttention-3's schedule in Gluon"): at d=64 three consumers of 64 rows on
+# three stages, 1.07-1.17x the Triton kernel and 0.99-1.13x cuDNN (causal at 4096 keys 0.97x
+# and 0.87x); at d=128 two consumers, three stages, no ping-pong (it measured 0.96x there):
+# 1.10-1.18x the Triton kernel, 0.94-1.09x cuDNN.
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160)
 _FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False)
 GPU_16BIT = {

@@ -332,6 +332,29 @@ def test_sass_compiles_the_package_launches_for_an_h100(tmp_path, capsys):
     assert "forward_kernel" in text and "regs" in text
 
 
+def test_sass_compiles_the_gluon_forward_for_an_h100(tmp_path, capsys):
+    """FlashAttention-3's forward (triton/fa3.py, Gluon) with the sm_90 table's d=128 schedule,
+    compiled here: wgmma (HGMMA), the consumers' registers raised by setmaxnreg within the
+    ceiling and no spills, three K/V stages within the H100's 227 KB of shared memory."""
+    from flashedu.benchmarks import sass
+    from flashedu.triton import fa3
+
+    if not sass.can_compile():
+        pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
+    if not fa3.GLUON:
+        pytest.skip("this Triton has no Gluon Hopper API: the kernel cannot be compiled")
+    out = tmp_path / "sass.json"
+    code, text = run(["sass", "--d", "128", "--variants", "fa3", "causal-fa3", "--modes", "fwd",
+                      "--n", "4096", "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fa3", "causal-fa3"]
+    for r in rows:
+        assert r["kernel"] == "fa3_forward_kernel" and r["tiles"].startswith("128x128 c2 s3")
+        assert r["ops"]["HGMMA"] > 0 and r["spill_stores"] == 0 and r["stack_bytes"] == 0
+        assert 2 * 128 * 128 * 2 * 3 < r["shared_bytes"] <= 227 * 1024
+
+
 def test_sass_compiles_the_kernels_that_read_packed_cuts(tmp_path, capsys):
     """The forward and backward that read a packed batch's cuts (varlen_attention), compiled
     for sm_90 here: they build, the forward within the d=64 entry's register cap without

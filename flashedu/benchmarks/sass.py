@@ -21,6 +21,7 @@ What the numbers say:
     flashedu bench sass                                   # d=64 and 128, bf16, sm_90 table
     flashedu bench sass --d 128 --variants plain dropout --modes fwd --json sass.json
     flashedu bench sass --table sm75 --dtype fp16        # another GPU's table and target
+    flashedu bench sass --variants fa3 causal-fa3 --modes fwd   # the Gluon forward's schedule
 
 The shared memory column is what the compiled kernel asks for per program; a table built for a
 smaller GPU (``--table sm75``: 64 KB per block) must stay within it, which running that table on
@@ -38,8 +39,11 @@ import sys
 import tempfile
 
 # resume: ring attention's forward_into; sinks: one sink logit per head; packed: the batch's
-# sequences packed into one row, causal, the kernels reading the cuts (varlen_attention)
-VARIANTS = ("plain", "causal", "dropout", "resume", "sinks", "causal-dropout", "packed")
+# sequences packed into one row, causal, the kernels reading the cuts (varlen_attention);
+# fa3, causal-fa3: FlashAttention-3's forward in Gluon (triton/fa3.py) with the tile table's
+# schedule, as an sm_90 runs it from 4096 keys (the backward is the Triton kernel's)
+VARIANTS = ("plain", "causal", "dropout", "resume", "sinks", "causal-dropout", "packed", "fa3",
+            "causal-fa3")
 MODES = ("fwd", "bwd")
 COUNTED = ("HGMMA", "HMMA", "MUFU", "FFMA", "FMUL", "IMAD", "LOP3", "SHF", "PRMT", "SEL",
            "STS", "LDS", "BAR")
@@ -262,8 +266,8 @@ def _worker(request: dict) -> list[dict]:
     for d in request["d"]:
         for variant in request["variants"]:
             for mode in request["modes"]:
-                if variant == "resume" and mode == "bwd":
-                    continue  # forward_into has no backward of its own
+                if variant in ("resume", "fa3", "causal-fa3") and mode == "bwd":
+                    continue  # forward_into has no backward of its own; fa3 takes Triton's
                 for kernel, args, consts in _captured(d, variant, mode, request["n"],
                                                       request["dtype"]):
                     rows.append({"d": d, "variant": variant, "mode": mode,
@@ -309,7 +313,16 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     saved = fast.run, fast.launch, fast.switches
     fast.run, fast.launch, fast.switches = capture, capture, sm90_switches
     try:
-        if variant == "resume":
+        if variant.endswith("fa3"):
+            from ..triton import fa3
+
+            settings = config.fa3_settings(n, n)
+            if settings is None:
+                raise ValueError(f"the {table_name()} table runs no fa3 forward at d={d}, "
+                                 f"N={n} (it asks for it at d=64 and d=128 from 4096 keys)")
+            fa3.forward(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]),
+                        is_causal=kw["is_causal"], scale=kw["scale"], **settings)
+        elif variant == "resume":
             o, lse2 = torch.zeros(q.shape), torch.full(q.shape[:3], float("inf"))
             launch.forward_into(q, k, v, o, lse2, tiles=config.forward_tiles(None, n), **kw)
         else:
@@ -324,6 +337,10 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     finally:
         fast.run, fast.launch, fast.switches = saved
     return launches
+
+
+def table_name() -> str:
+    return os.environ.get("FLASHEDU_TILE_TABLE", "sm90")
 
 
 def _compile_stats(kernel, args, consts, table: str) -> dict:
@@ -378,13 +395,20 @@ def _compile_specialized(kernel, signature, constexprs, attrs, options, table: s
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():  # fa3.py's kernel, written in Gluon
+        from triton.experimental.gluon._runtime import GluonASTSource as source
     target = GPUTarget("cuda", int(table[2:]), 32)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+    compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=target,
                               options=options)
     return {"shared_bytes": compiled.metadata.shared, **_cubin_stats(compiled.asm["cubin"])}
 
 
 def _tiles_text(consts: dict) -> str:
+    if "CONSUMERS" in consts:  # fa3: consumers of 64 rows, stages, registers, switches
+        switches = "".join(f" {n.lower()}" for n in ("PINGPONG", "OVERLAP") if consts.get(n))
+        return (f"{64 * consts['CONSUMERS']}x{consts['Bc']} c{consts['CONSUMERS']} "
+                f"s{consts['STAGES']} r{consts['CONSUMER_REGS']}{switches}")
     if "Br" in consts:
         shape = f"{consts['Br']}x{consts['Bc']}"
     else:  # the backward: its dK/dV programs' tiles, or a dQ launch's

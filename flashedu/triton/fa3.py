@@ -21,7 +21,8 @@ lays it out on an H100, with every hardware step written down instead of left to
 Only what a training step's dense attention needs: 16-bit inputs, head dim 64 or 128, causal
 (top-left, as SDPA's is_causal) or not, GQA, the base-2 logsumexp L_i for the backward. Other
 calls, GPUs and Tritons take the readable kernel of ``forward.py``; ``usable`` says which.
-The Gluon API used is Triton 3.6's.
+Written against Triton 3.6's Gluon API, the one run on a GPU (TESTED_TRITON); it also compiles
+on Triton 3.9 (``flashedu bench sass --variants fa3``), where one function was renamed.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def _capability(index):
 
 if GLUON:
     _M = gl.constexpr(M)
+    # a TMA load into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, renamed
+    # ``async_load`` later
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
     def _descriptor(base, rows, stride, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -109,17 +113,15 @@ if GLUON:
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = shared
         mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
+            _tma_load(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
         for j in range(num_tiles):
             s = j % STAGES
             free = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as released once
             mbarrier.wait(kv_empty.index(s), free)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [j * Bc, 0], k_ready.index(s),
-                                            k_smem.index(s))
+            _tma_load(k_desc, [j * Bc, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [j * Bc, 0], v_ready.index(s),
-                                            v_smem.index(s))
+            _tma_load(v_desc, [j * Bc, 0], v_ready.index(s), v_smem.index(s))
 
     @gluon.jit
     def _scores(S_ij, j, rows, Nk, masked, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr,

@@ -255,3 +255,24 @@ def test_gpt_generates_on_the_gpu_kernel_as_without_the_cache():
             for _ in range(20):
                 ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
             assert torch.equal(ids[0], o)
+
+
+def test_a_repeated_step_reuses_the_partial_results():
+    """Steps of one layout take the split's partial results of the step before (two
+    allocations fewer a step) and still compute each its own attention."""
+    from flashedu.triton import decode as tdecode
+
+    lengths, H, Hkv, d, P = [70, 5], 8, 2, 64, 32
+    tdecode._PARTIALS.clear()
+    outs = []
+    for seed in (1, 2):
+        k, v, table, seqlens = random_pool(lengths, P, Hkv, d, torch.float32, seed=seed)
+        q = torch.randn(len(lengths), H, 1, d, generator=torch.Generator().manual_seed(seed))
+        out, lse = paged_attention(*(t.to(DEVICE) for t in (q, k, v, table, seqlens)),
+                                   num_splits=3, return_lse=True)
+        ref_o, ref_l = reference(q, k, v, table, seqlens, P, causal=False)
+        assert tolerance.max_error(out.cpu(), ref_o) < 1e-4
+        assert tolerance.max_error(lse.cpu(), ref_l) < 1e-4
+        outs.append(out)
+    assert len(tdecode._PARTIALS) == 1  # one layout, one pair of buffers
+    assert not torch.equal(outs[0], outs[1])

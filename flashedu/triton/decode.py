@@ -318,12 +318,36 @@ def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal,
     return (out, lse2 * math.log(2.0)) if return_lse else out  # -inf stays -inf
 
 
+_PARTIALS: dict = {}  # (device, stream, shapes) -> (O_part, L_part) that calls reuse
+_MAX_PARTIALS = 64  # kept before the cache starts over (shapes that change every call)
+
+
 def _buffers(q, shapes, return_lse):
-    """The split's partial results (O_s, L_s), then the output and (if asked) its base-2 lse."""
-    O_part = torch.empty(shapes[0], dtype=torch.float32, device=q.device)
-    L_part = torch.empty(shapes[1], dtype=torch.float32, device=q.device)
-    lse2 = torch.empty(shapes[2], dtype=torch.float32, device=q.device) if return_lse else None
-    return O_part, L_part, torch.empty_like(q), lse2
+    """The split's partial results (O_s, L_s), then the output and (if asked) its base-2 lse.
+
+    The partial results live only from the split's launch to the combine's, on one stream:
+    a decoding step, whose host time is its budget at small caches, takes the ones an earlier
+    step on that stream used (two allocations fewer a step; the combine of the earlier step
+    has read them before the split of this one writes them, in stream order). During CUDA
+    graph capture they are fresh, as the graph keeps their addresses."""
+    device = q.device
+    if device.type == "cuda":
+        if torch._C._cuda_isCurrentStreamCapturing():
+            key = None
+        else:
+            key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), shapes)
+    else:  # the interpreter: each launch has finished when it returns
+        key = (device.type, None, shapes)
+    parts = _PARTIALS.get(key) if key is not None else None
+    if parts is None:
+        parts = (torch.empty(shapes[0], dtype=torch.float32, device=device),
+                 torch.empty(shapes[1], dtype=torch.float32, device=device))
+        if key is not None:
+            if len(_PARTIALS) >= _MAX_PARTIALS:
+                _PARTIALS.clear()
+            _PARTIALS[key] = parts
+    lse2 = torch.empty(shapes[2], dtype=torch.float32, device=device) if return_lse else None
+    return (*parts, torch.empty_like(q), lse2)
 
 
 def _repeat(plan, given):

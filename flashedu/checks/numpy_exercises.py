@@ -341,23 +341,33 @@ def _forward_cases():
     cases = []
     for seed, (label, hint, shape, (Br, Bc), causal, scale, kind, dtype) in enumerate(FORWARD_SPECS):
         (Q, K, V), (q, k, v) = _inputs(shape, kind, dtype, seed)
-        (O, L), naive, streamed = _memo(("forward", label), _forward_refs, Q, K, V, q, k, v,
-                                        causal, scale)
+        (O, L), naive, streamed, rounding = _memo(("forward", label), _forward_refs, Q, K, V,
+                                                  q, k, v, causal, scale)
         cases.append(Case(f"{label}, {np.dtype(dtype).name}" if "float" not in label else label,
                           hint, (q, k, v, Br, Bc, causal, scale), ("O", "L"), (O, L), naive,
                           inputs=("Q", "K", "V"), dtype=dtype, block_q=Br,
-                          variants=(streamed,) if streamed else ()))
+                          variants=(streamed,) if streamed else (), rounding=rounding))
     for seed, (label, shape, (Br, Bc), causal) in enumerate(MEMORY_SPECS, start=100):
         cases.append(_forward_memory_case(label, shape, Br, Bc, causal, seed))
     return cases
 
 
 def _forward_refs(Q, K, V, q, k, v, causal, scale):
-    """The float64 reference, and two correct computations in the learner's dtype (the
-    tolerance): the naive formula, and O kept normalized key by key (float32 only)."""
+    """The float64 reference, two correct computations in the learner's dtype (the
+    tolerance): the naive formula, and O kept normalized key by key (float32 only), and each
+    output's allowance from the rounding a correct kernel can make on this draw. Without it
+    the two candidates can both land closer than a third correct order of the sums: with
+    logits in the hundreds in float32, a plain softmax over whole rows (P V / l) missed the
+    candidates' allowance by 1.4x on one draw in a few hundred."""
+    from .. import tolerance
+
+    ref = reference.naive_attention(Q, K, V, causal=causal, scale=scale)
     streamed = normalized_key_by_key(q, k, v, causal, scale) if q.dtype == F32 else ()
-    return (reference.naive_attention(Q, K, V, causal=causal, scale=scale),
-            reference.naive_attention(q, k, v, causal=causal, scale=scale), streamed)
+    bounds = tolerance.attention_rounding(q, k, v, causal=causal, scale=scale,
+                                          dtype=tolerance.dtype_name(q.dtype))
+    rounding = tuple(float(tolerance.ROUNDING_FACTOR * tolerance.normalized(b, r))
+                     for b, r in zip(bounds, ref))
+    return ref, reference.naive_attention(q, k, v, causal=causal, scale=scale), streamed, rounding
 
 
 def normalized_key_by_key(q, k, v, causal, scale):

@@ -168,11 +168,11 @@ def _forward_cases(order_hint):
         out = []
         for seed, (label, hint, shape, (Br, Bc), kind, dtype) in enumerate(FORWARD_STEP_SPECS):
             (Q, K, V), (q, k, v) = _inputs(shape, kind, dtype, seed)
-            (O, L), naive, streamed = _memo(("step forward", label), _forward_refs,
-                                            Q, K, V, q, k, v, False, None)
+            (O, L), naive, streamed, rounding = _memo(("step forward", label), _forward_refs,
+                                                      Q, K, V, q, k, v, False, None)
             out.append(case(label, hint or order_hint, (q, k, v, Br, Bc), ("O", "L"), (O, L),
                             naive=naive, variants=(streamed,) if streamed else (),
-                            inputs=("Q", "K", "V"), block_q=Br,
+                            rounding=rounding, inputs=("Q", "K", "V"), block_q=Br,
                             floor_scale=F32_FLOOR if dtype == F32 else 1.0))
         return out
     return cases

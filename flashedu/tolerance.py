@@ -195,6 +195,12 @@ def attention_backward_rounding(Q, K, V, dO, L, Delta, *, causal=False, scale=No
     return dQ, dK, dV
 
 
+def allowances(bounds, refs) -> tuple:
+    """The grader's allowance for each output: ROUNDING_FACTOR x its rounding ``bounds``
+    (attention_rounding, attention_backward_rounding), normalized against its reference."""
+    return tuple(ROUNDING_FACTOR * normalized(b, r) for b, r in zip(bounds, refs))
+
+
 def normalized(rounding, ref) -> float:
     """The largest of ``rounding`` / (1 + |ref|): an allowance on the comparison's scale."""
     import numpy as np

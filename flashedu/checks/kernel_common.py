@@ -39,8 +39,7 @@ def _forward_rounding(q, k, v, causal, scale, ref, gpu):
 
     bounds = tolerance.attention_rounding(q, k, v, causal=causal, scale=scale, dtype="float32",
                                           dot_unit=tolerance.TF32_UNIT if gpu else None)
-    return tuple(tolerance.ROUNDING_FACTOR * tolerance.normalized(b, r)
-                 for b, r in zip(bounds, ref))
+    return tolerance.allowances(bounds, ref)
 
 
 def _repeat_probe(case, base):

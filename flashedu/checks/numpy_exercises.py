@@ -365,9 +365,8 @@ def _forward_refs(Q, K, V, q, k, v, causal, scale):
     streamed = normalized_key_by_key(q, k, v, causal, scale) if q.dtype == F32 else ()
     bounds = tolerance.attention_rounding(q, k, v, causal=causal, scale=scale,
                                           dtype=tolerance.dtype_name(q.dtype))
-    rounding = tuple(float(tolerance.ROUNDING_FACTOR * tolerance.normalized(b, r))
-                     for b, r in zip(bounds, ref))
-    return ref, reference.naive_attention(q, k, v, causal=causal, scale=scale), streamed, rounding
+    return (ref, reference.naive_attention(q, k, v, causal=causal, scale=scale), streamed,
+            tolerance.allowances(bounds, ref))
 
 
 def normalized_key_by_key(q, k, v, causal, scale):
@@ -475,8 +474,7 @@ def _backward_rounding(q, k, v, o, do, l, causal, scale, grads):
     bounds = tolerance.attention_backward_rounding(
         q, k, v, do, l, (do * o).sum(axis=1), causal=causal, scale=scale,
         dtype=tolerance.dtype_name(q.dtype), delta_from_p=True)
-    return tuple(tolerance.ROUNDING_FACTOR * tolerance.normalized(b, r)
-                 for b, r in zip(bounds, grads))
+    return tolerance.allowances(bounds, grads)
 
 
 def _backward_in_dtype(Q, K, V, O, dO, L, causal, scale, delta="dO O"):

@@ -227,8 +227,7 @@ def _backward_rounding(q, k, v, o, do, l, causal, scale, grads, gpu):
     bounds = tolerance.attention_backward_rounding(
         q, k, v, do, l, delta, causal=causal, scale=scale, dtype="float32",
         dot_unit=tolerance.TF32_UNIT if gpu else None)
-    return tuple(tolerance.ROUNDING_FACTOR * tolerance.normalized(b, r)
-                 for b, r in zip(bounds, grads))
+    return tolerance.allowances(bounds, grads)
 
 
 def _naive_backward_tf32(q, k, v, o, do, l, causal, scale):

@@ -51,7 +51,9 @@ def usable(q, k, v, call) -> bool:
     """Whether a forward call can take this kernel: Hopper (compute capability 9.0), this
     Triton, 16-bit q/k/v alike, head dim 64 or 128, rows the copy engine can read (16-byte
     aligned), and nothing but causal or dense attention asked for."""
-    if not GLUON or ".".join(triton.__version__.split(".")[:2]) not in TESTED_TRITON:
+    from .fast import TRITON, tma_ok
+
+    if not GLUON or TRITON not in TESTED_TRITON:
         return False
     if q.device.type != "cuda" or _capability(q.device.index) != (9, 0):
         return False
@@ -64,15 +66,14 @@ def usable(q, k, v, call) -> bool:
     if (call.block_mask is not None or call.dropout_p > 0 or call.mods is not None
             or call.sinks is not None or call.seqs is not None):
         return False
-    from .fast import tma_ok
-
     return tma_ok(q, k, v)
 
 
 def status() -> str:
     """Whether this machine runs the kernel, and if not why (``flashedu doctor``)."""
-    version = ".".join(triton.__version__.split(".")[:2])
-    if not GLUON or version not in TESTED_TRITON:
+    from .fast import TRITON
+
+    if not GLUON or TRITON not in TESTED_TRITON:
         return (f"off: written against Triton {' or '.join(TESTED_TRITON)}'s Gluon, this is "
                 f"Triton {triton.__version__}")
     if not torch.cuda.is_available():

@@ -73,14 +73,14 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
     dropout_p, rng, mods, sinks, seqs = call.dropout_p, call.rng, call.mods, call.sinks, call.seqs
     if interpreted is None:
         interpreted = runtime.triton_interpreted()
-    if tiles is None and not interpreted:
-        settings = resolve_config(q.shape[-1], q.dtype, block_mask, q.device).fa3_settings(
-            q.shape[2], k.shape[2])
+    if tiles is None:
+        config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
+        settings = None if interpreted else config.fa3_settings(q.shape[2], k.shape[2])
         if settings is not None and fa3.usable(q, k, v, call):
             return _fa3_forward(q, k, v, call, settings, keep)
-    if tiles is None:  # packed sequences: the tiles of the longest one's keys
-        tiles = resolve_config(q.shape[-1], q.dtype, block_mask, q.device).forward_tiles(
-            block_mask, k.shape[2] if seqs is None else seqs.max_seqlen_k, dropout_p > 0)
+        # packed sequences: the tiles of the longest one's keys
+        tiles = config.forward_tiles(block_mask, k.shape[2] if seqs is None else
+                                     seqs.max_seqlen_k, dropout_p > 0)
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
     (q32,), (o,) = outputs_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)

@@ -160,7 +160,10 @@ def main(argv=None) -> int:
            "cases": []}
     print(core.headline(out["environment"]), flush=True)
     print(f"bf16 matmul 8192^3: {out['matmul_tflops']:.0f} TFLOP/s", flush=True)
-    lines, head = [], None
+    names = ["fa3", *(label for label, _ in ABLATIONS), *PEERS]  # the forward's columns
+    head = ["d", "N", "causal", *names, "fwd / cuDNN", "bwd flashedu", "bwd cuDNN",
+            "bwd / cuDNN"]
+    lines = []
     for d in args.d:
         settings = {**resolve_config(d, torch.bfloat16, None, "cuda").schedule.settings(),
                     **dict(args.set)}
@@ -169,10 +172,7 @@ def main(argv=None) -> int:
                 row = one_case(N, d, causal, settings, args.rounds)
                 out["cases"].append(row)
                 t = row["tflops"]
-                names = ["fa3", *(label for label, _ in ABLATIONS), *PEERS]
-                head = head or (["d", "N", "causal", *names, "fwd / cuDNN", "bwd flashedu",
-                                 "bwd cuDNN", "bwd / cuDNN"])
-                line = [d, N, causal, *(f"{t[n]:.0f}" if n in t else "-" for n in head[3:-4]),
+                line = [d, N, causal, *(f"{t[n]:.0f}" if n in t else "-" for n in names),
                         f"{t['fa3'] / t['sdpa-cudnn']:.2f}", f"{t['flashedu bwd']:.0f}",
                         f"{t['sdpa-cudnn bwd']:.0f}",
                         f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}"]

@@ -315,11 +315,13 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     try:
         if variant.endswith("fa3"):
             from ..triton import fa3
+            from ..triton.config import TABLE_ENV
 
             settings = config.fa3_settings(n, n)
             if settings is None:
-                raise ValueError(f"the {table_name()} table runs no fa3 forward at d={d}, "
-                                 f"N={n} (it asks for it at d=64 and d=128 from 4096 keys)")
+                raise ValueError(f"the {os.environ.get(TABLE_ENV, 'sm90')} table runs no fa3 "
+                                 f"forward at d={d}, N={n} (it asks for it at d=64 and d=128 "
+                                 "from 4096 keys)")
             fa3.forward(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]),
                         is_causal=kw["is_causal"], scale=kw["scale"], **settings)
         elif variant == "resume":
@@ -337,10 +339,6 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     finally:
         fast.run, fast.launch, fast.switches = saved
     return launches
-
-
-def table_name() -> str:
-    return os.environ.get("FLASHEDU_TILE_TABLE", "sm90")
 
 
 def _compile_stats(kernel, args, consts, table: str) -> dict:

@@ -199,3 +199,38 @@ def test_doctor_says_whether_the_schedule_runs_here():
                 if "FlashAttention-3's forward" in x)
     assert line.endswith(fa3.status())
     assert fa3.status().startswith("on" if FA3 else "off: ")
+
+
+# ------------------------------------------------------------------------------------------
+# The backward (fa3_backward.py)
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_fa3
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_backward_matches_the_float64_reference(shape, stages):
+    """dQ, dK, dV from the fa3 forward's O and L against the float64 reference's gradients,
+    each allowed what plain attention in the inputs' dtype errs by, times flash-attention's
+    factor."""
+    from flashedu.triton import fa3_backward
+
+    B, H, Hkv, Nq, Nk, d, causal, dtype = shape
+    q, k, v = _inputs(B, H, Hkv, Nq, Nk, d, dtype, seed=Nq + Nk + d + 1)
+    scale = d ** -0.5
+    o, lse2 = torch.empty_like(q), torch.empty(B, H, Nq, device="cuda")
+    fa3.forward(q, k, v, o, lse2, is_causal=causal, scale=scale, CONSUMERS=2, STAGES=2,
+                CONSUMER_REGS=240)
+    dout = torch.randn_like(q)
+    got = fa3_backward.backward(q, k, v, o, lse2, dout, is_causal=causal, scale=scale,
+                                STAGES=stages)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*leaves, is_causal=causal, scale=scale, enable_gqa=True)
+    ref = torch.autograd.grad(ref, leaves, dout.double())
+    plain = naive_attention_torch(*leaves, is_causal=causal, scale=scale, enable_gqa=True,
+                                  upcast=False)
+    plain = torch.autograd.grad(plain, leaves, dout)
+    for name, g, r, p in zip(("dq", "dk", "dv"), got, ref, plain):
+        assert torch.isfinite(g).all(), name
+        tolerance.check(g, r, p, dtype=dtype, factor=tolerance.GRADIENT,
+                        floor_scale=tolerance.GRADIENT, name=name)

@@ -64,9 +64,9 @@ def forward_fns(q, k, v, causal, settings) -> dict:
     return fns
 
 
-def backward_fns(q, k, v, causal) -> dict:
-    """{label: zero-argument backward} of flashedu's Triton backward and cuDNN's, each from
-    its own saved forward."""
+def backward_fns(q, k, v, causal, settings) -> dict:
+    """{label: zero-argument backward} of flashedu's Triton backward, the Gluon backward of
+    fa3_backward.py and cuDNN's, each from its own saved forward."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -78,8 +78,25 @@ def backward_fns(q, k, v, causal) -> dict:
     out = flashedu.attention(*inputs, is_causal=causal, backend="triton")
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out_cudnn = F.scaled_dot_product_attention(*inputs, is_causal=causal)
-    return {name: (lambda o=o: torch.autograd.grad(o, inputs, dout, retain_graph=True))
-            for name, o in (("flashedu bwd", out), ("sdpa-cudnn bwd", out_cudnn))}
+    fns = {name: (lambda o=o: torch.autograd.grad(o, inputs, dout, retain_graph=True))
+           for name, o in (("flashedu bwd", out), ("sdpa-cudnn bwd", out_cudnn))}
+    from ..triton import fa3, fa3_backward
+
+    B, H, N, d = q.shape
+    o = torch.empty_like(q)
+    lse2 = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+    fa3.forward(q, k, v, o, lse2, is_causal=causal, scale=d ** -0.5, **settings)
+    D = row_dot(o, dout)
+    fns["fa3 bwd"] = lambda: fa3_backward.backward(q, k, v, o, lse2, dout, is_causal=causal,
+                                                   scale=d ** -0.5, D=D)
+    return fns
+
+
+def row_dot(o, dout):
+    """D = rowsum(dO * O), as the backward's preprocess makes it."""
+    from ..triton.launch import preprocess
+
+    return preprocess(o, dout, 64)
 
 
 def matmul_peak() -> float:
@@ -98,7 +115,7 @@ def one_case(N, d, causal, settings, rounds) -> dict:
     q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
                for _ in range(3))
     fwd = forward_fns(q, k, v, causal, settings)
-    bwd = backward_fns(q, k, v, causal)
+    bwd = backward_fns(q, k, v, causal, settings)
     timed = {name: (fn, {}) for name, fn in {**fwd, **bwd}.items()}
     ms, _ = core.interleaved_ms(timed, rounds)
     flops = {"fwd": core.attention_flops(B, H, N, N, d, causal=causal, mode="fwd"),
@@ -162,7 +179,7 @@ def main(argv=None) -> int:
     print(f"bf16 matmul 8192^3: {out['matmul_tflops']:.0f} TFLOP/s", flush=True)
     names = ["fa3", *(label for label, _ in ABLATIONS), *PEERS]  # the forward's columns
     head = ["d", "N", "causal", *names, "fwd / cuDNN", "bwd flashedu", "bwd cuDNN",
-            "bwd / cuDNN"]
+            "bwd / cuDNN", "bwd fa3", "fa3 / cuDNN"]
     lines = []
     for d in args.d:
         settings = {**resolve_config(d, torch.bfloat16, None, "cuda").schedule.settings(),
@@ -175,7 +192,8 @@ def main(argv=None) -> int:
                 line = [d, N, causal, *(f"{t[n]:.0f}" if n in t else "-" for n in names),
                         f"{t['fa3'] / t['sdpa-cudnn']:.2f}", f"{t['flashedu bwd']:.0f}",
                         f"{t['sdpa-cudnn bwd']:.0f}",
-                        f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}"]
+                        f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}", f"{t['fa3 bwd']:.0f}",
+                        f"{t['fa3 bwd'] / t['sdpa-cudnn bwd']:.2f}"]
                 lines.append(line)
                 print(" | ".join(str(x) for x in line), flush=True)
     print("TFLOP/s (forward: 4 B H N^2 d, causal half; backward 2.5x that)")

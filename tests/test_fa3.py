@@ -1,7 +1,8 @@
-"""FlashAttention-3's forward schedule (flashedu/triton/fa3.py): on an sm_90 GPU with the Triton
-its Gluon is written against, every switch of the schedule against the float64 reference on
-ragged, GQA and causal shapes, and the public API taking it from the tile table. Elsewhere the
-kernel is not used (``usable`` says no), which the CPU tests check."""
+"""FlashAttention-3's schedule (flashedu/triton/fa3.py, fa3_backward.py): on an sm_90 GPU with
+the Triton its Gluon is written against, every switch of the forward's schedule and the
+backward's settings against the float64 reference on ragged, GQA and causal shapes, and the
+public API taking both from the tile table. Elsewhere the kernels are not used (``usable`` says
+no), which the CPU tests check, with the dispatch to them."""
 
 import dataclasses
 
@@ -74,9 +75,9 @@ def test_every_schedule_matches_the_float64_reference(shape, settings):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_takes_the_schedule_from_the_table(d, causal):
-    """From 4096 keys the public API's forward is fa3's (its launch plan says so), and the
-    backward computed from its O and L is the reference's."""
-    from flashedu.triton import fast
+    """From 4096 keys the public API's forward and backward are fa3's (their launch plans say
+    so), right against the reference, and right again when the plans start a second call."""
+    from flashedu.triton import fa3_backward, fast
 
     fast.PLANS.clear()
     B, H, N = 1, 2, 4096 + 77
@@ -86,6 +87,8 @@ def test_attention_takes_the_schedule_from_the_table(d, causal):
     assert fa3.fa3_forward_kernel in kernels
     dout = torch.randn_like(out)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    steps = [step for plan in fast.PLANS.values() if isinstance(plan, tuple) for step in plan[1]]
+    assert any(isinstance(step, fa3_backward.Step) for step in steps)
     ref = reference_attention(q, k, v, is_causal=causal)
     ref = (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
     plain = naive_attention_torch(q, k, v, is_causal=causal, upcast=False)
@@ -94,8 +97,12 @@ def test_attention_takes_the_schedule_from_the_table(d, causal):
         factor = tolerance.FORWARD if n == 0 else tolerance.GRADIENT
         tolerance.check(g, r, p, dtype=torch.bfloat16, factor=factor, floor_scale=factor,
                         name="out dq dk dv".split()[n])
-    again = flashedu.attention(q, k, v, is_causal=causal, backend="triton")  # the plan's start
+    again = flashedu.attention(q, k, v, is_causal=causal, backend="triton")  # the plans' start
     assert torch.equal(again, out)
+    grads = torch.autograd.grad(again, (q, k, v), dout)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref[1:], plain[1:]):
+        tolerance.check(g, r, p, dtype=torch.bfloat16, factor=tolerance.GRADIENT,
+                        floor_scale=tolerance.GRADIENT, name=name)
 
 
 @pytest.mark.gpu
@@ -120,14 +127,16 @@ def test_bench_fa3_runs_small(tmp_path, capsys):
 
 
 def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
-    """d=64 and d=128 from 4096 queries and keys; below, and at other head dims, the Triton
-    kernel's forward."""
+    """d=64 and d=128 from 4096 queries and keys, forward and backward; below, and at other
+    head dims, the Triton kernels."""
     for d in (64, 128):
-        assert GPU_16BIT[d].fa3_settings(4096, 4096) is not None
-        assert GPU_16BIT[d].fa3_settings(4095, 8192) is None
-        assert GPU_16BIT[d].fa3_settings(8192, 2048) is None
+        for settings in (GPU_16BIT[d].fa3_settings, GPU_16BIT[d].fa3_backward_settings):
+            assert settings(4096, 4096) is not None
+            assert settings(4095, 8192) is None
+            assert settings(8192, 2048) is None
     for d in (16, 32, 256):
         assert GPU_16BIT[d].fa3_settings(16384, 16384) is None
+        assert GPU_16BIT[d].fa3_backward_settings(16384, 16384) is None
     for config in GPU_16BIT.values():  # the launch plans key calls by their entry
         hash(config)
 
@@ -190,6 +199,50 @@ def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monke
     assert len(settings_seen) == 1 and tolerance.max_error(o, ref) < 1e-5
 
 
+def test_the_backward_takes_the_schedule_where_the_table_and_the_call_allow(monkeypatch):
+    """launch.backward's dispatch, without a GPU (the kernel's step replaced by a recorder): a
+    table entry that asks for the schedule and a call it can serve make the step once, later
+    calls laid out alike start it again (and hand the plan to ``keep``), and a call the step
+    does not serve (an lse gradient here) takes the Triton kernels (run by the interpreter)."""
+    from flashedu.triton import config, fa3_backward, fast, launch
+
+    class Recorded:  # what Step.made returns: a step to start again
+        starts = 0
+
+        def start(self, q, k, v, do, lse2, D, dq, dk, dv, stream=None):
+            self.starts += 1
+            for grad in (dq, dk, dv):
+                grad.fill_(2.0)
+
+    step, seen = Recorded(), []
+
+    def made(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal, scale, **settings):
+        seen.append((is_causal, scale, settings))
+        for grad in (dq, dk, dv):
+            grad.fill_(1.0)
+        return step
+
+    entry = dataclasses.replace(config.INTERPRETER, schedule_from=64,
+                                backward_schedule=config.BackwardSchedule(2, 2))
+    monkeypatch.setattr(launch, "resolve_config", lambda *a, **kw: entry)
+    monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
+    monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(made))
+    monkeypatch.setattr(fast, "PLANS", {})
+    q, k, v, o, do = (torch.randn(1, 2, 64, 16) for _ in range(5))
+    lse2, D = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64)  # D given: no preprocess launch
+    call = ops.Call(True, 0.25)
+    grads = launch.backward(q, k, v, o, lse2, do, call, D=D, interpreted=False)
+    assert seen == [(True, 0.25, entry.backward_schedule.settings())]
+    assert all((g == 1).all() and g.shape == x.shape for g, x in zip(grads, (q, k, v)))
+    keep = []
+    grads = launch.backward(q, k, v, o, lse2, do, call, D=D, interpreted=False, keep=keep)
+    assert len(seen) == 1 and step.starts == 1 and keep == [(None, [step])]
+    assert all((g == 2).all() for g in grads)
+    launch.backward(q, k, v, o, lse2, do, call, dlse=torch.zeros(1, 2, 64), D=D,
+                    interpreted=True)
+    assert len(seen) == 1 and step.starts == 1
+
+
 def test_doctor_says_whether_the_schedule_runs_here():
     from flashedu import runtime
 
@@ -208,8 +261,8 @@ def test_doctor_says_whether_the_schedule_runs_here():
 @pytest.mark.gpu
 @needs_fa3
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("stages", [2, 3])
-def test_the_backward_matches_the_float64_reference(shape, stages):
+@pytest.mark.parametrize("stages,dq_buffers", [(2, 1), (2, 2), (3, 1)])
+def test_the_backward_matches_the_float64_reference(shape, stages, dq_buffers):
     """dQ, dK, dV from the fa3 forward's O and L against the float64 reference's gradients,
     each allowed what plain attention in the inputs' dtype errs by, times flash-attention's
     factor."""
@@ -223,7 +276,7 @@ def test_the_backward_matches_the_float64_reference(shape, stages):
                 CONSUMER_REGS=240)
     dout = torch.randn_like(q)
     got = fa3_backward.backward(q, k, v, o, lse2, dout, is_causal=causal, scale=scale,
-                                STAGES=stages)
+                                STAGES=stages, DQ_BUFFERS=dq_buffers)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*leaves, is_causal=causal, scale=scale, enable_gqa=True)
     ref = torch.autograd.grad(ref, leaves, dout.double())

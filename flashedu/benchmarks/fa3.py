@@ -1,7 +1,8 @@
 """FlashAttention-3's schedule on Hopper (``flashedu/triton/fa3.py``): the forward's TFLOP/s
 with the tile table's settings, with each of the schedule's ideas turned off in turn, beside
 the Triton kernel of ``forward.py``, SDPA's cuDNN and FlashAttention-2 backends and
-FlexAttention, in one process; the backward (flashedu's Triton backward, cuDNN's) beside
+FlexAttention, in one process; the backward (flashedu's: FlashAttention-3's of
+``fa3_backward.py`` where the tile table asks for it; the Triton kernels'; cuDNN's) beside
 them, and a bf16 matrix product for the card's measured peak.
 
     flashedu bench fa3 --json docs/bench/fa3_h200.json
@@ -64,14 +65,22 @@ def forward_fns(q, k, v, causal, settings) -> dict:
     return fns
 
 
-def backward_fns(q, k, v, causal, settings) -> dict:
-    """{label: zero-argument backward} of flashedu's Triton backward, the Gluon backward of
-    fa3_backward.py and cuDNN's, each from its own saved forward."""
+def backward_fns(q, k, v, causal) -> dict:
+    """{label: zero-argument backward}: flashedu's (the public API: the tile table's choice,
+    FlashAttention-3's backward of fa3_backward.py on sm_90 from 4096 keys), the Triton
+    kernels' backward of the same call (the table's schedule turned off), and cuDNN's, each
+    from its own saved forward."""
+    import dataclasses
+
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashedu
+
+    from ..ops import Call
+    from ..triton import launch
+    from ..triton.autograd import resolve_config
 
     dout = torch.randn_like(q)
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -80,23 +89,12 @@ def backward_fns(q, k, v, causal, settings) -> dict:
         out_cudnn = F.scaled_dot_product_attention(*inputs, is_causal=causal)
     fns = {name: (lambda o=o: torch.autograd.grad(o, inputs, dout, retain_graph=True))
            for name, o in (("flashedu bwd", out), ("sdpa-cudnn bwd", out_cudnn))}
-    from ..triton import fa3, fa3_backward
-
-    B, H, N, d = q.shape
-    o = torch.empty_like(q)
-    lse2 = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
-    fa3.forward(q, k, v, o, lse2, is_causal=causal, scale=d ** -0.5, **settings)
-    D = row_dot(o, dout)
-    fns["fa3 bwd"] = lambda: fa3_backward.backward(q, k, v, o, lse2, dout, is_causal=causal,
-                                                   scale=d ** -0.5, D=D)
+    call = Call(causal, q.shape[-1] ** -0.5)
+    config = dataclasses.replace(resolve_config(q.shape[-1], q.dtype, None, q.device),
+                                 backward_schedule=None)
+    o, lse2 = launch.forward(q, k, v, call)
+    fns["triton bwd"] = lambda: launch.backward(q, k, v, o, lse2, dout, call, config=config)
     return fns
-
-
-def row_dot(o, dout):
-    """D = rowsum(dO * O), as the backward's preprocess makes it."""
-    from ..triton.launch import preprocess
-
-    return preprocess(o, dout, 64)
 
 
 def matmul_peak() -> float:
@@ -115,7 +113,7 @@ def one_case(N, d, causal, settings, rounds) -> dict:
     q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
                for _ in range(3))
     fwd = forward_fns(q, k, v, causal, settings)
-    bwd = backward_fns(q, k, v, causal, settings)
+    bwd = backward_fns(q, k, v, causal)
     timed = {name: (fn, {}) for name, fn in {**fwd, **bwd}.items()}
     ms, _ = core.interleaved_ms(timed, rounds)
     flops = {"fwd": core.attention_flops(B, H, N, N, d, causal=causal, mode="fwd"),
@@ -179,7 +177,7 @@ def main(argv=None) -> int:
     print(f"bf16 matmul 8192^3: {out['matmul_tflops']:.0f} TFLOP/s", flush=True)
     names = ["fa3", *(label for label, _ in ABLATIONS), *PEERS]  # the forward's columns
     head = ["d", "N", "causal", *names, "fwd / cuDNN", "bwd flashedu", "bwd cuDNN",
-            "bwd / cuDNN", "bwd fa3", "fa3 / cuDNN"]
+            "bwd / cuDNN", "bwd Triton kernels"]
     lines = []
     for d in args.d:
         settings = {**resolve_config(d, torch.bfloat16, None, "cuda").schedule.settings(),
@@ -192,8 +190,8 @@ def main(argv=None) -> int:
                 line = [d, N, causal, *(f"{t[n]:.0f}" if n in t else "-" for n in names),
                         f"{t['fa3'] / t['sdpa-cudnn']:.2f}", f"{t['flashedu bwd']:.0f}",
                         f"{t['sdpa-cudnn bwd']:.0f}",
-                        f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}", f"{t['fa3 bwd']:.0f}",
-                        f"{t['fa3 bwd'] / t['sdpa-cudnn bwd']:.2f}"]
+                        f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}",
+                        f"{t['triton bwd']:.0f}"]
                 lines.append(line)
                 print(" | ".join(str(x) for x in line), flush=True)
     print("TFLOP/s (forward: 4 B H N^2 d, causal half; backward 2.5x that)")

@@ -57,6 +57,20 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class BackwardSchedule:
+    """FlashAttention-3's backward (fa3_backward.py): stages of (Q_i, dO_i) in shared memory,
+    buffers for dQ_i on its way to the writer, registers per consumer thread."""
+    stages: int = 2
+    dq_buffers: int = 1
+    consumer_regs: int = 240
+
+    def settings(self) -> dict:
+        """The keywords of ``fa3_backward.launch``."""
+        return dict(STAGES=self.stages, DQ_BUFFERS=self.dq_buffers,
+                    CONSUMER_REGS=self.consumer_regs)
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     forward: Tiles
     dkdv: Tiles  # backward, one program per K/V tile: Bc is its own tile, Br the Q tiles it visits
@@ -94,12 +108,20 @@ class KernelConfig:
     # ``schedule_from`` keys and queries on; None: the Triton kernel's forward.
     schedule: Schedule | None = None
     schedule_from: int = 0
+    # its backward (fa3_backward.py) for those calls; None: the Triton kernels' backward
+    backward_schedule: BackwardSchedule | None = None
 
     def fa3_settings(self, Nq: int, Nk: int) -> dict | None:
-        """The fa3 kernel's settings for a call of Nq queries and Nk keys, or None."""
+        """The fa3 forward's settings for a call of Nq queries and Nk keys, or None."""
         if self.schedule is None or min(Nq, Nk) < self.schedule_from:
             return None
         return self.schedule.settings()
+
+    def fa3_backward_settings(self, Nq: int, Nk: int) -> dict | None:
+        """The fa3 backward's settings for a call of Nq queries and Nk keys, or None."""
+        if self.backward_schedule is None or min(Nq, Nk) < self.schedule_from:
+            return None
+        return self.backward_schedule.settings()
 
     def _short(self, block_mask, Nk: int, dropout: bool) -> "KernelConfig | None":
         if block_mask is None and not dropout and Nk < self.short_until:
@@ -167,10 +189,15 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # 1.10-1.18x the Triton kernel, 0.94-1.09x cuDNN.
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160)
 _FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False)
+# Its backward (fa3_backward.py), from the same length: two stages of (Q_i, dO_i); at d=64 two
+# buffers for dQ_i (the shared memory has room), at d=128 one (two measured slower there)
+_FA3_BACKWARD_64 = BackwardSchedule(stages=2, dq_buffers=2)
+_FA3_BACKWARD_128 = BackwardSchedule(stages=2, dq_buffers=1)
 GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,
-    64: replace(_SMALL_D, schedule=_FA3_64, schedule_from=4096),
+    64: replace(_SMALL_D, schedule=_FA3_64, schedule_from=4096,
+                backward_schedule=_FA3_BACKWARD_64),
     128: KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3),
                       fused_backward=True, split_from=65536,
                       # causal: the same tiles; one launch is 1.0-1.15x faster up to N=8192,
@@ -187,7 +214,8 @@ GPU_16BIT = {
                       # not (BENCHMARKS.md, "Short sequences: small tiles")
                       short=KernelConfig(Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2),
                                          Tiles(64, 64, 4, 2), fused_backward=True),
-                      short_until=2048, schedule=_FA3_128, schedule_from=4096),
+                      short_until=2048, schedule=_FA3_128, schedule_from=4096,
+                      backward_schedule=_FA3_BACKWARD_128),
     # dropout's dQ program needs 228 KB with 3 stages (`flashedu bench sass`): 2 stages
     256: replace(_D256, dropout_backward=replace(_D256, dq=replace(_D256.dq, num_stages=2))),
 }

@@ -1,28 +1,28 @@
 """FlashAttention-3's backward on Hopper, in Gluon: one program per K/V tile, five products a
-tile pair, dQ_i added by atomics.
+tile pair, dQ_i added by the copy engine.
 
 The backward of ``backward.py`` runs two programs per tile pair's work (dK/dV holding K_j, V_j
 and a dQ program holding Q_i), seven products in all: S_ij and dP_ij are computed twice. Here,
 as in FlashAttention-2 and -3, the program that holds K_j and V_j also computes dQ_i's share
-of its keys, dS_ij K_j, and adds it to a float32 dQ in global memory by atomics:
+of its keys, dS_ij K_j, and adds it to a float32 dQ in global memory:
 
     S_ij^T  = K_j Q_i^T              P_ij^T  = exp2(S_ij^T * scale * log2(e) - L_i)
     dP_ij^T = V_j dO_i^T             dS_ij^T = P_ij^T * (dP_ij^T - D_i)
     dV_j   += P_ij^T dO_i            dK_j   += dS_ij^T Q_i          dQ_i += dS_ij K_j
 
-Laid out as the forward of ``fa3.py``: a copy warp streams (Q_i, dO_i) through a ring of
-shared-memory stages past K_j and V_j, which it loads once; two consumer warpgroups own 64 of
-the program's 128 keys each. dS_ij^T goes through shared memory to be read transposed as the
-left operand of dQ_i's product; each consumer computes half of dQ_i's columns over all 128 keys
-and a writer partition (2 warps) adds dQ_i to a float32 dQ by atomics from shared memory (the
-consumers' registers hold dK_j and dV_j). L_i and D_i come through shared memory too. Grouped-
-query attention: a program visits the Q tiles of every query head of its K/V head. q and dO
-must be laid out (B, H, N, d) contiguous (one descriptor walks all their rows).
+Laid out as the forward of ``fa3.py``: a copy warp streams (Q_i, dO_i) by TMA, and L_i, D_i,
+through a ring of shared-memory stages past K_j and V_j, which it loads once; two consumer
+warpgroups own 64 of the program's 128 keys each. dS_ij^T goes through shared memory to be
+read transposed as the left operand of dQ_i's product; each consumer computes half of dQ_i's
+columns over all 128 keys and leaves it in a shared-memory buffer, from which a writer warp
+adds it to dQ with one TMA reduction (the adds happen in L2, whole lines at a time: the
+per-thread atomics they replace held the backward to 0.35-0.8x cuDNN's). Grouped-query
+attention: a program visits the Q tiles of every query head of its K/V head. q and dO must be
+laid out (B, H, N, d) contiguous (one descriptor walks all their rows).
 
-State: compiles for sm_90 (Triton 3.6): d = 64 without spills, d = 128 with 224-264 bytes a
-thread of spills (about 30 local loads a step in the loop: wgmma descriptors); not yet run on a
-GPU (tests/test_fa3.py::test_the_backward_matches_the_float64_reference, `flashedu bench fa3`'s
-"bwd fa3" column), and not taken by the tile table.
+Compiled for sm_90 (Triton 3.6, ``scripts/compile_fa3_backward.py``): d = 64 without spills,
+d = 128 with 216 (272 causal) bytes a thread of spills. Measured on an H200 in BENCHMARKS.md,
+"FlashAttention-3's backward in Gluon".
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .fa3 import GLUON, LOG2E
+from .fa3 import GLUON, LOG2E, M
 
 if GLUON:
     from triton.experimental import gluon
@@ -39,141 +39,169 @@ if GLUON:
                                                                   tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
     from .fa3 import _descriptor, _tma_load
+
+    @builtin
+    def _tma_reduce_add(desc, coord, src, _semantic=None):
+        """desc[coord] += src by the copy engine (cp.reduce.async.bulk.tensor): Gluon on Triton
+        3.6 builds the operation but exports no function for it."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
+                                                  coord, src.handle)
 
     _KM = gl.constexpr(64)  # keys per consumer warpgroup: one wgmma's M
 
     @gluon.jit
-    def _load(descs, shared, row_base, nq_tiles, i0, GROUP, Nq, Br: gl.constexpr,
-              STAGES: gl.constexpr):
-        """The copy warp: K_j and V_j once (both consumers' halves), then (Q_i, dO_i) of every
-        query head of the group, tile by tile, into stage t % STAGES once both consumers freed
-        it."""
-        k_desc, v_desc, q_desc, do_desc, l_desc, d_desc = descs
+    def _load(descs, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq,
+              Br: gl.constexpr, STAGES: gl.constexpr):
+        """The copy warp: K_j and V_j once (both consumers' halves), then (Q_i, dO_i, L_i, D_i)
+        of every query head of the group, tile by tile, into stage t % STAGES once both
+        consumers freed it. Q_i and dO_i come by TMA; L_i and D_i by plain loads, as a tile of
+        them starts anywhere in a float32 row (the copy engine wants 16-byte aligned starts)."""
+        k_desc, v_desc, q_desc, do_desc = descs
         k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free = shared
         mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
         for w in gl.static_range(2):
             _tma_load(k_desc, [w * _KM, 0], kv_ready, k_smem.slice(w * _KM, _KM))
             _tma_load(v_desc, [w * _KM, 0], kv_ready, v_smem.index(w))
+        lanes = gl.arange(0, Br, gl.BlockedLayout([Br // 32], [32], [1], [0]))
         t = 0
         for g in range(GROUP):
             for i in range(i0, nq_tiles):
                 s = t % STAGES
                 mbarrier.wait(free.index(s), ((t // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes
-                                + 2 * l_desc.block_type.nbytes)
+                mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes)
                 row = row_base + g * Nq + i * Br  # the head's rows, one after another
                 _tma_load(q_desc, [row, 0], ready.index(s), q_smem.index(s))
                 _tma_load(do_desc, [row, 0], ready.index(s), do_smem.index(s))
-                _tma_load(l_desc, [row], ready.index(s), l_smem.index(s))
-                _tma_load(d_desc, [row], ready.index(s), d_smem.index(s))
+                ok = row + lanes < total
+                l_smem.index(s).store(gl.load(L + row + lanes, mask=ok, other=0.0))
+                d_smem.index(s).store(gl.load(Dl + row + lanes, mask=ok, other=0.0))
+                mbarrier.arrive(ready.index(s), count=1)  # the second arrival: L_i, D_i
                 t += 1
 
     @gluon.jit
-    def _write_dq(ds_shared, dQ, row_base, Nq, nq_tiles, i0, GROUP, scale,
-                  HEAD_DIM: gl.constexpr, Br: gl.constexpr):
-        """The dQ writer (2 warps): each Q tile's dQ_i share, once both consumers stored their
-        halves, added to the float32 dQ by atomics a few rows at a time."""
-        ds_smem, ds_ready, ds_free, dq_smem, dq_ready, dq_free = ds_shared
-        TPW_N: gl.constexpr = HEAD_DIM // 4  # threads along a row, 4 values each
-        TPW_M: gl.constexpr = 32 // TPW_N
-        ROWS: gl.constexpr = 2 * TPW_M
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [TPW_M, TPW_N], [2, 1], [1, 0])
-        rows = gl.arange(0, ROWS, gl.SliceLayout(1, layout))
-        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+    def _write_dq(dq_desc, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, Br: gl.constexpr):
+        """The dQ writer (one warp): each Q tile's dQ_i share, once both consumers stored their
+        halves, added to the float32 dQ by the copy engine (a reduction in L2, 128-byte lines
+        at a time; per-thread atomics measured 1.2-2.3x slower). Rows past a head's end add
+        zeros (their dS_ij is zero), rows past the tensor's are clipped."""
+        dq_smem, dq_ready, dq_free = dq_shared
+        NB: gl.constexpr = dq_smem.shape[0]
         t = 0
         for g in range(GROUP):
             for i in range(i0, nq_tiles):
-                mbarrier.wait(dq_ready, t & 1)
-                tile = dQ + (row_base + g * Nq + i * Br) * HEAD_DIM
-                for r in gl.static_range(0, Br, ROWS):
-                    part = dq_smem.slice(r, ROWS).load(layout)
-                    ok = (i * Br + r + rows)[:, None] < Nq
-                    gl.atomic_add(tile + (r + rows)[:, None] * HEAD_DIM + dims[None, :],
-                                  part * scale, mask=ok, sem="relaxed")
-                mbarrier.arrive(dq_free, count=1)
+                b = t % NB
+                mbarrier.wait(dq_ready.index(b), (t // NB) & 1)
+                _tma_reduce_add(dq_desc, [row_base + g * Nq + i * Br, 0], dq_smem.index(b))
+                tma.store_wait(0)  # the buffer read: the consumers may write it again
+                mbarrier.arrive(dq_free.index(b), count=1)
                 t += 1
 
     @gluon.jit
-    def _consume(shared, ds_shared, rows_in, L, Dl, dQ, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
-                 qk_scale, scale, nq_tiles, i0, GROUP, WG: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr):
-        """A consumer warpgroup: keys k0 + WG * 64 .. + 64 of the program's K/V tile; dK_j and
-        dV_j of those keys in registers, dQ_i's share added to dQ after each Q tile."""
+    def _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq, qk_scale, scale,
+                   WG: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
+                   DIAGONAL: gl.constexpr):
+        """One consumer's step over (Q_i, K_j): the five products, dK_j and dV_j returned, dQ_i's
+        share handed to the writer. DIAGONAL: the tile crosses the causal diagonal (only those
+        steps carry its mask: the others compile without the registers it takes)."""
         k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free = shared
-        ds_smem, ds_ready, ds_free, dq_smem, dq_ready, dq_free = ds_shared
-        row_base, dq_row_base = rows_in
+        ds_smem, ds_ready, ds_free = ds_shared
+        dq_smem, dq_ready, dq_free = dq_shared
+        NB: gl.constexpr = dq_smem.shape[0]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
         HALF: gl.constexpr = HEAD_DIM // 2
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, Br, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                             warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dK_j.type.layout,
                                                      k_width=2)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
                                                             warps_per_cta=[4, 1],
                                                             instr_shape=[16, HALF, 16])
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along the Q tile's rows
         dtype: gl.constexpr = q_smem.dtype
-        K_w = k_smem.slice(WG * _KM, _KM)
-        V_w = v_smem.index(WG)
-        keys = k0 + WG * _KM + gl.arange(0, _KM, gl.SliceLayout(1, st_layout))
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        Q_i = q_smem.index(s)
+        dO_i = do_smem.index(s)
+        # L_i and D_i of the tile's rows, from shared memory (the copy warp fetched them:
+        # addresses a value for loads from global memory would spill)
+        L_i = l_smem.index(s).load(col_layout)
+        D_i = d_smem.index(s).load(col_layout)
         zero_st = gl.zeros([_KM, Br], gl.float32, st_layout)
+        S_t = warpgroup_mma(k_smem.slice(WG * _KM, _KM), Q_i.permute((1, 0)), zero_st,
+                            use_acc=False, is_async=True)
+        dP_t = warpgroup_mma(v_smem.index(WG), dO_i.permute((1, 0)), zero_st, use_acc=False,
+                             is_async=True)
+        S_t, dP_t = warpgroup_mma_wait(0, deps=(S_t, dP_t))
+        P_t = gl.exp2(S_t * qk_scale - L_i[None, :])
+        if (i + 1) * Br > Nq:  # the last tile: its rows past Nq are the next head's
+            cols = i * Br + gl.arange(0, Br, col_layout)
+            P_t = gl.where(cols[None, :] < Nq, P_t, 0.0)
+        if DIAGONAL:
+            keys = k0 + WG * _KM + gl.arange(0, _KM, gl.SliceLayout(1, st_layout))
+            cols = i * Br + gl.arange(0, Br, col_layout)
+            P_t = gl.where(keys[:, None] <= cols[None, :], P_t, 0.0)
+        dS_t = (P_t * (dP_t - D_i[None, :])).to(dtype)  # 16-bit from here on
+        P_t = P_t.to(dtype)
+        dV_j = warpgroup_mma(gl.convert_layout(P_t, a_layout), dO_i, dV_j, is_async=True)
+        dK_j = warpgroup_mma(gl.convert_layout(dS_t, a_layout), Q_i, dK_j, is_async=True)
+        # dS_ij^T of both consumers' keys into shared memory (once the other has read the
+        # last tile's), then each computes half of dQ_i's columns over all 128 keys: dS_ij
+        # (read transposed) times K_j's columns
+        mbarrier.wait(ds_free, (t & 1) ^ 1)
+        ds_smem.slice(WG * _KM, _KM).store(dS_t)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready, count=1)
+        dV_j, dK_j = warpgroup_mma_wait(0, deps=(dV_j, dK_j))
+        mbarrier.arrive(free.index(s), count=1)  # Q_i and dO_i read
+        mbarrier.wait(ds_ready, t & 1)
         zero_dq = gl.zeros([Br, HALF], gl.float32, dq_layout)
+        dQ_i = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(WG * HALF, HALF, 1),
+                             zero_dq, use_acc=False, is_async=True)
+        dQ_i = warpgroup_mma_wait(0, deps=(dQ_i,))
+        mbarrier.arrive(ds_free, count=1)
+        # to the dQ writer through shared memory, in a buffer it has added to dQ
+        b = t % NB
+        mbarrier.wait(dq_free.index(b), ((t // NB) & 1) ^ 1)
+        dq_smem.index(b).slice(WG * HALF, HALF, 1).store(dQ_i * scale)
+        fence_async_shared()  # the copy engine reads it next
+        mbarrier.arrive(dq_ready.index(b), count=1)
+        return dK_j, dV_j
+
+    @gluon.jit
+    def _consume(shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
+                 qk_scale, scale, nq_tiles, i0, GROUP, WG: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+        """A consumer warpgroup: keys k0 + WG * 64 .. + 64 of the program's K/V tile; dK_j and
+        dV_j of those keys in registers, dQ_i's share handed to the writer after each Q tile.
+        Causal: the Q tiles crossing the diagonal first (i0 and the next), then the rest."""
+        kv_ready = shared[6]
+        dtype: gl.constexpr = shared[2].dtype
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                             warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
         dK_j = gl.zeros([_KM, HEAD_DIM], gl.float32, acc_layout)
         dV_j = gl.zeros([_KM, HEAD_DIM], gl.float32, acc_layout)
-        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+        diagonal_end = i0
+        if IS_CAUSAL:
+            diagonal_end = gl.minimum(i0 + (2 * _KM) // Br, nq_tiles)
         mbarrier.wait(kv_ready, 0)
         t = 0
         for g in range(GROUP):
-            for i in range(i0, nq_tiles):
-                s = t % STAGES
-                mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-                Q_i = q_smem.index(s)
-                dO_i = do_smem.index(s)
-                # L_i and D_i of the tile's rows, from shared memory (the copy warp fetched
-                # them: addresses a value for loads from global memory would spill)
-                L_i = l_smem.index(s).load(col_layout)
-                D_i = d_smem.index(s).load(col_layout)
-                S_t = warpgroup_mma(K_w, Q_i.permute((1, 0)), zero_st, use_acc=False,
-                                    is_async=True)
-                dP_t = warpgroup_mma(V_w, dO_i.permute((1, 0)), zero_st, use_acc=False,
-                                     is_async=True)
-                S_t, dP_t = warpgroup_mma_wait(0, deps=(S_t, dP_t))
-                P_t = gl.exp2(S_t * qk_scale - L_i[None, :])
-                if (i + 1) * Br > Nq:  # the last tile: its rows past Nq are the next head's
-                    cols = i * Br + gl.arange(0, Br, col_layout)
-                    P_t = gl.where(cols[None, :] < Nq, P_t, 0.0)
-                if IS_CAUSAL:
-                    if i * Br < k0 + 2 * _KM:  # the tile crosses the diagonal
-                        cols = i * Br + gl.arange(0, Br, col_layout)
-                        P_t = gl.where(keys[:, None] <= cols[None, :], P_t, 0.0)
-                dS_t = (P_t * (dP_t - D_i[None, :])).to(dtype)  # 16-bit from here on
-                P_t = P_t.to(dtype)
-                dV_j = warpgroup_mma(gl.convert_layout(P_t, a_layout), dO_i, dV_j, is_async=True)
-                dK_j = warpgroup_mma(gl.convert_layout(dS_t, a_layout), Q_i, dK_j, is_async=True)
-                # dS_ij^T of both consumers' keys into shared memory (once the other has
-                # read the last tile's), then each computes half of dQ_i's columns over all
-                # 128 keys: dS_ij (read transposed) times K_j's columns
-                mbarrier.wait(ds_free, (t & 1) ^ 1)
-                ds_smem.slice(WG * _KM, _KM).store(dS_t)
-                fence_async_shared()
-                mbarrier.arrive(ds_ready, count=1)
-                dV_j, dK_j = warpgroup_mma_wait(0, deps=(dV_j, dK_j))
-                mbarrier.arrive(free.index(s), count=1)  # Q_i and dO_i read
-                mbarrier.wait(ds_ready, t & 1)
-                dQ_i = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(WG * HALF, HALF, 1),
-                                     zero_dq, use_acc=False, is_async=True)
-                dQ_i = warpgroup_mma_wait(0, deps=(dQ_i,))
-                mbarrier.arrive(ds_free, count=1)
-                # to the dQ writer through shared memory (atomics from here would hold a
-                # 64-bit address a value: registers the accumulators need)
-                mbarrier.wait(dq_free, (t & 1) ^ 1)
-                dq_smem.slice(WG * HALF, HALF, 1).store(dQ_i)
-                mbarrier.arrive(dq_ready, count=1)
+            for i in range(i0, diagonal_end):
+                dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
+                                        qk_scale, scale, WG, Br, STAGES, True)
                 t += 1
+            for i in range(diagonal_end, nq_tiles):
+                dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
+                                        qk_scale, scale, WG, Br, STAGES, False)
+                t += 1
+        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
         # dK, dV point at the tile's first key
         out_keys = WG * _KM + gl.arange(0, _KM, gl.SliceLayout(1, acc_layout))
         ok = (k0 + out_keys)[:, None] < Nk
@@ -186,27 +214,26 @@ if GLUON:
                             stride_qn, stride_kb, stride_kh, stride_kn,
                             stride_vb, stride_vh, stride_vn, H, Hkv, Nq, Nk,
                             HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
-                            IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                            IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr):
         """One program per (K/V tile of 128 keys, batch * K/V head). Q, dO: (B, H, Nq, d) with
         rows ``stride_qn`` apart and heads Nq rows apart; L (base 2) and Dl = rowsum(dO * O):
         (B, H, Nq) float32; dQ: float32 (B, H, Nq, d) contiguous, zeroed, added to; dK, dV
         with K's and V's strides."""
         j = gl.program_id(0)
         bh = gl.program_id(1)
-        b = bh // Hkv
+        batch = bh // Hkv
         h_kv = bh % Hkv
         GROUP = H // Hkv
         k0 = j * 2 * _KM
-        k_head = b * stride_kb + h_kv * stride_kh
-        v_head = b * stride_vb + h_kv * stride_vh
+        k_head = batch * stride_kb + h_kv * stride_kh
+        v_head = batch * stride_vb + h_kv * stride_vh
         k_desc = _descriptor(K + k_head + k0 * stride_kn, Nk - k0, stride_kn, _KM, HEAD_DIM)
         v_desc = _descriptor(V + v_head + k0 * stride_vn, Nk - k0, stride_vn, _KM, HEAD_DIM)
-        total = H * Nq * (bh // Hkv + 1)  # rows up to this batch's end
+        total = H * Nq * (batch + 1)  # rows up to this batch's end
         q_desc = _descriptor(Q, total, stride_qn, Br, HEAD_DIM)
         do_desc = _descriptor(dO, total, stride_qn, Br, HEAD_DIM)
-        row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Br], gl.float32)
-        l_desc = tma.make_tensor_descriptor(L, [total], [1], [Br], row_layout)
-        d_desc = tma.make_tensor_descriptor(Dl, [total], [1], [Br], row_layout)
+        row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
         dtype: gl.constexpr = Q.dtype.element_ty
         k_smem = gl.allocate_shared_memory(dtype, [2 * _KM, HEAD_DIM], k_desc.layout)
@@ -219,20 +246,22 @@ if GLUON:
         ds_smem = gl.allocate_shared_memory(dtype, [2 * _KM, Br], ds_layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        dq_smem = gl.allocate_shared_memory(gl.float32, [Br, HEAD_DIM], dq_layout)
-        dq_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        dq_desc = _descriptor(dQ, total, HEAD_DIM, Br, HEAD_DIM)  # float32, added to by TMA
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, Br, HEAD_DIM],
+                                            dq_desc.layout)
+        dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(ds_ready, count=2)  # both consumers' dS_ij^T stored
         mbarrier.init(ds_free, count=2)  # both consumers' dQ_i products done
-        mbarrier.init(dq_ready, count=2)  # both halves of dQ_i in dq_smem
-        mbarrier.init(dq_free, count=1)  # the writer has added them
+        for n in gl.static_range(DQ_BUFFERS):
+            mbarrier.init(dq_ready.index(n), count=2)  # both halves of dQ_i in dq_smem
+            mbarrier.init(dq_free.index(n), count=1)  # the writer has added them
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(ready.index(s), count=2)  # the copies' bytes, then L_i and D_i
             mbarrier.init(free.index(s), count=2)  # both consumers free a stage
         fence_async_shared()
 
@@ -240,23 +269,24 @@ if GLUON:
         i0 = 0
         if IS_CAUSAL:  # no query before the tile's first key sees it
             i0 = k0 // Br
-        row_base = (b * H + h_kv * GROUP) * Nq  # the group's first query head's first row
+        row_base = (batch * H + h_kv * GROUP) * Nq  # the group's first query head's first row
         shared = (k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free)
-        descs = (k_desc, v_desc, q_desc, do_desc, l_desc, d_desc)
-        rows_in = (row_base, row_base)
-        ds_shared = (ds_smem, ds_ready, ds_free, dq_smem, dq_ready, dq_free)
+        descs = (k_desc, v_desc, q_desc, do_desc)
+        ds_shared = (ds_smem, ds_ready, ds_free)
+        dq_shared = (dq_smem, dq_ready, dq_free)
+        dK = dK + k_head + k0 * stride_kn  # the tile's first key
+        dV = dV + v_head + k0 * stride_vn
         gl.warp_specialize([
-            (_consume, (shared, ds_shared, rows_in, L, Dl, dQ, dK + k_head + k0 * stride_kn,
-                        dV + v_head + k0 * stride_vn, stride_kn, stride_vn, k0, Nq, Nk,
+            (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
                         qk_scale, scale, nq_tiles, i0, GROUP, 0, HEAD_DIM, Br, STAGES,
                         IS_CAUSAL)),
-            (_consume, (shared, ds_shared, rows_in, L, Dl, dQ, dK + k_head + k0 * stride_kn,
-                        dV + v_head + k0 * stride_vn, stride_kn, stride_vn, k0, Nq, Nk,
+            (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
                         qk_scale, scale, nq_tiles, i0, GROUP, 1, HEAD_DIM, Br, STAGES,
                         IS_CAUSAL)),
-            (_load, (descs, shared, row_base, nq_tiles, i0, GROUP, Nq, Br, STAGES)),
-            (_write_dq, (ds_shared, dQ, row_base, Nq, nq_tiles, i0, GROUP, scale, HEAD_DIM, Br)),
-        ], [4, 1, 2], [CONSUMER_REGS, 24, 24])
+            (_load, (descs, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq, Br,
+                     STAGES)),
+            (_write_dq, (dq_desc, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, Br)),
+        ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
 def usable(q, k, v, do, call) -> bool:
@@ -268,24 +298,66 @@ def usable(q, k, v, do, call) -> bool:
             and do.dtype == q.dtype)
 
 
-def backward(q, k, v, o, lse2, do, *, is_causal: bool, scale: float, D=None, Br: int = 64,
-             STAGES: int = 2, CONSUMER_REGS: int = 240):
-    """(dQ, dK, dV) of attention from the forward's O and base-2 lse2 (``launch.forward``'s).
-    q, do: (B, H, Nq, d) contiguous; ``D`` = rowsum(dO * O) (float32 (B, H, Nq)) if the
-    caller has it. dQ is accumulated in float32 and returned in q's dtype."""
-    from .fast import ensure_allocator, run
-    from .launch import preprocess
+def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, STAGES: int,
+           DQ_BUFFERS: int, CONSUMER_REGS: int):
+    """Launch the kernel. q, do: (B, H, Nq, d) contiguous; lse2: the forward's base-2 lse and
+    D = rowsum(dO * O), float32 (B, H, Nq) contiguous; dq: float32, q's shape, contiguous and
+    zeroed (added to); dk, dv: k's and v's shapes and strides (written). The settings (the
+    tile table's backward schedule, config.py): STAGES of (Q_i, dO_i) in shared memory,
+    DQ_BUFFERS for dQ_i on its way to the writer, CONSUMER_REGS registers a consumer thread.
+    Returns the launch (``fast.Launch``), to be repeated with other tensors laid out alike."""
+    from .fast import Launch, ensure_allocator, run
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if D is None:
-        D = preprocess(o, do, 64)
-    dq = torch.zeros(B, H, Nq, d, dtype=torch.float32, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
-    args = (q, k, v, do, lse2.contiguous(), D, dq, dk, dv, float(scale) * LOG2E, float(scale),
+    args = (q, k, v, do, lse2, D, dq, dk, dv, float(scale) * LOG2E, float(scale),
             q.stride(2), *k.stride()[:3], *v.stride()[:3], H, Hkv, Nq, Nk)
-    consts = dict(HEAD_DIM=d, Br=Br, STAGES=STAGES, IS_CAUSAL=bool(is_causal),
-                  CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
-    run(fa3_backward_kernel, (triton.cdiv(Nk, 128), B * Hkv), args, consts)
-    return dq.to(q.dtype), dk, dv
+    consts = dict(HEAD_DIM=d, Br=M, STAGES=STAGES, IS_CAUSAL=bool(is_causal),
+                  DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    grid = (triton.cdiv(Nk, 2 * M), B * Hkv)
+    run(fa3_backward_kernel, grid, args, consts)
+    return Launch(fa3_backward_kernel, grid, args, consts, tuple(range(9)))
+
+
+class Step:
+    """The kernel's launch as a step of a backward plan (``launch.backward`` keeps it, a
+    ``triton_backend.Repeat`` starts it again): dQ is summed in a zeroed float32 buffer of its
+    own and then cast into the call's dq (the Triton kernels write dq directly)."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, first):
+        self.launch = first
+
+    # what fast.stream_for checks of a launch
+    hit = property(lambda self: self.launch.hit)
+    device = property(lambda self: self.launch.device)
+
+    @classmethod
+    def made(cls, q, k, v, do, lse2, D, dq, dk, dv, **settings) -> "Step":
+        """The first launch: made, run and kept."""
+        acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+        step = cls(launch(q, k, v, do, lse2, D, acc, dk, dv, **settings))
+        dq.copy_(acc)
+        return step
+
+    def start(self, q, k, v, do, lse2, D, dq, dk, dv, stream=None):
+        acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+        self.launch.start(q, k, v, do, lse2, D, acc, dk, dv, stream=stream)
+        dq.copy_(acc)
+
+
+def backward(q, k, v, o, lse2, do, *, is_causal: bool, scale: float, STAGES: int = 2,
+             DQ_BUFFERS: int = 1, CONSUMER_REGS: int = 240):
+    """(dQ, dK, dV) in q's dtype from the forward's O and base-2 lse2 (``launch.forward``'s),
+    D = rowsum(dO * O) made first: the kernel on its own, for tests and benchmarks
+    (``launch.backward`` runs it through a launch plan)."""
+    from .launch import preprocess
+
+    D = preprocess(o, do, 64)
+    dq = torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    Step.made(q, k, v, do, lse2.contiguous(), D, dq, dk, dv, is_causal=is_causal, scale=scale,
+              STAGES=STAGES, DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS)
+    return dq, dk, dv

@@ -18,7 +18,7 @@ import torch
 
 from .. import runtime
 from . import backward as bwd
-from . import fa3, fast
+from . import fa3, fa3_backward, fast
 from . import forward as fwd
 from .autograd import resolve_config
 from .config import smaller
@@ -231,6 +231,10 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
         interpreted = runtime.triton_interpreted()
     if config is None:
         config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
+    plain = not interpreted and into is None and dlse is None and not mask_grad
+    settings = config.fa3_backward_settings(q.shape[2], k.shape[2]) if plain else None
+    if settings is not None and fa3_backward.usable(q, k, v, do, call):
+        return _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep)
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     if into is None:
@@ -312,6 +316,40 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
         attn_mask = mods.attn_mask
         return (*grads, dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype))
     return grads
+
+
+def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep):
+    """The backward by FlashAttention-3's schedule (fa3_backward.py), through a launch plan as
+    the Triton kernels': the preprocess's D = rowsum(dO * O) (unless given), then the kernel."""
+    (k, v), (dk, dv) = outputs_like(k, v)
+    dq = torch.empty_like(q)
+    lse2 = lse2.contiguous()
+    own_D = D is None
+    if own_D:
+        D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    live = (q, k, v, do, lse2, D, dq, dk, dv)
+    key = fast.signature((q, k, v, o, do, lse2), id(fa3_backward.fa3_backward_kernel), own_D,
+                         call.is_causal, call.scale)
+    plan = fast.PLANS.get(key)
+    if plan is None:
+        first = None
+        if own_D:
+            pre_grid, pre_args, pre_consts = bwd._preprocess_launch(o, do, D, 64)
+            fast.run(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts)
+            first = fast.Launch(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts, (0, 1, 2))
+        step = fa3_backward.Step.made(*live, is_causal=call.is_causal, scale=call.scale,
+                                      **settings)
+        plan = (first, [step])
+        fast.remember(key, plan)
+    else:
+        first, (step,) = plan
+        stream = fast.stream_for(first, step)
+        if first is not None:
+            first.start(o, do, D, stream=stream)
+        step.start(*live, stream=stream)
+    if keep is not None:
+        keep.append(plan)
+    return dq, dk, dv
 
 
 def _returned(into, grads, dtype):

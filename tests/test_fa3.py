@@ -287,3 +287,26 @@ def test_the_backward_matches_the_float64_reference(shape, stages, dq_buffers):
         assert torch.isfinite(g).all(), name
         tolerance.check(g, r, p, dtype=dtype, factor=tolerance.GRADIENT,
                         floor_scale=tolerance.GRADIENT, name=name)
+
+
+def test_every_thread_gets_the_scratch_allocator():
+    """Device-side descriptors need Triton's allocator, which lives in a context variable per
+    thread; autograd runs the backward on a thread of its own, so ensure_allocator must set it
+    there too (a process-wide "done" flag left that thread without one)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from flashedu.triton import fast
+
+    fast.ensure_allocator()
+    seen = []
+
+    def other_thread():
+        fast.ensure_allocator()
+        seen.append(_allocation._allocator.get())
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert len(seen) == 1 and not isinstance(seen[0], _allocation.NullAllocator)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 
 import torch
@@ -97,28 +98,28 @@ def launch(kernel, grid, args, consts: dict, fast: dict, slots: tuple = ()) -> L
     return Launch(kernel, grid, args, used, slots)
 
 
-_ALLOCATOR_CHECKED = False
-
-
 def ensure_allocator():
     """Descriptors made inside a kernel live in scratch memory that Triton asks an allocator
-    for: install one backed by torch, unless the user has set their own."""
-    global _ALLOCATOR_CHECKED
-    if _ALLOCATOR_CHECKED:
-        return
-    _ALLOCATOR_CHECKED = True
+    for: install one backed by torch, unless the user has set their own. Triton keeps the
+    allocator in a context variable, one per thread, and autograd runs a backward on threads
+    of its own: each thread asks (a lookup, where the allocator is set)."""
     try:
         from triton.runtime import _allocation
 
         if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
             return
-    except (ImportError, AttributeError):  # Triton's internals moved: install ours
-        pass
+    except (ImportError, AttributeError):  # Triton's internals moved: once per thread
+        if getattr(_THREAD, "allocator", False):
+            return
+    _THREAD.allocator = True
+    triton.set_allocator(_scratch)
 
-    def alloc(size, alignment, stream):
-        return torch.empty(size, dtype=torch.int8, device="cuda")
 
-    triton.set_allocator(alloc)
+def _scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_THREAD = threading.local()
 
 
 # ------------------------------------------------------------------------------------------

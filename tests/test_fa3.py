@@ -243,6 +243,40 @@ def test_the_backward_takes_the_schedule_where_the_table_and_the_call_allow(monk
     assert len(seen) == 1 and step.starts == 1
 
 
+def test_a_backward_whose_first_launch_fails_leaves_the_call_to_the_triton_kernels(monkeypatch):
+    """A first launch that raises (before computing anything) warns once and turns the fa3
+    backward off for the process: this call and later ones take the Triton kernels (here
+    their launch is replaced by a sentinel: without a GPU they cannot start)."""
+    from flashedu.triton import backward as bwd
+    from flashedu.triton import config, fa3_backward, fast, launch
+
+    class Reached(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Kernel requires a runtime memory allocation")
+
+    def triton_path(*args, **kwargs):
+        raise Reached
+
+    entry = dataclasses.replace(config.INTERPRETER, schedule_from=64,
+                                backward_schedule=config.BackwardSchedule())
+    monkeypatch.setattr(launch, "resolve_config", lambda *a, **kw: entry)
+    monkeypatch.setattr(launch, "FA3_BACKWARD", True)
+    monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
+    monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(refuse))
+    monkeypatch.setattr(bwd, "launch_args", triton_path)
+    monkeypatch.setattr(fast, "PLANS", {})
+    q, k, v, o, do = (torch.randn(1, 2, 64, 16) for _ in range(5))
+    lse2, D = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64)
+    with pytest.warns(UserWarning, match="FlashAttention-3's backward failed to launch"):
+        with pytest.raises(Reached):
+            launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
+    assert launch.FA3_BACKWARD is False
+    with pytest.raises(Reached):  # no second attempt
+        launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
+
+
 def test_doctor_says_whether_the_schedule_runs_here():
     from flashedu import runtime
 

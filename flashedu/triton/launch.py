@@ -231,10 +231,13 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
         interpreted = runtime.triton_interpreted()
     if config is None:
         config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
-    plain = not interpreted and into is None and dlse is None and not mask_grad
+    plain = FA3_BACKWARD and not interpreted and into is None and dlse is None and not mask_grad
     settings = config.fa3_backward_settings(q.shape[2], k.shape[2]) if plain else None
     if settings is not None and fa3_backward.usable(q, k, v, do, call):
-        return _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep)
+        try:
+            return _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep)
+        except _Fa3LaunchFailed as exc:
+            _fa3_backward_failed(exc.__cause__)
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
     if into is None:
@@ -318,6 +321,21 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
     return grads
 
 
+FA3_BACKWARD = True  # False once its first launch failed here: the Triton kernels from then on
+
+
+class _Fa3LaunchFailed(Exception):
+    """The fa3 backward's first launch in this process raised (before it computed anything)."""
+
+
+def _fa3_backward_failed(exc):
+    global FA3_BACKWARD
+    FA3_BACKWARD = False
+    warnings.warn(f"flashedu: FlashAttention-3's backward failed to launch "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); the Triton "
+                  f"kernels' backward from now on", stacklevel=3)
+
+
 def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep):
     """The backward by FlashAttention-3's schedule (fa3_backward.py), through a launch plan as
     the Triton kernels': the preprocess's D = rowsum(dO * O) (unless given), then the kernel."""
@@ -337,8 +355,11 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep):
             pre_grid, pre_args, pre_consts = bwd._preprocess_launch(o, do, D, 64)
             fast.run(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts)
             first = fast.Launch(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts, (0, 1, 2))
-        step = fa3_backward.Step.made(*live, is_causal=call.is_causal, scale=call.scale,
-                                      **settings)
+        try:  # a launch that fails before computing anything leaves the call to the others
+            step = fa3_backward.Step.made(*live, is_causal=call.is_causal, scale=call.scale,
+                                          **settings)
+        except RuntimeError as exc:
+            raise _Fa3LaunchFailed from exc
         plan = (first, [step])
         fast.remember(key, plan)
     else:

@@ -174,7 +174,8 @@ def report() -> list[str]:
         if name == "triton" and status is None:
             from .triton import fa3
 
-            lines.append(f"         FlashAttention-3's forward and backward (Gluon): {fa3.status()}")
+            lines.append("         FlashAttention-3's forward and backward (Gluon): "
+                         + fa3.status())
     lines.append(f"  auto   -> {resolve_backend('auto')}")
     return lines
 

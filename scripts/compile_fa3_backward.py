@@ -1,37 +1,100 @@
-"""Compile fa3_backward_kernel for sm_90 on a machine without a GPU and print its registers,
-spills and instruction mix (Triton 3.6's Gluon; TRITON_INTERPRET is turned off here).
+"""Compile FlashAttention-3's backward (flashedu/triton/fa3_backward.py) for sm_90 on a machine
+without a GPU and print what the compiler gave it: registers, bytes of spills a thread, shared
+memory, and the count of the instructions that matter (the matrix products, the spills'
+local loads and stores, exponentials, shared-memory stores, barriers).
 
-    python scripts/compile_fa3_backward.py 128 causal [CONSUMER_REGS]    # ST=2 NB=1 BR=64 in env
+    python scripts/compile_fa3_backward.py --d 128 --causal --stages 2 --dq-buffers 1
+
+Needs the Triton whose Gluon API the kernel is written against (3.6); the SASS is written to
+/tmp/fa3_backward_<d>.sass for reading.
 """
-import sys, os, re, types, importlib.util, subprocess, collections
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import types
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ["TRITON_INTERPRET"] = "0"
-# load fa3 and fa3_backward as a package-less pair
-pkg = types.ModuleType("fx"); pkg.__path__ = [os.path.join(ROOT, "flashedu", "triton")]; sys.modules["fx"] = pkg
-for name in ("fa3", "fa3_backward"):
-    spec = importlib.util.spec_from_file_location(f"fx.{name}", os.path.join(ROOT, "flashedu", "triton", f"{name}.py"))
-    m = importlib.util.module_from_spec(spec); sys.modules[f"fx.{name}"] = m; spec.loader.exec_module(m)
-fb = sys.modules["fx.fa3_backward"]
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-d = int(sys.argv[1]); causal = sys.argv[2] == "causal"; regs = int(sys.argv[3]) if len(sys.argv) > 3 else 240
-st = int(os.environ.get("ST", 2)); br = int(os.environ.get("BR", 64))
-k = fb.fa3_backward_kernel; names = k.arg_names
-sig = {}
-for n in names:
-    sig[n] = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "dK": "*bf16", "dV": "*bf16",
-              "L": "*fp32", "Dl": "*fp32", "dQ": "*fp32", "qk_scale": "fp32", "scale": "fp32"}.get(n, "i32")
-consts = dict(HEAD_DIM=d, Br=br, STAGES=st, IS_CAUSAL=causal, CONSUMER_REGS=regs, DQ_BUFFERS=int(os.environ.get("NB", 1)))
-for n in consts: sig[n] = "constexpr"
-src = GluonASTSource(k, sig, {(names.index(n),): v for n, v in consts.items()},
-                     {(names.index(n),): [["tt.divisibility", 16]] for n in ("Q","K","V","dO","L","Dl","dQ","dK","dV")})
-c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-tools = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-open("/tmp/fa3_backward.cubin", "wb").write(c.asm["cubin"]); open("/tmp/fa3_backward.ptx", "w").write(c.asm["ptx"])
-u = subprocess.run([tools+"/cuobjdump", "-res-usage", "/tmp/fa3_backward.cubin"], capture_output=True, text=True).stdout
-sass = subprocess.run([tools+"/nvdisasm", "-c", "/tmp/fa3_backward.cubin"], capture_output=True, text=True).stdout
-open(f"/tmp/fa3_backward_{d}.sass", "w").write(sass)
-ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
-print(re.search(r"REG:\d+ STACK:\d+ SHARED:\d+", u).group(0), "smem", c.metadata.shared)
-print({k_: ops[k_] for k_ in ("HGMMA", "STL", "LDL", "MUFU", "RED", "ATOM", "STS", "BAR") if k_ in ops}, "total", sum(ops.values()))
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "dK": "*bf16",
+            "dV": "*bf16", "L": "*fp32", "Dl": "*fp32", "dQ": "*fp32"}
+FLOATS = {"qk_scale": "fp32", "scale": "fp32"}
+COUNTED = ("HGMMA", "STL", "LDL", "MUFU", "STS", "BAR", "UTMAREDG")
+
+
+def load_kernel():
+    """fa3_backward_kernel, loaded with fa3.py as a package of their own: importing flashedu
+    would pick the interpreter on a machine without a GPU."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    package = types.ModuleType("fa3_pair")
+    package.__path__ = [os.path.join(ROOT, "flashedu", "triton")]
+    sys.modules["fa3_pair"] = package
+    for name in ("fa3", "fa3_backward"):
+        path = os.path.join(ROOT, "flashedu", "triton", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"fa3_pair.{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"fa3_pair.{name}"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["fa3_pair.fa3_backward"].fa3_backward_kernel
+
+
+def compile_for_sm90(kernel, consts: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = kernel.arg_names
+    signature = {n: POINTERS.get(n) or FLOATS.get(n) or "i32" for n in names}
+    signature.update({n: "constexpr" for n in consts})
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in POINTERS}
+    source = GluonASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()},
+                            aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def usage(compiled, sass_path: str) -> tuple[str, dict]:
+    """cuobjdump's resource line and the counts of COUNTED in the SASS (written to sass_path)."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cubin = sass_path.replace(".sass", ".cubin")
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    resources = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin],
+                          capture_output=True, text=True, check=True).stdout
+    with open(sass_path, "w") as f:
+        f.write(sass)
+    opcodes = collections.Counter(
+        m.group(1).split(".")[0]
+        for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+    line = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+", resources).group(0)
+    return line, {op: opcodes[op] for op in COUNTED if op in opcodes}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d", type=int, choices=(64, 128), default=128)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--dq-buffers", type=int, default=1)
+    p.add_argument("--regs", type=int, default=240, help="registers a consumer thread")
+    args = p.parse_args(argv)
+    consts = dict(HEAD_DIM=args.d, Br=64, STAGES=args.stages, IS_CAUSAL=args.causal,
+                  DQ_BUFFERS=args.dq_buffers, CONSUMER_REGS=args.regs)
+    compiled = compile_for_sm90(load_kernel(), consts)
+    line, counts = usage(compiled, f"/tmp/fa3_backward_{args.d}.sass")
+    # REG is the kernel's count before warp_specialize moves registers between partitions
+    print(line, "| shared memory asked:", compiled.metadata.shared, "bytes")
+    print(counts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -297,7 +297,9 @@ if GLUON:
             gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
                                              IS_CAUSAL, PINGPONG, OVERLAP)),
                                 (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                             IS_CAUSAL, PINGPONG, OVERLAP)), (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc, STAGES))],
+                                             IS_CAUSAL, PINGPONG, OVERLAP)),
+                                (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
+                                         STAGES))],
                                [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
@@ -305,7 +307,9 @@ if GLUON:
                                 (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
                                              IS_CAUSAL, PINGPONG, OVERLAP)),
                                 (_consume, (shared, out, 2, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                             IS_CAUSAL, PINGPONG, OVERLAP)), (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc, STAGES))],
+                                             IS_CAUSAL, PINGPONG, OVERLAP)),
+                                (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
+                                         STAGES))],
                                [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 

@@ -344,3 +344,30 @@ def test_every_thread_gets_the_scratch_allocator():
     worker.start()
     worker.join()
     assert len(seen) == 1 and not isinstance(seen[0], _allocation.NullAllocator)
+
+
+def test_a_plan_started_on_another_thread_brings_the_allocator_there():
+    """A launch plan started on a thread other than the one that made it (autograd's, for a
+    backward) goes through Triton's launcher where it cannot start directly (here: the
+    interpreter), which takes scratch from that thread's allocator: Launch.start sets it."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from flashedu.triton import launch
+
+    o, do = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    D = torch.empty(1, 2, 8)
+    planned = launch._preprocess(o, do, D, 64, planned=True)
+    D.zero_()
+    seen = []
+
+    def other_thread():
+        planned.start(o, do, D)
+        seen.append(_allocation._allocator.get())
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert len(seen) == 1 and not isinstance(seen[0], _allocation.NullAllocator)
+    torch.testing.assert_close(D, (o * do).sum(-1))

@@ -343,9 +343,6 @@ class Step:
         return step
 
     def start(self, q, k, v, do, lse2, D, dq, dk, dv, stream=None):
-        from .fast import ensure_allocator
-
-        ensure_allocator()  # (autograd may start it on a thread the first call did not run on)
         acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
         self.launch.start(q, k, v, do, lse2, D, acc, dk, dv, stream=stream)
         dq.copy_(acc)

@@ -102,7 +102,9 @@ def ensure_allocator():
     """Descriptors made inside a kernel live in scratch memory that Triton asks an allocator
     for: install one backed by torch, unless the user has set their own. Triton keeps the
     allocator in a context variable, one per thread, and autograd runs a backward on threads
-    of its own: each thread asks (a lookup, where the allocator is set)."""
+    of its own: each thread asks (a lookup, where the allocator is set). A kernel's first
+    launch asks where it is made; a plan's later starts where Triton's launcher runs them
+    (``Launch.start``; its direct start brings its own scratch)."""
     try:
         from triton.runtime import _allocation
 
@@ -260,6 +262,7 @@ def _direct_failed(exc, kernel, grid, args, consts):
                   f"Triton's dispatch from now on", stacklevel=4)
     FAST_LAUNCH = False
     _COMPILED.clear()
+    ensure_allocator()  # Triton's launcher: scratch from this thread's allocator
     return kernel[grid](*args, **consts)
 
 
@@ -421,6 +424,7 @@ class Launch:
         if stream is None or not FAST_LAUNCH:  # (a direct start may have failed since)
             stream = stream_for(self)
             if stream is None:  # no compiled kernel, a launch hook, another device current
+                ensure_allocator()  # Triton's launcher: scratch from this thread's allocator
                 return run(self.kernel, self.grid, self._args(tensors), self.consts)
         if self.go is not None:  # the tensors go in as addresses (see Opened.bind)
             try:
@@ -428,6 +432,7 @@ class Launch:
             except Exception as exc:  # noqa: BLE001 - a Triton whose launcher differs
                 return _direct_failed(exc, self.kernel, self.grid, self._args(tensors),
                                       self.consts)
+        ensure_allocator()  # (go brings its own scratch: Opened.buffer)
         return _start(self.kernel, self.hit, self.grid, self._args(tensors), self.consts,
                       self.device, stream)
 

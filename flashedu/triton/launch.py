@@ -235,7 +235,8 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
     settings = config.fa3_backward_settings(q.shape[2], k.shape[2]) if plain else None
     if settings is not None and fa3_backward.usable(q, k, v, do, call):
         try:
-            return _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep)
+            return _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep,
+                                 config.preprocess_rows)
         except _Fa3LaunchFailed as exc:
             _fa3_backward_failed(exc.__cause__)
     dtype = q.dtype
@@ -278,10 +279,7 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
         config = _SHRUNK_BACKWARD.get(key, config)
     first = None  # the preprocess's launch, for the plan
     if own_D:
-        pre_grid, pre_args, pre_consts = bwd._preprocess_launch(o, do, D, config.preprocess_rows)
-        fast.run(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts)
-        if plan_key is not None:
-            first = fast.Launch(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts, (0, 1, 2))
+        first = _preprocess(o, do, D, config.preprocess_rows, planned=plan_key is not None)
     if dlse is not None:
         D = D - dlse.to(torch.float32).reshape(D.shape)
     dbias = None
@@ -336,9 +334,10 @@ def _fa3_backward_failed(exc):
                   f"kernels' backward from now on", stacklevel=3)
 
 
-def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep):
+def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep, rows):
     """The backward by FlashAttention-3's schedule (fa3_backward.py), through a launch plan as
-    the Triton kernels': the preprocess's D = rowsum(dO * O) (unless given), then the kernel."""
+    the Triton kernels': the preprocess's D = rowsum(dO * O) (unless given; ``rows`` a program, the
+    entry's), then the kernel."""
     (k, v), (dk, dv) = outputs_like(k, v)
     dq = torch.empty_like(q)
     lse2 = lse2.contiguous()
@@ -350,11 +349,7 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep):
                          call.is_causal, call.scale)
     plan = fast.PLANS.get(key)
     if plan is None:
-        first = None
-        if own_D:
-            pre_grid, pre_args, pre_consts = bwd._preprocess_launch(o, do, D, 64)
-            fast.run(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts)
-            first = fast.Launch(bwd.preprocess_kernel, pre_grid, pre_args, pre_consts, (0, 1, 2))
+        first = _preprocess(o, do, D, rows, planned=True) if own_D else None
         try:  # a launch that fails before computing anything leaves the call to the others
             step = fa3_backward.Step.made(*live, is_causal=call.is_causal, scale=call.scale,
                                           **settings)
@@ -371,6 +366,14 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep):
     if keep is not None:
         keep.append(plan)
     return dq, dk, dv
+
+
+def _preprocess(o, do, D, rows, planned: bool):
+    """D = rowsum(dO * O) into ``D`` by the preprocess kernel, ``rows`` rows a program; its
+    launch (``fast.Launch``, O, dO and D its call's own) if a plan keeps it, else None."""
+    grid, args, consts = bwd._preprocess_launch(o, do, D, rows)
+    fast.run(bwd.preprocess_kernel, grid, args, consts)
+    return fast.Launch(bwd.preprocess_kernel, grid, args, consts, (0, 1, 2)) if planned else None
 
 
 def _returned(into, grads, dtype):

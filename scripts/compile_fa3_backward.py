@@ -3,7 +3,8 @@ without a GPU and print what the compiler gave it: registers, bytes of spills a 
 memory, and the count of the instructions that matter (the matrix products, the spills'
 local loads and stores, exponentials, shared-memory stores, barriers).
 
-    python scripts/compile_fa3_backward.py --d 128 --causal --stages 2 --dq-buffers 1
+    python scripts/compile_fa3_backward.py --d 128 --causal --stages 2 --dq-buffers 1 \
+        --fresh-descriptors
 
 Needs the Triton whose Gluon API the kernel is written against (3.6); the SASS is written to
 /tmp/fa3_backward_<d>.sass for reading.
@@ -85,9 +86,12 @@ def main(argv=None) -> int:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--dq-buffers", type=int, default=1)
     p.add_argument("--regs", type=int, default=240, help="registers a consumer thread")
+    p.add_argument("--fresh-descriptors", action="store_true",
+                   help="make the loop-invariant operands' descriptors each step")
     args = p.parse_args(argv)
     consts = dict(HEAD_DIM=args.d, Br=64, STAGES=args.stages, IS_CAUSAL=args.causal,
-                  DQ_BUFFERS=args.dq_buffers, CONSUMER_REGS=args.regs)
+                  DQ_BUFFERS=args.dq_buffers, CONSUMER_REGS=args.regs,
+                  FRESH_DESCRIPTORS=args.fresh_descriptors)
     compiled = compile_for_sm90(load_kernel(), consts)
     line, counts = usage(compiled, f"/tmp/fa3_backward_{args.d}.sass")
     # REG is the kernel's count before warp_specialize moves registers between partitions

@@ -18,8 +18,10 @@ import sys
 
 import flashedu  # noqa: F401  (before triton)
 
-# (STAGES, DQ_BUFFERS): d = 128 fits 2 x 1 and 3 x 1 and 2 x 2 in 227 KB of shared memory
-SETTINGS = {64: [(2, 1), (2, 2), (3, 2)], 128: [(2, 1), (2, 2), (3, 1)]}
+# (STAGES, DQ_BUFFERS, FRESH_DESCRIPTORS): d = 128 fits 2 x 1 and 3 x 1 and 2 x 2 in 227 KB of
+# shared memory
+SETTINGS = {64: [(2, 1, False), (2, 2, False), (3, 2, False), (2, 1, True)],
+            128: [(2, 1, False), (2, 1, True), (2, 2, True), (3, 1, True)]}
 
 
 def one_case(N, d, causal):
@@ -40,11 +42,13 @@ def one_case(N, d, causal):
     o, lse2 = launch.forward(q, k, v, call)
     flops = core.attention_flops(B, H, N, N, d, causal=causal, mode="bwd")
     row = {"B": B, "H": H, "N": N, "d": d, "causal": causal, "tflops": {}}
-    for stages, buffers in SETTINGS[d]:
+    for stages, buffers, fresh in SETTINGS[d]:
         ms = do_bench(lambda: fa3_backward.backward(q, k, v, o, lse2, do, is_causal=causal,
                                                     scale=call.scale, STAGES=stages,
-                                                    DQ_BUFFERS=buffers))
-        row["tflops"][f"fa3 {stages} stages {buffers} dQ buffers"] = core.tflops(flops, ms)
+                                                    DQ_BUFFERS=buffers,
+                                                    FRESH_DESCRIPTORS=fresh))
+        label = f"fa3 {stages} stages {buffers} dQ buffers" + (" fresh" if fresh else "")
+        row["tflops"][label] = core.tflops(flops, ms)
     triton_only = dataclasses.replace(resolve_config(d, q.dtype, None, q.device),
                                       backward_schedule=None)
     ms = do_bench(lambda: launch.backward(q, k, v, o, lse2, do, call, config=triton_only))

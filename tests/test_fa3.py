@@ -295,8 +295,9 @@ def test_doctor_says_whether_the_schedule_runs_here():
 @pytest.mark.gpu
 @needs_fa3
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("stages,dq_buffers", [(2, 1), (2, 2), (3, 1)])
-def test_the_backward_matches_the_float64_reference(shape, stages, dq_buffers):
+@pytest.mark.parametrize("stages,dq_buffers,fresh", [(2, 1, False), (2, 1, True), (2, 2, False),
+                                                     (3, 1, True)])
+def test_the_backward_matches_the_float64_reference(shape, stages, dq_buffers, fresh):
     """dQ, dK, dV from the fa3 forward's O and L against the float64 reference's gradients,
     each allowed what plain attention in the inputs' dtype errs by, times flash-attention's
     factor."""
@@ -310,7 +311,7 @@ def test_the_backward_matches_the_float64_reference(shape, stages, dq_buffers):
                 CONSUMER_REGS=240)
     dout = torch.randn_like(q)
     got = fa3_backward.backward(q, k, v, o, lse2, dout, is_causal=causal, scale=scale,
-                                STAGES=stages, DQ_BUFFERS=dq_buffers)
+                                STAGES=stages, DQ_BUFFERS=dq_buffers, FRESH_DESCRIPTORS=fresh)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*leaves, is_causal=causal, scale=scale, enable_gqa=True)
     ref = torch.autograd.grad(ref, leaves, dout.double())

@@ -59,15 +59,17 @@ class Schedule:
 @dataclass(frozen=True)
 class BackwardSchedule:
     """FlashAttention-3's backward (fa3_backward.py): stages of (Q_i, dO_i) in shared memory,
-    buffers for dQ_i on its way to the writer, registers per consumer thread."""
+    buffers for dQ_i on its way to the writer, registers per consumer thread, and whether the
+    loop-invariant operands' descriptors are made each step (where they would spill)."""
     stages: int = 2
     dq_buffers: int = 1
     consumer_regs: int = 240
+    fresh_descriptors: bool = False
 
     def settings(self) -> dict:
         """The keywords of ``fa3_backward.launch``."""
         return dict(STAGES=self.stages, DQ_BUFFERS=self.dq_buffers,
-                    CONSUMER_REGS=self.consumer_regs)
+                    CONSUMER_REGS=self.consumer_regs, FRESH_DESCRIPTORS=self.fresh_descriptors)
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,11 @@ _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160)
 _FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False)
 # Its backward (fa3_backward.py), from the same length: two stages of (Q_i, dO_i), one buffer
 # for dQ_i (H200, N=8192: a second measured level at d=64 and 3-6% slower at d=128, a third
-# stage level at d=64 and 4% slower at d=128 not causal)
+# stage level at d=64 and 4% slower at d=128 not causal). At d=128 the descriptors of K_j, V_j
+# and dS made each step: 216 -> 24 bytes of spills a thread, 1.17-1.20x faster (at d=64,
+# which does not spill, 0.95-1.0x)
 _FA3_BACKWARD = BackwardSchedule(stages=2, dq_buffers=1)
+_FA3_BACKWARD_128 = BackwardSchedule(stages=2, dq_buffers=1, fresh_descriptors=True)
 GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,
@@ -215,7 +220,7 @@ GPU_16BIT = {
                       short=KernelConfig(Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2),
                                          Tiles(64, 64, 4, 2), fused_backward=True),
                       short_until=2048, schedule=_FA3_128, schedule_from=4096,
-                      backward_schedule=_FA3_BACKWARD),
+                      backward_schedule=_FA3_BACKWARD_128),
     # dropout's dQ program needs 228 KB with 3 stages (`flashedu bench sass`): 2 stages
     256: replace(_D256, dropout_backward=replace(_D256, dq=replace(_D256.dq, num_stages=2))),
 }

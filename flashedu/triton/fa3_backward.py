@@ -20,9 +20,10 @@ per-thread atomics they replace held the backward to 0.35-0.8x cuDNN's). Grouped
 attention: a program visits the Q tiles of every query head of its K/V head. q and dO must be
 laid out (B, H, N, d) contiguous (one descriptor walks all their rows).
 
-Compiled for sm_90 (Triton 3.6, ``scripts/compile_fa3_backward.py``): d = 64 without spills,
-d = 128 with 216 (272 causal) bytes a thread of spills. Measured on an H200 in BENCHMARKS.md,
-"FlashAttention-3's backward in Gluon".
+Compiled for sm_90 (Triton 3.6, ``scripts/compile_fa3_backward.py``): d = 64 without spills;
+d = 128 with 216 (320 causal) bytes a thread of spills, 24 (64) with FRESH_DESCRIPTORS, which
+the tile table sets there (1.17-1.20x faster on an H200; at d = 64, which does not
+spill, 0.95-1.0x). Measured in BENCHMARKS.md, "FlashAttention-3's backward in Gluon".
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ if GLUON:
         k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free = shared
         mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
         for w in gl.static_range(2):
-            _tma_load(k_desc, [w * _KM, 0], kv_ready, k_smem.slice(w * _KM, _KM))
+            _tma_load(k_desc, [w * _KM, 0], kv_ready, k_smem.index(0).slice(w * _KM, _KM))
             _tma_load(v_desc, [w * _KM, 0], kv_ready, v_smem.index(w))
         lanes = gl.arange(0, Br, gl.BlockedLayout([Br // 32], [32], [1], [0]))
         t = 0
@@ -104,10 +105,11 @@ if GLUON:
     @gluon.jit
     def _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq, qk_scale, scale,
                    WG: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
-                   DIAGONAL: gl.constexpr):
+                   DIAGONAL: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr):
         """One consumer's step over (Q_i, K_j): the five products, dK_j and dV_j returned, dQ_i's
         share handed to the writer. DIAGONAL: the tile crosses the causal diagonal (only those
-        steps carry its mask: the others compile without the registers it takes)."""
+        steps carry its mask: the others compile without the registers it takes).
+        FRESH_DESCRIPTORS: K_j's, V_j's and dS's operand descriptors made each step."""
         k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free = shared
         ds_smem, ds_ready, ds_free = ds_shared
         dq_smem, dq_ready, dq_free = dq_shared
@@ -124,6 +126,17 @@ if GLUON:
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along the Q tile's rows
         dtype: gl.constexpr = q_smem.dtype
         s = t % STAGES
+        zero = 0
+        if FRESH_DESCRIPTORS:
+            # 0, which the compiler cannot know: the shared-memory descriptors of the operands
+            # that do not change over the loop (K_j, V_j, the dS exchange buffer) are then made
+            # in each step, a few integer instructions, instead of hoisted out of the loop,
+            # where their 64-bit values took the registers dK_j and dV_j need (d = 128: 216
+            # bytes of spills a thread, 320 causal; with this 24 and 64)
+            zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [t], dtype=gl.int32,
+                                             is_pure=True, pack=1)
+        K_all = k_smem.index(zero)
+        dS_all = ds_smem.index(zero)
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         Q_i = q_smem.index(s)
         dO_i = do_smem.index(s)
@@ -132,10 +145,10 @@ if GLUON:
         L_i = l_smem.index(s).load(col_layout)
         D_i = d_smem.index(s).load(col_layout)
         zero_st = gl.zeros([_KM, Br], gl.float32, st_layout)
-        S_t = warpgroup_mma(k_smem.slice(WG * _KM, _KM), Q_i.permute((1, 0)), zero_st,
+        S_t = warpgroup_mma(K_all.slice(WG * _KM, _KM), Q_i.permute((1, 0)), zero_st,
                             use_acc=False, is_async=True)
-        dP_t = warpgroup_mma(v_smem.index(WG), dO_i.permute((1, 0)), zero_st, use_acc=False,
-                             is_async=True)
+        dP_t = warpgroup_mma(v_smem.index(WG + zero), dO_i.permute((1, 0)), zero_st,
+                             use_acc=False, is_async=True)
         S_t, dP_t = warpgroup_mma_wait(0, deps=(S_t, dP_t))
         P_t = gl.exp2(S_t * qk_scale - L_i[None, :])
         if (i + 1) * Br > Nq:  # the last tile: its rows past Nq are the next head's
@@ -153,14 +166,14 @@ if GLUON:
         # last tile's), then each computes half of dQ_i's columns over all 128 keys: dS_ij
         # (read transposed) times K_j's columns
         mbarrier.wait(ds_free, (t & 1) ^ 1)
-        ds_smem.slice(WG * _KM, _KM).store(dS_t)
+        dS_all.slice(WG * _KM, _KM).store(dS_t)
         fence_async_shared()
         mbarrier.arrive(ds_ready, count=1)
         dV_j, dK_j = warpgroup_mma_wait(0, deps=(dV_j, dK_j))
         mbarrier.arrive(free.index(s), count=1)  # Q_i and dO_i read
         mbarrier.wait(ds_ready, t & 1)
         zero_dq = gl.zeros([Br, HALF], gl.float32, dq_layout)
-        dQ_i = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(WG * HALF, HALF, 1),
+        dQ_i = warpgroup_mma(dS_all.permute((1, 0)), K_all.slice(WG * HALF, HALF, 1),
                              zero_dq, use_acc=False, is_async=True)
         dQ_i = warpgroup_mma_wait(0, deps=(dQ_i,))
         mbarrier.arrive(ds_free, count=1)
@@ -176,7 +189,7 @@ if GLUON:
     def _consume(shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
                  qk_scale, scale, nq_tiles, i0, GROUP, WG: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr):
         """A consumer warpgroup: keys k0 + WG * 64 .. + 64 of the program's K/V tile; dK_j and
         dV_j of those keys in registers, dQ_i's share handed to the writer after each Q tile.
         Causal: the Q tiles crossing the diagonal first (i0 and the next), then the rest."""
@@ -195,11 +208,13 @@ if GLUON:
         for g in range(GROUP):
             for i in range(i0, diagonal_end):
                 dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
-                                        qk_scale, scale, WG, Br, STAGES, True)
+                                        qk_scale, scale, WG, Br, STAGES, True,
+                                        FRESH_DESCRIPTORS)
                 t += 1
             for i in range(diagonal_end, nq_tiles):
                 dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
-                                        qk_scale, scale, WG, Br, STAGES, False)
+                                        qk_scale, scale, WG, Br, STAGES, False,
+                                        FRESH_DESCRIPTORS)
                 t += 1
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
         # dK, dV point at the tile's first key
@@ -215,7 +230,7 @@ if GLUON:
                             stride_vb, stride_vh, stride_vn, H, Hkv, Nq, Nk,
                             HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
                             IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr):
         """One program per (K/V tile of 128 keys, batch * K/V head). Q, dO: (B, H, Nq, d) with
         rows ``stride_qn`` apart and heads Nq rows apart; L (base 2) and Dl = rowsum(dO * O):
         (B, H, Nq) float32; dQ: float32 (B, H, Nq, d) contiguous, zeroed, added to; dK, dV
@@ -236,14 +251,14 @@ if GLUON:
         row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
         dtype: gl.constexpr = Q.dtype.element_ty
-        k_smem = gl.allocate_shared_memory(dtype, [2 * _KM, HEAD_DIM], k_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KM, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, _KM, HEAD_DIM], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, Br, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, Br, HEAD_DIM], do_desc.layout)
         l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, Br], row_layout)
         d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, Br], row_layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KM, Br], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * _KM, Br], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KM, Br], ds_layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         dq_desc = _descriptor(dQ, total, HEAD_DIM, Br, HEAD_DIM)  # float32, added to by TMA
@@ -279,10 +294,10 @@ if GLUON:
         gl.warp_specialize([
             (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
                         qk_scale, scale, nq_tiles, i0, GROUP, 0, HEAD_DIM, Br, STAGES,
-                        IS_CAUSAL)),
+                        IS_CAUSAL, FRESH_DESCRIPTORS)),
             (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
                         qk_scale, scale, nq_tiles, i0, GROUP, 1, HEAD_DIM, Br, STAGES,
-                        IS_CAUSAL)),
+                        IS_CAUSAL, FRESH_DESCRIPTORS)),
             (_load, (descs, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq, Br,
                      STAGES)),
             (_write_dq, (dq_desc, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, Br)),
@@ -299,12 +314,13 @@ def usable(q, k, v, do, call) -> bool:
 
 
 def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, STAGES: int,
-           DQ_BUFFERS: int, CONSUMER_REGS: int):
+           DQ_BUFFERS: int, CONSUMER_REGS: int, FRESH_DESCRIPTORS: bool):
     """Launch the kernel. q, do: (B, H, Nq, d) contiguous; lse2: the forward's base-2 lse and
     D = rowsum(dO * O), float32 (B, H, Nq) contiguous; dq: float32, q's shape, contiguous and
     zeroed (added to); dk, dv: k's and v's shapes and strides (written). The settings (the
     tile table's backward schedule, config.py): STAGES of (Q_i, dO_i) in shared memory,
-    DQ_BUFFERS for dQ_i on its way to the writer, CONSUMER_REGS registers a consumer thread.
+    DQ_BUFFERS for dQ_i on its way to the writer, CONSUMER_REGS registers a consumer thread,
+    FRESH_DESCRIPTORS whether the loop-invariant operands' descriptors are made each step.
     Returns the launch (``fast.Launch``), to be repeated with other tensors laid out alike."""
     from .fast import Launch, ensure_allocator, run
 
@@ -314,7 +330,8 @@ def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, S
     args = (q, k, v, do, lse2, D, dq, dk, dv, float(scale) * LOG2E, float(scale),
             q.stride(2), *k.stride()[:3], *v.stride()[:3], H, Hkv, Nq, Nk)
     consts = dict(HEAD_DIM=d, Br=M, STAGES=STAGES, IS_CAUSAL=bool(is_causal),
-                  DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+                  DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS,
+                  FRESH_DESCRIPTORS=bool(FRESH_DESCRIPTORS), num_warps=4)
     grid = (triton.cdiv(Nk, 2 * M), B * Hkv)
     run(fa3_backward_kernel, grid, args, consts)
     return Launch(fa3_backward_kernel, grid, args, consts, tuple(range(9)))
@@ -349,7 +366,7 @@ class Step:
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal: bool, scale: float, STAGES: int = 2,
-             DQ_BUFFERS: int = 1, CONSUMER_REGS: int = 240):
+             DQ_BUFFERS: int = 1, CONSUMER_REGS: int = 240, FRESH_DESCRIPTORS: bool = False):
     """(dQ, dK, dV) in q's dtype from the forward's O and base-2 lse2 (``launch.forward``'s),
     D = rowsum(dO * O) made first: the kernel on its own, for tests and benchmarks
     (``launch.backward`` runs it through a launch plan)."""
@@ -359,5 +376,6 @@ def backward(q, k, v, o, lse2, do, *, is_causal: bool, scale: float, STAGES: int
     dq = torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     Step.made(q, k, v, do, lse2.contiguous(), D, dq, dk, dv, is_causal=is_causal, scale=scale,
-              STAGES=STAGES, DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS)
+              STAGES=STAGES, DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS,
+              FRESH_DESCRIPTORS=FRESH_DESCRIPTORS)
     return dq, dk, dv

@@ -200,8 +200,10 @@ def _repeat_key(q, k, v, attn_mask, is_causal, scale, dropout_p, block_mask, sco
     if None in layouts:
         return None
     # a block mask is a value, hashed once (BlockMask.__hash__); the same object, as a
-    # training loop passes it, compares by identity
-    return (backend, is_causal, scale, enable_gqa, block_mask, dropout_p, *layouts)
+    # training loop passes it, compares by identity. Deterministic mode picks other kernels
+    # (launch.backward), so a repeat is kept for each
+    return (backend, is_causal, scale, enable_gqa, block_mask, dropout_p,
+            torch.are_deterministic_algorithms_enabled(), *layouts)
 
 
 def _repeatable_rate(p) -> bool:

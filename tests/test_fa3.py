@@ -107,6 +107,32 @@ def test_attention_takes_the_schedule_from_the_table(d, causal):
 
 @pytest.mark.gpu
 @needs_fa3
+def test_deterministic_mode_gives_the_same_gradients_every_run():
+    """Where the table takes FlashAttention-3's backward (dQ added in L2 in arrival order),
+    torch.use_deterministic_algorithms makes the public API's backward bit-identical run to
+    run (the Triton kernels take it: no fa3 step in its plan)."""
+    from flashedu.triton import fa3_backward, fast
+
+    d, N = 128, 4096 + 77
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 2, N, N, d, torch.bfloat16, seed=5))
+    dout = torch.randn_like(q)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        fast.PLANS.clear()
+        runs = []
+        for _ in range(3):
+            out = flashedu.attention(q, k, v, backend="triton")
+            runs.append(torch.autograd.grad(out, (q, k, v), dout))
+        steps = [s for plan in fast.PLANS.values() if isinstance(plan, tuple) for s in plan[1]]
+        assert not any(isinstance(s, fa3_backward.Step) for s in steps)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+
+
+@pytest.mark.gpu
+@needs_fa3
 def test_bench_fa3_runs_small(tmp_path, capsys):
     """``flashedu bench fa3`` on one small case: a table, and JSON that says where it ran."""
     import json
@@ -275,6 +301,47 @@ def test_a_backward_whose_first_launch_fails_leaves_the_call_to_the_triton_kerne
     assert launch.FA3_BACKWARD is False
     with pytest.raises(Reached):  # no second attempt
         launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
+
+
+def test_deterministic_mode_leaves_the_backward_to_the_triton_kernels(monkeypatch):
+    """FlashAttention-3's backward adds dQ in L2 in arrival order, so its dQ differs in the
+    last bits from run to run: under torch.use_deterministic_algorithms the Triton kernels
+    (whose dQ pass adds nothing) take the call (their launch replaced by a sentinel here), and
+    the public API keeps a separate repeat for each mode."""
+    from flashedu import api
+    from flashedu.triton import backward as bwd
+    from flashedu.triton import config, fa3_backward, fast, launch
+
+    class Reached(Exception):
+        pass
+
+    def made(*args, **kwargs):
+        raise AssertionError("the fa3 backward was launched in deterministic mode")
+
+    def triton_path(*args, **kwargs):
+        raise Reached
+
+    entry = dataclasses.replace(config.INTERPRETER, schedule_from=64,
+                                backward_schedule=config.BackwardSchedule())
+    monkeypatch.setattr(launch, "resolve_config", lambda *a, **kw: entry)
+    monkeypatch.setattr(launch, "FA3_BACKWARD", True)
+    monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
+    monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(made))
+    monkeypatch.setattr(bwd, "launch_args", triton_path)
+    monkeypatch.setattr(fast, "PLANS", {})
+    q, k, v, o, do = (torch.randn(1, 2, 64, 16) for _ in range(5))
+    lse2, D = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64)
+    key = lambda: api._repeat_key(q, k, v, None, False, None, 0.0, None, None,  # noqa: E731
+                                  False, False, "triton")
+    free_key = key()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(Reached):
+            launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
+        assert key() != free_key
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_doctor_says_whether_the_schedule_runs_here():

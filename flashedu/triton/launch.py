@@ -231,7 +231,10 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
         interpreted = runtime.triton_interpreted()
     if config is None:
         config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
-    plain = FA3_BACKWARD and not interpreted and into is None and dlse is None and not mask_grad
+    # FlashAttention-3's backward adds dQ in L2 in arrival order: bit-different run to run, so
+    # not where torch.use_deterministic_algorithms asks (the Triton kernels' dQ pass adds none)
+    plain = (FA3_BACKWARD and not interpreted and into is None and dlse is None
+             and not mask_grad and not torch.are_deterministic_algorithms_enabled())
     settings = config.fa3_backward_settings(q.shape[2], k.shape[2]) if plain else None
     if settings is not None and fa3_backward.usable(q, k, v, do, call):
         try:

@@ -39,7 +39,9 @@ SHAPES = [(2, 4, 4, 1000, 1000, 128, False, torch.bfloat16),
 SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
             dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False),
             dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240, OVERLAP=False, LONGEST_FIRST=False),
-            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160)]
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160),
+            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True),
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True)]
 
 
 def _inputs(B, H, Hkv, Nq, Nk, d, dtype, seed):
@@ -68,6 +70,32 @@ def test_every_schedule_matches_the_float64_reference(shape, settings):
     tolerance.check(o, ref, plain, dtype=dtype)
     # L_i in base 2, as the backward reads it: float32 rounding of a sum of Nk terms
     assert tolerance.max_error(lse2 / fa3.LOG2E, lse) < 1e-4
+
+
+@pytest.mark.gpu
+@needs_fa3
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
+def test_a_persistent_program_takes_many_tiles_right(d, causal):
+    """More Q tiles than SMs: each persistent program takes several, of different heads and
+    lengths (causal), with the K/V ring's count and the ping-pong turns running on across
+    them; a ragged last tile in every head, grouped-query heads."""
+    B, H, Hkv, N = 3, 16, 4, 1000 + 77
+    q, k, v = _inputs(B, H, Hkv, N, N, d, torch.bfloat16, seed=d + causal)
+    settings = (dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160) if d == 64 else
+                dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False))
+    assert B * H * -(-N // (64 * settings["CONSUMERS"])) > 2 * torch.cuda.get_device_properties(
+        0).multi_processor_count
+    o, lse2 = torch.empty_like(q), torch.empty(B, H, N, device="cuda")
+    fa3.forward(q, k, v, o, lse2, is_causal=causal, scale=d ** -0.5, PERSISTENT=True,
+                **settings)
+    ref, lse = reference_attention(q, k, v, is_causal=causal, enable_gqa=True,
+                                   return_lse=True)
+    plain = naive_attention_torch(q, k, v, is_causal=causal, enable_gqa=True, upcast=False)
+    tolerance.check(o, ref, plain, dtype=torch.bfloat16)
+    assert tolerance.max_error(lse2 / fa3.LOG2E, lse) < 1e-4
+    again = torch.empty_like(o)
+    fa3.forward(q, k, v, again, lse2, is_causal=causal, scale=d ** -0.5, **settings)
+    assert torch.equal(again, o)  # the same arithmetic as one program per tile
 
 
 @pytest.mark.gpu
@@ -160,6 +188,10 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
             assert settings(4096, 4096) is not None
             assert settings(4095, 8192) is None
             assert settings(8192, 2048) is None
+    # persistent programs for dense calls at d=64 only; causal calls one program per Q tile
+    assert GPU_16BIT[64].fa3_settings(4096, 4096)["PERSISTENT"] is True
+    assert GPU_16BIT[64].fa3_settings(4096, 4096, is_causal=True)["PERSISTENT"] is False
+    assert GPU_16BIT[128].fa3_settings(4096, 4096)["PERSISTENT"] is False
     for d in (16, 32, 256):
         assert GPU_16BIT[d].fa3_settings(16384, 16384) is None
         assert GPU_16BIT[d].fa3_backward_settings(16384, 16384) is None
@@ -215,7 +247,7 @@ def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monke
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     call = ops.Call(True, 0.25)
     o, lse2 = launch.forward(q, k, v, call, interpreted=False)
-    assert settings_seen == [entry.schedule.settings()]
+    assert settings_seen == [entry.schedule.settings(True)]
     assert (o == 1).all() and (lse2 == 0.5).all() and o.shape == q.shape
     keep = []
     o, _ = launch.forward(q, k, v, call, interpreted=False, keep=keep)

@@ -28,7 +28,8 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
              ("shortest first", lambda s, causal: {"LONGEST_FIRST": False} if causal else None),
              # three consumers of 160 registers against two of 240 (d = 64)
              ("2 consumers", lambda s, causal: ({"CONSUMERS": 2, "CONSUMER_REGS": 240}
-                                                if s["CONSUMERS"] == 3 else None)))
+                                                if s["CONSUMERS"] == 3 else None)),
+             ("persistent flipped", lambda s, causal: {"PERSISTENT": not s["PERSISTENT"]}))
 PEERS = ("triton", "sdpa-cudnn", "sdpa-flash", "flex")
 
 
@@ -137,7 +138,8 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "PINGPONG", "OVERLAP", "LONGEST_FIRST")
+SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "PINGPONG", "OVERLAP", "LONGEST_FIRST",
+            "PERSISTENT")
 
 
 def _setting(text: str) -> tuple:
@@ -180,10 +182,10 @@ def main(argv=None) -> int:
             "bwd / cuDNN", "bwd Triton kernels"]
     lines = []
     for d in args.d:
-        settings = {**resolve_config(d, torch.bfloat16, None, "cuda").schedule.settings(),
-                    **dict(args.set)}
+        schedule = resolve_config(d, torch.bfloat16, None, "cuda").schedule
         for N in args.n:
             for causal in (False, True):
+                settings = {**schedule.settings(causal), **dict(args.set)}
                 row = one_case(N, d, causal, settings, args.rounds)
                 out["cases"].append(row)
                 t = row["tflops"]

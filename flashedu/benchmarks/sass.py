@@ -317,7 +317,7 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
             from ..triton import fa3
             from ..triton.config import TABLE_ENV
 
-            settings = config.fa3_settings(n, n)
+            settings = config.fa3_settings(n, n, kw["is_causal"])
             if settings is None:
                 raise ValueError(f"the {os.environ.get(TABLE_ENV, 'sm90')} table runs no fa3 "
                                  f"forward at d={d}, N={n} (it asks for it at d=64 and d=128 "

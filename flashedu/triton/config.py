@@ -41,19 +41,23 @@ class Tiles:
 @dataclass(frozen=True)
 class Schedule:
     """FlashAttention-3's forward (fa3.py): consumer warpgroups of 64 rows each, K_j/V_j
-    stages in shared memory, registers per consumer thread, and the schedule's switches."""
+    stages in shared memory, registers per consumer thread, and the schedule's switches.
+    ``persistent``: dense (not causal) calls run one program per SM that takes Q tiles in
+    turn; causal calls keep one program per Q tile, which measured faster for them."""
     consumers: int
     stages: int
     consumer_regs: int
     pingpong: bool = True
     overlap: bool = True
     longest_first: bool = True
+    persistent: bool = False
 
-    def settings(self) -> dict:
-        """The keywords of ``fa3.forward``."""
+    def settings(self, is_causal: bool = False) -> dict:
+        """The keywords of ``fa3.forward`` for a dense or a causal call."""
         return dict(CONSUMERS=self.consumers, STAGES=self.stages,
                     CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
-                    OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first)
+                    OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first,
+                    PERSISTENT=self.persistent and not is_causal)
 
 
 @dataclass(frozen=True)
@@ -113,11 +117,11 @@ class KernelConfig:
     # its backward (fa3_backward.py) for those calls; None: the Triton kernels' backward
     backward_schedule: BackwardSchedule | None = None
 
-    def fa3_settings(self, Nq: int, Nk: int) -> dict | None:
+    def fa3_settings(self, Nq: int, Nk: int, is_causal: bool = False) -> dict | None:
         """The fa3 forward's settings for a call of Nq queries and Nk keys, or None."""
         if self.schedule is None or min(Nq, Nk) < self.schedule_from:
             return None
-        return self.schedule.settings()
+        return self.schedule.settings(is_causal)
 
     def fa3_backward_settings(self, Nq: int, Nk: int) -> dict | None:
         """The fa3 backward's settings for a call of Nq queries and Nk keys, or None."""
@@ -188,8 +192,11 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # BENCHMARKS.md "FlashAttention-3's schedule in Gluon"): at d=64 three consumers of 64 rows on
 # three stages, 1.07-1.17x the Triton kernel and 0.99-1.13x cuDNN (causal at 4096 keys 0.97x
 # and 0.87x); at d=128 two consumers, three stages, no ping-pong (it measured 0.96x there):
-# 1.10-1.18x the Triton kernel, 0.94-1.09x cuDNN.
-_FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160)
+# 1.10-1.18x the Triton kernel, 0.94-1.09x cuDNN. At d=64 dense calls take persistent programs
+# (one per SM, the next Q tile's Q and first K/V tiles copied while the last one finishes):
+# 1.02-1.10x one program per Q tile on an H200; at d=128 level (+-2%), and causal calls were
+# 1-4% slower persistent (BENCHMARKS.md, "A persistent forward").
+_FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True)
 _FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False)
 # Its backward (fa3_backward.py), from the same length: two stages of (Q_i, dO_i), one buffer
 # for dQ_i (H200, N=8192: a second measured level at d=64 and 3-6% slower at d=128, a third

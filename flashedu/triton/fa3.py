@@ -17,6 +17,11 @@ lays it out on an H100, with every hardware step written down instead of left to
   intra-warpgroup overlap).
 - registers moved from the copy warp to the consumers (``warp_specialize``'s register counts:
   setmaxnreg).
+- persistent programs (PERSISTENT): one program per SM takes Q tiles in turn; the K/V ring
+  and the ping-pong turns run on across them, so the next tile's Q_i and first K_j, V_j are
+  copied while the consumers finish the last one (a program per Q tile starts with an empty
+  ring and ends with idle tensor cores). Causal tiles are dealt longest first, in a snake, so
+  that every program gets about the same work.
 
 Only what a training step's dense attention needs: 16-bit inputs, head dim 64 or 128, causal
 (top-left, as SDPA's is_causal) or not, GQA, the base-2 logsumexp L_i for the backward. Other
@@ -89,6 +94,11 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 if GLUON:
     _M = gl.constexpr(M)
     # a TMA load into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, renamed
@@ -111,7 +121,7 @@ if GLUON:
         j % STAGES as soon as every consumer has released what that stage held (K_j and V_j
         arrive on barriers of their own: S_ij can start before V_j is in)."""
         q_desc, k_desc, v_desc = descs
-        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = shared
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
         mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(CONSUMERS):
             _tma_load(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
@@ -154,12 +164,24 @@ if GLUON:
     def _consume(shared, out, WG: gl.constexpr, CONSUMERS: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
-        """A consumer warpgroup: rows row0 + WG*M .. + M of the program's Q tile.
+        """A consumer warpgroup of a program that owns one Q tile."""
+        mbarrier.wait(shared[3], 0)  # Q_i
+        _consume_tile(shared, out, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
+                      PINGPONG, OVERLAP, False)
+
+    @gluon.jit
+    def _consume_tile(shared, out, kv0, turn0, WG: gl.constexpr, CONSUMERS: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
+                      IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+        """A consumer warpgroup over one Q tile (Q_i in shared memory already): rows
+        row0 + WG*M .. + M. kv0, turn0: the K/V tiles and turns this consumer went through
+        before this Q tile (a persistent program's earlier tiles; 0 otherwise).
 
         Iteration j issues S_ij = Q_i K_j^T together with O_i += P_i,j-1 V_j-1 (P of the
         tile before), then the softmax of S_ij; the first iteration has no P V, the loop's
         end one P V alone."""
-        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = shared
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
         O, L, stride_on, row0, lse_row0, Nq, Nk, qk_scale, num_tiles, num_full = out
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, Bc, 16])
@@ -172,7 +194,6 @@ if GLUON:
         first = row0 + WG * _M
         rows = first + gl.arange(0, _M, row_layout)
         Q_i = q_smem.index(WG)
-        mbarrier.wait(q_ready, 0)
 
         zero = gl.zeros([_M, Bc], gl.float32, s_layout)
         l_i = gl.zeros([_M], gl.float32, row_layout)
@@ -180,9 +201,10 @@ if GLUON:
 
         # j = 0: S_i0 alone. m_i is kept in the base-2 scale, as forward.py keeps it:
         # exp2(S_ij * qk_scale - m_i) is one fused multiply-add and one ex2 an entry.
-        mbarrier.wait(k_ready.index(0), 0)
-        _turn(turns, WG, 0, PINGPONG)
-        S_ij = warpgroup_mma(Q_i, k_smem.index(0).permute((1, 0)), zero, use_acc=False,
+        s0 = kv0 % STAGES
+        mbarrier.wait(k_ready.index(s0), (kv0 // STAGES) & 1)
+        _turn(turns, WG, turn0, PINGPONG)
+        S_ij = warpgroup_mma(Q_i, k_smem.index(s0).permute((1, 0)), zero, use_acc=False,
                              is_async=True)
         _pass(turns, WG, CONSUMERS, PINGPONG)
         S_ij = warpgroup_mma_wait(0, deps=(S_ij,))
@@ -193,13 +215,13 @@ if GLUON:
         P_ij = gl.convert_layout(P_ij.to(dtype), p_layout)  # 16-bit A operand registers
 
         for j in range(1, num_tiles):
-            s = j % STAGES
-            phase = (j // STAGES) & 1
-            prev = (j - 1) % STAGES
-            prev_phase = ((j - 1) // STAGES) & 1
+            s = (kv0 + j) % STAGES
+            phase = ((kv0 + j) // STAGES) & 1
+            prev = (kv0 + j - 1) % STAGES
+            prev_phase = ((kv0 + j - 1) // STAGES) & 1
             mbarrier.wait(k_ready.index(s), phase)
             mbarrier.wait(v_ready.index(prev), prev_phase)
-            _turn(turns, WG, j, PINGPONG)
+            _turn(turns, WG, turn0 + j, PINGPONG)
             S_ij = warpgroup_mma(Q_i, k_smem.index(s).permute((1, 0)), zero, use_acc=False,
                                  is_async=True)
             O_i = warpgroup_mma(P_ij, v_smem.index(prev), O_i, is_async=True)  # P_i,j-1 V_j-1
@@ -220,10 +242,12 @@ if GLUON:
             O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             P_ij = gl.convert_layout(P_next.to(dtype), p_layout)
 
+        if PERSISTENT:  # every S_ij made: the copy warp may bring the next tile's Q
+            mbarrier.arrive(q_empty, count=1)
         # the last tile's P V
-        last = (num_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
-        _turn(turns, WG, num_tiles, PINGPONG)
+        last = (kv0 + num_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((kv0 + num_tiles - 1) // STAGES) & 1)
+        _turn(turns, WG, turn0 + num_tiles, PINGPONG)
         O_i = warpgroup_mma(P_ij, v_smem.index(last), O_i, is_async=True)
         _pass(turns, WG, CONSUMERS, PINGPONG)
         O_i = warpgroup_mma_wait(0, deps=(O_i,))
@@ -239,39 +263,147 @@ if GLUON:
         gl.store(L + lse_row0 + rows, m_i + gl.log2(l_i), mask=rows < Nq)
 
     @gluon.jit
+    def _tile_of(n, n_q, total, IS_CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+        """A persistent program's n-th work item t (t >= total: none) as (Q tile, batch *
+        head). Not causal, the order a grid of one program per Q tile starts them (a head's Q
+        tiles together: its K and V stay in L2 while they pass), dealt round-robin. Causal,
+        the Q tiles of equal length together, longest first, dealt in a snake (program 0
+        takes the first of round 0 and the last of round 1): every program's tiles add up to
+        about the same work (dealt round-robin in a head's order, the first programs got the
+        long tiles of every round: 0.74x at 16384 keys)."""
+        P = gl.num_programs(0)
+        p = gl.program_id(0)
+        if IS_CAUSAL:
+            t = n * P + p
+            if n % 2 == 1:
+                t = n * P + P - 1 - p
+            heads = total // n_q
+            i = t // heads
+            if LONGEST_FIRST:
+                i = n_q - 1 - i
+            bh = t % heads
+        else:
+            t = n * P + p
+            i = t % n_q
+            bh = t // n_q
+        return t, i, bh
+
+    @gluon.jit
+    def _visited(row0, Nk, Br: gl.constexpr, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """The K/V tiles the Q tile of rows row0 .. + Br visits, and how many of them need no
+        mask."""
+        seen = Nk
+        if IS_CAUSAL:
+            seen = gl.minimum(Nk, row0 + Br)
+        num_tiles = gl.cdiv(seen, Bc)
+        num_full = Nk // Bc
+        if IS_CAUSAL:
+            num_full = gl.minimum(num_full, (row0 + 1) // Bc)
+        return num_tiles, num_full
+
+    @gluon.jit
+    def _load_persistent(tensors, shared, work, HEAD_DIM: gl.constexpr,
+                         CONSUMERS: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
+                         IS_CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+        """The copy warp of a persistent program: for each of its Q tiles, the head's
+        descriptors, Q_i once the consumers have made the last tile's last S, and K_j, V_j
+        into the ring, whose count runs on across tiles (the next tile's first K/V tiles
+        arrive while the consumers finish this one)."""
+        (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+         stride_vb, stride_vh, stride_vn) = tensors
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
+        H, GROUP, Nq, Nk, n_q, total = work
+        Br: gl.constexpr = CONSUMERS * _M
+        kv = 0
+        kv_last = 0
+        n = 0
+        for m in range(gl.cdiv(total, gl.num_programs(0))):
+            t, i, bh = _tile_of(m, n_q, total, IS_CAUSAL, LONGEST_FIRST)
+            if t < total:
+                b = bh // H
+                h = bh % H
+                h_kv = h // GROUP
+                row0 = i * Br
+                num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
+                if n > 0:  # the last tile's copies landed: their descriptors may be rewritten
+                    mbarrier.wait(q_ready, (n - 1) & 1)
+                    for r in range(gl.maximum(kv - STAGES, kv_last), kv):
+                        mbarrier.wait(k_ready.index(r % STAGES), (r // STAGES) & 1)
+                        mbarrier.wait(v_ready.index(r % STAGES), (r // STAGES) & 1)
+                q_desc = _descriptor(Q + b * stride_qb + h * stride_qh, Nq, stride_qn, _M,
+                                     HEAD_DIM)
+                k_desc = _descriptor(K + b * stride_kb + h_kv * stride_kh, Nk, stride_kn, Bc,
+                                     HEAD_DIM)
+                v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc,
+                                     HEAD_DIM)
+                mbarrier.wait(q_empty, (n & 1) ^ 1)
+                mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+                for c in gl.static_range(CONSUMERS):
+                    _tma_load(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
+                for j in range(num_tiles):
+                    s = (kv + j) % STAGES
+                    mbarrier.wait(kv_empty.index(s), (((kv + j) // STAGES) & 1) ^ 1)
+                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                    _tma_load(k_desc, [j * Bc, 0], k_ready.index(s), k_smem.index(s))
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                    _tma_load(v_desc, [j * Bc, 0], v_ready.index(s), v_smem.index(s))
+                kv_last = kv
+                kv += num_tiles
+                n += 1
+
+    @gluon.jit
+    def _consume_persistent(shared, outs, work, WG: gl.constexpr, CONSUMERS: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
+                            IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                            OVERLAP: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+        """A consumer warpgroup of a persistent program: its rows of each Q tile in turn;
+        the K/V ring's count and the ping-pong turns run on across tiles (a tile takes one
+        turn more than it has K/V tiles)."""
+        O, L, stride_qb, stride_qh, stride_qn, qk_scale = outs
+        H, GROUP, Nq, Nk, n_q, total = work
+        Br: gl.constexpr = CONSUMERS * _M
+        kv = 0
+        n = 0
+        for m in range(gl.cdiv(total, gl.num_programs(0))):
+            t, i, bh = _tile_of(m, n_q, total, IS_CAUSAL, LONGEST_FIRST)
+            if t < total:
+                row0 = i * Br
+                num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
+                out = (O + (bh // H) * stride_qb + (bh % H) * stride_qh, L, stride_qn, row0,
+                       bh * Nq, Nq, Nk, qk_scale, num_tiles, num_full)
+                mbarrier.wait(shared[3], n & 1)  # this tile's Q_i
+                _consume_tile(shared, out, kv, kv + n, WG, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                              IS_CAUSAL, PINGPONG, OVERLAP, True)
+                kv += num_tiles
+                n += 1
+
+    @gluon.jit
     def fa3_forward_kernel(Q, K, V, O, L, qk_scale,
                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                           stride_vb, stride_vh, stride_vn, H, GROUP, Nq, Nk,
+                           stride_vb, stride_vh, stride_vn, H, GROUP, Nq, Nk, total,
                            HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                           LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                           LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           PERSISTENT: gl.constexpr):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
-        forward_kernel. O has Q's strides; L is (B, H, Nq) contiguous, base-2."""
-        i = gl.program_id(0)
-        if IS_CAUSAL and LONGEST_FIRST:  # the last Q tiles see the most keys: start them first
-            i = gl.num_programs(0) - 1 - i
-        bh = gl.program_id(1)
-        b = bh // H
-        h = bh % H
-        h_kv = h // GROUP  # grouped-query attention
+        forward_kernel; or, PERSISTENT, one program per SM that takes the ``total`` Q tiles
+        in turn. O has Q's strides; L is (B, H, Nq) contiguous, base-2."""
         Br: gl.constexpr = CONSUMERS * _M
-        row0 = i * Br
-        q_off = b * stride_qb + h * stride_qh
-        q_desc = _descriptor(Q + q_off, Nq, stride_qn, _M, HEAD_DIM)
-        k_desc = _descriptor(K + b * stride_kb + h_kv * stride_kh, Nk, stride_kn, Bc, HEAD_DIM)
-        v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc, HEAD_DIM)
-
         dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _M, HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], v_desc.layout)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Bc, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _M, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], kv_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=CONSUMERS)  # every consumer has made its last S
         for s in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(s), count=1)
             mbarrier.init(v_ready.index(s), count=1)
@@ -280,42 +412,80 @@ if GLUON:
             mbarrier.init(turns.index(c), count=1)
         mbarrier.arrive(turns.index(0), count=1)  # consumer 0 starts
         fence_async_shared()
+        shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty)
 
-        # the K/V tiles this Q tile visits, and how many of them need no mask
-        seen = Nk
-        if IS_CAUSAL:
-            seen = gl.minimum(Nk, row0 + Br)
-        num_tiles = gl.cdiv(seen, Bc)
-        num_full = Nk // Bc
-        if IS_CAUSAL:
-            num_full = gl.minimum(num_full, (row0 + 1) // Bc)
-
-        shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns)
-        out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles, num_full)
-        descs = (q_desc, k_desc, v_desc)
-        if CONSUMERS == 2:
-            gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                             IS_CAUSAL, PINGPONG, OVERLAP)),
-                                (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                             IS_CAUSAL, PINGPONG, OVERLAP)),
-                                (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
-                                         STAGES))],
-                               [4, 1], [CONSUMER_REGS, 24])
+        if PERSISTENT:
+            tensors = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
+                       stride_kn, stride_vb, stride_vh, stride_vn)
+            work = (H, GROUP, Nq, Nk, gl.cdiv(Nq, Br), total)
+            outs = (O, L, stride_qb, stride_qh, stride_qn, qk_scale)
+            if CONSUMERS == 2:
+                gl.warp_specialize([
+                    (_consume_persistent, (shared, outs, work, 0, CONSUMERS, HEAD_DIM, Bc,
+                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST)),
+                    (_consume_persistent, (shared, outs, work, 1, CONSUMERS, HEAD_DIM, Bc,
+                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST)),
+                    (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
+                                        IS_CAUSAL, LONGEST_FIRST))],
+                    [4, 1], [CONSUMER_REGS, 24])
+            else:
+                gl.warp_specialize([
+                    (_consume_persistent, (shared, outs, work, 0, CONSUMERS, HEAD_DIM, Bc,
+                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST)),
+                    (_consume_persistent, (shared, outs, work, 1, CONSUMERS, HEAD_DIM, Bc,
+                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST)),
+                    (_consume_persistent, (shared, outs, work, 2, CONSUMERS, HEAD_DIM, Bc,
+                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST)),
+                    (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
+                                        IS_CAUSAL, LONGEST_FIRST))],
+                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
-            gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                             IS_CAUSAL, PINGPONG, OVERLAP)),
-                                (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                             IS_CAUSAL, PINGPONG, OVERLAP)),
-                                (_consume, (shared, out, 2, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                             IS_CAUSAL, PINGPONG, OVERLAP)),
-                                (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
-                                         STAGES))],
-                               [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+            i = gl.program_id(0)
+            if IS_CAUSAL and LONGEST_FIRST:  # the last Q tiles see the most keys: first
+                i = gl.num_programs(0) - 1 - i
+            bh = gl.program_id(1)
+            b = bh // H
+            h = bh % H
+            h_kv = h // GROUP  # grouped-query attention
+            row0 = i * Br
+            q_off = b * stride_qb + h * stride_qh
+            q_desc = _descriptor(Q + q_off, Nq, stride_qn, _M, HEAD_DIM)
+            k_desc = _descriptor(K + b * stride_kb + h_kv * stride_kh, Nk, stride_kn, Bc,
+                                 HEAD_DIM)
+            v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc,
+                                 HEAD_DIM)
+            num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
+            out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles,
+                   num_full)
+            descs = (q_desc, k_desc, v_desc)
+            if CONSUMERS == 2:
+                gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
+                                    (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
+                                    (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
+                                             STAGES))],
+                                   [4, 1], [CONSUMER_REGS, 24])
+            else:
+                gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
+                                    (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
+                                    (_consume, (shared, out, 2, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
+                                    (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
+                                             STAGES))],
+                                   [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
-            LONGEST_FIRST: bool = True):
+            LONGEST_FIRST: bool = True, PERSISTENT: bool = False):
     """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
     written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
     warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
@@ -328,9 +498,13 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
     consts = dict(HEAD_DIM=d, Bc=128, STAGES=STAGES, CONSUMERS=CONSUMERS,
                   IS_CAUSAL=bool(is_causal), PINGPONG=PINGPONG, OVERLAP=OVERLAP,
-                  LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
-    args = (q, k, v, o, lse2, float(scale) * LOG2E, *q.stride()[:3], *k.stride()[:3],
-            *v.stride()[:3], H, H // Hkv, Nq, Nk)
+                  LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,
+                  PERSISTENT=bool(PERSISTENT), num_warps=4)
     grid = (triton.cdiv(Nq, CONSUMERS * M), B * H)
+    total = grid[0] * grid[1]
+    if PERSISTENT:  # one program per SM (one fits: the stages take most of shared memory)
+        grid = (min(total, _multiprocessors(q.device.index)),)
+    args = (q, k, v, o, lse2, float(scale) * LOG2E, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], H, H // Hkv, Nq, Nk, total)
     run(fa3_forward_kernel, grid, args, consts)
     return Launch(fa3_forward_kernel, grid, args, consts, tuple(range(5)))

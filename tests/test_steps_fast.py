@@ -25,6 +25,7 @@ STEPS = {  # step id -> its check
     "10.smem": "step_smem",
     "10.programs_per_sm": "step_programs_per_sm",
     "10.ring": "step_ring_slot",
+    "10.deal": "step_persistent_deal",
 }
 
 
@@ -72,6 +73,10 @@ MUTANTS = [  # step, what is wrong, replacements, words the message must hold
     ("10.ring", "the parity of the tile, not of the stage's fill",
      [("ready_phase = fill % 2", "ready_phase = j % 2")],
      ["ready_phase is wrong", "fills of stage"]),
+    ("10.deal", "every deal in the same order",
+     [("(p if m % 2 == 0 else P - 1 - p)", "p")], ["t is wrong", "same order"]),
+    ("10.deal", "a program's tiles one after another",
+     [("m * P + (p if m % 2 == 0 else P - 1 - p)", "p * P + m")], ["t is wrong", "one to each"]),
     ("10.kv_tiles", "causal tiles judged by the last row",
      [("min(Nk, first_row + 1) if causal", "min(Nk, last_row + 1) if causal")],
      ["num_full is wrong", "FIRST row"]),
@@ -114,6 +119,11 @@ def test_the_references_agree_with_the_package():
                 for causal in (False, True):
                     want = fast.kv_tiles_by_keys(i, Br, Bc, Nk, causal)
                     assert solved(i, Br, Bc, Nk, causal) == want, (i, Br, Bc, Nk, causal)
+    deal = course.reference("10.deal", {})
+    for P in (1, 2, 7, 132):
+        for p in range(P):
+            for m in range(6):
+                assert deal(m, p, P) == fast.deal_by_dealing(m, p, P), (m, p, P)
     ring = course.reference("10.ring", {})
     for j in range(40):
         for stages in range(1, 6):

@@ -6,11 +6,13 @@
 - ``step_programs_per_sm``: how many programs fit on one H100 SM at once (registers, shared
   memory, threads);
 - ``step_ring_slot``: where K/V tile j lands in a ring of shared-memory stages, and which phase
-  of each stage's mbarriers the copy warp and the consumers wait on (FlashAttention-3's loads).
+  of each stage's mbarriers the copy warp and the consumers wait on (FlashAttention-3's loads);
+- ``step_persistent_deal``: which tile a persistent program takes next when the causal Q tiles,
+  longest first, are dealt in a snake (every program gets about the same work).
 
 Every expected answer is computed here from the definition itself, not from the formula the
 notebook's solution uses: tiles by looking at each key of each tile, programs per SM by
-counting down what is left of the SM.
+counting down what is left of the SM, the deal by sorting the tiles and dealing them out.
 """
 
 from __future__ import annotations
@@ -297,10 +299,68 @@ def _diagnose_ring(case_, wrong, outputs):
     return f"free_phase should be {want[2]}, yours {got[2]:g}."
 
 
+# ------------------------------------------------------------------------------------------
+# 10.deal: the tile a persistent program takes next, dealt in a snake
+# ------------------------------------------------------------------------------------------
+
+H_DEAL = ("Deal m hands out the tiles m*P .. m*P + P - 1 of the order, one to each program: the "
+          "program's m-th tile comes from deal m.")
+H_SNAKE = ("Dealt in a snake: deal m goes to programs 0, 1, .., P - 1 when m is even and to "
+           "programs P - 1, .., 0 when m is odd, so the program that got the longest tile of "
+           "one deal gets the shortest of the next.")
+
+
+def deal_by_dealing(m, p, P):
+    """Program p's m-th tile, as a position in the tiles' order: the positions 0, 1, 2, ..
+    dealt out deal by deal, forward and back in turn."""
+    hands = [[] for _ in range(P)]
+    position = 0
+    for deal in range(m + 1):
+        for program in (range(P) if deal % 2 == 0 else range(P - 1, -1, -1)):
+            hands[program].append(position)
+            position += 1
+    return hands[p][m]
+
+
+def _deal_cases():
+    specs = [(0, 0, 4, "the first tile of program 0", H_DEAL),
+             (0, 3, 4, "the first deal's last program", H_DEAL),
+             (1, 0, 4, "program 0's second tile: the snake turns", H_SNAKE),
+             (1, 3, 4, "program 3's second tile", H_SNAKE),
+             (2, 1, 4, "the third deal runs forward again", H_SNAKE),
+             (3, 131, 132, "132 programs, the fourth deal", H_SNAKE),
+             (5, 0, 1, "one program takes every tile", H_DEAL)]
+    rng = _rng(4)
+    for _ in range(3):
+        P = int(rng.integers(1, 200))
+        specs.append((int(rng.integers(0, 40)), int(rng.integers(0, P)), P, "random", H_SNAKE))
+    return [case(f"m={m}, p={p}, P={P} ({what})", hint, (m, p, P), ("t",),
+                 (deal_by_dealing(m, p, P),))
+            for m, p, P, what, hint in specs]
+
+
+def _diagnose_deal(case_, wrong, outputs):
+    m, p, P = case_.args
+    got = outputs.get("t")
+    if got is None:
+        return None
+    got = int(float(got))
+    want = deal_by_dealing(m, p, P)
+    if got == m * P + p and got != want:
+        return ("yours deals every deal in the same order: program 0 then gets the longest "
+                "tile of every deal and program P - 1 the shortest. Turn every second deal "
+                "around (program P - 1 first).")
+    if got == p * P + m or got == m + p:
+        return "deal m hands out the positions m*P .. m*P + P - 1: one to each program."
+    return f"program {p}'s tile {m} is position {want} of the order, yours {got}."
+
+
 STEPS = [
     function_step("step_ring_slot", "ring_slot", _ring_cases, diagnose=_diagnose_ring),
     function_step("step_kv_tiles", "kv_tile_counts", _kv_cases, diagnose=_diagnose_kv),
     function_step("step_smem", "smem_kib", _smem_cases, diagnose=_diagnose_smem),
     function_step("step_programs_per_sm", "programs_per_sm", _programs_cases,
                   diagnose=_diagnose_programs),
+    function_step("step_persistent_deal", "deal_position", _deal_cases,
+                  diagnose=_diagnose_deal),
 ]

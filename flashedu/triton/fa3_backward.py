@@ -16,12 +16,11 @@ warpgroups own 64 of the program's 128 keys each. dS_ij^T goes through shared me
 read transposed as the left operand of dQ_i's product; each consumer computes half of dQ_i's
 columns over all 128 keys and leaves it in a shared-memory buffer, from which a writer warp
 adds it to dQ with one TMA reduction (the adds happen in L2, whole lines at a time: the
-per-thread atomics they replace held the backward to 0.35-0.8x cuDNN's; the adds happen in
-the order the programs arrive, so dQ can differ in its last bits from run to run, and
+per-thread atomics they replace held the backward to 0.35-0.8x cuDNN's). They come in the
+order the programs arrive, so dQ can differ in its last bits from run to run:
 ``launch.backward`` leaves calls under torch.use_deterministic_algorithms to the Triton
-kernels). Grouped-query
-attention: a program visits the Q tiles of every query head of its K/V head. q and dO must be
-laid out (B, H, N, d) contiguous (one descriptor walks all their rows).
+kernels. Grouped-query attention: a program visits the Q tiles of every query head of its K/V
+head. q and dO must be laid out (B, H, N, d) contiguous (one descriptor walks all their rows).
 
 Compiled for sm_90 (Triton 3.6, ``scripts/compile_fa3_backward.py``): d = 64 without spills;
 d = 128 with 216 (320 causal) bytes a thread of spills, 24 (64) with FRESH_DESCRIPTORS, which

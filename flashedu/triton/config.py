@@ -43,7 +43,9 @@ class Schedule:
     """FlashAttention-3's forward (fa3.py): consumer warpgroups of 64 rows each, K_j/V_j
     stages in shared memory, registers per consumer thread, and the schedule's switches.
     ``persistent``: dense (not causal) calls run one program per SM that takes Q tiles in
-    turn; causal calls keep one program per Q tile, which measured faster for them."""
+    turn; causal calls keep one program per Q tile, which measured faster for them.
+    ``causal_from``: causal calls take the schedule only from this many queries and keys (and
+    from the entry's ``schedule_from``)."""
     consumers: int
     stages: int
     consumer_regs: int
@@ -51,6 +53,7 @@ class Schedule:
     overlap: bool = True
     longest_first: bool = True
     persistent: bool = False
+    causal_from: int = 0
 
     def settings(self, is_causal: bool = False) -> dict:
         """The keywords of ``fa3.forward`` for a dense or a causal call."""
@@ -120,6 +123,8 @@ class KernelConfig:
     def fa3_settings(self, Nq: int, Nk: int, is_causal: bool = False) -> dict | None:
         """The fa3 forward's settings for a call of Nq queries and Nk keys, or None."""
         if self.schedule is None or min(Nq, Nk) < self.schedule_from:
+            return None
+        if is_causal and min(Nq, Nk) < self.schedule.causal_from:
             return None
         return self.schedule.settings(is_causal)
 
@@ -195,8 +200,10 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # 1.10-1.18x the Triton kernel, 0.94-1.09x cuDNN. At d=64 dense calls take persistent programs
 # (one per SM, the next Q tile's Q and first K/V tiles copied while the last one finishes):
 # 1.02-1.10x one program per Q tile on an H200; at d=128 level (+-2%), and causal calls were
-# 1-4% slower persistent (BENCHMARKS.md, "A persistent forward").
-_FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True)
+# 1-4% slower persistent (BENCHMARKS.md, "A persistent forward"). Causal at d=64 from 8192: at
+# 4096 keys the Triton kernel measured 3-4% faster in four runs (378 / 380 / 385 / 389 TFLOP/s
+# against fa3's 366 / 370 / 371 / 374), at 8192 fa3 1.04-1.09x.
+_FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=8192)
 _FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False)
 # Its backward (fa3_backward.py), from the same length: two stages of (Q_i, dO_i), one buffer
 # for dQ_i (H200, N=8192: a second measured level at d=64 and 3-6% slower at d=128, a third

@@ -355,6 +355,25 @@ def test_sass_compiles_the_gluon_forward_for_an_h100(tmp_path, capsys):
         assert 2 * 128 * 128 * 2 * 3 < r["shared_bytes"] <= 227 * 1024
 
 
+def test_sass_compiles_the_persistent_gluon_forward_without_a_gpu(tmp_path, capsys):
+    """The d=64 table takes persistent programs for dense calls: their launch (one program per
+    SM) is made and compiled here without a GPU, as an H100's 132 SMs would run it."""
+    from flashedu.benchmarks import sass
+    from flashedu.triton import fa3
+
+    if not sass.can_compile():
+        pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
+    if not fa3.GLUON:
+        pytest.skip("this Triton has no Gluon Hopper API: the kernel cannot be compiled")
+    out = tmp_path / "sass.json"
+    code, text = run(["sass", "--d", "64", "--variants", "fa3", "--modes", "fwd", "--n", "4096",
+                      "--json", str(out)], capsys)
+    assert code == 0, text
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tiles"].startswith("192x128 c3 s3") and row["tiles"].endswith("persistent")
+    assert row["ops"]["HGMMA"] > 0
+
+
 def test_sass_compiles_the_kernels_that_read_packed_cuts(tmp_path, capsys):
     """The forward and backward that read a packed batch's cuts (varlen_attention), compiled
     for sm_90 here: they build, the forward within the d=64 entry's register cap without

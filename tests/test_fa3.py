@@ -103,12 +103,15 @@ def test_a_persistent_program_takes_many_tiles_right(d, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_takes_the_schedule_from_the_table(d, causal):
-    """From 4096 keys the public API's forward and backward are fa3's (their launch plans say
-    so), right against the reference, and right again when the plans start a second call."""
+    """From the table's length on (4096 keys; causal at d=64 8192) the public API's forward
+    and backward are fa3's (their launch plans say so), right against the reference, and
+    right again when the plans start a second call."""
     from flashedu.triton import fa3_backward, fast
 
     fast.PLANS.clear()
-    B, H, N = 1, 2, 4096 + 77
+    entry = GPU_16BIT[d]
+    B, H = 1, 2
+    N = max(entry.schedule_from, entry.schedule.causal_from if causal else 0) + 77
     q, k, v = (t.requires_grad_() for t in _inputs(B, H, H, N, N, d, torch.bfloat16, seed=d))
     out = flashedu.attention(q, k, v, is_causal=causal, backend="triton")
     kernels = {plan.kernel for plan in fast.PLANS.values()}

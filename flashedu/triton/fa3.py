@@ -49,6 +49,7 @@ except ImportError:  # a Triton without Gluon's Hopper API: the readable kernel 
 
 TESTED_TRITON = ("3.6",)  # the Gluon API changes between releases
 M = 64  # rows of Q per consumer warpgroup: one wgmma's M
+H100_SMS = 132  # the grid of a persistent launch compiled without a GPU (bench sass)
 LOG2E = 1.4426950408889634
 
 
@@ -504,7 +505,7 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
     grid = (triton.cdiv(Nq, CONSUMERS * M), B * H)
     total = grid[0] * grid[1]
     if PERSISTENT:  # one program per SM (one fits: the stages take most of shared memory)
-        grid = (min(total, _multiprocessors(q.device.index)),)
+        grid = (min(total, _multiprocessors(q.device.index) if q.is_cuda else H100_SMS),)
     args = (q, k, v, o, lse2, float(scale) * LOG2E, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], H, H // Hkv, Nq, Nk, total)
     run(fa3_forward_kernel, grid, args, consts)

@@ -118,17 +118,25 @@ if GLUON:
     @gluon.jit
     def _load(descs, shared, row0, num_tiles, CONSUMERS: gl.constexpr,
               Bc: gl.constexpr, STAGES: gl.constexpr):
-        """The copy warp: every consumer's Q rows once, then K_j and V_j into stage
-        j % STAGES as soon as every consumer has released what that stage held (K_j and V_j
-        arrive on barriers of their own: S_ij can start before V_j is in)."""
+        """The copy warp: every consumer's Q rows once, then the K/V tiles into the ring."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
         mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(CONSUMERS):
             _tma_load(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
+        _load_kv(k_desc, v_desc, shared, 0, num_tiles, Bc, STAGES)
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, shared, kv0, num_tiles, Bc: gl.constexpr,
+                 STAGES: gl.constexpr):
+        """K_j and V_j of one Q tile's visit: tile j into stage (kv0 + j) % STAGES as soon as
+        every consumer has released what that stage held (K_j and V_j arrive on barriers of
+        their own: S_ij can start before V_j is in). kv0: the K/V tiles the ring took before
+        (a persistent program's earlier Q tiles; 0 otherwise)."""
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
         for j in range(num_tiles):
-            s = j % STAGES
-            free = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as released once
+            s = (kv0 + j) % STAGES
+            free = (((kv0 + j) // STAGES) & 1) ^ 1  # a fresh barrier counts as released once
             mbarrier.wait(kv_empty.index(s), free)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             _tma_load(k_desc, [j * Bc, 0], k_ready.index(s), k_smem.index(s))
@@ -342,13 +350,7 @@ if GLUON:
                 mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
                 for c in gl.static_range(CONSUMERS):
                     _tma_load(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
-                for j in range(num_tiles):
-                    s = (kv + j) % STAGES
-                    mbarrier.wait(kv_empty.index(s), (((kv + j) // STAGES) & 1) ^ 1)
-                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                    _tma_load(k_desc, [j * Bc, 0], k_ready.index(s), k_smem.index(s))
-                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                    _tma_load(v_desc, [j * Bc, 0], v_ready.index(s), v_smem.index(s))
+                _load_kv(k_desc, v_desc, shared, kv, num_tiles, Bc, STAGES)
                 kv_last = kv
                 kv += num_tiles
                 n += 1

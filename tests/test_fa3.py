@@ -307,57 +307,20 @@ def test_the_backward_takes_the_schedule_where_the_table_and_the_call_allow(monk
     assert len(seen) == 1 and step.starts == 1
 
 
-def test_a_backward_whose_first_launch_fails_leaves_the_call_to_the_triton_kernels(monkeypatch):
-    """A first launch that raises (before computing anything) warns once and turns the fa3
-    backward off for the process: this call and later ones take the Triton kernels (here
-    their launch is replaced by a sentinel: without a GPU they cannot start)."""
+class _TritonKernelsReached(Exception):
+    """Raised where the Triton kernels' backward would launch (they cannot start without a
+    GPU)."""
+
+
+def _fa3_backward_offered(monkeypatch, made):
+    """launch.backward with a table entry that asks for the fa3 backward, fa3_backward.usable
+    true, ``made`` in place of the fa3 step's first launch and _TritonKernelsReached in place
+    of the Triton kernels' launch. Returns a plain call's (q, k, v, o, lse2, do, D)."""
     from flashedu.triton import backward as bwd
     from flashedu.triton import config, fa3_backward, fast, launch
 
-    class Reached(Exception):
-        pass
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("Kernel requires a runtime memory allocation")
-
     def triton_path(*args, **kwargs):
-        raise Reached
-
-    entry = dataclasses.replace(config.INTERPRETER, schedule_from=64,
-                                backward_schedule=config.BackwardSchedule())
-    monkeypatch.setattr(launch, "resolve_config", lambda *a, **kw: entry)
-    monkeypatch.setattr(launch, "FA3_BACKWARD", True)
-    monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
-    monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(refuse))
-    monkeypatch.setattr(bwd, "launch_args", triton_path)
-    monkeypatch.setattr(fast, "PLANS", {})
-    q, k, v, o, do = (torch.randn(1, 2, 64, 16) for _ in range(5))
-    lse2, D = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64)
-    with pytest.warns(UserWarning, match="FlashAttention-3's backward failed to launch"):
-        with pytest.raises(Reached):
-            launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
-    assert launch.FA3_BACKWARD is False
-    with pytest.raises(Reached):  # no second attempt
-        launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
-
-
-def test_deterministic_mode_leaves_the_backward_to_the_triton_kernels(monkeypatch):
-    """FlashAttention-3's backward adds dQ in L2 in arrival order, so its dQ differs in the
-    last bits from run to run: under torch.use_deterministic_algorithms the Triton kernels
-    (whose dQ pass adds nothing) take the call (their launch replaced by a sentinel here), and
-    the public API keeps a separate repeat for each mode."""
-    from flashedu import api
-    from flashedu.triton import backward as bwd
-    from flashedu.triton import config, fa3_backward, fast, launch
-
-    class Reached(Exception):
-        pass
-
-    def made(*args, **kwargs):
-        raise AssertionError("the fa3 backward was launched in deterministic mode")
-
-    def triton_path(*args, **kwargs):
-        raise Reached
+        raise _TritonKernelsReached
 
     entry = dataclasses.replace(config.INTERPRETER, schedule_from=64,
                                 backward_schedule=config.BackwardSchedule())
@@ -368,14 +331,46 @@ def test_deterministic_mode_leaves_the_backward_to_the_triton_kernels(monkeypatc
     monkeypatch.setattr(bwd, "launch_args", triton_path)
     monkeypatch.setattr(fast, "PLANS", {})
     q, k, v, o, do = (torch.randn(1, 2, 64, 16) for _ in range(5))
-    lse2, D = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64)
+    return q, k, v, o, torch.zeros(1, 2, 64), do, torch.zeros(1, 2, 64)
+
+
+def test_a_backward_whose_first_launch_fails_leaves_the_call_to_the_triton_kernels(monkeypatch):
+    """A first launch that raises (before computing anything) warns once and turns the fa3
+    backward off for the process: this call and later ones take the Triton kernels (here
+    their launch is replaced by a sentinel: without a GPU they cannot start)."""
+    from flashedu.triton import launch
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Kernel requires a runtime memory allocation")
+
+    q, k, v, o, lse2, do, D = _fa3_backward_offered(monkeypatch, refuse)
+    with pytest.warns(UserWarning, match="FlashAttention-3's backward failed to launch"):
+        with pytest.raises(_TritonKernelsReached):
+            launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
+    assert launch.FA3_BACKWARD is False
+    with pytest.raises(_TritonKernelsReached):  # no second attempt
+        launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
+
+
+def test_deterministic_mode_leaves_the_backward_to_the_triton_kernels(monkeypatch):
+    """FlashAttention-3's backward adds dQ in L2 in arrival order, so its dQ differs in the
+    last bits from run to run: under torch.use_deterministic_algorithms the Triton kernels
+    (whose dQ pass adds nothing) take the call (their launch replaced by a sentinel here), and
+    the public API keeps a separate repeat for each mode."""
+    from flashedu import api
+    from flashedu.triton import launch
+
+    def made(*args, **kwargs):
+        raise AssertionError("the fa3 backward was launched in deterministic mode")
+
+    q, k, v, o, lse2, do, D = _fa3_backward_offered(monkeypatch, made)
     key = lambda: api._repeat_key(q, k, v, None, False, None, 0.0, None, None,  # noqa: E731
                                   False, False, "triton")
     free_key = key()
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.raises(Reached):
+        with pytest.raises(_TritonKernelsReached):
             launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
         assert key() != free_key
     finally:

@@ -1,10 +1,10 @@
 """Compile FlashAttention-3's backward (flashedu/triton/fa3_backward.py) for sm_90 on a machine
 without a GPU and print what the compiler gave it: registers, bytes of spills a thread, shared
 memory, and the count of the instructions that matter (the matrix products, the spills'
-local loads and stores, exponentials, shared-memory stores, barriers).
+local loads and stores, exponentials, shared-memory stores, barriers, Philox's high products).
 
     python scripts/compile_fa3_backward.py --d 128 --causal --stages 2 --dq-buffers 1 \
-        --fresh-descriptors
+        --fresh-descriptors --dropout
 
 Needs the Triton whose Gluon API the kernel is written against (3.6); the SASS is written to
 /tmp/fa3_backward_<d>.sass for reading.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
+import importlib
 import os
 import re
 import subprocess
@@ -24,24 +24,21 @@ import types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "dK": "*bf16",
             "dV": "*bf16", "L": "*fp32", "Dl": "*fp32", "dQ": "*fp32"}
-FLOATS = {"qk_scale": "fp32", "scale": "fp32"}
+FLOATS = {"qk_scale": "fp32", "scale": "fp32", "keep_scale": "fp32"}
 COUNTED = ("HGMMA", "STL", "LDL", "MUFU", "STS", "BAR", "UTMAREDG")
 
 
 def load_kernel():
-    """fa3_backward_kernel, loaded with fa3.py as a package of their own: importing flashedu
-    would pick the interpreter on a machine without a GPU."""
+    """fa3_backward_kernel, compiled rather than interpreted: without a GPU flashedu would set
+    TRITON_INTERPRET=1, unless it is set already. The kernel needs no torch to compile: a
+    Triton installed without it gets an empty module in its place."""
     os.environ["TRITON_INTERPRET"] = "0"
-    package = types.ModuleType("fa3_pair")
-    package.__path__ = [os.path.join(ROOT, "flashedu", "triton")]
-    sys.modules["fa3_pair"] = package
-    for name in ("fa3", "fa3_backward"):
-        path = os.path.join(ROOT, "flashedu", "triton", f"{name}.py")
-        spec = importlib.util.spec_from_file_location(f"fa3_pair.{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[f"fa3_pair.{name}"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fa3_pair.fa3_backward"].fa3_backward_kernel
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.modules["torch"] = types.ModuleType("torch")
+    sys.path.insert(0, ROOT)
+    return importlib.import_module("flashedu.triton.fa3_backward").fa3_backward_kernel
 
 
 def compile_for_sm90(kernel, consts: dict):
@@ -51,7 +48,10 @@ def compile_for_sm90(kernel, consts: dict):
 
     names = kernel.arg_names
     signature = {n: POINTERS.get(n) or FLOATS.get(n) or "i32" for n in names}
+    signature["RNG"] = "*i64" if consts["DROPOUT"] else "constexpr"
     signature.update({n: "constexpr" for n in consts})
+    if not consts["DROPOUT"]:
+        consts = {**consts, "RNG": None}
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in POINTERS}
     source = GluonASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()},
                             aligned)
@@ -76,7 +76,10 @@ def usage(compiled, sass_path: str) -> tuple[str, dict]:
         m.group(1).split(".")[0]
         for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
     line = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+", resources).group(0)
-    return line, {op: opcodes[op] for op in COUNTED if op in opcodes}
+    counts = {op: opcodes[op] for op in COUNTED if op in opcodes}
+    counts["IMAD.HI"] = sass.count("IMAD.HI")  # with dropout: Philox's high product words
+    counts["all"] = sum(opcodes.values())
+    return line, counts
 
 
 def main(argv=None) -> int:
@@ -88,10 +91,11 @@ def main(argv=None) -> int:
     p.add_argument("--regs", type=int, default=240, help="registers a consumer thread")
     p.add_argument("--fresh-descriptors", action="store_true",
                    help="make the loop-invariant operands' descriptors each step")
+    p.add_argument("--dropout", action="store_true", help="with the dropout mask")
     args = p.parse_args(argv)
     consts = dict(HEAD_DIM=args.d, Br=64, STAGES=args.stages, IS_CAUSAL=args.causal,
                   DQ_BUFFERS=args.dq_buffers, CONSUMER_REGS=args.regs,
-                  FRESH_DESCRIPTORS=args.fresh_descriptors)
+                  FRESH_DESCRIPTORS=args.fresh_descriptors, DROPOUT=args.dropout)
     compiled = compile_for_sm90(load_kernel(), consts)
     line, counts = usage(compiled, f"/tmp/fa3_backward_{args.d}.sass")
     # REG is the kernel's count before warp_specialize moves registers between partitions

@@ -1,7 +1,7 @@
 """The dropout keep-mask Z_ij in Triton: the stream of :mod:`flashedu.dropout`.
 
     counter = (col & ~0b11001,  row & ~0b1000,  bh,  offset mod 2**32)
-    r0..r3  = tl.philox(seed, counter, 7 rounds)
+    r0..r3  = Philox4x32-7(seed, counter)          (tl.philox's rounds, one wide multiply each)
     keep    = byte 2 (row bit 3) + (col bit 0) of r_(col bits 3-4)  >=  threshold
 
 The forward (after P_ij, before P_ij V_j) and both backward programs call :func:`dropped` with
@@ -34,9 +34,14 @@ import os
 import triton
 import triton.language as tl
 
-from ..dropout import N_ROUNDS
+from ..dropout import (N_ROUNDS, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A,
+                       PHILOX_ROUND_B)
 
 N_ROUNDS_C = tl.constexpr(N_ROUNDS)
+PHILOX_ROUND_A_C = tl.constexpr(PHILOX_ROUND_A)
+PHILOX_ROUND_B_C = tl.constexpr(PHILOX_ROUND_B)
+PHILOX_KEY_A_C = tl.constexpr(PHILOX_KEY_A)
+PHILOX_KEY_B_C = tl.constexpr(PHILOX_KEY_B)
 # Triton's interpreter has no inline PTX; it takes Triton's form of the byte test.
 PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
@@ -49,11 +54,49 @@ _SELECT_16X2 = tl.constexpr("{ .reg .b32 %m; mad.lo.u32 %m, $3, 256, 17408; or.b
                             "prmt.b32 %m, $4, $5, %m; and.b32 $0, $1, %m; }")
 
 
+# (hi, lo) of a round's product in one instruction (IMAD.WIDE.U32 in the SASS), where
+# tl.math.umulhi and a multiply compile to two
+_MUL_WIDE = "{{ .reg .b64 %p; mul.wide.u32 %p, $2, {:#x}; mov.b64 {{$1, $0}}, %p; }}"
+_MUL_WIDE_A = tl.constexpr(_MUL_WIDE.format(PHILOX_ROUND_A))
+_MUL_WIDE_B = tl.constexpr(_MUL_WIDE.format(PHILOX_ROUND_B))
+
+
+@triton.jit
+def _mul_wide(a, B: tl.constexpr, ASM: tl.constexpr):
+    """(hi, lo) words of the uint32 product a * B; ASM: the product's instruction."""
+    if PTX:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32),
+                                         is_pure=True, pack=1)
+    else:
+        return tl.math.umulhi(a, B), tl.mul(a, B, sanitize_overflow=False)
+
+
+@triton.jit
+def philox(seed, c0, c1, c2, c3):
+    """Philox4x32 with N_ROUNDS rounds: tl.philox(seed, c0, c1, c2, c3, N_ROUNDS)'s words
+    (triton.language.random; ``flashedu.dropout.philox`` is the NumPy twin), each round's two
+    products made by one wide multiply apiece."""
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = c0.to(tl.uint32, bitcast=True)
+    c1 = c1.to(tl.uint32, bitcast=True)
+    c2 = c2.to(tl.uint32, bitcast=True)
+    c3 = c3.to(tl.uint32, bitcast=True)
+    for _ in tl.static_range(N_ROUNDS_C):
+        hi0, lo0 = _mul_wide(c0, PHILOX_ROUND_A_C, _MUL_WIDE_A)
+        hi2, lo2 = _mul_wide(c2, PHILOX_ROUND_B_C, _MUL_WIDE_B)
+        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+        k0 = tl.add(k0, PHILOX_KEY_A_C, sanitize_overflow=False)
+        k1 = tl.add(k1, PHILOX_KEY_B_C, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
 @triton.jit
 def _call_words(seed, offset, bh, c0, c1, jj):
     """The word jj (col bits 3-4) of the Philox call with counters (c0, c1, bh, offset)."""
     c0, c1 = tl.broadcast(c0, c1)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, (offset & 0xFFFFFFFF).to(tl.uint32), N_ROUNDS_C)
+    r0, r1, r2, r3 = philox(seed, c0, c1, bh, (offset & 0xFFFFFFFF).to(tl.uint32))
     return tl.where(jj == 0, r0, tl.where(jj == 1, r1, tl.where(jj == 2, r2, r3)))
 
 

@@ -43,6 +43,8 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                   tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
+
+    from .dropout import keep_flags, keep_rate, random_byte
     GLUON = True
 except ImportError:  # a Triton without Gluon's Hopper API: the readable kernel everywhere
     GLUON = False
@@ -69,8 +71,8 @@ def usable(q, k, v, call) -> bool:
         return False
     if q.shape[2] == 0 or k.shape[2] == 0:  # no key: the consumers would wait for K_0 forever
         return False
-    if (call.block_mask is not None or call.dropout_p > 0 or call.mods is not None
-            or call.sinks is not None or call.seqs is not None):
+    if (call.block_mask is not None or call.mods is not None or call.sinks is not None
+            or call.seqs is not None):
         return False
     return tma_ok(q, k, v)
 
@@ -156,6 +158,52 @@ if GLUON:
             S_ij = gl.where(visible, S_ij, float("-inf"))
         return S_ij
 
+    # Dropout's keep flags (``dropout.keep_flags``: bit 7 of a byte) as one byte an entry. In
+    # a product's result layout a thread's registers hold, for each 8 columns, entries (r, c),
+    # (r, c + 1), (r + 8, c), (r + 8, c + 1): bytes 0-3 of one Philox word's flags, in that
+    # order (``flashedu.dropout``), so four uint8 entries are that word itself.
+    _WORD_AS_BYTES = gl.constexpr("mov.b32 $0, $1;")
+    # x where its entry's flag byte has bit 7 set, else 0: prmt's sign mode spreads byte b's
+    # bit 7 over a mask (selector nibble 8 + b), then an AND; four float32 entries ...
+    _KEPT_4X32 = gl.constexpr(
+        "{ .reg .b32 %m; prmt.b32 %m, $8, 0, 0x8888; and.b32 $0, $4, %m; "
+        "prmt.b32 %m, $8, 0, 0x9999; and.b32 $1, $5, %m; prmt.b32 %m, $8, 0, 0xAAAA; "
+        "and.b32 $2, $6, %m; prmt.b32 %m, $8, 0, 0xBBBB; and.b32 $3, $7, %m; }")
+    # ... or four 16-bit entries, two a register
+    _KEPT_4X16 = gl.constexpr(
+        "{ .reg .b32 %m; prmt.b32 %m, $4, 0, 0x9988; and.b32 $0, $2, %m; "
+        "prmt.b32 %m, $4, 0, 0xBBAA; and.b32 $1, $3, %m; }")
+
+    @gluon.jit
+    def _keep_bytes(drop, rows, cols):
+        """Z_ij of the tile (rows, cols) as flag bytes, uint8, in the layout of a product's
+        result (rows and cols sliced from it): the stream of ``dropout.py`` with each
+        entry's counter computed on its own, which the compiler finds equal for a thread's
+        16 entries of a call and draws once (4 Philox calls for 64 entries)."""
+        word, b = random_byte(drop[0], drop[1], drop[2], rows, cols)
+        return gl.inline_asm_elementwise(_WORD_AS_BYTES, "=r,r,r,r,r",
+                                         [keep_flags(word, drop[3])], dtype=gl.uint8,
+                                         is_pure=True, pack=4)
+
+    @gluon.jit
+    def _kept(x, Z):
+        """x where Z (``_keep_bytes``, in x's layout) keeps the entry, else 0."""
+        if x.dtype.primitive_bitwidth == 16:
+            return gl.inline_asm_elementwise(_KEPT_4X16, "=r,=r,r,r,r", [x, Z], dtype=x.dtype,
+                                             is_pure=True, pack=4)
+        else:
+            return gl.inline_asm_elementwise(_KEPT_4X32, "=r,=r,=r,=r,r,r,r,r,r", [x, Z],
+                                             dtype=x.dtype, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _operand(P_ij, drop, rows, j, Bc: gl.constexpr, layout: gl.constexpr,
+                 DROPOUT: gl.constexpr):
+        """P_ij as P V takes it: with DROPOUT, its dropped entries zeroed."""
+        if DROPOUT:
+            cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
+            P_ij = _kept(P_ij, _keep_bytes(drop, rows, cols))
+        return P_ij
+
     @gluon.jit
     def _turn(turns, mine: gl.constexpr, n, PINGPONG: gl.constexpr):
         """Wait for this consumer's n-th turn at the tensor cores."""
@@ -170,22 +218,25 @@ if GLUON:
             mbarrier.arrive(turns.index((mine + 1) % CONSUMERS), count=1)
 
     @gluon.jit
-    def _consume(shared, out, WG: gl.constexpr, CONSUMERS: gl.constexpr,
+    def _consume(shared, out, drop, WG: gl.constexpr, CONSUMERS: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                 DROPOUT: gl.constexpr):
         """A consumer warpgroup of a program that owns one Q tile."""
         mbarrier.wait(shared[3], 0)  # Q_i
-        _consume_tile(shared, out, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
-                      PINGPONG, OVERLAP, False)
+        _consume_tile(shared, out, drop, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
+                      PINGPONG, OVERLAP, False, DROPOUT)
 
     @gluon.jit
-    def _consume_tile(shared, out, kv0, turn0, WG: gl.constexpr, CONSUMERS: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
-                      IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
+    def _consume_tile(shared, out, drop, kv0, turn0, WG: gl.constexpr,
+                      CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
+                      STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr):
         """A consumer warpgroup over one Q tile (Q_i in shared memory already): rows
         row0 + WG*M .. + M. kv0, turn0: the K/V tiles and turns this consumer went through
-        before this Q tile (a persistent program's earlier tiles; 0 otherwise).
+        before this Q tile (a persistent program's earlier tiles; 0 otherwise). DROPOUT: P_ij
+        times the keep-mask Z_ij before its product with V_j (after l_i took it whole), drop
+        = (seed, offset, bh, threshold, keep scale) as the Triton kernels' state.
 
         Iteration j issues S_ij = Q_i K_j^T together with O_i += P_i,j-1 V_j-1 (P of the
         tile before), then the softmax of S_ij; the first iteration has no P V, the loop's
@@ -221,7 +272,8 @@ if GLUON:
         m_i = gl.max(S_ij, axis=1) * qk_scale
         P_ij = gl.exp2(S_ij * qk_scale - m_i[:, None])
         l_i = gl.sum(P_ij, axis=1)
-        P_ij = gl.convert_layout(P_ij.to(dtype), p_layout)  # 16-bit A operand registers
+        P_ij = gl.convert_layout(_operand(P_ij.to(dtype), drop, rows, 0, Bc, s_layout,
+                                          DROPOUT), p_layout)  # 16-bit A operand registers
 
         for j in range(1, num_tiles):
             s = (kv0 + j) % STAGES
@@ -249,7 +301,8 @@ if GLUON:
                 O_i = warpgroup_mma_wait(0, deps=(O_i,))
             mbarrier.arrive(kv_empty.index(prev), count=1)  # K_j-1 and V_j-1 read
             O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            P_ij = gl.convert_layout(P_next.to(dtype), p_layout)
+            P_ij = gl.convert_layout(_operand(P_next.to(dtype), drop, rows, j, Bc, s_layout,
+                                              DROPOUT), p_layout)
 
         if PERSISTENT:  # every S_ij made: the copy warp may bring the next tile's Q
             mbarrier.arrive(q_empty, count=1)
@@ -266,6 +319,8 @@ if GLUON:
         o_rows = first + gl.arange(0, _M, gl.SliceLayout(1, o_layout))
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        if DROPOUT:  # the keep scale, once for every entry
+            l_o = l_o * keep_rate(drop)  # l_i / s, exact
         out = (O_i / l_o[:, None]).to(dtype)
         gl.store(O + o_rows[:, None] * stride_on + dims[None, :], out,
                  mask=o_rows[:, None] < Nq)
@@ -356,10 +411,11 @@ if GLUON:
                 n += 1
 
     @gluon.jit
-    def _consume_persistent(shared, outs, work, WG: gl.constexpr, CONSUMERS: gl.constexpr,
-                            HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
-                            IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                            OVERLAP: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+    def _consume_persistent(shared, outs, work, drop, WG: gl.constexpr,
+                            CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
+                            STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                            LONGEST_FIRST: gl.constexpr, DROPOUT: gl.constexpr):
         """A consumer warpgroup of a persistent program: its rows of each Q tile in turn;
         the K/V ring's count and the ping-pong turns run on across tiles (a tile takes one
         turn more than it has K/V tiles)."""
@@ -376,23 +432,36 @@ if GLUON:
                 out = (O + (bh // H) * stride_qb + (bh % H) * stride_qh, L, stride_qn, row0,
                        bh * Nq, Nq, Nk, qk_scale, num_tiles, num_full)
                 mbarrier.wait(shared[3], n & 1)  # this tile's Q_i
-                _consume_tile(shared, out, kv, kv + n, WG, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                              IS_CAUSAL, PINGPONG, OVERLAP, True)
+                _consume_tile(shared, out, (drop[0], drop[1], bh, drop[3], drop[4]), kv,
+                              kv + n, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
+                              OVERLAP, True, DROPOUT)
                 kv += num_tiles
                 n += 1
 
     @gluon.jit
-    def fa3_forward_kernel(Q, K, V, O, L, qk_scale,
+    def _dropout_state(RNG, bh, threshold, keep_scale, DROPOUT: gl.constexpr):
+        """(seed, offset, bh, threshold, keep scale): the state of ``forward.dropout_state``
+        (seed and offset read from the call's [seed, offset] tensor); zeros without
+        DROPOUT."""
+        if DROPOUT:
+            return gl.load(RNG), gl.load(RNG + 1), bh, threshold, keep_scale
+        else:
+            return 0, 0, 0, 0, 1.0
+
+    @gluon.jit
+    def fa3_forward_kernel(Q, K, V, O, L, RNG, qk_scale, threshold, keep_scale,
                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, H, GROUP, Nq, Nk, total,
                            HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                            LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PERSISTENT: gl.constexpr):
+                           PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
         forward_kernel; or, PERSISTENT, one program per SM that takes the ``total`` Q tiles
-        in turn. O has Q's strides; L is (B, H, Nq) contiguous, base-2."""
+        in turn. O has Q's strides; L is (B, H, Nq) contiguous, base-2. DROPOUT: RNG is the
+        call's [seed, offset] tensor, threshold and keep_scale as ``forward.dropout_args``
+        gives them."""
         Br: gl.constexpr = CONSUMERS * _M
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, HEAD_DIM], dtype)
@@ -423,28 +492,29 @@ if GLUON:
                        stride_kn, stride_vb, stride_vh, stride_vn)
             work = (H, GROUP, Nq, Nk, gl.cdiv(Nq, Br), total)
             outs = (O, L, stride_qb, stride_qh, stride_qn, qk_scale)
+            drop = _dropout_state(RNG, 0, threshold, keep_scale, DROPOUT)  # bh: per tile
             if CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_consume_persistent, (shared, outs, work, 0, CONSUMERS, HEAD_DIM, Bc,
-                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST)),
-                    (_consume_persistent, (shared, outs, work, 1, CONSUMERS, HEAD_DIM, Bc,
-                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST)),
+                    (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
+                    (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST))],
                     [4, 1], [CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([
-                    (_consume_persistent, (shared, outs, work, 0, CONSUMERS, HEAD_DIM, Bc,
-                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST)),
-                    (_consume_persistent, (shared, outs, work, 1, CONSUMERS, HEAD_DIM, Bc,
-                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST)),
-                    (_consume_persistent, (shared, outs, work, 2, CONSUMERS, HEAD_DIM, Bc,
-                                           STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST)),
+                    (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
+                    (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
+                    (_consume_persistent, (shared, outs, work, drop, 2, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST))],
                     [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -467,21 +537,27 @@ if GLUON:
             out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles,
                    num_full)
             descs = (q_desc, k_desc, v_desc)
+            drop = _dropout_state(RNG, bh, threshold, keep_scale, DROPOUT)
             if CONSUMERS == 2:
-                gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
-                                    (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
+                gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
+                                    (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 1], [CONSUMER_REGS, 24])
             else:
-                gl.warp_specialize([(_consume, (shared, out, 0, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
-                                    (_consume, (shared, out, 1, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
-                                    (_consume, (shared, out, 2, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                                                 IS_CAUSAL, PINGPONG, OVERLAP)),
+                gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
+                                    (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
+                                    (_consume, (shared, out, drop, 2, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -489,26 +565,31 @@ if GLUON:
 
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
-            LONGEST_FIRST: bool = True, PERSISTENT: bool = False):
+            LONGEST_FIRST: bool = True, PERSISTENT: bool = False, dropout_p: float = 0.0,
+            rng=None):
     """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
     written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
     warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
-    consumer thread, and the schedule's switches. Returns the launch (``fast.Launch``), to be
-    repeated with other q, k, v, o, lse2 laid out alike."""
+    consumer thread, and the schedule's switches. dropout_p > 0: rng is the call's [seed,
+    offset] tensor (``flashedu.dropout.draw_rng``). Returns the launch (``fast.Launch``), to be
+    repeated with other q, k, v, o, lse2 (and rng) laid out alike."""
     from .fast import Launch, ensure_allocator, run
+    from .forward import dropout_args
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
+    rng, dropout = dropout_args(dropout_p, rng)
+    threshold, keep_scale = dropout or (0, 1.0)
     consts = dict(HEAD_DIM=d, Bc=128, STAGES=STAGES, CONSUMERS=CONSUMERS,
                   IS_CAUSAL=bool(is_causal), PINGPONG=PINGPONG, OVERLAP=OVERLAP,
                   LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,
-                  PERSISTENT=bool(PERSISTENT), num_warps=4)
+                  PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None, num_warps=4)
     grid = (triton.cdiv(Nq, CONSUMERS * M), B * H)
     total = grid[0] * grid[1]
     if PERSISTENT:  # one program per SM (one fits: the stages take most of shared memory)
         grid = (min(total, _multiprocessors(q.device.index) if q.is_cuda else H100_SMS),)
-    args = (q, k, v, o, lse2, float(scale) * LOG2E, *q.stride()[:3], *k.stride()[:3],
-            *v.stride()[:3], H, H // Hkv, Nq, Nk, total)
+    args = (q, k, v, o, lse2, rng, float(scale) * LOG2E, threshold, keep_scale,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, H // Hkv, Nq, Nk, total)
     run(fa3_forward_kernel, grid, args, consts)
-    return Launch(fa3_forward_kernel, grid, args, consts, tuple(range(5)))
+    return Launch(fa3_forward_kernel, grid, args, consts, tuple(range(5 + (rng is not None))))

@@ -45,7 +45,8 @@ if GLUON:
     from triton._C.libtriton import ir
     from triton.experimental.gluon.language._core import builtin
 
-    from .fa3 import _descriptor, _tma_load
+    from .dropout import keep_rate
+    from .fa3 import _descriptor, _dropout_state, _keep_bytes, _kept, _tma_load
 
     @builtin
     def _tma_reduce_add(desc, coord, src, _semantic=None):
@@ -105,13 +106,31 @@ if GLUON:
                 t += 1
 
     @gluon.jit
+    def _keep_transposed(drop, row0, key0, Br: gl.constexpr, layout: gl.constexpr):
+        """Z_ij^T as flag bytes (``fa3._keep_bytes``), uint8 (64 keys, Br queries) in
+        ``layout`` (S_ij^T's): drawn upright, in the layout of a product's result with queries
+        down, where a thread holds 16 entries of each Philox call it draws (held transposed
+        it would hold 4 of each and draw 4 times the calls), then moved to S_ij^T's layout
+        through shared memory."""
+        upright: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, _KM, 16])
+        rows = row0 + gl.arange(0, Br, gl.SliceLayout(1, upright))
+        cols = key0 + gl.arange(0, _KM, gl.SliceLayout(0, upright))
+        return gl.convert_layout(gl.permute(_keep_bytes(drop, rows, cols), [1, 0]), layout)
+
+    @gluon.jit
     def _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq, qk_scale, scale,
-                   WG: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
-                   DIAGONAL: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr):
+                   drop, WG: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
+                   DIAGONAL: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr,
+                   DROPOUT: gl.constexpr):
         """One consumer's step over (Q_i, K_j): the five products, dK_j and dV_j returned, dQ_i's
         share handed to the writer. DIAGONAL: the tile crosses the causal diagonal (only those
         steps carry its mask: the others compile without the registers it takes).
-        FRESH_DESCRIPTORS: K_j's, V_j's and dS's operand descriptors made each step."""
+        FRESH_DESCRIPTORS: K_j's, V_j's and dS's operand descriptors made each step.
+        DROPOUT (the paper's Algorithm 4): the forward's Z_ij drawn again (drop: the state of
+        ``fa3._dropout_state`` for the tile's query head); dV_j takes the dropped P_ij, dP_ij
+        is dropped alike, and the keep scale s waits for the program's end, as in
+        ``backward.py``: dS = s P (Z dP - D / s)."""
         k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free = shared
         ds_smem, ds_ready, ds_free = ds_shared
         dq_smem, dq_ready, dq_free = dq_shared
@@ -146,6 +165,8 @@ if GLUON:
         # addresses a value for loads from global memory would spill)
         L_i = l_smem.index(s).load(col_layout)
         D_i = d_smem.index(s).load(col_layout)
+        if DROPOUT:
+            D_i = D_i * keep_rate(drop)  # D_i / s, exact
         zero_st = gl.zeros([_KM, Br], gl.float32, st_layout)
         S_t = warpgroup_mma(K_all.slice(WG * _KM, _KM), Q_i.permute((1, 0)), zero_st,
                             use_acc=False, is_async=True)
@@ -160,9 +181,13 @@ if GLUON:
             keys = k0 + WG * _KM + gl.arange(0, _KM, gl.SliceLayout(1, st_layout))
             cols = i * Br + gl.arange(0, Br, col_layout)
             P_t = gl.where(keys[:, None] <= cols[None, :], P_t, 0.0)
+        ZP_t = P_t.to(dtype)  # what the forward multiplied V_j by: P_ij, dropped
+        if DROPOUT:
+            Z_t = _keep_transposed(drop, i * Br, k0 + WG * _KM, Br, st_layout)
+            ZP_t = _kept(ZP_t, Z_t)
+            dP_t = _kept(dP_t, Z_t)
         dS_t = (P_t * (dP_t - D_i[None, :])).to(dtype)  # 16-bit from here on
-        P_t = P_t.to(dtype)
-        dV_j = warpgroup_mma(gl.convert_layout(P_t, a_layout), dO_i, dV_j, is_async=True)
+        dV_j = warpgroup_mma(gl.convert_layout(ZP_t, a_layout), dO_i, dV_j, is_async=True)
         dK_j = warpgroup_mma(gl.convert_layout(dS_t, a_layout), Q_i, dK_j, is_async=True)
         # dS_ij^T of both consumers' keys into shared memory (once the other has read the
         # last tile's), then each computes half of dQ_i's columns over all 128 keys: dS_ij
@@ -189,12 +214,15 @@ if GLUON:
 
     @gluon.jit
     def _consume(shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
-                 qk_scale, scale, nq_tiles, i0, GROUP, WG: gl.constexpr,
+                 qk_scale, scale, nq_tiles, i0, GROUP, drop, WG: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr,
+                 DROPOUT: gl.constexpr):
         """A consumer warpgroup: keys k0 + WG * 64 .. + 64 of the program's K/V tile; dK_j and
         dV_j of those keys in registers, dQ_i's share handed to the writer after each Q tile.
-        Causal: the Q tiles crossing the diagonal first (i0 and the next), then the rest."""
+        Causal: the Q tiles crossing the diagonal first (i0 and the next), then the rest.
+        drop: the dropout state of the group's first query head (``fa3._dropout_state``).
+        scale (dK_j's and dQ_i's factor) comes with the keep scale in it under DROPOUT."""
         kv_ready = shared[6]
         dtype: gl.constexpr = shared[2].dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
@@ -209,14 +237,16 @@ if GLUON:
         t = 0
         for g in range(GROUP):
             for i in range(i0, diagonal_end):
+                head = (drop[0], drop[1], drop[2] + g, drop[3], drop[4])
                 dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
-                                        qk_scale, scale, WG, Br, STAGES, True,
-                                        FRESH_DESCRIPTORS)
+                                        qk_scale, scale, head, WG, Br, STAGES, True,
+                                        FRESH_DESCRIPTORS, DROPOUT)
                 t += 1
             for i in range(diagonal_end, nq_tiles):
+                head = (drop[0], drop[1], drop[2] + g, drop[3], drop[4])
                 dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
-                                        qk_scale, scale, WG, Br, STAGES, False,
-                                        FRESH_DESCRIPTORS)
+                                        qk_scale, scale, head, WG, Br, STAGES, False,
+                                        FRESH_DESCRIPTORS, DROPOUT)
                 t += 1
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
         # dK, dV point at the tile's first key
@@ -224,19 +254,24 @@ if GLUON:
         ok = (k0 + out_keys)[:, None] < Nk
         gl.store(dK + out_keys[:, None] * stride_kn + dims[None, :], (dK_j * scale).to(dtype),
                  mask=ok)
+        if DROPOUT:  # the keep scale, left out of every step's dropped P_ij
+            dV_j = dV_j * drop[4]
         gl.store(dV + out_keys[:, None] * stride_vn + dims[None, :], dV_j.to(dtype), mask=ok)
 
     @gluon.jit
-    def fa3_backward_kernel(Q, K, V, dO, L, Dl, dQ, dK, dV, qk_scale, scale,
+    def fa3_backward_kernel(Q, K, V, dO, L, Dl, dQ, dK, dV, RNG, qk_scale, scale, threshold,
+                            keep_scale,
                             stride_qn, stride_kb, stride_kh, stride_kn,
                             stride_vb, stride_vh, stride_vn, H, Hkv, Nq, Nk,
                             HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
                             IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr,
+                            DROPOUT: gl.constexpr):
         """One program per (K/V tile of 128 keys, batch * K/V head). Q, dO: (B, H, Nq, d) with
         rows ``stride_qn`` apart and heads Nq rows apart; L (base 2) and Dl = rowsum(dO * O):
         (B, H, Nq) float32; dQ: float32 (B, H, Nq, d) contiguous, zeroed, added to; dK, dV
-        with K's and V's strides."""
+        with K's and V's strides. DROPOUT: as the forward's (RNG, threshold, keep_scale); scale
+        then includes the keep scale."""
         j = gl.program_id(0)
         bh = gl.program_id(1)
         batch = bh // Hkv
@@ -291,15 +326,16 @@ if GLUON:
         descs = (k_desc, v_desc, q_desc, do_desc)
         ds_shared = (ds_smem, ds_ready, ds_free)
         dq_shared = (dq_smem, dq_ready, dq_free)
+        drop = _dropout_state(RNG, batch * H + h_kv * GROUP, threshold, keep_scale, DROPOUT)
         dK = dK + k_head + k0 * stride_kn  # the tile's first key
         dV = dV + v_head + k0 * stride_vn
         gl.warp_specialize([
             (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
-                        qk_scale, scale, nq_tiles, i0, GROUP, 0, HEAD_DIM, Br, STAGES,
-                        IS_CAUSAL, FRESH_DESCRIPTORS)),
+                        qk_scale, scale, nq_tiles, i0, GROUP, drop, 0, HEAD_DIM, Br,
+                        STAGES, IS_CAUSAL, FRESH_DESCRIPTORS, DROPOUT)),
             (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
-                        qk_scale, scale, nq_tiles, i0, GROUP, 1, HEAD_DIM, Br, STAGES,
-                        IS_CAUSAL, FRESH_DESCRIPTORS)),
+                        qk_scale, scale, nq_tiles, i0, GROUP, drop, 1, HEAD_DIM, Br,
+                        STAGES, IS_CAUSAL, FRESH_DESCRIPTORS, DROPOUT)),
             (_load, (descs, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq, Br,
                      STAGES)),
             (_write_dq, (dq_desc, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, Br)),
@@ -316,33 +352,41 @@ def usable(q, k, v, do, call) -> bool:
 
 
 def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, STAGES: int,
-           DQ_BUFFERS: int, CONSUMER_REGS: int, FRESH_DESCRIPTORS: bool):
+           DQ_BUFFERS: int, CONSUMER_REGS: int, FRESH_DESCRIPTORS: bool,
+           dropout_p: float = 0.0, rng=None):
     """Launch the kernel. q, do: (B, H, Nq, d) contiguous; lse2: the forward's base-2 lse and
     D = rowsum(dO * O), float32 (B, H, Nq) contiguous; dq: float32, q's shape, contiguous and
     zeroed (added to); dk, dv: k's and v's shapes and strides (written). The settings (the
     tile table's backward schedule, config.py): STAGES of (Q_i, dO_i) in shared memory,
     DQ_BUFFERS for dQ_i on its way to the writer, CONSUMER_REGS registers a consumer thread,
     FRESH_DESCRIPTORS whether the loop-invariant operands' descriptors are made each step.
-    Returns the launch (``fast.Launch``), to be repeated with other tensors laid out alike."""
+    dropout_p > 0: rng is the forward's [seed, offset] tensor. Returns the launch
+    (``fast.Launch``), to be repeated with other tensors (and rng) laid out alike."""
     from .fast import Launch, ensure_allocator, run
+    from .forward import dropout_args
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
-    args = (q, k, v, do, lse2, D, dq, dk, dv, float(scale) * LOG2E, float(scale),
-            q.stride(2), *k.stride()[:3], *v.stride()[:3], H, Hkv, Nq, Nk)
+    rng, dropout = dropout_args(dropout_p, rng)
+    threshold, keep_scale = dropout or (0, 1.0)
+    args = (q, k, v, do, lse2, D, dq, dk, dv, rng, float(scale) * LOG2E,
+            float(scale) * keep_scale, threshold, keep_scale, q.stride(2), *k.stride()[:3],
+            *v.stride()[:3], H, Hkv, Nq, Nk)
     consts = dict(HEAD_DIM=d, Br=M, STAGES=STAGES, IS_CAUSAL=bool(is_causal),
                   DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS,
-                  FRESH_DESCRIPTORS=bool(FRESH_DESCRIPTORS), num_warps=4)
+                  FRESH_DESCRIPTORS=bool(FRESH_DESCRIPTORS), DROPOUT=rng is not None,
+                  num_warps=4)
     grid = (triton.cdiv(Nk, 2 * M), B * Hkv)
     run(fa3_backward_kernel, grid, args, consts)
-    return Launch(fa3_backward_kernel, grid, args, consts, tuple(range(9)))
+    return Launch(fa3_backward_kernel, grid, args, consts, tuple(range(9 + (rng is not None))))
 
 
 class Step:
     """The kernel's launch as a step of a backward plan (``launch.backward`` keeps it, a
     ``triton_backend.Repeat`` starts it again): dQ is summed in a zeroed float32 buffer of its
-    own and then cast into the call's dq (the Triton kernels write dq directly)."""
+    own and then cast into the call's dq (the Triton kernels write dq directly). A call with
+    dropout passes its RNG state after dv."""
 
     __slots__ = ("launch",)
 
@@ -354,24 +398,25 @@ class Step:
     device = property(lambda self: self.launch.device)
 
     @classmethod
-    def made(cls, q, k, v, do, lse2, D, dq, dk, dv, **settings) -> "Step":
+    def made(cls, q, k, v, do, lse2, D, dq, dk, dv, rng=None, **settings) -> "Step":
         """The first launch: made, run and kept."""
         acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        step = cls(launch(q, k, v, do, lse2, D, acc, dk, dv, **settings))
+        step = cls(launch(q, k, v, do, lse2, D, acc, dk, dv, rng=rng, **settings))
         dq.copy_(acc)
         return step
 
-    def start(self, q, k, v, do, lse2, D, dq, dk, dv, stream=None):
+    def start(self, q, k, v, do, lse2, D, dq, dk, dv, *rng, stream=None):
         acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-        self.launch.start(q, k, v, do, lse2, D, acc, dk, dv, stream=stream)
+        self.launch.start(q, k, v, do, lse2, D, acc, dk, dv, *rng, stream=stream)
         dq.copy_(acc)
 
 
 def backward(q, k, v, o, lse2, do, *, is_causal: bool, scale: float, STAGES: int = 2,
-             DQ_BUFFERS: int = 1, CONSUMER_REGS: int = 240, FRESH_DESCRIPTORS: bool = False):
+             DQ_BUFFERS: int = 1, CONSUMER_REGS: int = 240, FRESH_DESCRIPTORS: bool = False,
+             dropout_p: float = 0.0, rng=None):
     """(dQ, dK, dV) in q's dtype from the forward's O and base-2 lse2 (``launch.forward``'s),
     D = rowsum(dO * O) made first: the kernel on its own, for tests and benchmarks
-    (``launch.backward`` runs it through a launch plan)."""
+    (``launch.backward`` runs it through a launch plan). dropout_p, rng: the forward's."""
     from .launch import preprocess
 
     D = preprocess(o, do, 64)
@@ -379,5 +424,5 @@ def backward(q, k, v, o, lse2, do, *, is_causal: bool, scale: float, STAGES: int
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     Step.made(q, k, v, do, lse2.contiguous(), D, dq, dk, dv, is_causal=is_causal, scale=scale,
               STAGES=STAGES, DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS,
-              FRESH_DESCRIPTORS=FRESH_DESCRIPTORS)
+              FRESH_DESCRIPTORS=FRESH_DESCRIPTORS, dropout_p=dropout_p, rng=rng)
     return dq, dk, dv

@@ -124,13 +124,15 @@ def _fa3_forward(q, k, v, call, settings, keep):
     Triton kernel's."""
     (q,), (o,) = outputs_like(q)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    key = fast.signature((q, k, v), id(fa3.fa3_forward_kernel), call.is_causal, call.scale)
+    key = fast.signature((q, k, v), id(fa3.fa3_forward_kernel), call.is_causal, call.scale,
+                         call.dropout_p)
     plan = fast.PLANS.get(key)
+    rng = (call.rng,) if call.dropout_p > 0 else ()
     if plan is not None:
-        plan.start(q, k, v, o, lse2)
+        plan.start(q, k, v, o, lse2, *rng)
     else:
         plan = fa3.forward(q, k, v, o, lse2, is_causal=call.is_causal, scale=call.scale,
-                           **settings)
+                           dropout_p=call.dropout_p, rng=call.rng, **settings)
         fast.remember(key, plan)
     if keep is not None:
         keep.append(plan)
@@ -348,15 +350,15 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep, rows):
     own_D = D is None
     if own_D:
         D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    live = (q, k, v, do, lse2, D, dq, dk, dv)
+    live = (q, k, v, do, lse2, D, dq, dk, dv) + ((call.rng,) if call.dropout_p > 0 else ())
     key = fast.signature((q, k, v, o, do, lse2), id(fa3_backward.fa3_backward_kernel), own_D,
-                         call.is_causal, call.scale)
+                         call.is_causal, call.scale, call.dropout_p)
     plan = fast.PLANS.get(key)
     if plan is None:
         first = _preprocess(o, do, D, rows, planned=True) if own_D else None
         try:  # a launch that fails before computing anything leaves the call to the others
             step = fa3_backward.Step.made(*live, is_causal=call.is_causal, scale=call.scale,
-                                          **settings)
+                                          dropout_p=call.dropout_p, **settings)
         except RuntimeError as exc:
             raise _Fa3LaunchFailed from exc
         plan = (first, [step])

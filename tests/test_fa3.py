@@ -198,6 +198,12 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
     assert GPU_16BIT[64].fa3_settings(4096, 4096, is_causal=True) is None
     assert GPU_16BIT[128].fa3_settings(4096, 4096, is_causal=True) is not None
     assert GPU_16BIT[128].fa3_settings(4096, 4096)["PERSISTENT"] is False
+    # with dropout: two consumers of 240 registers at both head dims, persistent when dense
+    for d in (64, 128):
+        settings = GPU_16BIT[d].fa3_settings(4096, 4096, dropout=True)
+        assert settings["CONSUMERS"] == 2 and settings["PERSISTENT"] is True
+    assert GPU_16BIT[64].fa3_settings(4096, 4096, is_causal=True, dropout=True) is None
+    assert GPU_16BIT[128].fa3_settings(4096, 4096, True, True)["PERSISTENT"] is False
     for d in (16, 32, 256):
         assert GPU_16BIT[d].fa3_settings(16384, 16384) is None
         assert GPU_16BIT[d].fa3_backward_settings(16384, 16384) is None

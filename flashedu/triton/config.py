@@ -117,16 +117,21 @@ class KernelConfig:
     # ``schedule_from`` keys and queries on; None: the Triton kernel's forward.
     schedule: Schedule | None = None
     schedule_from: int = 0
+    # the fa3 forward's schedule for calls with dropout, where another measured faster for
+    # them (None: ``schedule``)
+    dropout_schedule: Schedule | None = None
     # its backward (fa3_backward.py) for those calls; None: the Triton kernels' backward
     backward_schedule: BackwardSchedule | None = None
 
-    def fa3_settings(self, Nq: int, Nk: int, is_causal: bool = False) -> dict | None:
+    def fa3_settings(self, Nq: int, Nk: int, is_causal: bool = False,
+                     dropout: bool = False) -> dict | None:
         """The fa3 forward's settings for a call of Nq queries and Nk keys, or None."""
-        if self.schedule is None or min(Nq, Nk) < self.schedule_from:
+        schedule = (dropout and self.dropout_schedule) or self.schedule
+        if schedule is None or min(Nq, Nk) < self.schedule_from:
             return None
-        if is_causal and min(Nq, Nk) < self.schedule.causal_from:
+        if is_causal and min(Nq, Nk) < schedule.causal_from:
             return None
-        return self.schedule.settings(is_causal)
+        return schedule.settings(is_causal)
 
     def fa3_backward_settings(self, Nq: int, Nk: int) -> dict | None:
         """The fa3 backward's settings for a call of Nq queries and Nk keys, or None."""
@@ -205,6 +210,14 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # against fa3's 366 / 370 / 371 / 374), at 8192 fa3 1.04-1.09x.
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=8192)
 _FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False)
+# With dropout (H200, N=4096, p=0.1, BENCHMARKS.md "Dropout in FlashAttention-3's schedule"):
+# two consumers of 240 registers, persistent, no ping-pong, at both head dims: d=64 dense
+# 1548 us against 1686 with the three consumers of 160 registers (which spill with the
+# mask's registers) and 1605 for the Triton kernel; d=128 dense 1147 against 1222 one
+# program per Q tile. Causal at d=64 still from 8192 (at 4096 the Triton kernel 892 us
+# against 925-932).
+_FA3_DROPOUT = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False,
+                        persistent=True)
 # Its backward (fa3_backward.py), from the same length: two stages of (Q_i, dO_i), one buffer
 # for dQ_i (H200, N=8192: a second measured level at d=64 and 3-6% slower at d=128, a third
 # stage level at d=64 and 4% slower at d=128 not causal). At d=128 the descriptors of K_j, V_j
@@ -216,6 +229,7 @@ GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,
     64: replace(_SMALL_D, schedule=_FA3_64, schedule_from=4096,
+                dropout_schedule=replace(_FA3_DROPOUT, causal_from=8192),
                 backward_schedule=_FA3_BACKWARD),
     128: KernelConfig(_FORWARD_128, Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3),
                       fused_backward=True, split_from=65536,
@@ -234,7 +248,7 @@ GPU_16BIT = {
                       short=KernelConfig(Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2),
                                          Tiles(64, 64, 4, 2), fused_backward=True),
                       short_until=2048, schedule=_FA3_128, schedule_from=4096,
-                      backward_schedule=_FA3_BACKWARD_128),
+                      dropout_schedule=_FA3_DROPOUT, backward_schedule=_FA3_BACKWARD_128),
     # dropout's dQ program needs 228 KB with 3 stages (`flashedu bench sass`): 2 stages
     256: replace(_D256, dropout_backward=replace(_D256, dq=replace(_D256.dq, num_stages=2))),
 }

@@ -101,8 +101,12 @@ def _call_words(seed, offset, bh, c0, c1, jj):
 
 
 # majority(word, y, top) in one three-input logic op (truth table 0xE8); spelled out in
-# Triton, the compiler turns the uniform `top` into a select per word
-_MAJORITY = tl.constexpr("{ .reg .b32 %y; and.b32 %y, $1, 0x7F7F7F7F; add.u32 %y, %y, $2; "
+# Triton, the compiler turns the uniform `top` into a select per word. `low` comes in as
+# T's low seven bits and is spread over the bytes here by a byte permute: given as
+# (T & 0x7F) * 0x01010101, the compiler fused that multiply into each word's add (a
+# multiply-add, and a move of the uniform operand: two instructions a word more)
+_MAJORITY = tl.constexpr("{ .reg .b32 %l, %y; prmt.b32 %l, $2, 0, 0; "
+                         "and.b32 %y, $1, 0x7F7F7F7F; add.u32 %y, %y, %l; "
                          "lop3.b32 $0, $1, %y, $3, 0xE8; }")
 
 
@@ -117,9 +121,9 @@ def keep_flags(word, threshold):
     low = (T & 0x7F) * 0x01010101  # T's low seven bits, in every byte
     top = tl.where(T >= 128, 0xFFFFFFFF, 0).to(tl.uint32)  # T's top bit, in every byte
     if PTX:
-        word, low = tl.broadcast(word, low)
+        word, T = tl.broadcast(word, T & 0x7F)
         word, top = tl.broadcast(word, top)
-        return tl.inline_asm_elementwise(_MAJORITY, "=r,r,r,r", [word, low, top],
+        return tl.inline_asm_elementwise(_MAJORITY, "=r,r,r,r", [word, T, top],
                                          dtype=tl.uint32, is_pure=True, pack=1)
     else:
         y = (word & 0x7F7F7F7F) + low

@@ -76,7 +76,8 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
     if tiles is None:
         config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
         settings = (None if interpreted else
-                    config.fa3_settings(q.shape[2], k.shape[2], call.is_causal))
+                    config.fa3_settings(q.shape[2], k.shape[2], call.is_causal,
+                                        dropout_p > 0))
         if settings is not None and fa3.usable(q, k, v, call):
             return _fa3_forward(q, k, v, call, settings, keep)
         # packed sequences: the tiles of the longest one's keys

@@ -229,12 +229,14 @@ def test_calls_the_schedule_cannot_serve_are_refused(change):
 def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monkeypatch):
     """launch.forward's dispatch, without a GPU (fa3's launch replaced by a recorder): a table
     entry that asks for the schedule and a call it can serve go to fa3.forward once, later
-    calls laid out alike start its launch plan, and explicit tiles keep the Triton kernel (run
-    here by the interpreter)."""
+    calls laid out alike start its launch plan, and explicit tiles keep the Triton kernel (its
+    launch replaced by a sentinel: CPU tensors, on any machine)."""
     from flashedu.triton import config, fast, launch
+    from flashedu.triton import forward as fwd
 
     class Recorded:  # what fa3.forward returns: a launch to start again
         starts = 0
+        hit = device = None  # (what fast.stream_for reads: no compiled kernel to start)
 
         def start(self, q, k, v, o, lse2):
             self.starts += 1
@@ -262,9 +264,10 @@ def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monke
     keep = []
     o, _ = launch.forward(q, k, v, call, interpreted=False, keep=keep)
     assert len(settings_seen) == 1 and plan.starts == 1 and keep == [plan] and (o == 2).all()
-    o, _ = launch.forward(q, k, v, call, tiles=entry.forward, interpreted=True)  # tiles given
-    ref = reference_attention(q, k, v, is_causal=True, scale=0.25)
-    assert len(settings_seen) == 1 and tolerance.max_error(o, ref) < 1e-5
+    monkeypatch.setattr(fwd, "launch_args", _triton_kernels_reached)
+    with pytest.raises(_TritonKernelsReached):  # tiles given
+        launch.forward(q, k, v, call, tiles=entry.forward, interpreted=True)
+    assert len(settings_seen) == 1
 
 
 def test_a_dropout_call_hands_its_rng_to_the_schedule(monkeypatch):
@@ -320,11 +323,14 @@ def test_the_backward_takes_the_schedule_where_the_table_and_the_call_allow(monk
     """launch.backward's dispatch, without a GPU (the kernel's step replaced by a recorder): a
     table entry that asks for the schedule and a call it can serve make the step once, later
     calls laid out alike start it again (and hand the plan to ``keep``), and a call the step
-    does not serve (an lse gradient here) takes the Triton kernels (run by the interpreter)."""
+    does not serve (an lse gradient here) takes the Triton kernels (their launch replaced by a
+    sentinel)."""
+    from flashedu.triton import backward as bwd
     from flashedu.triton import config, fa3_backward, fast, launch
 
     class Recorded:  # what Step.made returns: a step to start again
         starts = 0
+        hit = device = None  # (what fast.stream_for reads: no compiled kernel to start)
 
         def start(self, q, k, v, do, lse2, D, dq, dk, dv, stream=None):
             self.starts += 1
@@ -355,14 +361,20 @@ def test_the_backward_takes_the_schedule_where_the_table_and_the_call_allow(monk
     grads = launch.backward(q, k, v, o, lse2, do, call, D=D, interpreted=False, keep=keep)
     assert len(seen) == 1 and step.starts == 1 and keep == [(None, [step])]
     assert all((g == 2).all() for g in grads)
-    launch.backward(q, k, v, o, lse2, do, call, dlse=torch.zeros(1, 2, 64), D=D,
-                    interpreted=True)
+    monkeypatch.setattr(bwd, "launch_args", _triton_kernels_reached)
+    with pytest.raises(_TritonKernelsReached):
+        launch.backward(q, k, v, o, lse2, do, call, dlse=torch.zeros(1, 2, 64), D=D,
+                        interpreted=True)
     assert len(seen) == 1 and step.starts == 1
 
 
 class _TritonKernelsReached(Exception):
-    """Raised where the Triton kernels' backward would launch (they cannot start without a
-    GPU)."""
+    """Raised where the Triton kernels would launch (on CPU tensors they cannot start on a
+    machine that compiles for its GPU, nor without one)."""
+
+
+def _triton_kernels_reached(*args, **kwargs):
+    raise _TritonKernelsReached
 
 
 def _fa3_backward_offered(monkeypatch, made):
@@ -372,16 +384,13 @@ def _fa3_backward_offered(monkeypatch, made):
     from flashedu.triton import backward as bwd
     from flashedu.triton import config, fa3_backward, fast, launch
 
-    def triton_path(*args, **kwargs):
-        raise _TritonKernelsReached
-
     entry = dataclasses.replace(config.INTERPRETER, schedule_from=64,
                                 backward_schedule=config.BackwardSchedule())
     monkeypatch.setattr(launch, "resolve_config", lambda *a, **kw: entry)
     monkeypatch.setattr(launch, "FA3_BACKWARD", True)
     monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
     monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(made))
-    monkeypatch.setattr(bwd, "launch_args", triton_path)
+    monkeypatch.setattr(bwd, "launch_args", _triton_kernels_reached)
     monkeypatch.setattr(fast, "PLANS", {})
     q, k, v, o, do = (torch.randn(1, 2, 64, 16) for _ in range(5))
     return q, k, v, o, torch.zeros(1, 2, 64), do, torch.zeros(1, 2, 64)
@@ -582,6 +591,9 @@ def test_every_thread_gets_the_scratch_allocator():
     assert len(seen) == 1 and not isinstance(seen[0], _allocation.NullAllocator)
 
 
+@pytest.mark.skipif(not flashedu.runtime.triton_interpreted(),
+                    reason="the interpreter's path (CPU tensors through Triton's launcher); on a "
+                           "GPU the plan starts its compiled kernel directly")
 def test_a_plan_started_on_another_thread_brings_the_allocator_there():
     """A launch plan started on a thread other than the one that made it (autograd's, for a
     backward) goes through Triton's launcher where it cannot start directly (here: the

@@ -22,6 +22,7 @@ What the numbers say:
     flashedu bench sass --d 128 --variants plain dropout --modes fwd --json sass.json
     flashedu bench sass --table sm75 --dtype fp16        # another GPU's table and target
     flashedu bench sass --variants fa3 causal-fa3 --modes fwd   # the Gluon forward's schedule
+    flashedu bench sass --variants fa3 dropout-fa3 --modes fwd --n 4096   # and its dropout
 
 The shared memory column is what the compiled kernel asks for per program; a table built for a
 smaller GPU (``--table sm75``: 64 KB per block) must stay within it, which running that table on
@@ -40,10 +41,11 @@ import tempfile
 
 # resume: ring attention's forward_into; sinks: one sink logit per head; packed: the batch's
 # sequences packed into one row, causal, the kernels reading the cuts (varlen_attention);
-# fa3, causal-fa3: FlashAttention-3's forward in Gluon (triton/fa3.py) with the tile table's
-# schedule, as an sm_90 runs it from 4096 keys (the backward is the Triton kernel's)
+# fa3, causal-fa3, dropout-fa3: FlashAttention-3's forward in Gluon (triton/fa3.py) with the
+# tile table's schedule, as an sm_90 runs it from 4096 keys (the backward is the Triton
+# kernel's; ``scripts/compile_fa3_backward.py`` compiles fa3's own)
 VARIANTS = ("plain", "causal", "dropout", "resume", "sinks", "causal-dropout", "packed", "fa3",
-            "causal-fa3")
+            "causal-fa3", "dropout-fa3")
 MODES = ("fwd", "bwd")
 COUNTED = ("HGMMA", "HMMA", "MUFU", "FFMA", "FMUL", "IMAD", "LOP3", "SHF", "PRMT", "SEL",
            "STS", "LDS", "BAR")
@@ -305,8 +307,8 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
     config = resolve_config(d, q.dtype, None, q.device)
     kw = dict(is_causal=variant.startswith("causal") or variant == "packed", scale=d ** -0.5,
               interpreted=False)
-    drop = ({"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])} if variant.endswith("dropout")
-            else {})
+    drop = ({"dropout_p": DROPOUT_P, "rng": torch.tensor([1, 0])}
+            if "dropout" in variant.split("-") else {})
     sinks = {"sinks": torch.zeros(H)} if variant == "sinks" else {}
     call = ops.Call(kw["is_causal"], kw["scale"], None, drop.get("dropout_p", 0.0),
                     drop.get("rng"), None, sinks.get("sinks"), seqs)
@@ -317,13 +319,13 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
             from ..triton import fa3
             from ..triton.config import TABLE_ENV
 
-            settings = config.fa3_settings(n, n, kw["is_causal"])
+            settings = config.fa3_settings(n, n, kw["is_causal"], bool(drop))
             if settings is None:
                 raise ValueError(f"the {os.environ.get(TABLE_ENV, 'sm90')} table runs no fa3 "
                                  f"forward at d={d}, N={n} (it asks for it at d=64 and d=128 "
                                  "from 4096 keys, causal at d=64 from 8192)")
             fa3.forward(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]),
-                        is_causal=kw["is_causal"], scale=kw["scale"], **settings)
+                        is_causal=kw["is_causal"], scale=kw["scale"], **drop, **settings)
         elif variant == "resume":
             o, lse2 = torch.zeros(q.shape), torch.full(q.shape[:3], float("inf"))
             launch.forward_into(q, k, v, o, lse2, tiles=config.forward_tiles(None, n), **kw)

@@ -24,8 +24,11 @@ lays it out on an H100, with every hardware step written down instead of left to
   that every program gets about the same work.
 
 Only what a training step's dense attention needs: 16-bit inputs, head dim 64 or 128, causal
-(top-left, as SDPA's is_causal) or not, GQA, the base-2 logsumexp L_i for the backward. Other
-calls, GPUs and Tritons take the readable kernel of ``forward.py``; ``usable`` says which.
+(top-left, as SDPA's is_causal) or not, GQA, dropout, the base-2 logsumexp L_i for the
+backward. Dropout's keep-mask is the stream of ``dropout.py`` (the same helpers, called from
+Gluon): drawn in the layout of S_ij's product, where a thread holds all 16 entries of each
+Philox call it draws, and passed on as one flag byte an entry (``_keep_bytes``). Other calls,
+GPUs and Tritons take the readable kernel of ``forward.py``; ``usable`` says which.
 Written against Triton 3.6's Gluon API, the one run on a GPU (TESTED_TRITON); it also compiles
 on Triton 3.9 (``flashedu bench sass --variants fa3``), where one function was renamed.
 """
@@ -58,7 +61,7 @@ LOG2E = 1.4426950408889634
 def usable(q, k, v, call) -> bool:
     """Whether a forward call can take this kernel: Hopper (compute capability 9.0), this
     Triton, 16-bit q/k/v alike, head dim 64 or 128, rows the copy engine can read (16-byte
-    aligned), and nothing but causal or dense attention asked for."""
+    aligned), and nothing but causal or dense attention asked for (with dropout or not)."""
     from .fast import TRITON, tma_ok
 
     if not GLUON or TRITON not in TESTED_TRITON:
@@ -89,7 +92,8 @@ def status() -> str:
     major, minor = _capability(torch.cuda.current_device())
     if (major, minor) != (9, 0):
         return f"off: needs compute capability 9.0 (Hopper), this GPU has {major}.{minor}"
-    return "on for dense and causal 16-bit calls of d = 64 or 128 where the tile table asks"
+    return ("on for dense and causal 16-bit calls of d = 64 or 128, dropout included, where "
+            "the tile table asks")
 
 
 @functools.lru_cache(maxsize=None)

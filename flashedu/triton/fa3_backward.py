@@ -22,6 +22,12 @@ order the programs arrive, so dQ can differ in its last bits from run to run:
 kernels. Grouped-query attention: a program visits the Q tiles of every query head of its K/V
 head. q and dO must be laid out (B, H, N, d) contiguous (one descriptor walks all their rows).
 
+Dropout (the paper's Algorithm 4): the forward's Z_ij is drawn again, upright (queries down,
+as the forward holds S_ij, so that a thread draws each Philox call once for 16 entries; held
+as S_ij^T it would hold 4 of each call), as one flag byte an entry, and moved into S_ij^T's
+layout through shared memory (``_keep_transposed``): 32 bytes a thread, where moving P_ij and
+dS_ij transposed, as FlashAttention-2's backward does, would be 128.
+
 Compiled for sm_90 (Triton 3.6, ``scripts/compile_fa3_backward.py``): d = 64 without spills;
 d = 128 with 216 (320 causal) bytes a thread of spills, 24 (64) with FRESH_DESCRIPTORS, which
 the tile table sets there (1.17-1.20x faster on an H200; at d = 64, which does not

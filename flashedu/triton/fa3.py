@@ -200,19 +200,12 @@ if GLUON:
                                              dtype=x.dtype, is_pure=True, pack=4)
 
     @gluon.jit
-    def _keep_tile(drop, rows, j, Bc: gl.constexpr, layout: gl.constexpr,
-                   DROPOUT: gl.constexpr):
-        """Z_ij of K/V tile j (``_keep_bytes``) with DROPOUT, else 0 (nothing drawn)."""
+    def _operand(P_ij, drop, rows, j, Bc: gl.constexpr, layout: gl.constexpr,
+                 DROPOUT: gl.constexpr):
+        """P_ij as P V takes it: with DROPOUT, its dropped entries zeroed."""
         if DROPOUT:
-            return _keep_bytes(drop, rows, j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout)))
-        else:
-            return 0
-
-    @gluon.jit
-    def _operand(P_ij, Z_ij, DROPOUT: gl.constexpr):
-        """P_ij as P V takes it: with DROPOUT, the entries Z_ij drops zeroed."""
-        if DROPOUT:
-            P_ij = _kept(P_ij, Z_ij)
+            cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
+            P_ij = _kept(P_ij, _keep_bytes(drop, rows, cols))
         return P_ij
 
     @gluon.jit
@@ -278,14 +271,13 @@ if GLUON:
         S_ij = warpgroup_mma(Q_i, k_smem.index(s0).permute((1, 0)), zero, use_acc=False,
                              is_async=True)
         _pass(turns, WG, CONSUMERS, PINGPONG)
-        Z_ij = _keep_tile(drop, rows, 0, Bc, s_layout, DROPOUT)  # needs no S: drawn meanwhile
         S_ij = warpgroup_mma_wait(0, deps=(S_ij,))
         S_ij = _scores(S_ij, 0, rows, Nk, num_full == 0, Bc, IS_CAUSAL, s_layout)
         m_i = gl.max(S_ij, axis=1) * qk_scale
         P_ij = gl.exp2(S_ij * qk_scale - m_i[:, None])
         l_i = gl.sum(P_ij, axis=1)
-        P_ij = gl.convert_layout(_operand(P_ij.to(dtype), Z_ij, DROPOUT),
-                                 p_layout)  # 16-bit A operand registers
+        P_ij = gl.convert_layout(_operand(P_ij.to(dtype), drop, rows, 0, Bc, s_layout,
+                                          DROPOUT), p_layout)  # 16-bit A operand registers
 
         for j in range(1, num_tiles):
             s = (kv0 + j) % STAGES
@@ -299,7 +291,6 @@ if GLUON:
                                  is_async=True)
             O_i = warpgroup_mma(P_ij, v_smem.index(prev), O_i, is_async=True)  # P_i,j-1 V_j-1
             _pass(turns, WG, CONSUMERS, PINGPONG)
-            Z_ij = _keep_tile(drop, rows, j, Bc, s_layout, DROPOUT)
             if OVERLAP:  # S_ij only (issued first, done first); P V runs on
                 S_ij = warpgroup_mma_wait(1, deps=(S_ij,))
             else:
@@ -314,7 +305,8 @@ if GLUON:
                 O_i = warpgroup_mma_wait(0, deps=(O_i,))
             mbarrier.arrive(kv_empty.index(prev), count=1)  # K_j-1 and V_j-1 read
             O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            P_ij = gl.convert_layout(_operand(P_next.to(dtype), Z_ij, DROPOUT), p_layout)
+            P_ij = gl.convert_layout(_operand(P_next.to(dtype), drop, rows, j, Bc, s_layout,
+                                              DROPOUT), p_layout)
 
         if PERSISTENT:  # every S_ij made: the copy warp may bring the next tile's Q
             mbarrier.arrive(q_empty, count=1)

@@ -242,13 +242,14 @@ if GLUON:
         mbarrier.wait(kv_ready, 0)
         t = 0
         for g in range(GROUP):
-            head = (drop[0], drop[1], drop[2] + g, drop[3], drop[4])  # query head g's state
             for i in range(i0, diagonal_end):
+                head = (drop[0], drop[1], drop[2] + g, drop[3], drop[4])
                 dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
                                         qk_scale, scale, head, WG, Br, STAGES, True,
                                         FRESH_DESCRIPTORS, DROPOUT)
                 t += 1
             for i in range(diagonal_end, nq_tiles):
+                head = (drop[0], drop[1], drop[2] + g, drop[3], drop[4])
                 dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
                                         qk_scale, scale, head, WG, Br, STAGES, False,
                                         FRESH_DESCRIPTORS, DROPOUT)

@@ -10,7 +10,8 @@ launch code, without the GPU, the driver or the interpreter. It runs in a fresh 
 
 Rows, per shape (B, H, N, d), causal, bf16 (with ``--density``: also a block mask, built once,
 with that fraction of its 128 x 128 tiles, as a training loop passes one; with ``--window``: a
-sliding window's block mask, whose partial tiles apply its mask mod element-wise):
+sliding window's block mask, whose partial tiles apply its mask mod element-wise; with
+``--dropout``: calls with that dropout rate, each drawing its RNG state):
 - ``repeat``: as the package runs: a call with an earlier call's signature goes from
   ``flashedu.attention`` straight to that call's repeat (``flashedu.triton_backend``);
 - ``plans``: every call through the checks and the general path, which repeats the launches
@@ -26,6 +27,7 @@ interleaved, so that a machine's slow spell hits every row alike.
     flashedu bench host --shapes tiny gpt --json host.json
     flashedu bench host --shapes n1024-d128 --density 0.25
     flashedu bench host --shapes gpt --window 128
+    flashedu bench host --shapes gpt --dropout 0.1   # a dropout call's host code
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ VARIANTS = ("repeat", "plans", "no plans", "floor")
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     request = json.dumps({"shapes": args.shapes, "iters": args.iters, "rounds": args.rounds,
-                          "density": args.density, "window": args.window})
+                          "density": args.density, "window": args.window,
+                          "dropout": args.dropout})
     # No GPU in the worker, even where there is one: CPU tensors and the tuned table, as on a
     # machine without a GPU, so that every host times the same code.
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
@@ -76,6 +79,8 @@ def table(rows) -> str:
             label += f" sparse {first['density']:g}"
         if first.get("window") is not None:
             label += f" window {first['window']}"
+        if first.get("dropout"):
+            label += f" dropout {first['dropout']:g}"
         for mode in MODES:
             us = {r["variant"]: r["us"] for r in rows if r["shape"] == shape and r["mode"] == mode}
             body.append([label, mode, *(f"{us[v]:.1f} us" for v in VARIANTS),
@@ -93,6 +98,8 @@ def _parser():
                       help="pass a block mask with this fraction of tiles (default: none)")
     mask.add_argument("--window", type=core.positive_int, default=None,
                       help="pass a sliding window of this many keys, a mask mod (default: none)")
+    p.add_argument("--dropout", type=core.probability, default=0.0,
+                   help="the calls' dropout rate (0: none)")
     p.add_argument("--json", type=core.output_file, default=None, help="write the results here")
     return p
 
@@ -139,8 +146,8 @@ def _mask(N, density=None, window=None):
     return None
 
 
-def _steps(shape, mask=None):
-    """{(variant, mode): a zero-argument call} for one shape (and block mask)."""
+def _steps(shape, mask=None, dropout=0.0):
+    """{(variant, mode): a zero-argument call} for one shape (and block mask, dropout)."""
     import torch
 
     import flashedu
@@ -150,10 +157,12 @@ def _steps(shape, mask=None):
 
     def forward():
         with torch.no_grad():
-            flashedu.attention(q, k, v, is_causal=True, block_mask=mask, backend="triton")
+            flashedu.attention(q, k, v, is_causal=True, block_mask=mask, dropout_p=dropout,
+                               backend="triton")
 
     def forward_backward():
-        out = flashedu.attention(q, k, v, is_causal=True, block_mask=mask, backend="triton")
+        out = flashedu.attention(q, k, v, is_causal=True, block_mask=mask, dropout_p=dropout,
+                                 backend="triton")
         torch.autograd.grad(out, (q, k, v), dout)
 
     class Floor(torch.autograd.Function):
@@ -204,7 +213,7 @@ def _worker(request) -> list[dict]:
     rows, iters = [], request["iters"]
     for name in request["shapes"]:
         mask = _mask(SHAPES[name][2], request.get("density"), request.get("window"))
-        steps, floors = _steps(SHAPES[name], mask)
+        steps, floors = _steps(SHAPES[name], mask, request.get("dropout", 0.0))
         calls = []
         for mode in MODES:
             calls.append(("repeat", mode, steps[mode], nullcontext))
@@ -222,7 +231,8 @@ def _worker(request) -> list[dict]:
                 if pass_:
                     best[n] = min(best[n], us)
         rows += [{"shape": name, "density": request.get("density"),
-                  "window": request.get("window"), "variant": variant, "mode": mode,
+                  "window": request.get("window"), "dropout": request.get("dropout", 0.0),
+                  "variant": variant, "mode": mode,
                   "us": round(us, 2)}
                  for (variant, mode, _, _), us in zip(calls, best)]
     return rows

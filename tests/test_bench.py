@@ -606,3 +606,19 @@ def test_dropout_dry_run(tmp_path, capsys):
             assert p0 > 0 and p1 > 0 and r[f"flashedu_{mode}_cost"] == p1 / p0
         assert not [key for key in r if "gpu" in key]  # no kernel times without a GPU ...
     assert "GPU: fwd cost" in text  # ... and the table says so with "-"
+
+
+def test_bench_host_times_the_python_of_a_call_with_dropout(tmp_path, capsys):
+    """``flashedu bench host --dropout``: every row of a dropout call's forward and backward
+    timed (the worker stubs the launches: no GPU needed), the rate in the record and the
+    table's label."""
+    from flashedu.benchmarks import host
+
+    out = tmp_path / "host.json"
+    assert host.main(["--shapes", "tiny", "--iters", "2", "--rounds", "1", "--dropout", "0.1",
+                      "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["variant"], r["mode"]) for r in rows} == {(v, m) for v in host.VARIANTS
+                                                         for m in host.MODES}
+    assert all(r["dropout"] == 0.1 and r["us"] > 0 for r in rows)
+    assert "tiny dropout 0.1" in capsys.readouterr().out

@@ -13,8 +13,9 @@ tells that the backend is unavailable.
 
 A repeated plain call is the backend's shortest path from ``flashedu.attention`` to the kernels.
 A training step calls ``attention(q, k, v, is_causal=True)`` with tensors of one layout, step
-after step: no attn_mask, no dropout, no logsumexp asked for, and at most a block mask built
-once (with its mask mod, which the kernels apply on its partial tiles). The first such call
+after step: no attn_mask, no logsumexp asked for, dropout at one rate if any (each call draws
+its own RNG state), and at most a block mask built once (with its mask mod, which the kernels
+apply on its partial tiles). The first such call
 takes the general path (the argument checks, the backend, the tile table, the block mask's tile
 lists, the launch plans of ``fast.PLANS``). Since everything it decided follows from the call's
 signature (options, block mask, and the inputs' shapes, strides, dtype, device and alignment),

@@ -48,6 +48,7 @@ try:
                                                                   warpgroup_mma_wait)
 
     from .dropout import keep_flags, keep_rate, random_byte
+    from .forward import dropout_state
     GLUON = True
 except ImportError:  # a Triton without Gluon's Hopper API: the readable kernel everywhere
     GLUON = False
@@ -240,7 +241,7 @@ if GLUON:
         row0 + WG*M .. + M. kv0, turn0: the K/V tiles and turns this consumer went through
         before this Q tile (a persistent program's earlier tiles; 0 otherwise). DROPOUT: P_ij
         times the keep-mask Z_ij before its product with V_j (after l_i took it whole), drop
-        = (seed, offset, bh, threshold, keep scale) as the Triton kernels' state.
+        = the Triton kernels' state (``_dropout_state``).
 
         Iteration j issues S_ij = Q_i K_j^T together with O_i += P_i,j-1 V_j-1 (P of the
         tile before), then the softmax of S_ij; the first iteration has no P V, the loop's
@@ -444,13 +445,13 @@ if GLUON:
 
     @gluon.jit
     def _dropout_state(RNG, bh, threshold, keep_scale, DROPOUT: gl.constexpr):
-        """(seed, offset, bh, threshold, keep scale): the state of ``forward.dropout_state``
-        (seed and offset read from the call's [seed, offset] tensor); zeros without
-        DROPOUT."""
+        """The Triton kernels' dropout state (``forward.dropout_state``: seed, offset, bh,
+        threshold, keep scale, first row) with DROPOUT; without it placeholders of the same
+        shape, as the partitions take it either way."""
         if DROPOUT:
-            return gl.load(RNG), gl.load(RNG + 1), bh, threshold, keep_scale
+            return dropout_state(RNG, bh, (threshold, keep_scale))
         else:
-            return 0, 0, 0, 0, 1.0
+            return 0, 0, 0, 0, 1.0, 0
 
     @gluon.jit
     def fa3_forward_kernel(Q, K, V, O, L, RNG, qk_scale, threshold, keep_scale,
@@ -567,6 +568,15 @@ if GLUON:
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
+def dropout_arguments(dropout_p: float, rng):
+    """(RNG, threshold, keep scale) of the Gluon kernels: ``forward.dropout_args``'s, with
+    (None, 0, 1.0) without dropout (RNG None: DROPOUT is off, nothing is drawn)."""
+    from .forward import dropout_args
+
+    rng, dropout = dropout_args(dropout_p, rng)
+    return (rng, *(dropout or (0, 1.0)))
+
+
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
             LONGEST_FIRST: bool = True, PERSISTENT: bool = False, dropout_p: float = 0.0,
@@ -578,13 +588,11 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
     offset] tensor (``flashedu.dropout.draw_rng``). Returns the launch (``fast.Launch``), to be
     repeated with other q, k, v, o, lse2 (and rng) laid out alike."""
     from .fast import Launch, ensure_allocator, run
-    from .forward import dropout_args
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
-    rng, dropout = dropout_args(dropout_p, rng)
-    threshold, keep_scale = dropout or (0, 1.0)
+    rng, threshold, keep_scale = dropout_arguments(dropout_p, rng)
     consts = dict(HEAD_DIM=d, Bc=128, STAGES=STAGES, CONSUMERS=CONSUMERS,
                   IS_CAUSAL=bool(is_causal), PINGPONG=PINGPONG, OVERLAP=OVERLAP,
                   LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,

@@ -368,14 +368,13 @@ def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, S
     FRESH_DESCRIPTORS whether the loop-invariant operands' descriptors are made each step.
     dropout_p > 0: rng is the forward's [seed, offset] tensor. Returns the launch
     (``fast.Launch``), to be repeated with other tensors (and rng) laid out alike."""
+    from .fa3 import dropout_arguments
     from .fast import Launch, ensure_allocator, run
-    from .forward import dropout_args
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
-    rng, dropout = dropout_args(dropout_p, rng)
-    threshold, keep_scale = dropout or (0, 1.0)
+    rng, threshold, keep_scale = dropout_arguments(dropout_p, rng)
     args = (q, k, v, do, lse2, D, dq, dk, dv, rng, float(scale) * LOG2E,
             float(scale) * keep_scale, threshold, keep_scale, q.stride(2), *k.stride()[:3],
             *v.stride()[:3], H, Hkv, Nq, Nk)

@@ -49,6 +49,12 @@ def outputs_like(*tensors):
     return tensors, [torch.empty_like(t) for t in tensors]
 
 
+def _rng_of(call) -> tuple:
+    """The call's dropout RNG state as the launches take it after their leading tensors:
+    (rng,) with dropout, () without."""
+    return (call.rng,) if call.dropout_p > 0 else ()
+
+
 # ----- the forward ------------------------------------------------------------------------
 
 _SHRUNK_FORWARD: dict = {}  # tiles whose launch ran out of resources -> the tiles that fit
@@ -89,7 +95,7 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
     if sinks is not None:
         sinks = sinks.float().contiguous()
     # the call's own tensors: the first five, then dropout's RNG state and the sinks, if any
-    fresh = ((rng,) if dropout_p > 0 else ()) + ((sinks,) if sinks is not None else ())
+    fresh = _rng_of(call) + ((sinks,) if sinks is not None else ())
     live = (q32, k32, v32, o, lse2, *fresh)
     # a call laid out as an earlier one repeats its launch (fast.PLANS); a score mod or an
     # attn_mask is a Python object or data that the plan's key cannot hold (a mask mod is
@@ -128,9 +134,8 @@ def _fa3_forward(q, k, v, call, settings, keep):
     key = fast.signature((q, k, v), id(fa3.fa3_forward_kernel), call.is_causal, call.scale,
                          call.dropout_p)
     plan = fast.PLANS.get(key)
-    rng = (call.rng,) if call.dropout_p > 0 else ()
     if plan is not None:
-        plan.start(q, k, v, o, lse2, *rng)
+        plan.start(q, k, v, o, lse2, *_rng_of(call))
     else:
         plan = fa3.forward(q, k, v, o, lse2, is_causal=call.is_causal, scale=call.scale,
                            dropout_p=call.dropout_p, rng=call.rng, **settings)
@@ -260,7 +265,7 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
     if own_D:
         D = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     # the call's own tensors, in the order the kernel takes them first (rng after them)
-    live = (q, k, v, do, lse2, D, dq, dk, dv) + ((rng,) if dropout_p > 0 else ())
+    live = (q, k, v, do, lse2, D, dq, dk, dv) + _rng_of(call)
     # a call laid out as an earlier one repeats its launches (fast.PLANS); a score mod or an
     # attn_mask, an lse gradient and the mask's gradient take the general path (a mask mod
     # is part of the block mask, which the key holds)
@@ -351,7 +356,7 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep, rows):
     own_D = D is None
     if own_D:
         D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    live = (q, k, v, do, lse2, D, dq, dk, dv) + ((call.rng,) if call.dropout_p > 0 else ())
+    live = (q, k, v, do, lse2, D, dq, dk, dv) + _rng_of(call)
     key = fast.signature((q, k, v, o, do, lse2), id(fa3_backward.fa3_backward_kernel), own_D,
                          call.is_causal, call.scale, call.dropout_p)
     plan = fast.PLANS.get(key)

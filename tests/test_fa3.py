@@ -486,6 +486,25 @@ def test_the_backward_matches_the_float64_reference(shape, stages, dq_buffers, f
                         floor_scale=tolerance.GRADIENT, name=name)
 
 
+def _check_with_the_same_mask(out, grads, q, k, v, dout, **kw):
+    """``out`` and ``grads`` (dq, dk, dv) of attention with dropout against float64 naive
+    attention that draws the same mask (kw: its options, dropout_rng the call's), each allowed
+    what plain attention in q's dtype errs by (the gradients times flash-attention's factor).
+    Returns the reference's output and lse, and its float64 leaves."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, lse = naive_attention_torch(*leaves, return_lse=True, **kw)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    low = [t.detach().requires_grad_() for t in (q, k, v)]
+    plain = naive_attention_torch(*low, upcast=False, **kw)
+    plain_grads = torch.autograd.grad(plain, low, dout)
+    tolerance.check(out, ref, plain, dtype=q.dtype)
+    for name, g, r, pl in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
+        assert torch.isfinite(g).all(), name
+        tolerance.check(g, r, pl, dtype=q.dtype, factor=tolerance.GRADIENT,
+                        floor_scale=tolerance.GRADIENT, name=name)
+    return ref, lse, leaves
+
+
 DROPOUT_SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
                     dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False,
                          PERSISTENT=True),
@@ -517,18 +536,8 @@ def test_dropout_drops_the_streams_entries_forward_and_backward(shape, settings)
     got = fa3_backward.backward(q, k, v, o, lse2, dout, is_causal=causal, scale=scale,
                                 FRESH_DESCRIPTORS=d == 128, dropout_p=p, rng=rng)
     kw = dict(is_causal=causal, scale=scale, enable_gqa=True, dropout_p=p, dropout_rng=rng)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, lse = naive_attention_torch(*leaves, return_lse=True, **kw)
-    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
-    low = [t.detach().requires_grad_() for t in (q, k, v)]
-    plain = naive_attention_torch(*low, upcast=False, **kw)
-    plain_grads = torch.autograd.grad(plain, low, dout)
-    tolerance.check(o, ref, plain, dtype=dtype)
+    ref, lse, leaves = _check_with_the_same_mask(o, got, q, k, v, dout, **kw)
     assert tolerance.max_error(lse2 / fa3.LOG2E, lse) < 1e-4  # the undropped scores' lse
-    for name, g, r, pl in zip(("dq", "dk", "dv"), got, ref_grads, plain_grads):
-        assert torch.isfinite(g).all(), name
-        tolerance.check(g, r, pl, dtype=dtype, factor=tolerance.GRADIENT,
-                        floor_scale=tolerance.GRADIENT, name=name)
     # the mask drops: without it the output is another
     undropped = naive_attention_torch(*leaves, **{**kw, "dropout_p": 0.0})
     assert (undropped - ref).abs().max() > 0.05
@@ -553,16 +562,7 @@ def test_the_api_takes_the_schedule_with_dropout_and_repeats_with_new_masks():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = flashedu.attention(*leaves, dropout_p=0.1, backend="triton")
         grads = torch.autograd.grad(out, leaves, dout)
-        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        ref = naive_attention_torch(*ref_in, dropout_p=0.1, dropout_rng=rng)
-        ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
-        low = [t.detach().requires_grad_() for t in (q, k, v)]
-        plain = naive_attention_torch(*low, dropout_p=0.1, dropout_rng=rng, upcast=False)
-        plain_grads = torch.autograd.grad(plain, low, dout)
-        tolerance.check(out, ref, plain, dtype=torch.bfloat16)
-        for name, g, r, pl in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
-            tolerance.check(g, r, pl, dtype=torch.bfloat16, factor=tolerance.GRADIENT,
-                            floor_scale=tolerance.GRADIENT, name=name)
+        _check_with_the_same_mask(out, grads, q, k, v, dout, dropout_p=0.1, dropout_rng=rng)
         outs.append(out)
     assert (outs[0] - outs[1]).abs().max() > 0.01  # two seeds, two masks
     assert torch.equal(outs[0], outs[2])  # the same seed, the same mask

@@ -92,10 +92,13 @@ def main(argv=None) -> int:
     p.add_argument("--fresh-descriptors", action="store_true",
                    help="make the loop-invariant operands' descriptors each step")
     p.add_argument("--dropout", action="store_true", help="with the dropout mask")
+    p.add_argument("--select-once", action="store_true",
+                   help="with dropout, the mask selects P_ij once, in float32")
     args = p.parse_args(argv)
     consts = dict(HEAD_DIM=args.d, Br=64, STAGES=args.stages, IS_CAUSAL=args.causal,
                   DQ_BUFFERS=args.dq_buffers, CONSUMER_REGS=args.regs,
-                  FRESH_DESCRIPTORS=args.fresh_descriptors, DROPOUT=args.dropout)
+                  FRESH_DESCRIPTORS=args.fresh_descriptors, DROPOUT=args.dropout,
+                  SELECT_ONCE=args.select_once)
     compiled = compile_for_sm90(load_kernel(), consts)
     line, counts = usage(compiled, f"/tmp/fa3_backward_{args.d}.sass")
     # REG is the kernel's count before warp_specialize moves registers between partitions

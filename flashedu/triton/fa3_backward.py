@@ -128,7 +128,7 @@ if GLUON:
     def _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq, qk_scale, scale,
                    drop, WG: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
                    DIAGONAL: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr,
-                   DROPOUT: gl.constexpr):
+                   DROPOUT: gl.constexpr, SELECT_ONCE: gl.constexpr):
         """One consumer's step over (Q_i, K_j): the five products, dK_j and dV_j returned, dQ_i's
         share handed to the writer. DIAGONAL: the tile crosses the causal diagonal (only those
         steps carry its mask: the others compile without the registers it takes).
@@ -136,7 +136,9 @@ if GLUON:
         DROPOUT (the paper's Algorithm 4): the forward's Z_ij drawn again (drop: the state of
         ``fa3._dropout_state`` for the tile's query head); dV_j takes the dropped P_ij, dP_ij
         is dropped alike, and the keep scale s waits for the program's end, as in
-        ``backward.py``: dS = s P (Z dP - D / s)."""
+        ``backward.py``: dS = s P (Z dP - D / s). Z_ij is drawn while the tensor cores make
+        S_ij^T and dP_ij^T: drawn after them, the mask cost 1.16-1.30x of p = 0's time on an
+        H200; while they run, 1.10-1.22x. SELECT_ONCE: Z_ij selects P_ij once, in float32."""
         k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free = shared
         ds_smem, ds_ready, ds_free = ds_shared
         dq_smem, dq_ready, dq_free = dq_shared
@@ -178,6 +180,8 @@ if GLUON:
                             use_acc=False, is_async=True)
         dP_t = warpgroup_mma(v_smem.index(WG + zero), dO_i.permute((1, 0)), zero_st,
                              use_acc=False, is_async=True)
+        if DROPOUT:  # drawn while the tensor cores make S_ij^T and dP_ij^T
+            Z_t = _keep_transposed(drop, i * Br, k0 + WG * _KM, Br, st_layout)
         S_t, dP_t = warpgroup_mma_wait(0, deps=(S_t, dP_t))
         P_t = gl.exp2(S_t * qk_scale - L_i[None, :])
         if (i + 1) * Br > Nq:  # the last tile: its rows past Nq are the next head's
@@ -187,12 +191,18 @@ if GLUON:
             keys = k0 + WG * _KM + gl.arange(0, _KM, gl.SliceLayout(1, st_layout))
             cols = i * Br + gl.arange(0, Br, col_layout)
             P_t = gl.where(keys[:, None] <= cols[None, :], P_t, 0.0)
-        ZP_t = P_t.to(dtype)  # what the forward multiplied V_j by: P_ij, dropped
-        if DROPOUT:
-            Z_t = _keep_transposed(drop, i * Br, k0 + WG * _KM, Br, st_layout)
-            ZP_t = _kept(ZP_t, Z_t)
-            dP_t = _kept(dP_t, Z_t)
-        dS_t = (P_t * (dP_t - D_i[None, :])).to(dtype)  # 16-bit from here on
+        if DROPOUT and SELECT_ONCE:
+            # dS = P (Z dP - D) = (Z P) dP - P D: the mask selects P_ij once, in float32,
+            # and dV_j's operand is that rounded to 16 bits
+            ZP_f32 = _kept(P_t, Z_t)
+            ZP_t = ZP_f32.to(dtype)
+            dS_t = (ZP_f32 * dP_t - P_t * D_i[None, :]).to(dtype)
+        else:
+            ZP_t = P_t.to(dtype)  # what the forward multiplied V_j by: P_ij, dropped
+            if DROPOUT:
+                ZP_t = _kept(ZP_t, Z_t)
+                dP_t = _kept(dP_t, Z_t)
+            dS_t = (P_t * (dP_t - D_i[None, :])).to(dtype)  # 16-bit from here on
         dV_j = warpgroup_mma(gl.convert_layout(ZP_t, a_layout), dO_i, dV_j, is_async=True)
         dK_j = warpgroup_mma(gl.convert_layout(dS_t, a_layout), Q_i, dK_j, is_async=True)
         # dS_ij^T of both consumers' keys into shared memory (once the other has read the
@@ -223,7 +233,7 @@ if GLUON:
                  qk_scale, scale, nq_tiles, i0, GROUP, drop, WG: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr,
-                 DROPOUT: gl.constexpr):
+                 DROPOUT: gl.constexpr, SELECT_ONCE: gl.constexpr):
         """A consumer warpgroup: keys k0 + WG * 64 .. + 64 of the program's K/V tile; dK_j and
         dV_j of those keys in registers, dQ_i's share handed to the writer after each Q tile.
         Causal: the Q tiles crossing the diagonal first (i0 and the next), then the rest.
@@ -246,13 +256,13 @@ if GLUON:
                 head = (drop[0], drop[1], drop[2] + g, drop[3], drop[4])
                 dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
                                         qk_scale, scale, head, WG, Br, STAGES, True,
-                                        FRESH_DESCRIPTORS, DROPOUT)
+                                        FRESH_DESCRIPTORS, DROPOUT, SELECT_ONCE)
                 t += 1
             for i in range(diagonal_end, nq_tiles):
                 head = (drop[0], drop[1], drop[2] + g, drop[3], drop[4])
                 dK_j, dV_j = _tile_pair(shared, ds_shared, dq_shared, t, i, dK_j, dV_j, k0, Nq,
                                         qk_scale, scale, head, WG, Br, STAGES, False,
-                                        FRESH_DESCRIPTORS, DROPOUT)
+                                        FRESH_DESCRIPTORS, DROPOUT, SELECT_ONCE)
                 t += 1
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
         # dK, dV point at the tile's first key
@@ -272,7 +282,7 @@ if GLUON:
                             HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
                             IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr,
-                            DROPOUT: gl.constexpr):
+                            DROPOUT: gl.constexpr, SELECT_ONCE: gl.constexpr):
         """One program per (K/V tile of 128 keys, batch * K/V head). Q, dO: (B, H, Nq, d) with
         rows ``stride_qn`` apart and heads Nq rows apart; L (base 2) and Dl = rowsum(dO * O):
         (B, H, Nq) float32; dQ: float32 (B, H, Nq, d) contiguous, zeroed, added to; dK, dV
@@ -338,10 +348,10 @@ if GLUON:
         gl.warp_specialize([
             (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
                         qk_scale, scale, nq_tiles, i0, GROUP, drop, 0, HEAD_DIM, Br,
-                        STAGES, IS_CAUSAL, FRESH_DESCRIPTORS, DROPOUT)),
+                        STAGES, IS_CAUSAL, FRESH_DESCRIPTORS, DROPOUT, SELECT_ONCE)),
             (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
                         qk_scale, scale, nq_tiles, i0, GROUP, drop, 1, HEAD_DIM, Br,
-                        STAGES, IS_CAUSAL, FRESH_DESCRIPTORS, DROPOUT)),
+                        STAGES, IS_CAUSAL, FRESH_DESCRIPTORS, DROPOUT, SELECT_ONCE)),
             (_load, (descs, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq, Br,
                      STAGES)),
             (_write_dq, (dq_desc, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, Br)),
@@ -359,14 +369,15 @@ def usable(q, k, v, do, call) -> bool:
 
 def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, STAGES: int,
            DQ_BUFFERS: int, CONSUMER_REGS: int, FRESH_DESCRIPTORS: bool,
-           dropout_p: float = 0.0, rng=None):
+           SELECT_ONCE: bool = False, dropout_p: float = 0.0, rng=None):
     """Launch the kernel. q, do: (B, H, Nq, d) contiguous; lse2: the forward's base-2 lse and
     D = rowsum(dO * O), float32 (B, H, Nq) contiguous; dq: float32, q's shape, contiguous and
     zeroed (added to); dk, dv: k's and v's shapes and strides (written). The settings (the
     tile table's backward schedule, config.py): STAGES of (Q_i, dO_i) in shared memory,
     DQ_BUFFERS for dQ_i on its way to the writer, CONSUMER_REGS registers a consumer thread,
-    FRESH_DESCRIPTORS whether the loop-invariant operands' descriptors are made each step.
-    dropout_p > 0: rng is the forward's [seed, offset] tensor. Returns the launch
+    FRESH_DESCRIPTORS whether the loop-invariant operands' descriptors are made each step,
+    SELECT_ONCE whether dropout's mask selects P_ij once in float32 (dS from it) instead of
+    P_ij in 16 bits and dP_ij. dropout_p > 0: rng is the forward's [seed, offset] tensor. Returns the launch
     (``fast.Launch``), to be repeated with other tensors (and rng) laid out alike."""
     from .fa3 import dropout_arguments
     from .fast import Launch, ensure_allocator, run
@@ -381,7 +392,7 @@ def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, S
     consts = dict(HEAD_DIM=d, Br=M, STAGES=STAGES, IS_CAUSAL=bool(is_causal),
                   DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS,
                   FRESH_DESCRIPTORS=bool(FRESH_DESCRIPTORS), DROPOUT=rng is not None,
-                  num_warps=4)
+                  SELECT_ONCE=bool(SELECT_ONCE), num_warps=4)
     grid = (triton.cdiv(Nk, 2 * M), B * Hkv)
     run(fa3_backward_kernel, grid, args, consts)
     return Launch(fa3_backward_kernel, grid, args, consts, tuple(range(9 + (rng is not None))))
@@ -418,7 +429,7 @@ class Step:
 
 def backward(q, k, v, o, lse2, do, *, is_causal: bool, scale: float, STAGES: int = 2,
              DQ_BUFFERS: int = 1, CONSUMER_REGS: int = 240, FRESH_DESCRIPTORS: bool = False,
-             dropout_p: float = 0.0, rng=None):
+             SELECT_ONCE: bool = False, dropout_p: float = 0.0, rng=None):
     """(dQ, dK, dV) in q's dtype from the forward's O and base-2 lse2 (``launch.forward``'s),
     D = rowsum(dO * O) made first: the kernel on its own, for tests and benchmarks
     (``launch.backward`` runs it through a launch plan). dropout_p, rng: the forward's."""
@@ -429,5 +440,6 @@ def backward(q, k, v, o, lse2, do, *, is_causal: bool, scale: float, STAGES: int
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     Step.made(q, k, v, do, lse2.contiguous(), D, dq, dk, dv, is_causal=is_causal, scale=scale,
               STAGES=STAGES, DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS,
-              FRESH_DESCRIPTORS=FRESH_DESCRIPTORS, dropout_p=dropout_p, rng=rng)
+              FRESH_DESCRIPTORS=FRESH_DESCRIPTORS, SELECT_ONCE=SELECT_ONCE,
+              dropout_p=dropout_p, rng=rng)
     return dq, dk, dv

@@ -200,79 +200,13 @@ if GLUON:
             return gl.inline_asm_elementwise(_KEPT_4X32, "=r,=r,=r,=r,r,r,r,r,r", [x, Z],
                                              dtype=x.dtype, is_pure=True, pack=4)
 
-    # A consumer's Z_ij (64 x 128 flag bytes) in shared memory, where the mask warpgroup
-    # leaves it: laid out so that a thread of a warpgroup holding the tile in a product's
-    # result layout finds its 64 entries in four runs of 16 bytes (offset bits 0-1: the 4
-    # bytes of a Philox word, col + 1 and row + 8; bits 2-3: the next 8-column blocks;
-    # bits 4-10: the thread, lanes col + 2, + 4, row + 1, + 2, + 4 and warps row + 16, + 32;
-    # bits 11-12: the last column blocks). Both sides then move 16 bytes a thread an
-    # instruction, without bank conflicts.
-    _Z_LAYOUT = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
-        [0, 1], [8, 0], [0, 8], [0, 16], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [16, 0],
-        [32, 0], [0, 32], [0, 64]]))
-    _Z_STAGES = gl.constexpr(2)  # Z_ij buffers a consumer
-
     @gluon.jit
-    def _draw_tile_masks(masks, drop, row0, u0, num_tiles, CONSUMERS: gl.constexpr,
-                         Bc: gl.constexpr):
-        """The mask warpgroup over one Q tile: Z_ij of each consumer's rows for each K/V tile
-        it visits, into that consumer's ring of buffers as soon as it has read what the
-        buffer held. u0: the tiles the rings took before (a persistent program's earlier Q
-        tiles; 0 otherwise)."""
-        z_smem, z_ready, z_empty = masks
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, Bc, 16])
-        for j in range(num_tiles):
-            u = u0 + j
-            cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
-            for c in gl.static_range(CONSUMERS):
-                rows = row0 + c * _M + gl.arange(0, _M, gl.SliceLayout(1, layout))
-                Z_ij = _keep_bytes(drop, rows, cols)
-                slot = c * _Z_STAGES + u % _Z_STAGES
-                mbarrier.wait(z_empty.index(slot), ((u // _Z_STAGES) & 1) ^ 1)
-                z_smem.index(slot).store(Z_ij)
-                mbarrier.arrive(z_ready.index(slot), count=1)
-
-    @gluon.jit
-    def _draw_masks_persistent(masks, work, drop, CONSUMERS: gl.constexpr, Bc: gl.constexpr,
-                               IS_CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr):
-        """The mask warpgroup of a persistent program: its Q tiles in the consumers' order."""
-        H, GROUP, Nq, Nk, n_q, total = work
-        Br: gl.constexpr = CONSUMERS * _M
-        u = 0
-        for m in range(gl.cdiv(total, gl.num_programs(0))):
-            t, i, bh = _tile_of(m, n_q, total, IS_CAUSAL, LONGEST_FIRST)
-            if t < total:
-                num_tiles, num_full = _visited(i * Br, Nk, Br, Bc, IS_CAUSAL)
-                _draw_tile_masks(masks, (drop[0], drop[1], bh, drop[3], drop[4]), i * Br, u,
-                                 num_tiles, CONSUMERS, Bc)
-                u += num_tiles
-
-    @gluon.jit
-    def _drawn_mask(masks, u, WG: gl.constexpr, layout: gl.constexpr,
-                    MASK_WARPGROUP: gl.constexpr):
-        """The u-th Z_ij the mask warpgroup left for consumer WG, in ``layout``, its buffer
-        then handed back; 0 without a mask warpgroup."""
-        if MASK_WARPGROUP:
-            z_smem, z_ready, z_empty = masks
-            slot = WG * _Z_STAGES + u % _Z_STAGES
-            mbarrier.wait(z_ready.index(slot), (u // _Z_STAGES) & 1)
-            Z_ij = z_smem.index(slot).load(layout)
-            mbarrier.arrive(z_empty.index(slot), count=1)
-            return Z_ij
-        else:
-            return 0
-
-    @gluon.jit
-    def _operand(P_ij, Z_ij, drop, rows, j, Bc: gl.constexpr, layout: gl.constexpr,
-                 DROPOUT: gl.constexpr, MASK_WARPGROUP: gl.constexpr):
-        """P_ij as P V takes it: with DROPOUT, its dropped entries zeroed, by Z_ij from the
-        mask warpgroup or drawn here."""
+    def _operand(P_ij, drop, rows, j, Bc: gl.constexpr, layout: gl.constexpr,
+                 DROPOUT: gl.constexpr):
+        """P_ij as P V takes it: with DROPOUT, its dropped entries zeroed."""
         if DROPOUT:
-            if not MASK_WARPGROUP:
-                cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
-                Z_ij = _keep_bytes(drop, rows, cols)
-            P_ij = _kept(P_ij, Z_ij)
+            cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
+            P_ij = _kept(P_ij, _keep_bytes(drop, rows, cols))
         return P_ij
 
     @gluon.jit
@@ -289,21 +223,20 @@ if GLUON:
             mbarrier.arrive(turns.index((mine + 1) % CONSUMERS), count=1)
 
     @gluon.jit
-    def _consume(shared, out, drop, masks, WG: gl.constexpr, CONSUMERS: gl.constexpr,
+    def _consume(shared, out, drop, WG: gl.constexpr, CONSUMERS: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                 DROPOUT: gl.constexpr, MASK_WARPGROUP: gl.constexpr):
+                 DROPOUT: gl.constexpr):
         """A consumer warpgroup of a program that owns one Q tile."""
         mbarrier.wait(shared[3], 0)  # Q_i
-        _consume_tile(shared, out, drop, masks, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                      IS_CAUSAL, PINGPONG, OVERLAP, False, DROPOUT, MASK_WARPGROUP)
+        _consume_tile(shared, out, drop, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
+                      PINGPONG, OVERLAP, False, DROPOUT)
 
     @gluon.jit
-    def _consume_tile(shared, out, drop, masks, kv0, turn0, WG: gl.constexpr,
+    def _consume_tile(shared, out, drop, kv0, turn0, WG: gl.constexpr,
                       CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
-                      MASK_WARPGROUP: gl.constexpr):
+                      OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr):
         """A consumer warpgroup over one Q tile (Q_i in shared memory already): rows
         row0 + WG*M .. + M. kv0, turn0: the K/V tiles and turns this consumer went through
         before this Q tile (a persistent program's earlier tiles; 0 otherwise). DROPOUT: P_ij
@@ -344,10 +277,8 @@ if GLUON:
         m_i = gl.max(S_ij, axis=1) * qk_scale
         P_ij = gl.exp2(S_ij * qk_scale - m_i[:, None])
         l_i = gl.sum(P_ij, axis=1)
-        Z_ij = _drawn_mask(masks, kv0, WG, s_layout, DROPOUT and MASK_WARPGROUP)
-        P_ij = gl.convert_layout(_operand(P_ij.to(dtype), Z_ij, drop, rows, 0, Bc, s_layout,
-                                          DROPOUT, MASK_WARPGROUP),
-                                 p_layout)  # 16-bit A operand registers
+        P_ij = gl.convert_layout(_operand(P_ij.to(dtype), drop, rows, 0, Bc, s_layout,
+                                          DROPOUT), p_layout)  # 16-bit A operand registers
 
         for j in range(1, num_tiles):
             s = (kv0 + j) % STAGES
@@ -361,7 +292,6 @@ if GLUON:
                                  is_async=True)
             O_i = warpgroup_mma(P_ij, v_smem.index(prev), O_i, is_async=True)  # P_i,j-1 V_j-1
             _pass(turns, WG, CONSUMERS, PINGPONG)
-            Z_ij = _drawn_mask(masks, kv0 + j, WG, s_layout, DROPOUT and MASK_WARPGROUP)
             if OVERLAP:  # S_ij only (issued first, done first); P V runs on
                 S_ij = warpgroup_mma_wait(1, deps=(S_ij,))
             else:
@@ -376,8 +306,8 @@ if GLUON:
                 O_i = warpgroup_mma_wait(0, deps=(O_i,))
             mbarrier.arrive(kv_empty.index(prev), count=1)  # K_j-1 and V_j-1 read
             O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            P_ij = gl.convert_layout(_operand(P_next.to(dtype), Z_ij, drop, rows, j, Bc,
-                                              s_layout, DROPOUT, MASK_WARPGROUP), p_layout)
+            P_ij = gl.convert_layout(_operand(P_next.to(dtype), drop, rows, j, Bc, s_layout,
+                                              DROPOUT), p_layout)
 
         if PERSISTENT:  # every S_ij made: the copy warp may bring the next tile's Q
             mbarrier.arrive(q_empty, count=1)
@@ -486,12 +416,11 @@ if GLUON:
                 n += 1
 
     @gluon.jit
-    def _consume_persistent(shared, outs, work, drop, masks, WG: gl.constexpr,
+    def _consume_persistent(shared, outs, work, drop, WG: gl.constexpr,
                             CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
                             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                            LONGEST_FIRST: gl.constexpr, DROPOUT: gl.constexpr,
-                            MASK_WARPGROUP: gl.constexpr):
+                            LONGEST_FIRST: gl.constexpr, DROPOUT: gl.constexpr):
         """A consumer warpgroup of a persistent program: its rows of each Q tile in turn;
         the K/V ring's count and the ping-pong turns run on across tiles (a tile takes one
         turn more than it has K/V tiles)."""
@@ -508,9 +437,9 @@ if GLUON:
                 out = (O + (bh // H) * stride_qb + (bh % H) * stride_qh, L, stride_qn, row0,
                        bh * Nq, Nq, Nk, qk_scale, num_tiles, num_full)
                 mbarrier.wait(shared[3], n & 1)  # this tile's Q_i
-                _consume_tile(shared, out, (drop[0], drop[1], bh, drop[3], drop[4]), masks,
-                              kv, kv + n, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
-                              PINGPONG, OVERLAP, True, DROPOUT, MASK_WARPGROUP)
+                _consume_tile(shared, out, (drop[0], drop[1], bh, drop[3], drop[4]), kv,
+                              kv + n, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
+                              OVERLAP, True, DROPOUT)
                 kv += num_tiles
                 n += 1
 
@@ -532,14 +461,12 @@ if GLUON:
                            CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                            LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
-                           MASK_WARPGROUP: gl.constexpr, MASK_REGS: gl.constexpr):
+                           PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
         forward_kernel; or, PERSISTENT, one program per SM that takes the ``total`` Q tiles
         in turn. O has Q's strides; L is (B, H, Nq) contiguous, base-2. DROPOUT: RNG is the
         call's [seed, offset] tensor, threshold and keep_scale as ``forward.dropout_args``
-        gives them; MASK_WARPGROUP (two consumers): a warpgroup of its own, of MASK_REGS
-        registers a thread, draws Z_ij into shared memory while the consumers compute."""
+        gives them."""
         Br: gl.constexpr = CONSUMERS * _M
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, HEAD_DIM], dtype)
@@ -562,18 +489,6 @@ if GLUON:
         for c in gl.static_range(CONSUMERS):
             mbarrier.init(turns.index(c), count=1)
         mbarrier.arrive(turns.index(0), count=1)  # consumer 0 starts
-        masks = (0, 0, 0)
-        if MASK_WARPGROUP:  # each consumer's ring of Z_ij buffers, full and free
-            z_smem = gl.allocate_shared_memory(gl.uint8, [CONSUMERS * _Z_STAGES, _M, Bc],
-                                               _Z_LAYOUT)
-            z_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * _Z_STAGES, 1],
-                                                mbarrier.MBarrierLayout())
-            z_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS * _Z_STAGES, 1],
-                                                mbarrier.MBarrierLayout())
-            for z in gl.static_range(CONSUMERS * _Z_STAGES):
-                mbarrier.init(z_ready.index(z), count=1)
-                mbarrier.init(z_empty.index(z), count=1)
-            masks = (z_smem, z_ready, z_empty)
         fence_async_shared()
         shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty)
 
@@ -583,41 +498,28 @@ if GLUON:
             work = (H, GROUP, Nq, Nk, gl.cdiv(Nq, Br), total)
             outs = (O, L, stride_qb, stride_qh, stride_qn, qk_scale)
             drop = _dropout_state(RNG, 0, threshold, keep_scale, DROPOUT)  # bh: per tile
-            if MASK_WARPGROUP:
+            if CONSUMERS == 2:
                 gl.warp_specialize([
-                    (_consume_persistent, (shared, outs, work, drop, masks, 0, CONSUMERS,
-                                           HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, MASK_WARPGROUP)),
-                    (_consume_persistent, (shared, outs, work, drop, masks, 1, CONSUMERS,
-                                           HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, MASK_WARPGROUP)),
-                    (_draw_masks_persistent, (masks, work, drop, CONSUMERS, Bc, IS_CAUSAL,
-                                              LONGEST_FIRST)),
-                    (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
-                                        IS_CAUSAL, LONGEST_FIRST))],
-                    [4, 4, 1], [CONSUMER_REGS, MASK_REGS, 24])
-            elif CONSUMERS == 2:
-                gl.warp_specialize([
-                    (_consume_persistent, (shared, outs, work, drop, masks, 0, CONSUMERS,
-                                           HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, MASK_WARPGROUP)),
-                    (_consume_persistent, (shared, outs, work, drop, masks, 1, CONSUMERS,
-                                           HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, MASK_WARPGROUP)),
+                    (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
+                    (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST))],
                     [4, 1], [CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([
-                    (_consume_persistent, (shared, outs, work, drop, masks, 0, CONSUMERS,
-                                           HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, MASK_WARPGROUP)),
-                    (_consume_persistent, (shared, outs, work, drop, masks, 1, CONSUMERS,
-                                           HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, MASK_WARPGROUP)),
-                    (_consume_persistent, (shared, outs, work, drop, masks, 2, CONSUMERS,
-                                           HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, MASK_WARPGROUP)),
+                    (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
+                    (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
+                    (_consume_persistent, (shared, outs, work, drop, 2, CONSUMERS, HEAD_DIM,
+                                           Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                           LONGEST_FIRST, DROPOUT)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST))],
                     [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -641,38 +543,26 @@ if GLUON:
                    num_full)
             descs = (q_desc, k_desc, v_desc)
             drop = _dropout_state(RNG, bh, threshold, keep_scale, DROPOUT)
-            if MASK_WARPGROUP:
-                gl.warp_specialize([(_consume, (shared, out, drop, masks, 0, CONSUMERS,
-                                                 HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                                                 OVERLAP, DROPOUT, MASK_WARPGROUP)),
-                                    (_consume, (shared, out, drop, masks, 1, CONSUMERS,
-                                                 HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                                                 OVERLAP, DROPOUT, MASK_WARPGROUP)),
-                                    (_draw_tile_masks, (masks, drop, row0, 0, num_tiles,
-                                                        CONSUMERS, Bc)),
-                                    (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
-                                             STAGES))],
-                                   [4, 4, 1], [CONSUMER_REGS, MASK_REGS, 24])
-            elif CONSUMERS == 2:
-                gl.warp_specialize([(_consume, (shared, out, drop, masks, 0, CONSUMERS,
-                                                 HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                                                 OVERLAP, DROPOUT, MASK_WARPGROUP)),
-                                    (_consume, (shared, out, drop, masks, 1, CONSUMERS,
-                                                 HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                                                 OVERLAP, DROPOUT, MASK_WARPGROUP)),
+            if CONSUMERS == 2:
+                gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
+                                    (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 1], [CONSUMER_REGS, 24])
             else:
-                gl.warp_specialize([(_consume, (shared, out, drop, masks, 0, CONSUMERS,
-                                                 HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                                                 OVERLAP, DROPOUT, MASK_WARPGROUP)),
-                                    (_consume, (shared, out, drop, masks, 1, CONSUMERS,
-                                                 HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                                                 OVERLAP, DROPOUT, MASK_WARPGROUP)),
-                                    (_consume, (shared, out, drop, masks, 2, CONSUMERS,
-                                                 HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                                                 OVERLAP, DROPOUT, MASK_WARPGROUP)),
+                gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
+                                    (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
+                                    (_consume, (shared, out, drop, 2, CONSUMERS, HEAD_DIM, Bc,
+                                                 STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
+                                                 DROPOUT)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -689,8 +579,8 @@ def dropout_arguments(dropout_p: float, rng):
 
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
-            LONGEST_FIRST: bool = True, PERSISTENT: bool = False, MASK_WARPGROUP: bool = False,
-            MASK_REGS: int = 0, dropout_p: float = 0.0, rng=None):
+            LONGEST_FIRST: bool = True, PERSISTENT: bool = False, dropout_p: float = 0.0,
+            rng=None):
     """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
     written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
     warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
@@ -703,15 +593,10 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
     Hkv, Nk = k.shape[1], k.shape[2]
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
     rng, threshold, keep_scale = dropout_arguments(dropout_p, rng)
-    mask_warpgroup = bool(MASK_WARPGROUP) and rng is not None  # only dropout draws a mask
-    if mask_warpgroup and CONSUMERS != 2:
-        raise ValueError(f"MASK_WARPGROUP needs CONSUMERS=2, got {CONSUMERS}")
     consts = dict(HEAD_DIM=d, Bc=128, STAGES=STAGES, CONSUMERS=CONSUMERS,
                   IS_CAUSAL=bool(is_causal), PINGPONG=PINGPONG, OVERLAP=OVERLAP,
                   LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,
-                  PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None,
-                  MASK_WARPGROUP=mask_warpgroup, MASK_REGS=MASK_REGS if mask_warpgroup else 0,
-                  num_warps=4)
+                  PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None, num_warps=4)
     grid = (triton.cdiv(Nq, CONSUMERS * M), B * H)
     total = grid[0] * grid[1]
     if PERSISTENT:  # one program per SM (one fits: the stages take most of shared memory)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import statistics
 import sys
 import time
 
@@ -117,8 +118,15 @@ def train_run(method, T, args, data) -> dict:
                 trainer.train_step()
             torch.cuda.synchronize()
             start = time.perf_counter()
-            losses = [trainer.train_step() for _ in range(args.steps)]  # .item() syncs each step
+            losses, each = [], []
+            for _ in range(args.steps):  # a step ends in the loss's .item(): a sync
+                began = time.perf_counter()
+                losses.append(trainer.train_step())
+                each.append(1e3 * (time.perf_counter() - began))
             elapsed = time.perf_counter() - start
+        # each step's time too: whether a mean is one slow step or every step slower
+        row.update(step_ms_each=[round(ms, 2) for ms in each],
+                   step_ms_median=statistics.median(each))
         row.update(status="ok", step_ms=1e3 * elapsed / args.steps,
                    tokens_per_s=B * T * args.steps / elapsed,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30, last_loss=losses[-1])

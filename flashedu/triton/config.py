@@ -227,7 +227,7 @@ _FA3_DROPOUT = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False
 # and dS made each step: 216 -> 24 bytes of spills a thread, 1.17-1.20x faster (at d=64,
 # which does not spill, 0.95-1.0x). With dropout at d=64 the mask selects P_ij once, in
 # float32, and dS_ij = (Z_ij P_ij) dP_ij - P_ij D_i: 1.5-3% faster than selecting P_ij in 16
-# bits and dP_ij in float32; at d=128 it spills and runs 2-4% slower (H200, p=0.1, N=4096)
+# bits and dP_ij in float32; at d=128 it spills and runs 3-5% slower (H200, p=0.1, N=4096)
 _FA3_BACKWARD = BackwardSchedule(stages=2, dq_buffers=1, select_once=True)
 _FA3_BACKWARD_128 = BackwardSchedule(stages=2, dq_buffers=1, fresh_descriptors=True)
 GPU_16BIT = {

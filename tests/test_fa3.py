@@ -319,6 +319,55 @@ def test_a_dropout_call_hands_its_rng_to_the_schedule(monkeypatch):
     assert seen[-1] == ("forward", 0.0, None)
 
 
+def test_a_call_with_other_settings_does_not_repeat_a_plan_made_with_others(monkeypatch):
+    """Two table entries whose schedules differ, one call layout: each entry's first call
+    launches with its own settings (a plan repeats only what was made with the same ones),
+    and a second call with the first entry starts that entry's plan again."""
+    from flashedu.triton import config, fa3_backward, fast, launch
+
+    made = []
+
+    class Recorded:  # a launch to start again
+        hit = device = None  # (what fast.stream_for reads: no compiled kernel to start)
+
+        def __init__(self, kind, settings):
+            self.kind, self.settings = kind, settings
+
+        def start(self, *tensors, stream=None):
+            made.append((self.kind, "start", self.settings))
+
+    def fake_forward(q, k, v, o, lse2, *, dropout_p, rng, **settings):
+        made.append(("forward", "made", settings["CONSUMERS"]))
+        o.zero_()
+        lse2.zero_()
+        return Recorded("forward", settings["CONSUMERS"])
+
+    def fake_step(*live, dropout_p, SELECT_ONCE, **settings):
+        made.append(("backward", "made", SELECT_ONCE))
+        return Recorded("backward", SELECT_ONCE)
+
+    entries = [dataclasses.replace(config.INTERPRETER, schedule=config.Schedule(n, 3, 240),
+                                   schedule_from=64,
+                                   backward_schedule=config.BackwardSchedule(select_once=once))
+               for n, once in ((2, False), (3, True))]
+    monkeypatch.setattr(launch, "FA3_BACKWARD", True)
+    monkeypatch.setattr(fa3, "usable", lambda *a: True)
+    monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
+    monkeypatch.setattr(fa3, "forward", fake_forward)
+    monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(fake_step))
+    monkeypatch.setattr(fast, "PLANS", {})
+    q, k, v, do = (torch.randn(1, 2, 64, 16) for _ in range(4))
+    D = torch.zeros(1, 2, 64)
+    call = ops.Call(False, 0.25)
+    for entry in (*entries, entries[0]):
+        monkeypatch.setattr(launch, "resolve_config", lambda *a, entry=entry, **kw: entry)
+        o, lse2 = launch.forward(q, k, v, call, interpreted=False)
+        launch.backward(q, k, v, o, lse2, do, call, D=D, config=entry, interpreted=False)
+    assert made == [("forward", "made", 2), ("backward", "made", False),
+                    ("forward", "made", 3), ("backward", "made", True),
+                    ("forward", "start", 2), ("backward", "start", False)]
+
+
 def test_the_backward_takes_the_schedule_where_the_table_and_the_call_allow(monkeypatch):
     """launch.backward's dispatch, without a GPU (the kernel's step replaced by a recorder): a
     table entry that asks for the schedule and a call it can serve make the step once, later

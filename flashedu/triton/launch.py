@@ -131,8 +131,10 @@ def _fa3_forward(q, k, v, call, settings, keep):
     Triton kernel's."""
     (q,), (o,) = outputs_like(q)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    # the settings too (one function makes them, keys in one order): a call given another
+    # table entry (``config``) launches its own
     key = fast.signature((q, k, v), id(fa3.fa3_forward_kernel), call.is_causal, call.scale,
-                         call.dropout_p)
+                         call.dropout_p, *settings.values())
     plan = fast.PLANS.get(key)
     if plan is not None:
         plan.start(q, k, v, o, lse2, *_rng_of(call))
@@ -358,7 +360,8 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep, rows):
         D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     live = (q, k, v, do, lse2, D, dq, dk, dv) + _rng_of(call)
     key = fast.signature((q, k, v, o, do, lse2), id(fa3_backward.fa3_backward_kernel), own_D,
-                         call.is_causal, call.scale, call.dropout_p)
+                         call.is_causal, call.scale, call.dropout_p, rows,
+                         *settings.values())
     plan = fast.PLANS.get(key)
     if plan is None:
         first = _preprocess(o, do, D, rows, planned=True) if own_D else None

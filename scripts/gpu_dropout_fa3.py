@@ -6,7 +6,9 @@ medians in microseconds, each shape's calls timed in one process).
     python scripts/gpu_dropout_fa3.py                       # prints the table
     python scripts/gpu_dropout_fa3.py --json out/drop_fa3.json
 
-The schedules are those the table could give a dropout call: the p = 0 schedule at d = 64 (three
+Also the fa3 backward with dropout's select flipped (``BackwardSchedule.select_once``: P_ij
+selected once in float32, or P_ij in 16 bits and dP_ij). The schedules are those the table
+could give a dropout call: the p = 0 schedule at d = 64 (three
 consumers of 160 registers, persistent), two consumers of 240 registers with or without
 ping-pong, persistent or a program per Q tile. Without an sm_90 GPU and Triton 3.6 it says so
 and exits.
@@ -69,6 +71,13 @@ def one_shape(B, H, N, d, causal, p) -> dict:
     o, lse2 = launch.forward(q, k, v, dropped, interpreted=False)
     timed("bwd p triton", lambda: launch.backward(q, k, v, o, lse2, do, dropped,
                                                   config=triton_only, interpreted=False))
+    if entry.backward_schedule is not None:  # the fa3 backward with the mask's select flipped
+        schedule = entry.backward_schedule
+        flipped = dataclasses.replace(entry, backward_schedule=dataclasses.replace(
+            schedule, select_once=not schedule.select_once))
+        label = "bwd p select " + ("twice" if schedule.select_once else "once")
+        timed(label, lambda: launch.backward(
+            q, k, v, o, lse2, do, dropped, config=flipped, interpreted=False))
     o, lse2 = torch.empty_like(q), torch.empty(B, H, N, device="cuda")
     for name, settings in SCHEDULES.items():
         if d == 128 and settings["CONSUMERS"] == 3:
@@ -106,6 +115,10 @@ def main(argv=None) -> int:
               f"({(us['fwd p table'] + us['bwd p table']) / base:.2f}x), Triton kernels "
               f"{us['fwd p triton']:.0f} + {us['bwd p triton']:.0f} "
               f"({(us['fwd p triton'] + us['bwd p triton']) / base:.2f}x)")
+        for times in ("once", "twice"):
+            if f"bwd p select {times}" in us:
+                print(f"    fa3 backward with the mask's select flipped (P_ij selected "
+                      f"{times}): {us[f'bwd p select {times}']:.0f}")
         print("    fa3 forward with dropout: " + ", ".join(
             f"{name} {us[f'fwd p {name}']:.0f}" for name in SCHEDULES
             if f"fwd p {name}" in us), flush=True)

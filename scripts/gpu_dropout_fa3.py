@@ -6,12 +6,11 @@ medians in microseconds, each shape's calls timed in one process).
     python scripts/gpu_dropout_fa3.py                       # prints the table
     python scripts/gpu_dropout_fa3.py --json out/drop_fa3.json
 
-Also the fa3 backward with dropout's select flipped (``BackwardSchedule.select_once``: P_ij
-selected once in float32, or P_ij in 16 bits and dP_ij). The schedules are those the table
-could give a dropout call: the p = 0 schedule at d = 64 (three
+The schedules are those the table could give a dropout call: the p = 0 schedule at d = 64 (three
 consumers of 160 registers, persistent), two consumers of 240 registers with or without
-ping-pong, persistent or a program per Q tile. Without an sm_90 GPU and Triton 3.6 it says so
-and exits.
+ping-pong, persistent or a program per Q tile. Also the fa3 backward with dropout's select
+flipped (``BackwardSchedule.select_once``: P_ij selected once in float32, or P_ij in 16 bits
+and dP_ij in float32). Without an sm_90 GPU and Triton 3.6 it says so and exits.
 """
 
 from __future__ import annotations

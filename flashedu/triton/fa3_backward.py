@@ -377,8 +377,9 @@ def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, S
     DQ_BUFFERS for dQ_i on its way to the writer, CONSUMER_REGS registers a consumer thread,
     FRESH_DESCRIPTORS whether the loop-invariant operands' descriptors are made each step,
     SELECT_ONCE whether dropout's mask selects P_ij once in float32 (dS from it) instead of
-    P_ij in 16 bits and dP_ij. dropout_p > 0: rng is the forward's [seed, offset] tensor. Returns the launch
-    (``fast.Launch``), to be repeated with other tensors (and rng) laid out alike."""
+    P_ij in 16 bits and dP_ij. dropout_p > 0: rng is the forward's [seed, offset] tensor.
+    Returns the launch (``fast.Launch``), to be repeated with other tensors (and rng) laid out
+    alike."""
     from .fa3 import dropout_arguments
     from .fast import Launch, ensure_allocator, run
 

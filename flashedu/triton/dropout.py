@@ -118,14 +118,14 @@ def keep_flags(word, threshold):
     bit 7), and the carry out is the majority of the byte's top bit, (256 - t)'s top bit and
     that carry."""
     T = 256 - tl.cast(threshold, tl.uint32)  # 1 .. 255
-    low = (T & 0x7F) * 0x01010101  # T's low seven bits, in every byte
     top = tl.where(T >= 128, 0xFFFFFFFF, 0).to(tl.uint32)  # T's top bit, in every byte
-    if PTX:
+    if PTX:  # T's low seven bits go in as they are: the asm spreads them over the bytes
         word, T = tl.broadcast(word, T & 0x7F)
         word, top = tl.broadcast(word, top)
         return tl.inline_asm_elementwise(_MAJORITY, "=r,r,r,r", [word, T, top],
                                          dtype=tl.uint32, is_pure=True, pack=1)
     else:
+        low = (T & 0x7F) * 0x01010101  # T's low seven bits, in every byte
         y = (word & 0x7F7F7F7F) + low
         return (word & y) | (word & top) | (y & top)
 

@@ -270,11 +270,24 @@ def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monke
     assert len(settings_seen) == 1
 
 
+def _replace_fa3_launches(monkeypatch, forward, made):
+    """Without a GPU: fa3's forward launch and its backward step replaced by ``forward`` and
+    ``made``, both taken wherever the table asks for them, no launch plan kept yet."""
+    from flashedu.triton import fa3_backward, fast, launch
+
+    monkeypatch.setattr(launch, "FA3_BACKWARD", True)
+    monkeypatch.setattr(fa3, "usable", lambda *a: True)
+    monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
+    monkeypatch.setattr(fa3, "forward", forward)
+    monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(made))
+    monkeypatch.setattr(fast, "PLANS", {})
+
+
 def test_a_dropout_call_hands_its_rng_to_the_schedule(monkeypatch):
     """A call with dropout goes to the fa3 forward and backward with its rate and its RNG
     state, and a repeat starts their plans with the new call's RNG state (each call draws its
     own mask); a call without dropout keeps plans of its own."""
-    from flashedu.triton import config, fa3_backward, fast, launch
+    from flashedu.triton import config, launch
 
     seen = []
 
@@ -300,12 +313,7 @@ def test_a_dropout_call_hands_its_rng_to_the_schedule(monkeypatch):
     entry = dataclasses.replace(config.INTERPRETER, schedule=config.Schedule(2, 3, 240),
                                 schedule_from=64, backward_schedule=config.BackwardSchedule())
     monkeypatch.setattr(launch, "resolve_config", lambda *a, **kw: entry)
-    monkeypatch.setattr(launch, "FA3_BACKWARD", True)
-    monkeypatch.setattr(fa3, "usable", lambda *a: True)
-    monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
-    monkeypatch.setattr(fa3, "forward", fake_forward)
-    monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(made))
-    monkeypatch.setattr(fast, "PLANS", {})
+    _replace_fa3_launches(monkeypatch, fake_forward, made)
     q, k, v, do = (torch.randn(1, 2, 64, 16) for _ in range(4))
     D = torch.zeros(1, 2, 64)
     rngs = [torch.tensor([s, 7]) for s in (1, 2)]
@@ -323,7 +331,7 @@ def test_a_call_with_other_settings_does_not_repeat_a_plan_made_with_others(monk
     """Two table entries whose schedules differ, one call layout: each entry's first call
     launches with its own settings (a plan repeats only what was made with the same ones),
     and a second call with the first entry starts that entry's plan again."""
-    from flashedu.triton import config, fa3_backward, fast, launch
+    from flashedu.triton import config, launch
 
     made = []
 
@@ -350,12 +358,7 @@ def test_a_call_with_other_settings_does_not_repeat_a_plan_made_with_others(monk
                                    schedule_from=64,
                                    backward_schedule=config.BackwardSchedule(select_once=once))
                for n, once in ((2, False), (3, True))]
-    monkeypatch.setattr(launch, "FA3_BACKWARD", True)
-    monkeypatch.setattr(fa3, "usable", lambda *a: True)
-    monkeypatch.setattr(fa3_backward, "usable", lambda *a: True)
-    monkeypatch.setattr(fa3, "forward", fake_forward)
-    monkeypatch.setattr(fa3_backward.Step, "made", staticmethod(fake_step))
-    monkeypatch.setattr(fast, "PLANS", {})
+    _replace_fa3_launches(monkeypatch, fake_forward, fake_step)
     q, k, v, do = (torch.randn(1, 2, 64, 16) for _ in range(4))
     D = torch.zeros(1, 2, 64)
     call = ops.Call(False, 0.25)

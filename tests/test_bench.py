@@ -622,3 +622,42 @@ def test_bench_host_times_the_python_of_a_call_with_dropout(tmp_path, capsys):
                                                          for m in host.MODES}
     assert all(r["dropout"] == 0.1 and r["us"] > 0 for r in rows)
     assert "tiny dropout 0.1" in capsys.readouterr().out
+
+
+def test_gpt_times_the_methods_one_step_each_in_turn(monkeypatch):
+    """``flashedu bench gpt`` takes one step of each method in turn (a slow stretch of the GPU
+    then falls on all of them); a method that fails at one T is not run at a longer one, and a
+    step that fails marks only its own method."""
+    from flashedu.benchmarks import gpt
+
+    taken = []
+
+    class Trainer:
+        def __init__(self, method, T):
+            self.method, self.T = method, T
+
+        def train_step(self):
+            taken.append(self.method)
+            if self.method == "naive" and self.T == 2048:
+                raise torch.OutOfMemoryError("2048 keys do not fit")
+            return 1.5
+
+    def warm_up(method, T, args, data):
+        return {"method": method, "seq_len": T, "batch": 8, "peak_gib": 1.0}, Trainer(method, T)
+
+    monkeypatch.setattr(gpt, "warm_up", warm_up)
+    monkeypatch.setattr(gpt, "free_memory", lambda: None)
+    args = gpt.parse_args(["--steps", "3", "--seq-lens", "1024"])
+    methods, failed = ["naive", "flashedu-triton", "sdpa-flash"], {}
+    rows = gpt.train_runs(methods, 1024, args, None, failed)
+    assert taken == methods * 3
+    for row in rows:
+        assert row["status"] == "ok" and len(row["step_ms_each"]) == 3 and row["last_loss"] == 1.5
+        assert row["step_ms"] == pytest.approx(sum(row["step_ms_each"]) / 3, abs=0.01)
+        assert row["step_ms_median"] == pytest.approx(sorted(row["step_ms_each"])[1], abs=0.01)
+    taken.clear()
+    rows = gpt.train_runs(methods, 2048, args, None, failed)
+    assert [r["status"] for r in rows] == ["oom", "ok", "ok"] and failed == {"naive": "oom"}
+    assert taken == ["naive"] + methods[1:] * 3
+    rows = gpt.train_runs(methods, 4096, args, None, failed)
+    assert rows[0]["status"] == "oom" and "not run" in rows[0]["note"]

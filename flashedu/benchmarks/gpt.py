@@ -5,7 +5,8 @@
 For each attention and sequence length T (512 ... 8192) it trains GPTConfig's default model, the
 GPT-3-style GPT3Config of the README of PeTeRr0/FlashAttention-pytorch (d_model 768, 12 layers,
 12 heads, vocabulary 50257), under bf16 autocast with the same number of
-tokens per optimizer step (batch = tokens / T), a few warmup steps, then timed steps, and records
+tokens per optimizer step (batch = tokens / T), a few warmup steps, then timed steps, one step of
+each method in turn (a slow stretch of the GPU's clocks then falls on all of them), and records
 tokens/s and peak memory. Holding tokens per step fixed makes every cost outside attention the
 same at every T, so what changes with T is attention's: FlashAttention's memory is linear in T per
 sequence (flat here), naive attention's quadratic (growing here), until it runs out of memory.
@@ -101,7 +102,10 @@ def check_triton() -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-def train_run(method, T, args, data) -> dict:
+def warm_up(method, T, args, data):
+    """A fresh model on ``method`` after its warmup steps: (row, trainer), the trainer None if
+    it failed (row["status"] says how). The row's peak_gib is this model's own peak (its
+    parameters, optimizer state, a step's activations), whatever else is resident."""
     B = args.tokens_per_step // T
     row = {"method": method, "seq_len": T, "batch": B}
     config = GPTConfig(max_seq_len=T, n_layers=args.n_layers, dropout=args.dropout, mixed_precision=True,
@@ -110,34 +114,80 @@ def train_run(method, T, args, data) -> dict:
     settings = TrainSettings(batch_size=B, seq_len=T, max_steps=1000, progress=False)
     trainer = None
     try:
-        free_memory()
+        torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         trainer = Trainer(config, settings, data=data)
         with attention_context(method):
             for _ in range(args.warmup):
                 trainer.train_step()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            losses, each = [], []
-            for _ in range(args.steps):  # a step ends in the loss's .item(): a sync
-                began = time.perf_counter()
-                losses.append(trainer.train_step())
-                each.append(1e3 * (time.perf_counter() - began))
-            elapsed = time.perf_counter() - start
-        # each step's time too: whether a mean is one slow step or every step slower
-        row.update(step_ms_each=[round(ms, 2) for ms in each],
-                   step_ms_median=statistics.median(each))
-        row.update(status="ok", step_ms=1e3 * elapsed / args.steps,
-                   tokens_per_s=B * T * args.steps / elapsed,
-                   peak_gib=torch.cuda.max_memory_allocated() / 2**30, last_loss=losses[-1])
+        row["peak_gib"] = (torch.cuda.max_memory_allocated() - resident) / 2**30
+        return row, trainer
     except torch.OutOfMemoryError:
-        row.update(status="oom", peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        row.update(status="oom", peak_gib=(torch.cuda.max_memory_allocated() - resident) / 2**30)
+        if resident:
+            row["note"] = f"beside {resident / 2**30:.1f} GiB of the other methods' models"
     except Exception as exc:  # noqa: BLE001 - record it, and measure the other configurations
         row.update(status="error", error=f"{type(exc).__name__}: {exc}")
+    del trainer
+    free_memory()
+    return row, None
+
+
+def timed_steps(runs, args) -> None:
+    """Time ``args.steps`` optimizer steps of every (row, trainer) in ``runs``, one step of each
+    in turn: a drift of the GPU's speed over the run (its clocks follow its power and
+    temperature) then falls on every method alike, where timing one method's steps
+    after another's would charge it to whichever ran in the slower stretch. Each step ends in
+    its loss's .item(), a sync, so its host time is its whole time. Fills in each row."""
+    each = {id(row): [] for row, _ in runs}
+    losses = {}
+    for _ in range(args.steps):
+        for row, trainer in runs:
+            if row.get("status"):
+                continue  # failed in an earlier turn
+            try:
+                with attention_context(row["method"]):
+                    began = time.perf_counter()
+                    losses[id(row)] = trainer.train_step()
+                    each[id(row)].append(1e3 * (time.perf_counter() - began))
+            except torch.OutOfMemoryError:
+                row.update(status="oom", note="out of memory beside the other methods' models")
+            except Exception as exc:  # noqa: BLE001 - record it, and time the others
+                row.update(status="error", error=f"{type(exc).__name__}: {exc}")
+    for row, _ in runs:
+        if row.get("status"):
+            continue
+        ms = each[id(row)]
+        # each step's time too: whether a mean is one slow step or every step slower
+        row.update(status="ok", step_ms=statistics.mean(ms), step_ms_median=statistics.median(ms),
+                   step_ms_each=[round(t, 2) for t in ms],
+                   tokens_per_s=row["batch"] * row["seq_len"] / (statistics.mean(ms) / 1e3),
+                   last_loss=losses[id(row)])
+
+
+def train_runs(methods, T, args, data, failed: dict) -> list[dict]:
+    """One row per method at sequence length T: warmed up one after another, timed in turn.
+    ``failed``: method -> the status that a shorter T ended in (those are not run)."""
+    runs, rows = [], []
+    for method in methods:
+        if method in failed:  # tokens per step are fixed: a longer T never needs less memory
+            rows.append({"method": method, "seq_len": T, "batch": args.tokens_per_step // T,
+                         "status": failed[method], "note": "not run: a shorter T already failed"})
+            continue
+        row, trainer = warm_up(method, T, args, data)
+        rows.append(row)
+        if trainer is not None:
+            runs.append((row, trainer))
+    try:
+        timed_steps(runs, args)
     finally:
-        del trainer
+        runs.clear()  # the trainers go before the next T's are built
         free_memory()
-    return row
+    for row in rows:
+        if row["status"] != "ok":
+            failed.setdefault(row["method"], row["status"])
+    return rows
 
 
 def attention_memory(method, T, args) -> dict:
@@ -177,15 +227,17 @@ def longest_fit(results, method):
 
 def print_table(results, seq_lens, methods):
     print(f"\nGPT-2 small training, bf16, {results[0]['batch'] * results[0]['seq_len']} tokens/step")
-    print(f"{'T':>6} | " + " | ".join(f"{m:>28}" for m in methods))
+    print("step time: mean (median) of steps taken in turn with the other methods'")
+    print(f"{'T':>6} | " + " | ".join(f"{m:>40}" for m in methods))
     for T in seq_lens:
         cells = []
         for m in methods:
             r = next(r for r in results if r["method"] == m and r["seq_len"] == T)
-            cells.append(f"{r['step_ms']:6.1f} ms {r['tokens_per_s'] / 1e3:6.1f} ktok/s "
+            cells.append(f"{r['step_ms']:6.1f} ({r['step_ms_median']:6.1f}) ms "
+                         f"{r['tokens_per_s'] / 1e3:6.1f} ktok/s "
                          f"{r['peak_gib']:5.1f} GiB"
                          if r["status"] == "ok" else r["status"])
-        print(f"{T:>6} | " + " | ".join(f"{c:>28}" for c in cells))
+        print(f"{T:>6} | " + " | ".join(f"{c:>40}" for c in cells))
 
 
 def environment(args, argv) -> dict:
@@ -195,6 +247,7 @@ def environment(args, argv) -> dict:
     return {**env, "device": f"{env['device']}, {env['device_memory']}",
             "tokens_per_step": args.tokens_per_step,
             "warmup_steps": args.warmup, "timed_steps": args.steps,
+            "timing": "one step of each method in turn, each step ended by a sync",
             "model": {"d_model": 768, "n_layers": args.n_layers, "n_heads": 12, "d_ff": 3072,
                       "vocab_size": 50257, "dropout": args.dropout, "autocast": "bf16",
                       "optimizer": "AdamW", "grad_clip": 1.0}}
@@ -214,18 +267,12 @@ def main(argv=None) -> int:
         methods.remove("flashedu-triton")
     report["methods"] = methods
     data = torch.randint(0, 50257, (4_000_000,), generator=torch.Generator().manual_seed(0))
-    results, attn = [], []
-    for method in methods:
-        failed = None
-        for T in seq_lens:
-            if failed is None:
-                row = train_run(method, T, args, data)
-                failed = None if row["status"] == "ok" else row["status"]
-            else:  # tokens per step are fixed: a longer T never needs less memory
-                row = {"method": method, "seq_len": T, "batch": args.tokens_per_step // T,
-                       "status": failed, "note": "not run: a shorter T already failed"}
+    results, attn, failed = [], [], {}
+    for T in seq_lens:
+        for row in train_runs(methods, T, args, data, failed):
             print(json.dumps(row), flush=True)
             results.append(row)
+        for method in methods:
             attn.append(attention_memory(method, T, args))
             print(json.dumps(attn[-1]), flush=True)
     report["results"], report["attention_memory"] = results, attn

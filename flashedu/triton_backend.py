@@ -185,9 +185,9 @@ def make_repeat(q, k, v, is_causal: bool, scale: float, block_mask=None, dropout
     interpreted = runtime.triton_interpreted()
     if interpreted and q.dtype != torch.float32:  # the interpreter runs float32 copies
         return None
-    for t in (q, k, v):  # the general path copies these: last dim strided, or memory that
-        # overlaps or has gaps (its outputs could not take the input's strides)
-        if t.stride(-1) != 1 or torch.empty_like(t).stride() != t.stride():
+    for t in (q, k, v):  # the general path copies these (q, k, v views of one projection
+        # with gaps between their rows are taken as they are)
+        if t.stride(-1) != 1:
             return None
     config = resolve_config(q.shape[-1], q.dtype, block_mask, q.device)
     return Repeat(is_causal, scale, block_mask, config, interpreted, dropout_p)
@@ -230,7 +230,7 @@ class Repeat:
             out = launch.forward(q, k, v, call, interpreted=self.interpreted, keep=kept)
             self.forward_plan = kept[0] if kept else None
             return out
-        o = torch.empty_like(q)
+        o = launch.dense_like(q)  # as the general path lays it out
         lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         # the call's own tensors after the five it leads with: the RNG state, the sinks
         fresh = () if call.rng is None else (call.rng,)
@@ -241,7 +241,7 @@ class Repeat:
     def backward(self, q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None):
         """(dQ, dK, dV) as ``launch.backward`` returns them (a plain call has no lse or
         attn_mask to differentiate)."""
-        do = do.contiguous()  # as the general path hands it to the kernels
+        do = launch.dout_layout(q, do)  # as the general path hands it to the kernels
         # a D given (the sinks' pass made it) means a plan without the preprocess
         layout = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, D is None)
         if self.backward_plan is None or layout != self.dout_layout:
@@ -252,7 +252,7 @@ class Repeat:
                 self.backward_plan, self.dout_layout = kept[0], layout
             return grads
         first, launches = self.backward_plan
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = launch.dense_like(q), launch.dense_like(k), launch.dense_like(v)
         if D is None:
             D = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         stream = fast.stream_for(first, *launches)  # the checks, once for all launches

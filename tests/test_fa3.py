@@ -138,6 +138,43 @@ def test_attention_takes_the_schedule_from_the_table(d, causal):
 
 @pytest.mark.gpu
 @needs_fa3
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_views_of_one_projection_take_the_schedule_as_contiguous_inputs(d, causal):
+    """q, k, v split out of one (B, N, 3, H, d) projection (gaps between rows) at the table's
+    lengths: the forward is fa3's on a copy of q laid out as its output, (B, N, H, d), and
+    equals the contiguous inputs' bit for bit; the gradients are right, and a second call
+    gives the same."""
+    from flashedu.triton import fast
+
+    fast.PLANS.clear()
+    entry = GPU_16BIT[d]
+    B, H = 1, 2
+    N = max(entry.schedule_from, entry.schedule.causal_from if causal else 0) + 77
+    g = torch.Generator(device="cuda").manual_seed(d + causal)
+    qkv = torch.randn(B, N, 3, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = qkv.requires_grad_().permute(2, 0, 3, 1, 4)
+    out = flashedu.attention(q, k, v, is_causal=causal, backend="triton")
+    assert fa3.fa3_forward_kernel in {plan.kernel for plan in fast.PLANS.values()}
+    assert out.transpose(1, 2).is_contiguous()
+    dense = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    assert torch.equal(out, flashedu.attention(*dense, is_causal=causal, backend="triton"))
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    ref = reference_attention(*dense, is_causal=causal)
+    ref = torch.autograd.grad(ref, dense, dout.double())
+    plain = naive_attention_torch(*dense, is_causal=causal, upcast=False)
+    plain = torch.autograd.grad(plain, dense, dout)
+    for n, (name, r, p) in enumerate(zip(("dq", "dk", "dv"), ref, plain)):
+        tolerance.check(dqkv[:, :, n].transpose(1, 2), r, p, dtype=torch.bfloat16,
+                        factor=tolerance.GRADIENT, floor_scale=tolerance.GRADIENT, name=name)
+    again = flashedu.attention(q, k, v, is_causal=causal, backend="triton")
+    assert torch.equal(again, out)
+    assert torch.equal(torch.autograd.grad(again, qkv, dout)[0], dqkv)
+
+
+@pytest.mark.gpu
+@needs_fa3
 def test_deterministic_mode_gives_the_same_gradients_every_run():
     """Where the table takes FlashAttention-3's backward (dQ added in L2 in arrival order),
     torch.use_deterministic_algorithms makes the public API's backward bit-identical run to

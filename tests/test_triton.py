@@ -575,6 +575,40 @@ def test_a_repeat_is_kept_per_signature(monkeypatch, change):
     assert len(repeats) == (1 if change == "dtype" else 2)
 
 
+def test_views_of_one_projection_reach_the_kernels_uncopied(monkeypatch):
+    """q, k, v split out of one (B, N, 3, H, d) projection, as a transformer layer does (gaps
+    between their rows): no copy of them, forward or backward; the output and the gradients
+    laid out (B, N, H, d), so that the layer's reshape to (B, N, H * d) is a view; the calls
+    repeat (the repeat starts its own launches); every value as from contiguous copies."""
+    from flashedu import triton_backend as repeat
+
+    repeats = _repeats(monkeypatch)
+    started = _started_launches(monkeypatch)
+    B, N, H, d = 2, 37, 3, 16
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, _c=torch.Tensor.contiguous,
+                        **kw: (copies.append(t.shape) if not t.is_contiguous() else None)
+                        or _c(t, *a, **kw))
+    for step in range(3):
+        qkv = torch.randn(B, N, 3, H, d, device=_device(), requires_grad=True)
+        dout = torch.randn(B, N, H, d, device=_device()).transpose(1, 2)  # as the layer's
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        out = flashedu.attention(q, k, v, is_causal=True, backend="triton")
+        (dqkv,) = torch.autograd.grad(out, qkv, dout)
+        assert copies == [], step
+        assert out.transpose(1, 2).is_contiguous()  # (B, N, H * d) is a view
+        dense = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+        copies.clear()
+        want = flashedu.attention(*dense, is_causal=True, backend="triton")
+        assert torch.equal(out, want)
+        grads = torch.autograd.grad(want, dense, dout)
+        assert torch.equal(dqkv, torch.stack(grads).permute(1, 3, 0, 2, 4))
+        copies.clear()
+    r = repeats[next(iter(repeats))]
+    assert isinstance(r, repeat.Repeat) and r.forward_plan is not None
+    assert r.forward_plan in started and r.backward_plan is not None
+
+
 def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
     """Negative and conjugate views, options of other types, masks, lse, a dropout rate of
     another type or off the stream's steps, and inputs the general path copies (a last dim
@@ -1369,7 +1403,8 @@ def test_the_sliding_window_is_compiled_not_read(monkeypatch, mod, Nq, Nk, band)
     assert (fwd["MASK_MOD"] is mods.sliding_window) == (bwd["MASK_MOD"] is mods.sliding_window) \
         == (band is not None)
     # the element masks (ELEM) go with the lists of the forward and of both backward passes
-    for elem in (fwd_args[15], bwd_args[24], bwd_args[25]):
+    at = list(inspect.signature(forward.forward_kernel.fn).parameters).index("ELEM")
+    for elem in (fwd_args[at], bwd_args[24], bwd_args[25]):
         assert (elem is not None) == (band is None)
     assert bool(built) == (band is None)  # a compiled window's element masks are never built
 

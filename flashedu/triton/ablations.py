@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .config import padded_head_dim
 from .forward import _LOG2E, LOG2E, _forward_step, _store_output, forward_launch, load_tile
-from .launch import interpreter_fp32, outputs_like, preprocess
+from .launch import dense_like, interpreter_fp32, preprocess
 from .tiles import full_tile, kv_tiles, masked_tile
 
 # --- forward: natural exp, and one masked loop ---------------------------------------------
@@ -78,8 +78,8 @@ def _step(O_i, l_i, m_i, Q_i, K_head, V_head, stride_kn, stride_vn, start_n, row
 
 
 @triton.jit
-def forward_variant_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP, Nq, Nk,
-                           d, LISTS, ELEM, Br: tl.constexpr, Bc: tl.constexpr,
+def forward_variant_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, stride_o, H,
+                           GROUP, Nq, Nk, d, LISTS, ELEM, Br: tl.constexpr, Bc: tl.constexpr,
                            HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
                            MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                            NATURAL_EXP: tl.constexpr, MASK_EVERY_TILE: tl.constexpr):
@@ -128,7 +128,7 @@ def forward_variant_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H
     if NATURAL_EXP:  # m_i in natural-log units: L_i = m_i + ln(l_i), stored in base 2
         m_i = m_i * 1.4426950408889634
     _store_output(O_i, l_i, m_i, O, L, b, h, bh * Nq, rows, dims, row_ok, dim_ok, Nq,
-                  stride_q)
+                  stride_o)
 
 
 def forward(q, k, v, *, is_causal, scale, tiles, interpreted, natural_exp=False,
@@ -136,7 +136,7 @@ def forward(q, k, v, *, is_causal, scale, tiles, interpreted, natural_exp=False,
     """(O, L2) as ``launch.forward`` returns them, computed by a variant (both switches False:
     the production code). Launched by the production launch code; TMA is not used."""
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
-    (q32,), (o,) = outputs_like(q32)
+    o = dense_like(q32)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     grid, args, consts = forward_launch(q32, k32, v32, o, lse2, is_causal=is_causal,
                                         scale=scale, block_mask=None, tiles=tiles,

@@ -188,14 +188,15 @@ def _store_output(O_i, l_i, m_i, O, L, b, h, row0, rows, dims, row_ok, dim_ok, N
 
 
 @triton.jit
-def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP, Nq, Nk, d,
+def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, stride_o, H, GROUP, Nq,
+                   Nk, d,
                    LISTS, ELEM, RNG, dropout, mod_args, prev, sinks, SEQS,
                    Br: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
                    SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None):
     """One program per (Q tile i, batch * query head). Strides come as (batch, head, row)
-    tuples (O has Q's); the options are None where a call has none, and then not compiled:
+    tuples; the options are None where a call has none, and then not compiled:
     LISTS a block mask's tile lists (tiles.py) and ELEM its partial tiles' element masks,
     RNG and dropout the dropout's state and (threshold, keep scale), mod_args = (bias,
     score_args, mask_args): SDPA's float attn_mask and what the SCORE_MOD and MASK_MOD hooks
@@ -216,7 +217,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
         if i * Br >= Nq:  # a Q tile past this sequence's end (the grid fits the longest)
             return
     Q += q0 * stride_q[2]
-    O += q0 * stride_q[2]
+    O += q0 * stride_o[2]
     K += k0 * stride_k[2]
     V += k0 * stride_v[2]
     rows = i * Br + tl.arange(0, Br)
@@ -240,7 +241,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
     if RNG is not None:
         drop = dropout_state(RNG, bh, dropout, i * Br)
     m_i, l_i, O_i = _initial_state(prev, sinks, b, h, bh, rows, dims, row_ok, dim_ok, Nq,
-                                   stride_q, Br, HEAD_DIM)
+                                   stride_o, Br, HEAD_DIM)
     # The K/V tiles this Q tile visits (tiles.py): num_full without an element mask, then the
     # causal diagonal and the ragged edge, from a block mask's lists or from the geometry.
     num, num_full, u0, a0, na, b0, idx_row, e0 = kv_tiles(i, b, h, LISTS, ELEM, Nq, Nk, diag,
@@ -266,7 +267,7 @@ def forward_kernel(Q, K, V, O, L, scale, stride_q, stride_k, stride_v, H, GROUP,
                                           SCORE_MOD, MASK_MOD)
     if drop is not None:  # Algorithm 2's 1 / (1 - p), once per row instead of once per entry
         O_i = O_i * drop[4]
-    _store_output(O_i, l_i, m_i, O, L, b, h, row0, rows, dims, row_ok, dim_ok, Nq, stride_q)
+    _store_output(O_i, l_i, m_i, O, L, b, h, row0, rows, dims, row_ok, dim_ok, Nq, stride_o)
 
 
 def dot_precision(dtype) -> str:
@@ -291,8 +292,7 @@ def _launch_consts(Nq, Nk, d, is_causal, tiles, interpreted):
 def forward_launch(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interpreted,
                    elements=False, seqs=None):
     """(grid, args, consts) of forward_kernel for these tensors, up to its ELEM: shared with
-    the variants of ``ablations.py``, whose kernels take the same arguments. ``o`` must have
-    q's strides. ``elements``: the lists carry the block mask's element masks. ``seqs``:
+    the variants of ``ablations.py``, whose kernels take the same arguments. ``elements``: the lists carry the block mask's element masks. ``seqs``:
     packed sequences (``flashedu.varlen.Packing``) in tensors of batch 1."""
     from . import sparse
 
@@ -300,8 +300,8 @@ def forward_launch(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, int
     Hkv, Nk = k.shape[1], k.shape[2]
     lists = sparse.kernel_lists(block_mask, tiles.Br, tiles.Bc, False, q.device, is_causal)
     elem = element_args(elements, block_mask, tiles.Br, tiles.Bc, False, q.device, is_causal)
-    args = (q, k, v, o, lse2, scale, *row_strides(seqs, q, k, v), H, H // Hkv, Nq, Nk, d, lists,
-            elem)
+    args = (q, k, v, o, lse2, scale, *row_strides(seqs, q, k, v, o), H, H // Hkv, Nq, Nk, d,
+            lists, elem)
     consts = dict(_launch_consts(Nq, Nk, d, is_causal, tiles, interpreted))
     if seqs is None:
         return (-(-Nq // tiles.Br), B * H), args, consts

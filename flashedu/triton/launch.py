@@ -39,14 +39,36 @@ def kernel_layout(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def dout_layout(q, do):
+    """dO as the backward's kernels take it: contiguous where q is (FlashAttention-3's
+    backward walks q's and dO's rows with one descriptor each), else with its own strides
+    (the Triton kernels take them apart from q's)."""
+    return do.contiguous() if q.is_contiguous() else kernel_layout(do)
+
+
+def dense_like(t):
+    """An empty tensor of t's shape and dtype, dense, with t's order of dims in memory (and the
+    last dim last): t's own strides when t is dense. The q, k, v views that a transformer
+    splits out of one (B, N, 3, H, d) projection leave gaps between rows; their outputs are
+    laid out (B, N, H, d), where the layer's next reshape to (B, N, H * d) is a view, as
+    SDPA's are."""
+    empty = torch.empty_like(t)  # t's strides if t is dense, else contiguous
+    if empty.stride() == t.stride() or t.dim() < 2:
+        return empty
+    last = t.dim() - 1
+    order = sorted(range(last), key=lambda i: -t.stride(i)) + [last]  # stable: ties keep order
+    out = torch.empty([t.shape[i] for i in order], dtype=t.dtype, device=t.device)
+    return out.permute(*sorted(range(t.dim()), key=order.__getitem__))
+
+
 def outputs_like(*tensors):
-    """Empty tensors with the strides of ``tensors`` (the kernels write each output with its
-    input's strides); inputs whose memory overlaps or has gaps are copied to contiguous first."""
-    outs = [torch.empty_like(t) for t in tensors]
-    if all(o.stride() == t.stride() for o, t in zip(outs, tensors)):
-        return tensors, outs
-    tensors = tuple(t.contiguous() for t in tensors)
-    return tensors, [torch.empty_like(t) for t in tensors]
+    """(inputs, outputs) for kernels that write each output with its input's strides: the
+    outputs dense (:func:`dense_like`), an input whose strides differ (memory with gaps or
+    overlaps) copied into its output's layout first."""
+    outs = [dense_like(t) for t in tensors]
+    tensors = tuple(t if o.stride() == t.stride() else torch.empty_like(o).copy_(t)
+                    for t, o in zip(tensors, outs))
+    return tensors, outs
 
 
 def _rng_of(call) -> tuple:
@@ -90,7 +112,7 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
         tiles = config.forward_tiles(block_mask, k.shape[2] if seqs is None else
                                      seqs.max_seqlen_k, dropout_p > 0)
     q32, k32, v32 = interpreter_fp32(interpreted, q, k, v)
-    (q32,), (o,) = outputs_like(q32)
+    o = dense_like(q32)  # the kernel takes O's strides apart from Q's: no copy of q
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if sinks is not None:
         sinks = sinks.float().contiguous()
@@ -128,7 +150,9 @@ def forward(q, k, v, call, *, tiles=None, interpreted=None, keep=None):
 
 def _fa3_forward(q, k, v, call, settings, keep):
     """The forward by FlashAttention-3's schedule (fa3.py), through a launch plan as the
-    Triton kernel's."""
+    Triton kernel's. Its O takes Q's strides: a q with gaps is copied first, and then the
+    plan is not kept for a Repeat, which would start it with the caller's q."""
+    given = q
     (q,), (o,) = outputs_like(q)
     lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     # the settings too (one function makes them, keys in one order): a call given another
@@ -142,7 +166,7 @@ def _fa3_forward(q, k, v, call, settings, keep):
         plan = fa3.forward(q, k, v, o, lse2, is_causal=call.is_causal, scale=call.scale,
                            dropout_p=call.dropout_p, rng=call.rng, **settings)
         fast.remember(key, plan)
-    if keep is not None:
+    if keep is not None and q is given:
         keep.append(plan)
     return o, lse2
 
@@ -235,7 +259,8 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
     ``into``: (dQ, dK, dV) buffers of q's, k's and v's shapes, any strides and dtypes: the
     kernels add this call's gradients to them (no tensors of the call's own; float32 buffers
     sum many calls with one rounding each). Returns ``into``."""
-    q, k, v, o, do = (kernel_layout(t) for t in (q, k, v, o, do))
+    q, k, v, o = (kernel_layout(t) for t in (q, k, v, o))
+    do = dout_layout(q, do)
     is_causal, scale, block_mask = call.is_causal, call.scale, call.block_mask
     dropout_p, rng, mods, seqs = call.dropout_p, call.rng, call.mods, call.seqs
     if interpreted is None:
@@ -255,8 +280,8 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
             _fa3_backward_failed(exc.__cause__)
     dtype = q.dtype
     q, k, v, o, do = interpreter_fp32(interpreted, q, k, v, o, do)
-    if into is None:
-        (q, k, v), (dq, dk, dv) = outputs_like(q, k, v)
+    if into is None:  # the kernels take each gradient's strides: no copies of q, k, v
+        dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
     else:
         dq, dk, dv = _check_into(into, q, k, v)
     config = config.backward_entry(is_causal, dropout_p > 0, block_mask,
@@ -352,7 +377,8 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep, rows):
     """The backward by FlashAttention-3's schedule (fa3_backward.py), through a launch plan as
     the Triton kernels': the preprocess's D = rowsum(dO * O) (unless given; ``rows`` a program, the
     entry's), then the kernel."""
-    (k, v), (dk, dv) = outputs_like(k, v)
+    given = (k, v)
+    (k, v), (dk, dv) = outputs_like(k, v)  # dK, dV take K's and V's strides
     dq = torch.empty_like(q)
     lse2 = lse2.contiguous()
     own_D = D is None
@@ -378,7 +404,7 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep, rows):
         if first is not None:
             first.start(o, do, D, stream=stream)
         step.start(*live, stream=stream)
-    if keep is not None:
+    if keep is not None and (k, v) == given:  # (copies: the Repeat would start it with others)
         keep.append(plan)
     return dq, dk, dv
 

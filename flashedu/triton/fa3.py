@@ -123,16 +123,10 @@ if GLUON:
                                           [BLOCK, HEAD_DIM], layout)
 
     @gluon.jit
-    def _load(heads, shared, row0, num_tiles, HEAD_DIM: gl.constexpr, CONSUMERS: gl.constexpr,
+    def _load(descs, shared, row0, num_tiles, CONSUMERS: gl.constexpr,
               Bc: gl.constexpr, STAGES: gl.constexpr):
-        """The copy warp: the head's descriptors, every consumer's Q rows once, then the K/V
-        tiles into the ring. The descriptors are made here, by the warp that hands them to
-        the copy engine: made by the other warps before the fork, they were read, with
-        other programs sharing the GPU, before they were complete (misaligned addresses)."""
-        Q_head, K_head, V_head, Nq, Nk, stride_qn, stride_kn, stride_vn = heads
-        q_desc = _descriptor(Q_head, Nq, stride_qn, _M, HEAD_DIM)
-        k_desc = _descriptor(K_head, Nk, stride_kn, Bc, HEAD_DIM)
-        v_desc = _descriptor(V_head, Nk, stride_vn, Bc, HEAD_DIM)
+        """The copy warp: every consumer's Q rows once, then the K/V tiles into the ring."""
+        q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
         mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(CONSUMERS):
@@ -539,12 +533,15 @@ if GLUON:
             h_kv = h // GROUP  # grouped-query attention
             row0 = i * Br
             q_off = b * stride_qb + h * stride_qh
-            heads = (Q + q_off, K + b * stride_kb + h_kv * stride_kh,
-                     V + b * stride_vb + h_kv * stride_vh, Nq, Nk, stride_qn, stride_kn,
-                     stride_vn)
+            q_desc = _descriptor(Q + q_off, Nq, stride_qn, _M, HEAD_DIM)
+            k_desc = _descriptor(K + b * stride_kb + h_kv * stride_kh, Nk, stride_kn, Bc,
+                                 HEAD_DIM)
+            v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc,
+                                 HEAD_DIM)
             num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
             out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles,
                    num_full)
+            descs = (q_desc, k_desc, v_desc)
             drop = _dropout_state(RNG, bh, threshold, keep_scale, DROPOUT)
             if CONSUMERS == 2:
                 gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
@@ -553,8 +550,8 @@ if GLUON:
                                     (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
                                                  DROPOUT)),
-                                    (_load, (heads, shared, row0, num_tiles, HEAD_DIM,
-                                             CONSUMERS, Bc, STAGES))],
+                                    (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
+                                             STAGES))],
                                    [4, 1], [CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
@@ -566,8 +563,8 @@ if GLUON:
                                     (_consume, (shared, out, drop, 2, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
                                                  DROPOUT)),
-                                    (_load, (heads, shared, row0, num_tiles, HEAD_DIM,
-                                             CONSUMERS, Bc, STAGES))],
+                                    (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
+                                             STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 

@@ -65,18 +65,13 @@ if GLUON:
     _KM = gl.constexpr(64)  # keys per consumer warpgroup: one wgmma's M
 
     @gluon.jit
-    def _load(tensors, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq,
-              HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr):
+    def _load(descs, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq,
+              Br: gl.constexpr, STAGES: gl.constexpr):
         """The copy warp: K_j and V_j once (both consumers' halves), then (Q_i, dO_i, L_i, D_i)
         of every query head of the group, tile by tile, into stage t % STAGES once both
         consumers freed it. Q_i and dO_i come by TMA; L_i and D_i by plain loads, as a tile of
-        them starts anywhere in a float32 row (the copy engine wants 16-byte aligned starts).
-        The descriptors are made here, by the warp that uses them (as fa3.py's ``_load``)."""
-        K_j, V_j, keys, stride_kn, stride_vn, Q, dO, stride_qn = tensors
-        k_desc = _descriptor(K_j, keys, stride_kn, _KM, HEAD_DIM)
-        v_desc = _descriptor(V_j, keys, stride_vn, _KM, HEAD_DIM)
-        q_desc = _descriptor(Q, total, stride_qn, Br, HEAD_DIM)
-        do_desc = _descriptor(dO, total, stride_qn, Br, HEAD_DIM)
+        them starts anywhere in a float32 row (the copy engine wants 16-byte aligned starts)."""
+        k_desc, v_desc, q_desc, do_desc = descs
         k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free = shared
         mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
         for w in gl.static_range(2):
@@ -99,14 +94,11 @@ if GLUON:
                 t += 1
 
     @gluon.jit
-    def _write_dq(dQ, total, dq_shared, row_base, Nq, nq_tiles, i0, GROUP,
-                  HEAD_DIM: gl.constexpr, Br: gl.constexpr):
+    def _write_dq(dq_desc, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, Br: gl.constexpr):
         """The dQ writer (one warp): each Q tile's dQ_i share, once both consumers stored their
         halves, added to the float32 dQ by the copy engine (a reduction in L2, 128-byte lines
         at a time; per-thread atomics measured 1.2-2.3x slower). Rows past a head's end add
-        zeros (their dS_ij is zero), rows past the tensor's are clipped. dQ's descriptor is
-        made here, by its one user."""
-        dq_desc = _descriptor(dQ, total, HEAD_DIM, Br, HEAD_DIM)
+        zeros (their dS_ij is zero), rows past the tensor's are clipped."""
         dq_smem, dq_ready, dq_free = dq_shared
         NB: gl.constexpr = dq_smem.shape[0]
         t = 0
@@ -304,26 +296,27 @@ if GLUON:
         k0 = j * 2 * _KM
         k_head = batch * stride_kb + h_kv * stride_kh
         v_head = batch * stride_vb + h_kv * stride_vh
+        k_desc = _descriptor(K + k_head + k0 * stride_kn, Nk - k0, stride_kn, _KM, HEAD_DIM)
+        v_desc = _descriptor(V + v_head + k0 * stride_vn, Nk - k0, stride_vn, _KM, HEAD_DIM)
         total = H * Nq * (batch + 1)  # rows up to this batch's end
+        q_desc = _descriptor(Q, total, stride_qn, Br, HEAD_DIM)
+        do_desc = _descriptor(dO, total, stride_qn, Br, HEAD_DIM)
         row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
         dtype: gl.constexpr = Q.dtype.element_ty
-        # the copies' layouts (their descriptors are made by the warps that use them)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KM, HEAD_DIM], dtype)
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Br, HEAD_DIM], dtype)
-        k_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KM, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, _KM, HEAD_DIM], kv_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, Br, HEAD_DIM], q_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, Br, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KM, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, _KM, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, Br, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, Br, HEAD_DIM], do_desc.layout)
         l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, Br], row_layout)
         d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, Br], row_layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KM, Br], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KM, Br], ds_layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Br, HEAD_DIM],
-                                                                       gl.float32)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, Br, HEAD_DIM], dq_layout)
+        dq_desc = _descriptor(dQ, total, HEAD_DIM, Br, HEAD_DIM)  # float32, added to by TMA
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, Br, HEAD_DIM],
+                                            dq_desc.layout)
         dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
         dq_free = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -346,8 +339,7 @@ if GLUON:
             i0 = k0 // Br
         row_base = (batch * H + h_kv * GROUP) * Nq  # the group's first query head's first row
         shared = (k_smem, v_smem, q_smem, do_smem, l_smem, d_smem, kv_ready, ready, free)
-        tensors = (K + k_head + k0 * stride_kn, V + v_head + k0 * stride_vn, Nk - k0,
-                   stride_kn, stride_vn, Q, dO, stride_qn)
+        descs = (k_desc, v_desc, q_desc, do_desc)
         ds_shared = (ds_smem, ds_ready, ds_free)
         dq_shared = (dq_smem, dq_ready, dq_free)
         drop = _dropout_state(RNG, batch * H + h_kv * GROUP, threshold, keep_scale, DROPOUT)
@@ -360,10 +352,9 @@ if GLUON:
             (_consume, (shared, ds_shared, dq_shared, dK, dV, stride_kn, stride_vn, k0, Nq, Nk,
                         qk_scale, scale, nq_tiles, i0, GROUP, drop, 1, HEAD_DIM, Br,
                         STAGES, IS_CAUSAL, FRESH_DESCRIPTORS, DROPOUT, SELECT_ONCE)),
-            (_load, (tensors, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq,
-                     HEAD_DIM, Br, STAGES)),
-            (_write_dq, (dQ, total, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, HEAD_DIM,
-                         Br)),
+            (_load, (descs, shared, L, Dl, total, row_base, nq_tiles, i0, GROUP, Nq, Br,
+                     STAGES)),
+            (_write_dq, (dq_desc, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, Br)),
         ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 

@@ -263,6 +263,27 @@ def test_calls_the_schedule_cannot_serve_are_refused(change):
     assert not fa3.usable(q, q, q, call)
 
 
+def test_the_environment_can_switch_the_schedule_off(monkeypatch):
+    """FLASHEDU_FA3=0 (for processes that share a GPU) leaves a call the kernel would serve to
+    the readable kernels, forward and backward, and ``flashedu doctor`` says why."""
+    import types
+
+    from flashedu.triton import fa3_backward, fast
+
+    monkeypatch.setattr(fa3, "GLUON", True)
+    monkeypatch.setattr(fast, "TRITON", fa3.TESTED_TRITON[0])
+    monkeypatch.setattr(fast, "tma_ok", lambda *tensors: True)
+    monkeypatch.setattr(fa3, "_capability", lambda index: (9, 0))
+    q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16,
+                              shape=(1, 2, 4096, 64), is_contiguous=lambda: True)
+    call = ops.Call(True, 0.125)
+    monkeypatch.delenv(fa3.SWITCH_ENV, raising=False)
+    assert fa3.usable(q, q, q, call) and fa3_backward.usable(q, q, q, q, call)
+    monkeypatch.setenv(fa3.SWITCH_ENV, "0")
+    assert not fa3.usable(q, q, q, call) and not fa3_backward.usable(q, q, q, q, call)
+    assert fa3.status() == "off: FLASHEDU_FA3=0"
+
+
 def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monkeypatch):
     """launch.forward's dispatch, without a GPU (fa3's launch replaced by a recorder): a table
     entry that asks for the schedule and a call it can serve go to fa3.forward once, later

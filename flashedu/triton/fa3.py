@@ -36,6 +36,7 @@ on Triton 3.9 (``flashedu bench sass --variants fa3``), where one function was r
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -54,6 +55,10 @@ except ImportError:  # a Triton without Gluon's Hopper API: the readable kernel 
     GLUON = False
 
 TESTED_TRITON = ("3.6",)  # the Gluon API changes between releases
+# FLASHEDU_FA3=0 leaves every call to the readable kernels. These kernels have faulted
+# (misaligned address, illegal instruction) when other processes shared the GPU
+# (BENCHMARKS.md, "FlashAttention-3's kernels on a shared GPU"); one process a GPU is safe.
+SWITCH_ENV = "FLASHEDU_FA3"
 M = 64  # rows of Q per consumer warpgroup: one wgmma's M
 H100_SMS = 132  # the grid of a persistent launch compiled without a GPU (bench sass)
 LOG2E = 1.4426950408889634
@@ -65,7 +70,7 @@ def usable(q, k, v, call) -> bool:
     aligned), and nothing but causal or dense attention asked for (with dropout or not)."""
     from .fast import TRITON, tma_ok
 
-    if not GLUON or TRITON not in TESTED_TRITON:
+    if not GLUON or TRITON not in TESTED_TRITON or not switched_on():
         return False
     if q.device.type != "cuda" or _capability(q.device.index) != (9, 0):
         return False
@@ -85,6 +90,8 @@ def status() -> str:
     """Whether this machine runs the kernel, and if not why (``flashedu doctor``)."""
     from .fast import TRITON
 
+    if not switched_on():
+        return f"off: {SWITCH_ENV}=0"
     if not GLUON or TRITON not in TESTED_TRITON:
         return (f"off: written against Triton {' or '.join(TESTED_TRITON)}'s Gluon, this is "
                 f"Triton {triton.__version__}")
@@ -95,6 +102,12 @@ def status() -> str:
         return f"off: needs compute capability 9.0 (Hopper), this GPU has {major}.{minor}"
     return ("on for dense and causal 16-bit calls of d = 64 or 128, dropout included, where "
             "the tile table asks")
+
+
+def switched_on() -> bool:
+    """Whether the environment leaves these kernels on (read at each call: a test or a
+    notebook may set it while running)."""
+    return os.environ.get(SWITCH_ENV, "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
-"""The host side of the kernels: outputs laid out like the inputs, the interpreter's float32
-copies, a call's launches kept as a plan and repeated (``fast.PLANS``), smaller tiles after an
-out-of-resources error.
+"""The host side of the kernels: outputs laid out dense in their inputs' order, the
+interpreter's float32 copies, a call's launches kept as a plan and repeated (``fast.PLANS``),
+smaller tiles after an out-of-resources error.
 
 forward.py and backward.py hold the kernels and what a launch passes them (their
 ``launch_args``); the functions here allocate a call's outputs, start its launches and

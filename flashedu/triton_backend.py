@@ -155,8 +155,7 @@ def empty_outputs(*tensors):
     dtype = tensors[0].dtype
     tensors = launch.interpreter_fp32(runtime.triton_interpreted(),
                                       *map(launch.kernel_layout, tensors))
-    _, outs = launch.outputs_like(*tensors)
-    return tuple(t if t.dtype == dtype else t.to(dtype) for t in outs)
+    return tuple(launch.dense_like(t).to(dtype) for t in tensors)
 
 
 def _row_dot(out, dout):

@@ -92,11 +92,13 @@ def check_triton() -> str | None:
         out = flashedu.attention(q, k, v, is_causal=True, backend="triton")
         out.float().square().sum().backward()
         with sdpa_kernel([SDPBackend.MATH]):
-            ref = F.scaled_dot_product_attention(*(t.detach().float() for t in (q, k, v)), is_causal=True)
+            ref = F.scaled_dot_product_attention(*(t.detach().float() for t in (q, k, v)),
+                                                 is_causal=True)
         err = (out.float() - ref).abs().max().item()
         if not err <= tolerance.allowed_error(torch.bfloat16, floor_scale=2.0) \
                 or not torch.isfinite(q.grad).all():
-            return f"triton output differs from SDPA-math by {err:.3g} (or its gradient is not finite)"
+            return (f"triton output differs from SDPA-math by {err:.3g} (or its gradient is not "
+                    f"finite)")
         return None
     except Exception as exc:  # noqa: BLE001 - any failure means: report the backend missing
         return f"{type(exc).__name__}: {exc}"
@@ -108,9 +110,9 @@ def warm_up(method, T, args, data):
     parameters, optimizer state, a step's activations), whatever else is resident."""
     B = args.tokens_per_step // T
     row = {"method": method, "seq_len": T, "batch": B}
-    config = GPTConfig(max_seq_len=T, n_layers=args.n_layers, dropout=args.dropout, mixed_precision=True,
-                       compile_model=False, gradient_accumulation_steps=1, device="cuda",
-                       warmup_steps=10, attention_backend=METHODS[method])
+    config = GPTConfig(max_seq_len=T, n_layers=args.n_layers, dropout=args.dropout,
+                       mixed_precision=True, compile_model=False, gradient_accumulation_steps=1,
+                       device="cuda", warmup_steps=10, attention_backend=METHODS[method])
     settings = TrainSettings(batch_size=B, seq_len=T, max_steps=1000, progress=False)
     trainer = None
     try:
@@ -196,8 +198,8 @@ def attention_memory(method, T, args) -> dict:
     row = {"method": method, "seq_len": T, "batch": B}
     try:
         free_memory()
-        q, k, v = (torch.randn(B, 12, T, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (torch.randn(B, 12, T, 64, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
         grad = torch.randn_like(q)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -226,7 +228,8 @@ def longest_fit(results, method):
 
 
 def print_table(results, seq_lens, methods):
-    print(f"\nGPT-2 small training, bf16, {results[0]['batch'] * results[0]['seq_len']} tokens/step")
+    tokens = results[0]["batch"] * results[0]["seq_len"]
+    print(f"\nGPT-2 small training, bf16, {tokens} tokens/step")
     print("step time: mean (median) of steps taken in turn with the other methods'")
     print(f"{'T':>6} | " + " | ".join(f"{m:>40}" for m in methods))
     for T in seq_lens:

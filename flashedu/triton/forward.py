@@ -292,8 +292,9 @@ def _launch_consts(Nq, Nk, d, is_causal, tiles, interpreted):
 def forward_launch(q, k, v, o, lse2, *, is_causal, scale, block_mask, tiles, interpreted,
                    elements=False, seqs=None):
     """(grid, args, consts) of forward_kernel for these tensors, up to its ELEM: shared with
-    the variants of ``ablations.py``, whose kernels take the same arguments. ``elements``: the lists carry the block mask's element masks. ``seqs``:
-    packed sequences (``flashedu.varlen.Packing``) in tensors of batch 1."""
+    the variants of ``ablations.py``, whose kernels take the same arguments. ``elements``:
+    the lists carry the block mask's element masks. ``seqs``: packed sequences
+    (``flashedu.varlen.Packing``) in tensors of batch 1."""
     from . import sparse
 
     B, H, Nq, d = q.shape

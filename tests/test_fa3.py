@@ -524,6 +524,27 @@ def test_a_backward_whose_first_launch_fails_leaves_the_call_to_the_triton_kerne
         launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D, interpreted=False)
 
 
+def test_a_backward_that_copies_k_and_v_keeps_no_plan_for_the_repeat(monkeypatch):
+    """k, v views of one projection (gaps between rows): the fa3 backward takes copies laid out
+    as dK, dV (it writes them with K's and V's strides), so a repeat must not start its plan
+    with the caller's k, v: ``keep`` gets nothing; the gradients come back in those layouts."""
+    from flashedu.triton import launch
+
+    def made(q, k, v, do, lse2, D, dq, dk, dv, **settings):
+        assert k.stride() == dk.stride() and v.stride() == dv.stride()
+        for grad in (dq, dk, dv):
+            grad.fill_(1.0)
+        return object()
+
+    q, _, _, o, lse2, do, D = _fa3_backward_offered(monkeypatch, made)
+    k, v = torch.randn(1, 64, 2, 2, 16).permute(2, 0, 3, 1, 4)  # (1, 2, 64, 16) views
+    keep = []
+    grads = launch.backward(q, k, v, o, lse2, do, ops.Call(False, 0.25), D=D,
+                            interpreted=False, keep=keep)
+    assert keep == [] and all((g == 1).all() for g in grads)
+    assert grads[1].transpose(1, 2).is_contiguous() and grads[2].transpose(1, 2).is_contiguous()
+
+
 def test_deterministic_mode_leaves_the_backward_to_the_triton_kernels(monkeypatch):
     """FlashAttention-3's backward adds dQ in L2 in arrival order, so its dQ differs in the
     last bits from run to run: under torch.use_deterministic_algorithms the Triton kernels

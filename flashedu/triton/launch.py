@@ -404,7 +404,8 @@ def _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep, rows):
         if first is not None:
             first.start(o, do, D, stream=stream)
         step.start(*live, stream=stream)
-    if keep is not None and (k, v) == given:  # (copies: the Repeat would start it with others)
+    copied = k is not given[0] or v is not given[1]
+    if keep is not None and not copied:  # a Repeat would start it with the caller's k, v
         keep.append(plan)
     return dq, dk, dv
 

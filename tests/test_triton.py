@@ -609,6 +609,34 @@ def test_views_of_one_projection_reach_the_kernels_uncopied(monkeypatch):
     assert r.forward_plan in started and r.backward_plan is not None
 
 
+@pytest.mark.parametrize("option", ["gqa", "causal", "dropout", "sinks", "lse", "block_mask"])
+def test_views_of_one_projection_give_the_bits_of_contiguous_copies(option):
+    """q (H heads) and k, v (Hkv heads) split out of one (B, N, H + 2 Hkv, d) projection, with
+    each option of a call: output, lse and gradients bit for bit those of contiguous copies
+    (same kernels, same tiles; only the strides differ)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, N, d = 2, 4, 45, 16
+    Hkv = 2 if option == "gqa" else H
+    x = torch.randn(B, N, H + 2 * Hkv, d, generator=g).to(_device())
+    views = (x[:, :, :H], x[:, :, H:H + Hkv], x[:, :, H + Hkv:])
+    kw = {"gqa": dict(enable_gqa=True), "causal": dict(is_causal=True),
+          "dropout": dict(dropout_p=0.25), "lse": dict(return_lse=True),
+          "sinks": dict(sinks=torch.randn(H, generator=g).to(_device())),
+          "block_mask": dict(block_mask=flashedu.BlockMask.from_mask_mod(
+              lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < 20, 1, 1, N, N,
+              block_size=(16, 16), device=_device()))}[option]
+    dout = torch.randn(B, H, N, d, generator=g).to(_device())
+    results = []
+    for layout in (lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2).contiguous()):
+        q, k, v = (layout(t).detach().requires_grad_() for t in views)
+        torch.manual_seed(3)  # the same dropout mask for both
+        out = flashedu.attention(q, k, v, backend="triton", **kw)
+        o, lse = out if option == "lse" else (out, None)
+        loss = (o * dout).sum() + (lse.sum() if lse is not None else 0)
+        results.append((o, *(() if lse is None else (lse,)), *torch.autograd.grad(loss, (q, k, v))))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_a_repeat_is_not_taken_where_the_general_path_differs(monkeypatch):
     """Negative and conjugate views, options of other types, masks, lse, a dropout rate of
     another type or off the stream's steps, and inputs the general path copies (a last dim

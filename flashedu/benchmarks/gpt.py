@@ -55,7 +55,8 @@ def parse_args(argv):
     p.add_argument("--tokens-per-step", type=core.positive_int, default=16384)
     p.add_argument("--methods", type=methods, default=list(METHODS))
     p.add_argument("--warmup", type=core.positive_int, default=3)
-    p.add_argument("--steps", type=core.positive_int, default=6)
+    p.add_argument("--steps", type=core.positive_int, default=20,
+                   help="timed steps of each method, taken in turn with the others'")
     p.add_argument("--n-layers", type=core.positive_int, default=12,
                    help="12: GPT-2 small (GPTConfig's default)")
     p.add_argument("--dropout", type=core.probability, default=0.0,

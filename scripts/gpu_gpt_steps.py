@@ -22,14 +22,11 @@ def steps_ms(method: str, T: int, steps: int, dropout: float, data) -> list[floa
     """Milliseconds of each of ``steps`` optimizer steps of a fresh model on ``method``."""
     import torch
 
-    from flashedu.benchmarks.gpt import METHODS, attention_context
-    from flashedu.models import GPTConfig, Trainer, TrainSettings
+    from flashedu.benchmarks.gpt import attention_context, gpt_config
+    from flashedu.models import Trainer, TrainSettings
 
-    config = GPTConfig(max_seq_len=T, n_layers=12, dropout=dropout, mixed_precision=True,
-                       compile_model=False, gradient_accumulation_steps=1, device="cuda",
-                       warmup_steps=10, attention_backend=METHODS[method])
-    trainer = Trainer(config, TrainSettings(batch_size=16384 // T, seq_len=T, max_steps=1000,
-                                            progress=False), data=data)
+    settings = TrainSettings(batch_size=16384 // T, seq_len=T, max_steps=1000, progress=False)
+    trainer = Trainer(gpt_config(method, T, dropout=dropout), settings, data=data)
     each = []
     with attention_context(method):
         for _ in range(steps):

@@ -105,15 +105,21 @@ def check_triton() -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def gpt_config(method, T, n_layers=12, dropout=0.0) -> GPTConfig:
+    """The configuration this bench trains: GPTConfig's model with ``method``'s attention, bf16
+    autocast, eager (no torch.compile), one micro-batch a step."""
+    return GPTConfig(max_seq_len=T, n_layers=n_layers, dropout=dropout, mixed_precision=True,
+                     compile_model=False, gradient_accumulation_steps=1, device="cuda",
+                     warmup_steps=10, attention_backend=METHODS[method])
+
+
 def warm_up(method, T, args, data):
     """A fresh model on ``method`` after its warmup steps: (row, trainer), the trainer None if
     it failed (row["status"] says how). The row's peak_gib is this model's own peak (its
     parameters, optimizer state, a step's activations), whatever else is resident."""
     B = args.tokens_per_step // T
     row = {"method": method, "seq_len": T, "batch": B}
-    config = GPTConfig(max_seq_len=T, n_layers=args.n_layers, dropout=args.dropout,
-                       mixed_precision=True, compile_model=False, gradient_accumulation_steps=1,
-                       device="cuda", warmup_steps=10, attention_backend=METHODS[method])
+    config = gpt_config(method, T, args.n_layers, args.dropout)
     settings = TrainSettings(batch_size=B, seq_len=T, max_steps=1000, progress=False)
     trainer = None
     try:

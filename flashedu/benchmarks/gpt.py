@@ -168,10 +168,11 @@ def timed_steps(runs, args) -> None:
         if row.get("status"):
             continue
         ms = each[id(row)]
+        mean = statistics.mean(ms)
         # each step's time too: whether a mean is one slow step or every step slower
-        row.update(status="ok", step_ms=statistics.mean(ms), step_ms_median=statistics.median(ms),
+        row.update(status="ok", step_ms=mean, step_ms_median=statistics.median(ms),
                    step_ms_each=[round(t, 2) for t in ms],
-                   tokens_per_s=row["batch"] * row["seq_len"] / (statistics.mean(ms) / 1e3),
+                   tokens_per_s=row["batch"] * row["seq_len"] / (mean / 1e3),
                    last_loss=losses[id(row)])
 
 

@@ -291,17 +291,23 @@ def compiled_here(name: str) -> bool:
     return name.startswith("triton_") and not runtime.triton_interpreted()
 
 
-def others_idle(most: float = 1.0, window: float = 0.02) -> None:
+def others_idle(most: float = 1.0, window: float = 0.02, quiet: int = 3) -> None:
     """Wait, up to ``most`` seconds, until this process's other threads stop spending CPU time,
     before a case's CPU time is counted process-wide: BLAS and OpenMP pool threads spin for a
     while after the work that woke them (an earlier case's, the grader's own), and on a
     16-core host that spinning alone billed the course's block-sparse solution four times its
-    budget where the learner's code runs in the grader's process."""
+    budget where the learner's code runs in the grader's process.
+
+    Idle means ``quiet`` windows in a row in which the other threads spent under a tenth of
+    the window: on a loaded machine a spinning thread can be off its core for one window."""
     deadline = time.monotonic() + most
+    still = 0
     while time.monotonic() < deadline:
         process, thread = time.process_time(), time.thread_time()
         time.sleep(window)
-        if (time.process_time() - process) - (time.thread_time() - thread) < 0.1 * window:
+        busy = (time.process_time() - process) - (time.thread_time() - thread) >= 0.1 * window
+        still = 0 if busy else still + 1
+        if still >= quiet:
             return
 
 

@@ -575,21 +575,26 @@ def test_paged_dry_run(tmp_path, capsys):
 
 
 def test_paged_goals_count_the_cells_that_meet_them():
-    """Within 10% of contiguous and at least SDPA's best, by the step's time and by the GPU's
-    time where a row has it; a row without SDPA (a CPU run) counts for neither SDPA goal."""
+    """Within 10% of contiguous and at least SDPA's best, by the step's time, by the GPU's
+    time and by a CUDA graph's time where a row has them; a row without SDPA (a CPU run)
+    counts for neither SDPA goal."""
     from flashedu.benchmarks.paged import goals
 
     rows = [dict(paged_ms=1.05, contiguous_ms=1.0, sdpa_best_ms=1.2, paged_gpu_us=9.0,
-                 contiguous_gpu_us=8.0, sdpa_best_gpu_us=9.5),
+                 contiguous_gpu_us=8.0, sdpa_best_gpu_us=9.5, paged_graph_us=10.0,
+                 contiguous_graph_us=10.0, sdpa_best_graph_us=9.0),
             dict(paged_ms=1.2, contiguous_ms=1.0, sdpa_best_ms=1.0, paged_gpu_us=5.0,
                  contiguous_gpu_us=5.0, sdpa_best_gpu_us=4.0),
             dict(paged_ms=0.5, contiguous_ms=1.0)]
     got = goals(rows)
     assert got["paged_within_10pct_of_contiguous"] == [2, 3]
     assert got["paged_within_10pct_of_contiguous_gpu"] == [1, 2]  # 9 / 8 is 1.125x
+    assert got["paged_within_10pct_of_contiguous_graph"] == [1, 1]
     assert got["paged_at_least_sdpa"] == [1, 2] and got["paged_at_least_sdpa_gpu"] == [1, 2]
+    assert got["paged_at_least_sdpa_graph"] == [0, 1]  # 9 us against paged's 10
     assert got["lines"][0] == ("paged within 10% of contiguous: 2 of 3 cells by the step's "
-                               "time, 1 of 2 cells by the GPU's time")
+                               "time, 1 of 2 cells by the GPU's time, 1 of 1 cells by a CUDA "
+                               "graph's time")
 
 
 def test_dropout_dry_run(tmp_path, capsys):

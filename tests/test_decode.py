@@ -129,7 +129,7 @@ def test_split_heuristics():
     assert heads_per_program(7, 16) == 1  # 7 heads x 16 rows do not fit: one head a program
     # 4 programs on 132 SMs: 99 splits give three programs an SM
     assert choose_num_splits(4, 131072, 64, 132) == 99
-    assert choose_num_splits(4, 1024, 64, 132) == 8  # but chunks of at least 2 tiles
+    assert choose_num_splits(4, 1024, 64, 132) == 16  # but chunks of at least a tile
     assert choose_num_splits(4, 100, 16, 132, 50) == 7  # never more splits than tiles
     assert choose_num_splits(264, 4096, 64, 132) == 2
     assert choose_num_splits(1024, 4096, 64, 132) == 1  # already many programs

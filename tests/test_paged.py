@@ -276,3 +276,39 @@ def test_a_repeated_step_reuses_the_partial_results():
         outs.append(out)
     assert len(tdecode._PARTIALS) == 1  # one layout, one pair of buffers
     assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: dependent launches")
+def test_steps_back_to_back_and_in_a_cuda_graph_give_the_eager_answers():
+    """On Hopper the split and combine kernels are dependent launches (the combine set up
+    while the split runs, each waiting on the GPU for the kernel before it). Steps launched
+    back to back over three caches, without a sync between them, and the same steps captured
+    in one CUDA graph and replayed give each step's answer alone, bit for bit."""
+    from flashedu.triton import decode as tdecode
+
+    if torch.cuda.get_device_capability()[0] >= 9 and tdecode.PDL:
+        consts = tdecode._launch_plan(2, 8, 2, 1, 4096, 64, torch.bfloat16, 132, False, None,
+                                      False, 16, 9)
+        assert consts[3]["launch_pdl"] and consts[4]["launch_pdl"]
+    caches = [random_pool([4000, 1500], 16, 2, 64, torch.bfloat16, seed=s) for s in (5, 6, 7)]
+    caches = [[t.cuda() for t in c] for c in caches]
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        alone = []
+        for c in caches:
+            alone.append(paged_attention(q, *c))
+            torch.cuda.synchronize()
+        back_to_back = [paged_attention(q, *c) for c in caches]
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            paged_attention(q, *caches[0])
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = [paged_attention(q, *c, check_indices=False) for c in caches]
+        graph.replay()
+        torch.cuda.synchronize()
+    for a, b, c in zip(alone, back_to_back, captured):
+        assert torch.equal(a, b) and torch.equal(a, c)

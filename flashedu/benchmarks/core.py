@@ -133,6 +133,34 @@ def device_us(fn, calls: int = 30) -> float | None:
     return sum(e.device_time_total for e in prof.key_averages()) / calls
 
 
+def graph_us(calls, steps: int = 16) -> float | None:
+    """Microseconds per call inside a CUDA graph of ``steps`` calls, the zero-argument
+    ``calls`` taken in turn (each over its own copy of the inputs, so that a small cache is
+    not served from L2 by the call before it): a decoding step as inference servers run it,
+    captured once and replayed, without the host's time and with the GPU's gaps between
+    launches. None without a GPU, or where a call cannot be captured (the reason printed)."""
+    if not gpu_available():
+        return None
+    import torch
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture asks
+            for fn in calls:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(steps):
+                calls[i % len(calls)]()
+    except RuntimeError as exc:
+        print(f"  (not captured in a CUDA graph: {error_text(exc)})", flush=True)
+        return None
+    return float(do_bench(graph.replay, return_mode="median")) * 1e3 / steps
+
+
 def in_turn(names, rounds: int):
     """``names`` once per round, in an order that turns around every round (A B, B A, ...),
     as one sequence. A GPU's clock and temperature drift over seconds: timing all of one and

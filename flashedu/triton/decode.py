@@ -30,6 +30,12 @@ the page of each of its rows, so tiles keep their size whatever the page size. E
 has its own length, ``cache_seqlens[b]``, read by the kernel, so one launch serves sequences of
 any lengths.
 
+On Hopper and newer the two kernels are launched as programmatic dependent launches (PDL):
+the combine's programs are set up while the split's last programs run and wait on the GPU
+(``gdc_wait``) for the split's partial results, where otherwise the GPU idles for a launch
+between them; the split in turn is set up during whatever ran before it. A decoding step of
+a few microseconds is otherwise a fifth launch gaps.
+
 Forward only (inference); for training use flashedu.attention.
 """
 
@@ -41,6 +47,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import runtime
 from ..arguments import check_num_splits, check_scale, check_tensors
@@ -107,11 +114,14 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
                  width,
                  BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr = 0):
+                 PAGE_SIZE: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (s, g): chunk s of the keys for the query heads of group g. For a paged cache,
     ``block_table`` (rows ``width`` entries apart) and ``seqlens``, each sequence's cache
     length (K and V are then pools of pages whose stride_kb, stride_vb are the pages' strides);
-    both None where the cache is one contiguous (B, Hkv, Nk, d) block, and then not compiled."""
+    both None where the cache is one contiguous (B, Hkv, Nk, d) block, and then not compiled.
+    PDL: launched as a dependent launch (module docstring): wait for the kernel before it."""
+    if PDL:  # before reading Q or the cache, and writing the partials (which the previous
+        gdc_wait()  # step's combine reads), the kernel before this one must be done
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
     s = tl.program_id(0)  # which chunk of keys
     g = tl.program_id(1)  # which (batch, group of HEADS query heads sharing one K/V head)
@@ -156,6 +166,8 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
                                    Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, True, EVEN_D,
                                    DOT_PREC, PAGE_SIZE)
 
+    if PDL:  # the keys are read: the combine's programs may be set up (they wait for us)
+        gdc_launch_dependents()
     # The partial result in the merge's convention: O_s = O_i / l_i and L_s = m_i + log2(l_i);
     # a row that saw no key of this chunk gives O_s = 0, L_s = -inf (weight 0 in the merge).
     seen = l_i > 0
@@ -168,32 +180,35 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
 
 
 @triton.jit
-def merge(O_part, L_part, part, row_ok, Nq, num_splits, dims, BLOCK_S: tl.constexpr,
-          SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def merge(O_part, L_part, part, row_ok, Nq, num_splits, dims, SPLITS: tl.constexpr,
+          HEAD_DIM: tl.constexpr):
     """The merge rule of ``flashedu.merge`` (base 2) over the num_splits partial results
     (O_s, L_s) of some query rows: m = max_s L_s, w_s = 2^(L_s - m), O = sum_s w_s O_s /
     sum_s w_s, L = m + log2 sum_s w_s. ``part``: each row's entry of split 0 in L_part (split
     s's is s * Nq further on; O_part's rows are HEAD_DIM wide). A row that no split saw a key
     of gives O = 0, L = -inf. Returns (O, L).
 
-    The L_s first, all at once (BLOCK_S >= num_splits of them); then the O_s, SPLITS splits a
-    step: the step's loads are in flight together, where one split a step would wait for a
-    round trip to L2 per split, and the registers stay bounded for any number of splits."""
-    splits = tl.arange(0, BLOCK_S)
-    L_s = tl.load(L_part + part[:, None] + splits[None, :] * Nq,
-                  mask=row_ok[:, None] & (splits[None, :] < num_splits), other=float("-inf"))
-    m = tl.max(L_s, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: all weights are 0
-    total = tl.sum(tl.math.exp2(L_s - m[:, None]), 1)
+    SPLITS splits a step, each step's L_s and O_s loaded together, and the running max m
+    rescaled as the online softmax rescales m_i: no load waits for another, where a first
+    pass for m over every L_s would cost one more round trip to L2 before any O_s is read.
+    The registers stay bounded for any number of splits."""
+    m = tl.full([part.shape[0]], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([part.shape[0]], dtype=tl.float32)
     O = tl.zeros([part.shape[0], HEAD_DIM], dtype=tl.float32)
     step = tl.arange(0, SPLITS)
     for s0 in range(0, num_splits, SPLITS):
         at = (s0 + step)[:, None] * Nq + part[None, :]  # (split, row): where its L_s is
         ok = (s0 + step < num_splits)[:, None] & row_ok[None, :]
-        w = tl.math.exp2(tl.load(L_part + at, mask=ok, other=float("-inf")) - m[None, :])
+        L_s = tl.load(L_part + at, mask=ok, other=float("-inf"))
         O_s = tl.load(O_part + at[:, :, None] * HEAD_DIM + dims[None, None, :],
                       mask=ok[:, :, None], other=0.0)
-        O += tl.sum(w[:, :, None] * O_s, 0)
+        m_new = tl.maximum(m, tl.max(L_s, 0))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: every weight is 0
+        alpha = tl.math.exp2(m - base)  # the earlier steps' rescale (0 while m is -inf)
+        w = tl.math.exp2(L_s - base[None, :])
+        total = total * alpha + tl.sum(w, 0)
+        O = O * alpha[:, None] + tl.sum(w[:, :, None] * O_s, 0)
+        m = m_new
     seen = total > 0
     O = O / tl.where(seen, total, 1.0)[:, None]
     L = tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
@@ -202,14 +217,18 @@ def merge(O_part, L_part, part, row_ok, Nq, num_splits, dims, BLOCK_S: tl.conste
 
 @triton.jit
 def combine_kernel(O_part, L_part, O, L, stride_ob, stride_oh, stride_on, H, Nq, d, num_splits,
-                   BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Program (b * H + h, n): the merge of query row n of head h's num_splits partials."""
+                   MERGE_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    """Program (b * H + h, n): the merge of query row n of head h's num_splits partials.
+    PDL: started before the split kernel ends, it waits here until the partials are written."""
+    if PDL:
+        gdc_wait()
     bh = tl.program_id(0)
     n = tl.program_id(1) + tl.arange(0, 1)  # the row, as a vector of one (merge's form)
     dims = tl.arange(0, HEAD_DIM)
     row_ok = n < Nq
     O_n, L_n = merge(O_part, L_part, bh * num_splits * Nq + n, row_ok, Nq, num_splits, dims,
-                     BLOCK_S, MERGE_SPLITS, HEAD_DIM)
+                     MERGE_SPLITS, HEAD_DIM)
     row = (bh // H) * stride_ob + (bh % H) * stride_oh + n * stride_on
     tl.store(O + row[:, None] + dims[None, :], O_n.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (dims[None, :] < d))
@@ -297,7 +316,7 @@ def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal,
     else:
         S, chunk, heads, split_consts, combine_consts = _launch_plan(
             B, H, Hkv, Nq, Nk, d, dtype, sm_count(q.device, interpreted), interpreted,
-            num_splits, is_causal, page_size)
+            num_splits, is_causal, page_size, major(q.device, interpreted))
         shapes = ((B, H, S, Nq, split_consts["HEAD_DIM"]), (B, H, S, Nq), (B, H, Nq))
         O_part, L_part, out, lse2 = _buffers(q, shapes, return_lse)
         sq, so = q.stride(), out.stride()
@@ -363,25 +382,36 @@ def _repeat(plan, given):
 
 @functools.lru_cache(maxsize=256)
 def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_causal,
-                 page_size):
+                 page_size, device_major):
     """(S, chunk, heads, the split kernel's constexprs, the combine kernel's): worked out once
     per problem shape, since a model decodes the same shapes step after step (the host's time
     is a decoding step's budget)."""
     heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)
     HEAD_DIM = padded_head_dim(d)
+    dependent = pdl_launch(device_major, interpreted)
     split_consts = dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
                         HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
                         DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size,
-                        **({} if interpreted else SPLIT_LAUNCH))
-    return S, chunk, heads, split_consts, merge_consts(S, HEAD_DIM)
+                        **({} if interpreted else SPLIT_LAUNCH), **dependent)
+    return S, chunk, heads, split_consts, {**merge_consts(S, HEAD_DIM), **dependent}
+
+
+PDL = True  # dependent launches where the GPU has them (False: plain launches, to compare)
+
+
+def pdl_launch(device_major: int, interpreted: bool) -> dict:
+    """The constexpr and launch option of a programmatic dependent launch: on Hopper (compute
+    capability 9) and newer, compiled; none under the interpreter."""
+    if not PDL or interpreted or device_major < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def merge_consts(S: int, HEAD_DIM: int) -> dict:
-    """combine_kernel's constexprs for S splits: BLOCK_S, and how many splits a step of
-    ``merge`` loads, about MERGE_TILE values."""
-    BLOCK_S = triton.next_power_of_2(S)
-    return dict(BLOCK_S=BLOCK_S, HEAD_DIM=HEAD_DIM,
-                MERGE_SPLITS=max(1, min(BLOCK_S, MERGE_TILE // HEAD_DIM)))
+    """combine_kernel's constexprs for S splits: how many splits a step of ``merge`` loads,
+    all S where they make at most MERGE_TILE values, else MERGE_TILE values' worth."""
+    return dict(HEAD_DIM=HEAD_DIM,
+                MERGE_SPLITS=max(1, min(triton.next_power_of_2(S), MERGE_TILE // HEAD_DIM)))
 
 
 def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):
@@ -408,6 +438,11 @@ def key_tile(d: int, dtype, interpreted: bool) -> int:
     return 64
 
 
+def major(device, interpreted: bool) -> int:
+    """The device's compute capability's major number (0 under the interpreter)."""
+    return 0 if interpreted else torch.cuda.get_device_capability(device)[0]
+
+
 def sm_count(device, interpreted: bool) -> int:
     """Streaming multiprocessors to fill (the interpreter pretends 4, so tests see splits)."""
     return 4 if interpreted else torch.cuda.get_device_properties(device).multi_processor_count
@@ -415,12 +450,13 @@ def sm_count(device, interpreted: bool) -> int:
 
 def choose_num_splits(programs: int, Nk: int, Bc: int, sms: int, num_splits=None) -> int:
     """How many chunks of keys: about three programs for every SM (as many as fit on one at
-    once with two pipeline stages), but each chunk at least 2 K/V tiles long (shorter ones
-    spend more on the merge than they save). Swept on an H200 at 1-32 sequences of 1K-64K
-    keys (BENCHMARKS.md): where measured, each step's GPU time within 7% of its best split
-    count; two programs an SM and chunks of 4 tiles were up to 42% over it, four programs
-    an SM up to 24%."""
+    once with two pipeline stages), a chunk being at least one K/V tile. Swept on an H200 at
+    1-32 sequences of 1K-64K keys (BENCHMARKS.md): where measured, each step's GPU time
+    within 7% of its best split count; two programs an SM and chunks of 4 tiles were up to
+    42% over it, four programs an SM up to 24%. Chunks of one tile (rather than two) only
+    change short caches of few sequences, where they fill more of the GPU: one sequence of
+    1K keys took 7.7 us a step in a CUDA graph with 16 splits, 9.2 with 8."""
     if check_num_splits(num_splits) is not None:
         return min(num_splits, math.ceil(Nk / Bc))
     wanted = math.ceil(3 * sms / programs)
-    return max(1, min(wanted, math.ceil(Nk / (2 * Bc)), MAX_SPLITS))
+    return max(1, min(wanted, math.ceil(Nk / Bc), MAX_SPLITS))

@@ -41,6 +41,8 @@ import os
 import torch
 import triton
 
+from .. import runtime
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -58,7 +60,7 @@ TESTED_TRITON = ("3.6",)  # the Gluon API changes between releases
 # FLASHEDU_FA3=0 leaves every call to the readable kernels. These kernels have faulted
 # (misaligned address, illegal instruction) when other processes shared the GPU
 # (BENCHMARKS.md, "FlashAttention-3's kernels on a shared GPU"); one process a GPU is safe.
-SWITCH_ENV = "FLASHEDU_FA3"
+SWITCH_ENV = runtime.FA3_SWITCH_ENV
 M = 64  # rows of Q per consumer warpgroup: one wgmma's M
 H100_SMS = 132  # the grid of a persistent launch compiled without a GPU (bench sass)
 LOG2E = 1.4426950408889634

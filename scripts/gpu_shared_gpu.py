@@ -1,0 +1,96 @@
+"""Attention in several processes at once on one GPU: does every call still give its answer?
+
+Each process makes one call, then repeats it for ``--seconds`` (a sync every 20 calls) and
+compares each output with its first, bit for bit; a CUDA error or a different output fails it.
+The processes share the GPU by time-slicing, as a class's notebooks or two training jobs on
+one GPU do. FlashAttention-3's Gluon kernels have faulted this way (BENCHMARKS.md,
+"FlashAttention-3's kernels on a shared GPU"); ``FLASHEDU_FA3=0`` in the environment leaves
+the calls to the Triton kernels, and each process says which it ran.
+
+    python scripts/gpu_shared_gpu.py --d 128                    # 4 processes, 30 s, forward
+    python scripts/gpu_shared_gpu.py --d 64 --causal --backward
+    FLASHEDU_FA3=0 python scripts/gpu_shared_gpu.py --d 128
+
+Without a CUDA GPU it says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def one_process(args) -> int:
+    """The child: repeat one call, compare every output with the first; 0 if all agreed."""
+    import torch
+
+    import flashedu
+    from flashedu.triton import fa3
+
+    torch.manual_seed(0)
+    B, H, N, d = 4, 2048 // args.d, args.n, args.d
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=args.backward) for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def call():
+        if not args.backward:
+            with torch.no_grad():
+                return flashedu.attention(q, k, v, is_causal=args.causal)
+        for t in (q, k, v):
+            t.grad = None
+        flashedu.attention(q, k, v, is_causal=args.causal).backward(dout)
+        return torch.cat([t.grad for t in (k, v)])  # dQ's adds may land in any order
+
+    tag = f"pid {os.getpid()} (FlashAttention-3 kernels {fa3.status().split(':')[0]})"
+    calls = 0
+    try:
+        first = call().clone()
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            for _ in range(20):
+                out = call()
+            torch.cuda.synchronize()
+            calls += 20
+            if not torch.equal(out, first):
+                print(f"FAILED {tag}: a different output after {calls} calls", flush=True)
+                return 1
+    except Exception as exc:  # noqa: BLE001 - a CUDA fault is what this looks for
+        print(f"FAILED {tag} after {calls} calls: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:160]}", flush=True)
+        return 1
+    print(f"ok {tag}: {calls} calls", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--processes", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--d", type=int, default=128, choices=(64, 128))
+    p.add_argument("--n", type=int, default=4096, help="sequence length (B=4, H=2048/d)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--backward", action="store_true", help="forward+backward calls")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return one_process(args)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_shared_gpu.py: needs a CUDA GPU; none is visible here.", file=sys.stderr)
+        return 1
+    # one process first, alone: it compiles the kernels the others then find in the cache
+    child = [sys.executable, __file__, "--child", *(argv if argv is not None else sys.argv[1:])]
+    subprocess.run([*child, "--seconds", "1"], check=False)
+    procs = [subprocess.Popen(child) for _ in range(args.processes)]
+    failed = sum(p.wait() != 0 for p in procs)
+    print(f"{args.processes - failed} of {args.processes} processes gave their answer throughout")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

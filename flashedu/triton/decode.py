@@ -398,7 +398,9 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
     return S, chunk, heads, split_consts, {**merge_consts(S, HEAD_DIM), **dependent}
 
 
-PDL = True  # dependent launches where the GPU has them (False: plain launches, to compare)
+# dependent launches where the GPU has them; False: plain launches, to compare (set it before
+# the first call: a shape's launch settings are worked out once and kept, _launch_plan)
+PDL = True
 
 
 def pdl_launch(device_major: int, interpreted: bool) -> dict:

@@ -10,6 +10,13 @@ the calls to the Triton kernels, and each process says which it ran.
     python scripts/gpu_shared_gpu.py --d 128                    # 4 processes, 30 s, forward
     python scripts/gpu_shared_gpu.py --d 64 --causal --backward
     FLASHEDU_FA3=0 python scripts/gpu_shared_gpu.py --d 128
+    python scripts/gpu_shared_gpu.py --d 128 --fa3 PINGPONG=1 STAGES=2   # the Gluon forward
+                                                                       # alone, settings changed
+
+``--fa3`` starts ``flashedu.triton.fa3.forward`` directly, with the tile table's settings for
+this head dim changed by the KEY=VALUE pairs given (its keywords: CONSUMERS, STAGES,
+CONSUMER_REGS, PINGPONG, OVERLAP, LONGEST_FIRST, PERSISTENT), to find which part of the
+schedule the faults follow.
 
 Without a CUDA GPU it says so and exits.
 """
@@ -27,7 +34,6 @@ def one_process(args) -> int:
     """The child: repeat one call, compare every output with the first; 0 if all agreed."""
     import torch
 
-    import flashedu
     from flashedu.triton import fa3
 
     torch.manual_seed(0)
@@ -36,15 +42,10 @@ def one_process(args) -> int:
                            requires_grad=args.backward) for _ in range(3))
     dout = torch.randn_like(q)
 
-    def call():
-        if not args.backward:
-            with torch.no_grad():
-                return flashedu.attention(q, k, v, is_causal=args.causal)
-        for t in (q, k, v):
-            t.grad = None
-        flashedu.attention(q, k, v, is_causal=args.causal).backward(dout)
-        return torch.cat([t.grad for t in (k, v)])  # dQ's adds may land in any order
-
+    if args.fa3 is not None:
+        call = fa3_call(q, k, v, args)
+    else:
+        call = api_call(q, k, v, dout, args)
     tag = f"pid {os.getpid()} (FlashAttention-3 kernels {fa3.status().split(':')[0]})"
     calls = 0
     try:
@@ -66,6 +67,49 @@ def one_process(args) -> int:
     return 0
 
 
+def api_call(q, k, v, dout, args):
+    """flashedu.attention's forward, or forward+backward (k's and v's gradients returned)."""
+    import torch
+
+    import flashedu
+
+    def call():
+        if not args.backward:
+            with torch.no_grad():
+                return flashedu.attention(q, k, v, is_causal=args.causal)
+        for t in (q, k, v):
+            t.grad = None
+        flashedu.attention(q, k, v, is_causal=args.causal).backward(dout)
+        return torch.cat([t.grad for t in (k, v)])  # dQ's adds may land in any order
+    return call
+
+
+def fa3_call(q, k, v, args):
+    """The Gluon forward alone, started again through its launch plan, with the tile table's
+    settings for this head dim changed by ``args.fa3`` (KEY=VALUE strings)."""
+    import torch
+
+    from flashedu.triton import config, fa3
+
+    entry = config.table("sm90", False)[args.d]
+    settings = entry.schedule.settings(args.causal)
+    for pair in args.fa3:
+        key, _, value = pair.partition("=")
+        if key not in settings:
+            raise SystemExit(f"--fa3: {key!r} is not one of {', '.join(settings)}")
+        settings[key] = type(settings[key])(int(value))
+    print(f"fa3.forward settings: {settings}", flush=True)
+    o = torch.empty_like(q)
+    lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    plan = fa3.forward(q, k, v, o, lse2, is_causal=args.causal, scale=q.shape[-1] ** -0.5,
+                       **settings)
+
+    def call():
+        plan.start(q, k, v, o, lse2)
+        return o
+    return call
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--processes", type=int, default=4)
@@ -74,6 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=4096, help="sequence length (B=4, H=2048/d)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--backward", action="store_true", help="forward+backward calls")
+    p.add_argument("--fa3", nargs="*", metavar="KEY=VALUE",
+                   help="the Gluon forward alone, the table's settings changed by these")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

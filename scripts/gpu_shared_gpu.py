@@ -16,7 +16,11 @@ the calls to the Triton kernels, and each process says which it ran.
 ``--fa3`` starts ``flashedu.triton.fa3.forward`` directly, with the tile table's settings for
 this head dim changed by the KEY=VALUE pairs given (its keywords: CONSUMERS, STAGES,
 CONSUMER_REGS, PINGPONG, OVERLAP, LONGEST_FIRST, PERSISTENT), to find which part of the
-schedule the faults follow.
+schedule the faults follow. ``--no-realloc`` (a diagnostic only) compiles the Gluon kernels
+without their register reallocation (no ``setmaxnreg``: the warp partitions keep the even
+share, and the consumers spill), which the Triton kernels, clean on a shared GPU, do not use;
+it reaches into Triton 3.6's Gluon internals, and its kernels are compiled into a cache
+directory of their own.
 
 Without a CUDA GPU it says so and exits.
 """
@@ -27,6 +31,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -36,6 +41,8 @@ def one_process(args) -> int:
 
     from flashedu.triton import fa3
 
+    if args.no_realloc:
+        without_register_reallocation()
     torch.manual_seed(0)
     B, H, N, d = 4, 2048 // args.d, args.n, args.d
     q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16,
@@ -50,6 +57,13 @@ def one_process(args) -> int:
     calls = 0
     try:
         first = call().clone()
+        if not args.backward:  # the first answer right, not only repeated
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                *(t.detach().float() for t in (q, k, v)), is_causal=args.causal)
+            error = (first.float() - ref).abs().max().item()
+            if not error < 2e-2:
+                print(f"FAILED {tag}: error {error:.3g} against SDPA in float32", flush=True)
+                return 1
         end = time.monotonic() + args.seconds
         while time.monotonic() < end:
             for _ in range(20):
@@ -65,6 +79,34 @@ def one_process(args) -> int:
         return 1
     print(f"ok {tag}: {calls} calls", flush=True)
     return 0
+
+
+def without_register_reallocation():
+    """Gluon's warp_specialize with the partitions' requested registers dropped: the
+    compiled kernel then has no setmaxnreg (checked on Triton 3.6 by compiling for sm_90)."""
+    from triton.experimental.gluon.language import _semantic
+
+    original = _semantic.GluonSemantic.warp_specialize
+
+    class NoRegisters:  # the warp-specialize op, less its requested registers
+        def __init__(self, op):
+            self.op = op
+
+        def __getattr__(self, name):
+            return getattr(self.op, name)
+
+        def set_requested_registers(self, registers):
+            pass
+
+    def warp_specialize(self, functions_and_args, num_warps, num_regs, generator):
+        create = self.builder.create_warp_specialize
+        self.builder.create_warp_specialize = lambda *a, **k: NoRegisters(create(*a, **k))
+        try:
+            return original(self, functions_and_args, num_warps, num_regs, generator)
+        finally:
+            self.builder.create_warp_specialize = create
+
+    _semantic.GluonSemantic.warp_specialize = warp_specialize
 
 
 def api_call(q, k, v, dout, args):
@@ -120,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--backward", action="store_true", help="forward+backward calls")
     p.add_argument("--fa3", nargs="*", metavar="KEY=VALUE",
                    help="the Gluon forward alone, the table's settings changed by these")
+    p.add_argument("--no-realloc", action="store_true",
+                   help="the Gluon kernels compiled without register reallocation (diagnostic)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -131,8 +175,11 @@ def main(argv=None) -> int:
         return 1
     # one process first, alone: it compiles the kernels the others then find in the cache
     child = [sys.executable, __file__, "--child", *(argv if argv is not None else sys.argv[1:])]
-    subprocess.run([*child, "--seconds", "1"], check=False)
-    procs = [subprocess.Popen(child) for _ in range(args.processes)]
+    env = dict(os.environ)
+    if args.no_realloc:  # Triton's cache key does not see the change: a cache of their own
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashedu-no-realloc-")
+    subprocess.run([*child, "--seconds", "1"], check=False, env=env)
+    procs = [subprocess.Popen(child, env=env) for _ in range(args.processes)]
     failed = sum(p.wait() != 0 for p in procs)
     print(f"{args.processes - failed} of {args.processes} processes gave their answer throughout")
     return 1 if failed else 0

@@ -210,6 +210,29 @@ def test_resume_continues_bit_identically(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_each_step_trains_on_the_batch_its_generator_gives_though_drawn_ahead():
+    """The next step's first micro-batch is drawn at the end of a step (to be on the GPU
+    before the step's kernels end): every step still trains on the windows the generator
+    gives in order, and a batch size changed between steps is drawn again at the new size
+    from the same state."""
+    from flashedu.models import data as text
+
+    config = micro_config(gradient_accumulation_steps=1)
+    trainer = Trainer(config, TrainSettings(batch_size=2, seq_len=16, max_steps=6,
+                                            progress=False))
+    seen = []
+    run = trainer.run_model_loss
+    trainer.run_model_loss = lambda x, y: (seen.append(x.clone()), run(x, y))[1]
+    trainer.train_step()
+    trainer.train_step()
+    trainer.settings.batch_size = 3
+    trainer.train_step()
+    generator = torch.Generator().manual_seed(trainer.settings.seed)
+    expected = [text.get_batch(trainer.train_data, n, 16, generator)[0] for n in (2, 2, 3)]
+    assert [x.shape[0] for x in seen] == [2, 2, 3]
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected))
+
+
 def test_gradient_accumulation_matches_one_big_batch():
     """2 micro-batches of 4 = 1 batch of 8 drawn from the same generator (same windows)."""
     params = []

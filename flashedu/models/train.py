@@ -94,6 +94,8 @@ class Trainer:
                                            eps=config.eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         self.generator = torch.Generator().manual_seed(self.settings.seed)
+        self._prefetched = None  # the next step's first micro-batch, drawn ahead (_prefetch)
+        self._generator_before_prefetch = None
         self.step = 0
         self.history: list[dict] = []
 
@@ -135,8 +137,8 @@ class Trainer:
         self.model.train()
         accum = self.config.gradient_accumulation_steps
         total = torch.zeros((), device=self.device)
-        for _ in range(accum):
-            x, y = self._batch(self.train_data, self.generator)
+        for i in range(accum):
+            x, y = self._first_batch() if i == 0 else self._batch(self.train_data, self.generator)
             with self.autocast():
                 loss = self.run_model_loss(x, y) / accum
             loss.backward()  # gradients add up over micro-batches: their mean, as one big batch
@@ -147,7 +149,33 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return total.item()
+        self._prefetch()
+        return total.item()  # waits for this step's kernels: the next batch is on its way
+
+    def _prefetch(self):
+        """Draw the next step's first micro-batch now, while the GPU still runs this step's
+        kernels, and start its copy (from pinned memory, so that it does not wait for them).
+        Drawn at the end of step s instead of the start of step s + 1, the batches are the
+        same; a checkpoint keeps the generator's state from before this draw, so that a
+        resumed run draws this batch again."""
+        self._generator_before_prefetch = self.generator.get_state()
+        x, y = text.get_batch(self.train_data, self.settings.batch_size, self.settings.seq_len,
+                              self.generator)
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        self._prefetched = (x.to(self.device, non_blocking=True),
+                            y.to(self.device, non_blocking=True))
+
+    def _first_batch(self):
+        """The batch _prefetch drew for this step, else one drawn now (also where the batch
+        size or length changed since: drawn again from the generator's state before)."""
+        batch, self._prefetched = self._prefetched, None
+        if batch is not None and batch[0].shape != (self.settings.batch_size,
+                                                   self.settings.seq_len):
+            self.generator.set_state(self._generator_before_prefetch)
+            batch = None
+        self._generator_before_prefetch = None
+        return self._batch(self.train_data, self.generator) if batch is None else batch
 
     def run_model_loss(self, x, y):
         logits = self.run_model(x)
@@ -204,7 +232,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "history": self.history,
-            "generator": self.generator.get_state(),
+            "generator": (self.generator.get_state() if self._prefetched is None
+                          else self._generator_before_prefetch),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }

@@ -58,6 +58,11 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     is a page of the pool (a wrong one would read other memory). It costs one wait for the
     device per call; PagedKVCache, whose tables are right by construction, skips it.
     """
+    if backend == "triton" and not check_indices and _REPEAT:  # a step laid out as before
+        out = _REPEAT[0](q, k_cache, v_cache, block_table, cache_seqlens, scale, is_causal,
+                         num_splits, return_lse)
+        if out is not None:
+            return out
     _check(q, k_cache, v_cache, block_table, cache_seqlens, backend)
     if check_indices:
         _check_indices(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
@@ -75,9 +80,16 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
         return (out, lse) if return_lse else out
     from .triton.decode import paged_kv_attention
 
+    if not _REPEAT:  # imported here, once: triton loads after flashedu has configured it
+        from .triton.decode import repeat_paged_step
+
+        _REPEAT.append(repeat_paged_step)
     return paged_kv_attention(q, k_cache, v_cache, block_table.contiguous(),
                               cache_seqlens.contiguous(), num_splits=num_splits, scale=scale,
                               is_causal=is_causal, return_lse=return_lse)
+
+
+_REPEAT: list = []  # triton.decode.repeat_paged_step, once the triton backend has run
 
 
 def gather_pages(cache, pages, page_size: int, lo: int, hi: int):

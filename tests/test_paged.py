@@ -312,3 +312,32 @@ def test_steps_back_to_back_and_in_a_cuda_graph_give_the_eager_answers():
         torch.cuda.synchronize()
     for a, b, c in zip(alone, back_to_back, captured):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_step_laid_out_as_before_skips_the_checks_and_nothing_else(monkeypatch):
+    """A decoding step laid out as an earlier one goes straight to that step's launches
+    (repeat_paged_step: a decoding loop's host time is most of a short step's); whatever the
+    checks look at and the plan's key does not (the other tensors' devices, requires_grad,
+    an option of another type) takes the full path and its errors."""
+    import flashedu.decode as fdecode
+    from flashedu.triton import fast
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    k, v, table, seqlens = (t.to(DEVICE) for t in random_pool([40, 9], 16, 2, 32,
+                                                                torch.float32, seed=5))
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    first = paged_attention(q, k, v, table, seqlens, check_indices=False)
+    checks = []
+    real_check = fdecode._check
+    monkeypatch.setattr(fdecode, "_check", lambda *a: (checks.append(1), real_check(*a)))
+    again = paged_attention(q, k, v, table, seqlens, check_indices=False)
+    assert checks == [] and torch.equal(first, again)  # the plan, without the checks
+    O_ref, _ = reference(q.cpu(), k.cpu(), v.cpu(), table.cpu(), seqlens.cpu(), 16, False)
+    torch.testing.assert_close(again.cpu().double(), O_ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="is_causal"):
+        paged_attention(q, k, v, table, seqlens, check_indices=False, is_causal=1)
+    with pytest.raises(ValueError, match="k_cache must be on q's device"):
+        paged_attention(q, k.to("meta"), v, table, seqlens, check_indices=False)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        paged_attention(q.clone().requires_grad_(), k, v, table, seqlens, check_indices=False)
+    assert len(checks) == 3  # each of those went through the checks

@@ -284,6 +284,39 @@ def paged_kv_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, num_s
                      return_lse, "paged_kv_attention")
 
 
+def repeat_paged_step(q, k_cache, v_cache, block_table, cache_seqlens, scale, is_causal,
+                      num_splits, return_lse):
+    """A paged decoding step laid out as an earlier one (shapes, strides, dtypes, devices and
+    options alike): that step's launches started again with these tensors, without the
+    checks, which depend on nothing else and passed then. None where no step was laid out so,
+    or where anything differs that the checks would look at: the full path then runs (and
+    raises what it raises). A decoding loop calls this once a layer a token, where the host's
+    time is most of a short step's."""
+    tensors = (q, k_cache, v_cache, block_table, cache_seqlens)
+    Tensor = torch.Tensor  # exact types: a subclass (a fake tensor, say) takes the full path
+    if (type(is_causal) is not bool or type(return_lse) is not bool
+            or not (num_splits is None or type(num_splits) is int)
+            or type(q) is not Tensor or type(k_cache) is not Tensor
+            or type(v_cache) is not Tensor or type(block_table) is not Tensor
+            or type(cache_seqlens) is not Tensor):
+        return None
+    try:
+        scale = check_scale(scale, q.shape[-1])
+    except (TypeError, ValueError):
+        return None
+    plan = fast.PLANS.get(fast.signature(tensors, id(split_kernel), scale, is_causal,
+                                         num_splits, return_lse))
+    device = q.device  # the key holds q's device only: the others are checked here
+    if (plan is None or k_cache.device != device or v_cache.device != device
+            or block_table.device != device or cache_seqlens.device != device):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                    or v_cache.requires_grad):
+        return None  # the full path says that decoding is forward-only
+    out, lse2 = _repeat(plan, tensors)
+    return (out, lse2 * math.log(2.0)) if return_lse else out
+
+
 def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal, return_lse,
               name):
     """Both launches (split, then combine) for a contiguous or a paged cache. Nk: the cache's

@@ -407,6 +407,19 @@ def test_host_times_the_call_path_with_and_without_plans(tmp_path, capsys):
     assert "no plans / repeat" in text and text.count("tiny") == 2
 
 
+def test_host_times_a_paged_decoding_step(tmp_path, capsys):
+    """--shapes decode: a paged decoding step's host code (one mode, "step"), each variant a
+    positive time, beside an attention shape's rows."""
+    out = tmp_path / "host.json"
+    code, text = run(["host", "--shapes", "decode", "tiny", "--iters", "3", "--rounds", "2",
+                      "--json", str(out)], capsys)
+    assert code == 0, text
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["shape"] == "decode"]
+    assert {(r["mode"], r["variant"]) for r in rows} == {
+        ("step", v) for v in ("repeat", "plans", "no plans", "floor")}
+    assert all(r["us"] > 0 for r in rows) and text.count("decode") == 1
+
+
 @pytest.mark.parametrize("flag, value, key, label", [
     ("--density", "0.5", "density", "tiny sparse 0.5"),
     ("--window", "32", "window", "tiny window 32"),

@@ -20,6 +20,13 @@ sliding window's block mask, whose partial tiles apply its mask mod element-wise
 - ``floor``: a ``torch.autograd.Function`` that only allocates its outputs, with the same
   ``torch.autograd.grad``: what any Python attention pays before its own code.
 
+The shape ``decode`` is one step of paged decoding instead (``flashedu.decode.
+paged_attention`` with ``check_indices=False``, as ``PagedKVCache`` calls it: one sequence, one
+query, H = 32, Hkv = 8, d = 128, 1024 keys in pages of 256), mode ``step``: ``repeat`` is a
+step laid out as the last one going straight to its launches, ``plans`` every step through
+the checks (its launches still repeated), ``no plans`` working them out again, ``floor`` the
+output's allocation alone.
+
 Times are the best of ``--rounds`` rounds of ``--iters`` calls, in microseconds per call;
 interleaved, so that a machine's slow spell hits every row alike.
 
@@ -28,6 +35,7 @@ interleaved, so that a machine's slow spell hits every row alike.
     flashedu bench host --shapes n1024-d128 --density 0.25
     flashedu bench host --shapes gpt --window 128
     flashedu bench host --shapes gpt --dropout 0.1   # a dropout call's host code
+    flashedu bench host --shapes decode              # a paged decoding step's host code
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from .overhead import SHAPES
 
 MODES = ("fwd", "fwd+bwd")
 VARIANTS = ("repeat", "plans", "no plans", "floor")
+DECODE = {"decode": (1, 32, 8, 128, 1024, 256)}  # B, H, Hkv, d, keys, page size
 
 
 def main(argv=None) -> int:
@@ -81,7 +90,7 @@ def table(rows) -> str:
             label += f" window {first['window']}"
         if first.get("dropout"):
             label += f" dropout {first['dropout']:g}"
-        for mode in MODES:
+        for mode in dict.fromkeys(r["mode"] for r in rows if r["shape"] == shape):
             us = {r["variant"]: r["us"] for r in rows if r["shape"] == shape and r["mode"] == mode}
             body.append([label, mode, *(f"{us[v]:.1f} us" for v in VARIANTS),
                          f"{us['no plans'] / us['repeat']:.2f}x"])
@@ -90,7 +99,7 @@ def table(rows) -> str:
 
 def _parser():
     p = core.parser("flashedu bench host", __doc__)
-    p.add_argument("--shapes", nargs="+", default=["gpt"], choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["gpt"], choices=[*SHAPES, *DECODE])
     p.add_argument("--iters", type=core.positive_int, default=50, help="calls per round")
     p.add_argument("--rounds", type=core.positive_int, default=20, help="rounds, best kept")
     mask = p.add_mutually_exclusive_group()
@@ -125,6 +134,7 @@ def _stub_launches():
 
     import flashedu.triton_backend
     from flashedu import runtime
+    from flashedu.triton import decode, inputs
 
     JITFunction.__getitem__ = lambda self, grid: lambda *args, **kwargs: _Compiled()
     torch.cuda.current_device = lambda: 0
@@ -132,6 +142,9 @@ def _stub_launches():
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     runtime.triton_interpreted = lambda: False
     flashedu.triton_backend.check = lambda q, k, v: None
+    inputs.check = lambda q, k, v: None  # the decoding path's device check
+    decode.sm_count = lambda device, interpreted: 132
+    decode.major = lambda device, interpreted: 9
 
 
 def _mask(N, density=None, window=None):
@@ -192,16 +205,45 @@ class _Forgetful(dict):
         pass
 
 
+class _ForgetfulList(list):
+    """A list that keeps nothing."""
+
+    def append(self, value):
+        pass
+
+
+def _decode_steps(B, H, Hkv, d, keys, page):
+    """{"step": a paged decoding step}, and the floor's: the output's allocation alone."""
+    import torch
+
+    from flashedu.decode import paged_attention
+
+    pages = B * -(-keys // page)
+    q = torch.randn(B, H, 1, d, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(pages, page, Hkv, d, dtype=torch.bfloat16) for _ in range(2))
+    table = torch.arange(pages, dtype=torch.int32).view(B, -1)
+    lengths = torch.full((B,), keys, dtype=torch.int32)
+
+    def step():
+        with torch.no_grad():
+            paged_attention(q, k_cache, v_cache, table, lengths, check_indices=False)
+    return {"step": step}, {"step": lambda: torch.empty_like(q)}
+
+
 def _worker(request) -> list[dict]:
     from contextlib import ExitStack, nullcontext
     from unittest import mock
 
     _stub_launches()
+    import flashedu.decode
     from flashedu import api
     from flashedu.triton import fast
 
     def no_repeat():  # none found, none kept: each call takes the general path
-        return mock.patch.object(api, "REPEATS", _Forgetful())
+        stack = ExitStack()
+        stack.enter_context(mock.patch.object(api, "REPEATS", _Forgetful()))
+        stack.enter_context(mock.patch.object(flashedu.decode, "_REPEAT", _ForgetfulList()))
+        return stack
 
     def no_plans():  # nor are launches kept: each call works them out again
         stack = ExitStack()
@@ -212,10 +254,13 @@ def _worker(request) -> list[dict]:
 
     rows, iters = [], request["iters"]
     for name in request["shapes"]:
-        mask = _mask(SHAPES[name][2], request.get("density"), request.get("window"))
-        steps, floors = _steps(SHAPES[name], mask, request.get("dropout", 0.0))
+        if name in DECODE:
+            steps, floors = _decode_steps(*DECODE[name])
+        else:
+            mask = _mask(SHAPES[name][2], request.get("density"), request.get("window"))
+            steps, floors = _steps(SHAPES[name], mask, request.get("dropout", 0.0))
         calls = []
-        for mode in MODES:
+        for mode in steps:
             calls.append(("repeat", mode, steps[mode], nullcontext))
             calls.append(("plans", mode, steps[mode], no_repeat))
             calls.append(("no plans", mode, steps[mode], no_plans))

@@ -113,6 +113,7 @@ def grade_class(paths: list[Path], timeout: float, kernel: str | None, budget: f
     with tempfile.TemporaryDirectory(prefix="flashedu-grade-") as root:
         submissions = stage(paths, Path(root))
         hide = [str(p) for p in hidden(submissions)]
+        fa3 = fa3_switch(jobs)
 
         def one(sub: Submission):
             if sub.refused:
@@ -120,7 +121,7 @@ def grade_class(paths: list[Path], timeout: float, kernel: str | None, budget: f
             spec = {"notebook": str(sub.folder / "home" / sub.original.name),
                     "original": str(sub.original), "folder": str(sub.folder), "hide": hide,
                     "timeout": timeout, "kernel": kernel, "budget": budget, "seed": seed,
-                    "fa3": fa3_switch(jobs)}
+                    "fa3": fa3}
             return _supervise(spec, budget + SLACK)
 
         with ThreadPoolExecutor(max(1, jobs)) as pool:

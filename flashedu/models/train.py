@@ -161,12 +161,7 @@ class Trainer:
         same; a checkpoint keeps the generator's state from before this draw, so that a
         resumed run draws this batch again."""
         self._generator_before_prefetch = self.generator.get_state()
-        x, y = text.get_batch(self.train_data, self.settings.batch_size, self.settings.seq_len,
-                              self.generator)
-        if self.device.type == "cuda":
-            x, y = x.pin_memory(), y.pin_memory()
-        self._prefetched = (x.to(self.device, non_blocking=True),
-                            y.to(self.device, non_blocking=True))
+        self._prefetched = self._batch(self.train_data, self.generator)
 
     def _first_batch(self):
         """The batch _prefetch drew for this step, else one drawn now (also where the batch
@@ -184,7 +179,11 @@ class Trainer:
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     def _batch(self, data, generator):
+        """A batch drawn on the host and on its way to the device: from pinned memory on a
+        GPU, so that the copy does not wait for the kernels queued before it."""
         x, y = text.get_batch(data, self.settings.batch_size, self.settings.seq_len, generator)
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     @torch.no_grad()

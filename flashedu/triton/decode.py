@@ -304,8 +304,7 @@ def repeat_paged_step(q, k_cache, v_cache, block_table, cache_seqlens, scale, is
         scale = check_scale(scale, q.shape[-1])
     except (TypeError, ValueError):
         return None
-    plan = fast.PLANS.get(fast.signature(tensors, id(split_kernel), scale, is_causal,
-                                         num_splits, return_lse))
+    plan = fast.PLANS.get(_plan_key(tensors, scale, is_causal, num_splits, return_lse))
     device = q.device  # the key holds q's device only: the others are checked here
     if (plan is None or k_cache.device != device or v_cache.device != device
             or block_table.device != device or cache_seqlens.device != device):
@@ -315,6 +314,11 @@ def repeat_paged_step(q, k_cache, v_cache, block_table, cache_seqlens, scale, is
         return None  # the full path says that decoding is forward-only
     out, lse2 = _repeat(plan, tensors)
     return (out, lse2 * math.log(2.0)) if return_lse else out
+
+
+def _plan_key(given, scale, is_causal, num_splits, return_lse) -> tuple:
+    """The key of a step's launches in fast.PLANS: its tensors' layouts and its options."""
+    return fast.signature(given, id(split_kernel), scale, is_causal, num_splits, return_lse)
 
 
 def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal, return_lse,
@@ -344,7 +348,7 @@ def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal,
     # a decoding step repeats the last one's layout: its launches are kept as a plan and
     # started again with this call's tensors (fast.PLANS), the host's time being the step's
     # budget at small caches
-    plan_key = fast.signature(given, id(split_kernel), scale, is_causal, num_splits, return_lse)
+    plan_key = _plan_key(given, scale, is_causal, num_splits, return_lse)
     plan = fast.PLANS.get(plan_key)
     if plan is not None:
         out, lse2 = _repeat(plan, given)
@@ -477,7 +481,7 @@ def key_tile(d: int, dtype, interpreted: bool) -> int:
 
 def major(device, interpreted: bool) -> int:
     """The device's compute capability's major number (0 under the interpreter)."""
-    return 0 if interpreted else torch.cuda.get_device_capability(device)[0]
+    return 0 if interpreted else fast._major(device.index)
 
 
 def sm_count(device, interpreted: bool) -> int:

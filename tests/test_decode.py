@@ -48,6 +48,8 @@ CASES = [  # B, H, Hkv, Nq, Nk, d, dtype, causal, num_splits
     (1, 6, 3, 7, 64, 24, torch.float32, False, 1000),  # more splits asked than K/V tiles
     (1, 4, 2, 2, 150, 64, torch.float16, True, 4),
     (1, 2, 1, 1, 120, 64, torch.bfloat16, False, 3),
+    (2, 8, 2, 2, 90, 40, torch.float32, True, 1),  # one split: the split kernel writes O, L
+    (1, 4, 2, 1, 100, 64, torch.bfloat16, False, 1),
 ]
 
 
@@ -151,3 +153,29 @@ def test_bad_input_is_refused():
         split_kv_attention(randn(1, 3, 1, 16), k, k)
     with pytest.raises(RuntimeError, match="forward-only"):
         split_kv_attention(q.requires_grad_(), k, k)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_one_split_writes_the_answer_in_the_outputs_layout(return_lse):
+    """With one split there is no merge: the split kernel writes O in the output's dtype and
+    strides (here those of a q that is a transposed view) and L. Same answer as two splits, and
+    the launch plan kept for the repeat holds the split alone."""
+    from flashedu.triton import decode, fast
+
+    B, H, Hkv, Nq, Nk, d = 2, 4, 2, 3, 70, 24
+    q = randn(B, Nq, H, d).transpose(1, 2)  # (B, H, Nq, d), rows H * d apart
+    k, v = randn(B, Hkv, Nk, d), randn(B, Hkv, Nk, d)
+    one = split_kv_attention(q, k, v, num_splits=1, is_causal=True, return_lse=return_lse)
+    two = split_kv_attention(q, k, v, num_splits=2, is_causal=True, return_lse=return_lse)
+    for a, b in zip(*((one, two) if return_lse else ((one,), (two,)))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    out = one[0] if return_lse else one
+    assert out.stride() == q.stride()  # written in q's layout, as the merge writes it
+    O_ref, _ = reference(q, k, v, bottom_right(Nq, Nk))
+    torch.testing.assert_close(out.cpu().double(), O_ref, rtol=1e-5, atol=1e-5)
+    plans = [p for p in fast.PLANS.values() if isinstance(p, tuple) and len(p) == 4
+             and getattr(p[0], "kernel", None) is decode.split_kernel and p[0].grid[0] == 1]
+    assert plans and all(p[1] is None for p in plans)
+    again = split_kv_attention(q, k, v, num_splits=1, is_causal=True, return_lse=return_lse)
+    for a, b in zip(*((one, again) if return_lse else ((one,), (again,)))):
+        assert torch.equal(a, b)

@@ -67,6 +67,7 @@ CASES = [  # lengths, H, Hkv, Nq, d, page_size, dtype, causal, num_splits
     ([50], 2, 2, 1, 64, 16, torch.bfloat16, True, None),
     ([37, 12], 4, 2, 1, 32, 5, torch.float32, False, None),  # pages smaller than a tile
     ([60], 2, 1, 2, 16, 24, torch.float32, True, 3),  # tiles across page edges
+    ([37, 0, 100], 4, 2, 2, 40, 16, torch.float32, True, 1),  # one split: no merge launched
 ]
 
 

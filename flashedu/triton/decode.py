@@ -13,6 +13,9 @@ Split-KV gives the keys to several programs instead:
 2. ``combine_kernel``: one program per query row merges the num_splits partials with the merge
    rule, L = log Σ_s e^{L_s}, O = Σ_s e^{L_s - L} O_s (in base 2 here; ``merge``).
 
+With one split (many sequences already fill the GPU, or ``num_splits=1``) the split kernel's
+partial result is the answer: it writes O and L itself and no merge is launched.
+
 Grouped-query attention is packed: the query heads that share one K/V head go into the rows of
 one program (row r is head r // Nq, query r % Nq), so each K/V tile is read once per group
 instead of once per query head, and tl.dot's minimum of 16 rows is filled by real work.
@@ -113,15 +116,19 @@ def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, b, block_table, widt
 def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
                  stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, H, GROUP, HEADS, Nq, Nk, d, chunk, num_splits,
-                 width,
+                 width, stride_ob, stride_oh, stride_on,
                  BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr = 0, PDL: tl.constexpr = False):
+                 PAGE_SIZE: tl.constexpr = 0, PDL: tl.constexpr = False,
+                 FINAL: tl.constexpr = False):
     """Program (s, g): chunk s of the keys for the query heads of group g. For a paged cache,
     ``block_table`` (rows ``width`` entries apart) and ``seqlens``, each sequence's cache
     length (K and V are then pools of pages whose stride_kb, stride_vb are the pages' strides);
     both None where the cache is one contiguous (B, Hkv, Nk, d) block, and then not compiled.
-    PDL: launched as a dependent launch (module docstring): wait for the kernel before it."""
+    PDL: launched as a dependent launch (module docstring): wait for the kernel before it.
+    FINAL: the only split (num_splits = 1), whose partial result is the answer: O_part is the
+    output itself (strides stride_ob, stride_oh, stride_on; d columns) and L_part its base-2
+    lse, so that no merge is launched."""
     if PDL:  # before reading Q or the cache, and writing the partials (which the previous
         gdc_wait()  # step's combine reads), the kernel before this one must be done
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
@@ -176,8 +183,13 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
     O_i = O_i / tl.where(seen, l_i, 1.0)[:, None]
     L_i = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     row = (b * H + h) * num_splits + s  # O_part: (B, H, S, Nq, HEAD_DIM), L_part: (B, H, S, Nq)
-    tl.store(O_part + (row * Nq + n)[:, None] * HEAD_DIM + dims[None, :], O_i,
-             mask=row_ok[:, None])
+    if FINAL:  # the answer: O in the output's dtype and layout
+        O_rows = b * stride_ob + h * stride_oh + n * stride_on
+        tl.store(O_part + O_rows[:, None] + dims[None, :], O_i.to(O_part.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok)
+    else:
+        tl.store(O_part + (row * Nq + n)[:, None] * HEAD_DIM + dims[None, :], O_i,
+                 mask=row_ok[:, None])
     tl.store(L_part + row * Nq + n, L_i, mask=row_ok)
 
 
@@ -359,18 +371,24 @@ def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal,
         shapes = ((B, H, S, Nq, split_consts["HEAD_DIM"]), (B, H, S, Nq), (B, H, Nq))
         O_part, L_part, out, lse2 = _buffers(q, shapes, return_lse)
         sq, so = q.stride(), out.stride()
+        final = combine_consts is None  # one split: the split kernel writes the answer
+        targets = _final_targets(O_part, L_part, out, lse2) if final else (O_part, L_part)
         split = (split_kernel, (S, B * H // heads),
-                 (q, k, v, O_part, L_part, table, seqlens, scale * LOG2E, sq[0], sq[1], sq[2],
-                  *stride_k, *stride_v, H, H // Hkv, heads, Nq, Nk, d, chunk, S, width),
+                 (q, k, v, *targets, table, seqlens, scale * LOG2E, sq[0], sq[1], sq[2],
+                  *stride_k, *stride_v, H, H // Hkv, heads, Nq, Nk, d, chunk, S, width,
+                  so[0], so[1], so[2]),
                  split_consts)
-        combine = (combine_kernel, (B * H, Nq),
-                   (O_part, L_part, out, lse2, so[0], so[1], so[2], H, Nq, d, S), combine_consts)
         fast.run(*split)
-        fast.run(*combine)
         # the call's own tensors lead each launch's arguments (the paged ones: table, lengths)
-        fast.remember(plan_key, (fast.Launch(*split, tuple(range(len(given) + 2))),
-                                 fast.Launch(*combine, tuple(range(4 if return_lse else 3))),
-                                 shapes, return_lse))
+        split_launch = fast.Launch(*split, tuple(range(len(given) + 2)))
+        combine_launch = None
+        if not final:
+            combine = (combine_kernel, (B * H, Nq),
+                       (O_part, L_part, out, lse2, so[0], so[1], so[2], H, Nq, d, S),
+                       combine_consts)
+            fast.run(*combine)
+            combine_launch = fast.Launch(*combine, tuple(range(4 if return_lse else 3)))
+        fast.remember(plan_key, (split_launch, combine_launch, shapes, return_lse))
     if out.dtype != dtype:
         out = out.to(dtype)  # float32 under the interpreter: cast back
     return (out, lse2 * math.log(2.0)) if return_lse else out  # -inf stays -inf
@@ -408,30 +426,43 @@ def _buffers(q, shapes, return_lse):
     return (*parts, torch.empty_like(q), lse2)
 
 
+def _final_targets(O_part, L_part, out, lse2):
+    """Where a single split writes: the output, and the lse asked for or else the partial L
+    buffer (a slot of the launch needs a tensor; B * H * Nq floats, written and unread)."""
+    return out, (L_part if lse2 is None else lse2)
+
+
 def _repeat(plan, given):
-    """A call laid out as the one that made ``plan``: its two launches with new buffers.
-    Returns (out, its base-2 lse or None)."""
+    """A call laid out as the one that made ``plan``: its launches (the split, and the combine
+    unless the split is the only one) with new buffers. Returns (out, its base-2 lse or None)."""
     split, combine, shapes, return_lse = plan
     O_part, L_part, out, lse2 = _buffers(given[0], shapes, return_lse)
     stream = fast.stream_for(split, combine)
-    split.start(*given[:3], O_part, L_part, *given[3:], stream=stream)
-    combine.start(O_part, L_part, out, *(() if lse2 is None else (lse2,)), stream=stream)
+    if combine is None:
+        split.start(*given[:3], *_final_targets(O_part, L_part, out, lse2), *given[3:],
+                    stream=stream)
+    else:
+        split.start(*given[:3], O_part, L_part, *given[3:], stream=stream)
+        combine.start(O_part, L_part, out, *(() if lse2 is None else (lse2,)), stream=stream)
     return out, lse2
 
 
 @functools.lru_cache(maxsize=256)
 def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_causal,
                  page_size, device_major):
-    """(S, chunk, heads, the split kernel's constexprs, the combine kernel's): worked out once
-    per problem shape, since a model decodes the same shapes step after step (the host's time
-    is a decoding step's budget)."""
+    """(S, chunk, heads, the split kernel's constexprs, the combine kernel's or None where the
+    split is the only one and writes the answer): worked out once per problem shape, since a
+    model decodes the same shapes step after step (the host's time is a decoding step's
+    budget)."""
     heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)
     HEAD_DIM = padded_head_dim(d)
     dependent = pdl_launch(device_major, interpreted)
     split_consts = dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
                         HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
-                        DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size,
+                        DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size, FINAL=S == 1,
                         **({} if interpreted else SPLIT_LAUNCH), **dependent)
+    if S == 1:
+        return S, chunk, heads, split_consts, None
     return S, chunk, heads, split_consts, {**merge_consts(S, HEAD_DIM), **dependent}
 
 

@@ -1,0 +1,135 @@
+"""Paged decoding's launch swept on a GPU: the split kernel's warps and pipeline stages and the
+split count, each step timed in a CUDA graph (``flashedu bench paged``'s third measurement)
+beside cuDNN on a contiguous cache, every variant of a cell in turn in one process.
+
+A variant's launch plan is made once (``decode.SPLIT_LAUNCH`` set, the plan caches cleared,
+one call) and then started directly, so that variants of one cell can alternate round by
+round. Split counts: the rule's (``choose_num_splits``), and one split (no merge launched)
+where the batch has at least half as many K/V head groups as the GPU has SMs. The cells are
+``flashedu bench paged``'s: H = 32, Hkv = 8, d = 128, bf16, pages scattered over the pool.
+
+    python scripts/gpu_decode_sweep.py --json decode_sweep.json
+    python scripts/gpu_decode_sweep.py --cells 32x1024 8x4096 --launches 4x2 2x3
+
+Without a CUDA GPU it says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+CELLS = ("1x16384", "8x1024", "8x4096", "8x16384", "32x1024", "32x4096", "32x16384")
+LAUNCHES = ("4x2", "2x2", "4x3", "2x3")  # num_warps x num_stages of the split kernel
+
+
+def variants(B, Nk, launches, sms):
+    """{name: (SPLIT_LAUNCH, num_splits)} of one cell."""
+    from flashedu.triton import decode
+
+    H, Hkv, d = 32, 8, 128
+    heads = decode.heads_per_program(H // Hkv, 1)
+    groups = B * H // heads
+    rule = decode.choose_num_splits(groups, Nk, decode.key_tile(d, None, False), sms)
+    splits = [rule] + ([1] if rule > 1 and 2 * groups >= sms else [])
+    out = {}
+    for launch in launches:
+        warps, stages = (int(x) for x in launch.split("x"))
+        for S in splits:
+            out[f"w{warps}s{stages}-S{S}"] = ({"num_warps": warps, "num_stages": stages}, S)
+    return out
+
+
+def plan_for(q, paged, launch, S):
+    """The launch plan of a paged step with the split kernel launched as ``launch``."""
+    from flashedu.decode import paged_attention
+    from flashedu.triton import decode, fast
+
+    decode.SPLIT_LAUNCH = launch
+    decode._launch_plan.cache_clear()
+    fast.PLANS.clear()
+    paged_attention(q, *paged, num_splits=S, check_indices=False)
+    (plan,) = fast.PLANS.values()
+    return plan
+
+
+def one_cell(B, Nk, page, launches, rounds):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashedu.benchmarks import core
+    from flashedu.benchmarks.paged import GRAPH_STEPS, cache_copies, paged_copy
+    from flashedu.triton import decode
+
+    H, Hkv, d = 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(B * 7 + Nk)
+    q, k, v = (torch.randn(B, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for h, n in ((H, 1), (Hkv, Nk), (Hkv, Nk)))
+    kc, vc, table, seqlens = paged_copy(k, v, page, torch.Generator().manual_seed(Nk))
+    n = cache_copies(2 * k.numel() * k.element_size(), "cuda")
+    pools = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(n - 1)]
+    caches = [(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    saved = dict(decode.SPLIT_LAUNCH)
+    ways = {}
+    answer = None
+    with torch.no_grad():
+        for name, (launch, S) in variants(B, Nk, launches, sms).items():
+            plan = plan_for(q, (kc, vc, table, seqlens), launch, S)
+            out, _ = decode._repeat(plan, (q, kc, vc, table, seqlens))
+            answer = out if answer is None else answer
+            error = (out.float() - answer.float()).abs().max().item()
+            if not error < 2e-2:
+                raise SystemExit(f"{name}: its answer differs from the first variant's by {error}")
+            ways[name] = [lambda plan=plan, c=c: decode._repeat(plan, (q, *c, table, seqlens))
+                          for c in pools]
+        decode.SPLIT_LAUNCH = saved
+        ways["cudnn"] = [lambda c=c: F.scaled_dot_product_attention(q, *c, enable_gqa=True)
+                         for c in caches]
+        times = {name: [] for name in ways}
+        for name in core.in_turn(ways, rounds):
+            if name == "cudnn":
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    times[name].append(core.graph_us(ways[name], GRAPH_STEPS))
+            else:
+                times[name].append(core.graph_us(ways[name], GRAPH_STEPS))
+    return {"B": B, "Nk": Nk, "page_size": page,
+            "graph_us": {name: statistics.median(t) for name, t in times.items()},
+            "each": times}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", nargs="+", default=CELLS, help="BxNk, e.g. 32x1024")
+    p.add_argument("--launches", nargs="+", default=LAUNCHES, help="warpsxstages, e.g. 2x3")
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_decode_sweep.py: needs a CUDA GPU; none is visible here.", file=sys.stderr)
+        return 1
+    rows = []
+    for cell in args.cells:
+        B, Nk = (int(x) for x in cell.split("x"))
+        row = one_cell(B, Nk, args.page_size, args.launches, args.rounds)
+        rows.append(row)
+        t = row["graph_us"]
+        best = min((name for name in t if name != "cudnn"), key=t.get)
+        print(f"B={B} Nk={Nk}: cuDNN {t['cudnn']:.1f} us; "
+              + ", ".join(f"{name} {us:.1f}" for name, us in t.items() if name != "cudnn")
+              + f"; best {best} (cuDNN / best {t['cudnn'] / t[best]:.3f})", flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -129,15 +129,16 @@ def test_queries_that_see_no_key_give_zeros():
 def test_split_heuristics():
     assert heads_per_program(8, 1) == 8 and heads_per_program(8, 16) == 4
     assert heads_per_program(7, 16) == 1  # 7 heads x 16 rows do not fit: one head a program
-    # 4 programs on 132 SMs: 99 splits give three programs an SM
-    assert choose_num_splits(4, 131072, 64, 132) == 99
+    assert choose_num_splits(4, 131072, 64, 132) == 128  # four programs an SM, at most 128
+    assert choose_num_splits(64, 4096, 64, 132) == 9  # 576 programs: one wave (five an SM)
+    assert choose_num_splits(256, 4096, 64, 132) == 2  # three would start a second wave
     assert choose_num_splits(4, 1024, 64, 132) == 16  # but chunks of at least a tile
     assert choose_num_splits(4, 100, 16, 132, 50) == 7  # never more splits than tiles
     assert choose_num_splits(264, 4096, 64, 132) == 2
     assert choose_num_splits(1024, 4096, 64, 132) == 1  # already many programs
-    # 32 query heads on 8 K/V heads: 4 packed per program, 8 programs, 50 splits wanted;
-    # each split is rounded up to whole K/V tiles of 64: 41 tiles = 2624 keys, 50 splits
-    assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132) == (4, 64, 50, 2624)
+    # 32 query heads on 8 K/V heads: 4 packed per program, 8 programs, 66 splits wanted;
+    # each split is rounded up to whole K/V tiles of 64: 32 tiles = 2048 keys, 64 splits
+    assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132) == (4, 64, 64, 2048)
     assert split_plan(1, 4, 4, 1, 100, 64, torch.float32, 132, num_splits=3) == (1, 32, 2, 64)
 
 

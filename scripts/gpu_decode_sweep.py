@@ -10,6 +10,7 @@ where the batch has at least half as many K/V head groups as the GPU has SMs. Th
 
     python scripts/gpu_decode_sweep.py --json decode_sweep.json
     python scripts/gpu_decode_sweep.py --cells 32x1024 8x4096 --launches 4x2 2x3
+    python scripts/gpu_decode_sweep.py --launches 2x2 --per-sm 2 4 5 6
 
 Without a CUDA GPU it says so and exits.
 """
@@ -26,15 +27,24 @@ CELLS = ("1x16384", "8x1024", "8x4096", "8x16384", "32x1024", "32x4096", "32x163
 LAUNCHES = ("4x2", "2x2", "4x3", "2x3")  # num_warps x num_stages of the split kernel
 
 
-def variants(B, Nk, launches, sms):
-    """{name: (SPLIT_LAUNCH, num_splits)} of one cell."""
+def variants(B, Nk, launches, sms, per_sm=()):
+    """{name: (SPLIT_LAUNCH, num_splits)} of one cell: the rule's split count, one split where
+    the batch has at least half as many groups as the GPU has SMs, and the counts that give
+    each of ``per_sm`` programs an SM."""
+    import math
+
     from flashedu.triton import decode
 
     H, Hkv, d = 32, 8, 128
     heads = decode.heads_per_program(H // Hkv, 1)
     groups = B * H // heads
-    rule = decode.choose_num_splits(groups, Nk, decode.key_tile(d, None, False), sms)
+    Bc = decode.key_tile(d, None, False)
+    rule = decode.choose_num_splits(groups, Nk, Bc, sms)
     splits = [rule] + ([1] if rule > 1 and 2 * groups >= sms else [])
+    for k in per_sm:
+        S = decode.choose_num_splits(groups, Nk, Bc, sms, math.ceil(k * sms / groups))
+        if S not in splits:
+            splits.append(S)
     out = {}
     for launch in launches:
         warps, stages = (int(x) for x in launch.split("x"))
@@ -56,7 +66,7 @@ def plan_for(q, paged, launch, S):
     return plan
 
 
-def one_cell(B, Nk, page, launches, rounds):
+def one_cell(B, Nk, page, launches, rounds, per_sm=()):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -78,7 +88,7 @@ def one_cell(B, Nk, page, launches, rounds):
     ways = {}
     answer = None
     with torch.no_grad():
-        for name, (launch, S) in variants(B, Nk, launches, sms).items():
+        for name, (launch, S) in variants(B, Nk, launches, sms, per_sm).items():
             plan = plan_for(q, (kc, vc, table, seqlens), launch, S)
             out, _ = decode._repeat(plan, (q, kc, vc, table, seqlens))
             answer = out if answer is None else answer
@@ -106,6 +116,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", nargs="+", default=CELLS, help="BxNk, e.g. 32x1024")
     p.add_argument("--launches", nargs="+", default=LAUNCHES, help="warpsxstages, e.g. 2x3")
+    p.add_argument("--per-sm", nargs="*", type=float, default=(),
+                   help="also the split counts that give this many programs an SM")
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the results here")
@@ -118,7 +130,7 @@ def main(argv=None) -> int:
     rows = []
     for cell in args.cells:
         B, Nk = (int(x) for x in cell.split("x"))
-        row = one_cell(B, Nk, args.page_size, args.launches, args.rounds)
+        row = one_cell(B, Nk, args.page_size, args.launches, args.rounds, args.per_sm)
         rows.append(row)
         t = row["graph_us"]
         best = min((name for name in t if name != "cudnn"), key=t.get)

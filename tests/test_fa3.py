@@ -2,7 +2,8 @@
 the Triton its Gluon is written against, every switch of the forward's schedule and the
 backward's settings against the float64 reference on ragged, GQA and causal shapes, and the
 public API taking both from the tile table. Elsewhere the kernels are not used (``usable`` says
-no), which the CPU tests check, with the dispatch to them."""
+no), which the CPU tests check, with the dispatch to them. The kernels are off unless
+FLASHEDU_FA3=1: each test here turns them on (``switched_on``), one checks the switch."""
 
 import dataclasses
 
@@ -22,10 +23,18 @@ def _fa3_here() -> bool:
     if not CUDA or flashedu.runtime.triton_interpreted():
         return False
     probe = torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
-    return fa3.usable(probe, probe, probe, ops.Call(False, 1.0))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(fa3.SWITCH_ENV, "1")
+        return fa3.usable(probe, probe, probe, ops.Call(False, 1.0))
 
 
 FA3 = _fa3_here()
+
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    """The kernels on for each test (FLASHEDU_FA3=1), as for a process alone on its GPU."""
+    monkeypatch.setenv(fa3.SWITCH_ENV, "1")
 needs_fa3 = pytest.mark.skipif(not FA3, reason="needs an sm_90 GPU and Triton "
                                f"{' or '.join(fa3.TESTED_TRITON)} (fa3's Gluon API)")
 
@@ -263,9 +272,10 @@ def test_calls_the_schedule_cannot_serve_are_refused(change):
     assert not fa3.usable(q, q, q, call)
 
 
-def test_the_environment_can_switch_the_schedule_off(monkeypatch):
-    """FLASHEDU_FA3=0 (for processes that share a GPU) leaves a call the kernel would serve to
-    the readable kernels, forward and backward, and ``flashedu doctor`` says why."""
+def test_the_schedule_runs_only_where_the_environment_turns_it_on(monkeypatch):
+    """Without FLASHEDU_FA3=1 (the kernels fault when another process shares the GPU), or with
+    FLASHEDU_FA3=0, a call the kernel would serve goes to the readable kernels, forward and
+    backward, and ``flashedu doctor`` says why; FLASHEDU_FA3=1 turns them on."""
     import types
 
     from flashedu.triton import fa3_backward, fast
@@ -277,11 +287,15 @@ def test_the_environment_can_switch_the_schedule_off(monkeypatch):
     q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16,
                               shape=(1, 2, 4096, 64), is_contiguous=lambda: True)
     call = ops.Call(True, 0.125)
-    monkeypatch.delenv(fa3.SWITCH_ENV, raising=False)
+    monkeypatch.setenv(fa3.SWITCH_ENV, "1")
     assert fa3.usable(q, q, q, call) and fa3_backward.usable(q, q, q, q, call)
-    monkeypatch.setenv(fa3.SWITCH_ENV, "0")
-    assert not fa3.usable(q, q, q, call) and not fa3_backward.usable(q, q, q, q, call)
-    assert fa3.status() == "off: FLASHEDU_FA3=0"
+    for value in (None, "0", "yes"):
+        if value is None:
+            monkeypatch.delenv(fa3.SWITCH_ENV)
+        else:
+            monkeypatch.setenv(fa3.SWITCH_ENV, value)
+        assert not fa3.usable(q, q, q, call) and not fa3_backward.usable(q, q, q, q, call)
+        assert fa3.status().startswith("off: FLASHEDU_FA3=1 turns them on")
 
 
 def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monkeypatch):

@@ -43,10 +43,14 @@ def environment(command, **extra) -> dict:
         triton_version = triton.__version__
     except ImportError as exc:
         triton_version = f"unavailable: {exc}"
+    fa3_status = None
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         device = props.name
         memory = f"{props.total_memory / 2**30:.0f} GiB"
+        from ..triton import fa3  # off unless switched on: a record says which kernels ran
+
+        fa3_status = fa3.status()
     else:
         device, memory = f"cpu ({platform.processor() or platform.machine()})", None
     if not isinstance(command, str):
@@ -55,7 +59,8 @@ def environment(command, **extra) -> dict:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(short=False), "torch": torch.__version__,
            "cuda": torch.version.cuda, "triton": triton_version,
-           "python": platform.python_version(), "command": command}
+           "python": platform.python_version(), "command": command,
+           "flashattention3_kernels": fa3_status}
     return {**env, **extra}
 
 

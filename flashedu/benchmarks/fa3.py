@@ -9,7 +9,9 @@ them, and a bf16 matrix product for the card's measured peak.
 
 The shapes: N = 4096, 8192, 16384 at d = 64 and 128, causal or not, with B * N = 16384
 tokens and H * d = 2048 (``core.batch_heads``), bf16. Needs an sm_90 GPU (H100, H200) and the
-Triton whose Gluon API the kernel is written against.
+Triton whose Gluon API the kernel is written against. It turns the kernels on in its own
+process (FLASHEDU_FA3=1), which should have the GPU to itself: they fault when another
+process's work shares it.
 """
 
 from __future__ import annotations
@@ -162,10 +164,13 @@ def main(argv=None) -> int:
         return 1
     import torch
 
+    import os
+
     from ..ops import Call
     from ..triton import fa3
     from ..triton.autograd import resolve_config
 
+    os.environ[fa3.SWITCH_ENV] = "1"  # what this measures (the table's backward included)
     probe = torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
     if not fa3.usable(probe, probe, probe, Call(False, 1.0)):
         print("flashedu bench fa3: the kernel needs an sm_90 GPU and Triton "

@@ -130,12 +130,12 @@ def grade_class(paths: list[Path], timeout: float, kernel: str | None, budget: f
 
 def fa3_switch(jobs: int) -> str | None:
     """The FLASHEDU_FA3 value a supervisor sets for what it runs. Notebooks graded at once are
-    processes sharing the GPU, where FlashAttention-3's Gluon kernels have faulted (misaligned
-    address) and the Triton kernels have not (BENCHMARKS.md, "FlashAttention-3's kernels on a
-    shared GPU"): "0" then, unless the instructor set the switch; else None (left as it is)."""
-    from ..runtime import FA3_SWITCH_ENV
-
-    return "0" if jobs > 1 and FA3_SWITCH_ENV not in os.environ else None
+    processes sharing the GPU, where FlashAttention-3's Gluon kernels fault (a process beside
+    them doing any GPU work is enough) and the Triton kernels do not (BENCHMARKS.md,
+    "FlashAttention-3's kernels and a GPU shared by time-slicing"): "0" then, even where the
+    instructor turned them on, since a fault would fail a learner's notebook; one at a time,
+    None (the environment as it is)."""
+    return "0" if jobs > 1 else None
 
 
 def _supervise(spec: dict, seconds: float) -> tuple[list[dict], bool]:

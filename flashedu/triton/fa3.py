@@ -28,7 +28,9 @@ Only what a training step's dense attention needs: 16-bit inputs, head dim 64 or
 backward. Dropout's keep-mask is the stream of ``dropout.py`` (the same helpers, called from
 Gluon): drawn in the layout of S_ij's product, where a thread holds all 16 entries of each
 Philox call it draws, and passed on as one flag byte an entry (``_keep_bytes``). Other calls,
-GPUs and Tritons take the readable kernel of ``forward.py``; ``usable`` says which.
+GPUs and Tritons take the readable kernel of ``forward.py``; ``usable`` says which. Every call
+does unless ``FLASHEDU_FA3=1`` is set: these kernels do not survive the GPU's switch to
+another process (``SWITCH_ENV``).
 Written against Triton 3.6's Gluon API, the one run on a GPU (TESTED_TRITON); it also compiles
 on Triton 3.9 (``flashedu bench sass --variants fa3``), where one function was renamed.
 """
@@ -57,9 +59,10 @@ except ImportError:  # a Triton without Gluon's Hopper API: the readable kernel 
     GLUON = False
 
 TESTED_TRITON = ("3.6",)  # the Gluon API changes between releases
-# FLASHEDU_FA3=0 leaves every call to the readable kernels. These kernels have faulted
-# (misaligned address, illegal instruction) when other processes shared the GPU
-# (BENCHMARKS.md, "FlashAttention-3's kernels on a shared GPU"); one process a GPU is safe.
+# Off unless FLASHEDU_FA3=1: these kernels fault (illegal instruction, misaligned address)
+# when the GPU switches to another process's work in the middle of one, which the readable
+# kernels survive; a process that has the GPU to itself has never seen a fault (BENCHMARKS.md,
+# "FlashAttention-3's kernels and a GPU shared by time-slicing").
 SWITCH_ENV = runtime.FA3_SWITCH_ENV
 M = 64  # rows of Q per consumer warpgroup: one wgmma's M
 H100_SMS = 132  # the grid of a persistent launch compiled without a GPU (bench sass)
@@ -93,7 +96,8 @@ def status() -> str:
     from .fast import TRITON
 
     if not switched_on():
-        return f"off: {SWITCH_ENV}=0"
+        return (f"off: {SWITCH_ENV}=1 turns them on in a process that has the GPU to itself "
+                "(they fault when another process shares it)")
     if not GLUON or TRITON not in TESTED_TRITON:
         return (f"off: written against Triton {' or '.join(TESTED_TRITON)}'s Gluon, this is "
                 f"Triton {triton.__version__}")
@@ -107,9 +111,9 @@ def status() -> str:
 
 
 def switched_on() -> bool:
-    """Whether the environment leaves these kernels on (read at each call: a test or a
-    notebook may set it while running)."""
-    return os.environ.get(SWITCH_ENV, "1") != "0"
+    """Whether the environment turns these kernels on, FLASHEDU_FA3=1 (read at each call: a
+    test or a notebook may set it while running)."""
+    return os.environ.get(SWITCH_ENV) == "1"
 
 
 @functools.lru_cache(maxsize=None)

@@ -130,7 +130,7 @@ def test_split_heuristics():
     assert heads_per_program(8, 1) == 8 and heads_per_program(8, 16) == 4
     assert heads_per_program(7, 16) == 1  # 7 heads x 16 rows do not fit: one head a program
     assert choose_num_splits(4, 131072, 64, 132) == 128  # four programs an SM, at most 128
-    assert choose_num_splits(64, 4096, 64, 132) == 9  # 576 programs: one wave (five an SM)
+    assert choose_num_splits(64, 4096, 64, 132) == 8  # 512 programs: one wave, four an SM
     assert choose_num_splits(256, 4096, 64, 132) == 2  # three would start a second wave
     assert choose_num_splits(4, 1024, 64, 132) == 16  # but chunks of at least a tile
     assert choose_num_splits(4, 100, 16, 132, 50) == 7  # never more splits than tiles

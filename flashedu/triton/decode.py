@@ -65,10 +65,12 @@ from .tiles import chunk_tiles, full_tile, masked_tile
 MAX_ROWS = 64  # query rows (heads x queries) one program holds in registers
 MAX_SPLITS = 128
 # the split kernel's launch on a GPU: two warps were 0.5-2.5% faster than four in two sweeps
-# of seven to eight cells each (BENCHMARKS.md, "Decoding: two warps, four programs an SM");
-# with two stages a program takes 38 KB of shared memory, five fit on an SM
+# of seven to eight cells each (BENCHMARKS.md, "Decoding: two warps, at most four programs an
+# SM"); with two stages a program takes 38 KB of shared memory
 SPLIT_LAUNCH = {"num_warps": 2, "num_stages": 2}
-PER_SM, RESIDENT = 4, 5  # programs an SM the split count aims at; that fit on one at once
+# programs an SM at once: five by shared memory, four by registers where a tile reads a page
+# entry per row (220 registers a thread at pages of 16 on sm_90, 166 at pages of 256)
+RESIDENT = 4
 MERGE_TILE = 8192  # partial values one step of the merge loads: all in flight together
 
 
@@ -523,15 +525,15 @@ def sm_count(device, interpreted: bool) -> int:
 
 
 def choose_num_splits(programs: int, Nk: int, Bc: int, sms: int, num_splits=None) -> int:
-    """How many chunks of keys: about PER_SM programs for every SM, but never more than fit
-    on the GPU at once (RESIDENT an SM: one wave), a chunk being at least one K/V tile.
-    Decoding is a stream of reads, and more programs keep more loads in flight; a second
-    wave leaves its programs to run with the GPU mostly idle. Swept on an H200 in CUDA graphs
-    (BENCHMARKS.md, "Decoding: two warps, four programs an SM"): 32 sequences of 1K keys took
-    38.7 us a step at 2 splits (512 programs), 45.2 at 3 (768: a second wave) and 38.9 at one;
-    8 sequences of 4K keys 38.4 us at 9 splits against 39.3 at 7 and 45.1 at 11; one sequence
-    of 16K keys 23.8 us at 66 splits against 24.5 at 50 and 27.3 at 99."""
+    """How many chunks of keys: as many programs as fit on the GPU at once (RESIDENT an SM:
+    one wave), a chunk being at least one K/V tile. Decoding is a stream of reads, and more
+    programs keep more loads in flight; a second wave leaves its programs to run with the
+    GPU mostly idle. Swept on an H200 in CUDA graphs (BENCHMARKS.md, "Decoding: two warps, at
+    most four programs an SM"): 32 sequences of 1K keys took 38.7 us a step at 2 splits (512
+    programs), 45.2 at 3 (768: a second wave) and 38.9 at one; one sequence of 16K keys 23.8
+    us at 66 splits against 24.5 at 50 and 27.3 at 99; 8 sequences of 16K keys in pages of 16
+    172 us at 9 splits (576 programs, 48 of them a second wave) against 133 at 7."""
     if check_num_splits(num_splits) is not None:
         return min(num_splits, math.ceil(Nk / Bc))
-    wanted = min(math.ceil(PER_SM * sms / programs), RESIDENT * sms // programs)
+    wanted = RESIDENT * sms // programs
     return max(1, min(wanted, math.ceil(Nk / Bc), MAX_SPLITS))

@@ -16,6 +16,7 @@ process's work shares it.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from . import core
@@ -163,8 +164,6 @@ def main(argv=None) -> int:
     if core.bench_device(False, "fa3") is None:
         return 1
     import torch
-
-    import os
 
     from ..ops import Call
     from ..triton import fa3

@@ -463,6 +463,21 @@ if GLUON:
                 n += 1
 
     @gluon.jit
+    def _invalidate(shared, CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+        """Every mbarrier of the program invalidated, once all its partitions are done: PTX
+        asks that an mbarrier's shared memory not be used again (here: by the next program on
+        the SM) before ``mbarrier.inval``, which Triton's own kernels end with."""
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
+        mbarrier.invalidate(q_ready)
+        mbarrier.invalidate(q_empty)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(s))
+            mbarrier.invalidate(v_ready.index(s))
+            mbarrier.invalidate(kv_empty.index(s))
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.invalidate(turns.index(c))
+
+    @gluon.jit
     def _dropout_state(RNG, bh, threshold, keep_scale, DROPOUT: gl.constexpr):
         """The Triton kernels' dropout state (``forward.dropout_state``: seed, offset, bh,
         threshold, keep scale, first row) with DROPOUT; without it placeholders of the same
@@ -585,6 +600,7 @@ if GLUON:
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+        _invalidate(shared, CONSUMERS, STAGES)  # after the partitions: the SM's next program
 
 
 def dropout_arguments(dropout_p: float, rng):

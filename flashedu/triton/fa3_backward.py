@@ -356,6 +356,17 @@ if GLUON:
                      STAGES)),
             (_write_dq, (dq_desc, dq_shared, row_base, Nq, nq_tiles, i0, GROUP, Br)),
         ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+        # every partition is done: the mbarriers invalidated before the SM's next program
+        # takes this shared memory, as PTX asks (and Triton's own kernels end)
+        mbarrier.invalidate(kv_ready)
+        mbarrier.invalidate(ds_ready)
+        mbarrier.invalidate(ds_free)
+        for n in gl.static_range(DQ_BUFFERS):
+            mbarrier.invalidate(dq_ready.index(n))
+            mbarrier.invalidate(dq_free.index(n))
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(free.index(s))
 
 
 def usable(q, k, v, do, call) -> bool:

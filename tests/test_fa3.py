@@ -298,6 +298,22 @@ def test_the_schedule_runs_only_where_the_environment_turns_it_on(monkeypatch):
         assert fa3.status().startswith("off: FLASHEDU_FA3=1 turns them on")
 
 
+def test_do_is_copied_for_the_schedule_only_where_it_is_switched_on(monkeypatch):
+    """FlashAttention-3's backward reads dO with q's one descriptor: a transposed dO of a
+    contiguous q is made contiguous for it, and kept as it is (no copy) where the kernels are
+    off, the Triton kernels taking its strides."""
+    from flashedu.triton import launch
+
+    q = torch.zeros(2, 4, 8, 16)
+    do = torch.zeros(2, 8, 4, 16).transpose(1, 2)
+    assert launch.dout_layout(q, do).is_contiguous()  # switched on (the fixture)
+    monkeypatch.delenv(fa3.SWITCH_ENV)
+    assert launch.dout_layout(q, do) is do
+    view = torch.zeros(2, 8, 4, 16).transpose(1, 2)  # q as a layer's view: never a copy
+    monkeypatch.setenv(fa3.SWITCH_ENV, "1")
+    assert launch.dout_layout(view, do) is do
+
+
 def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monkeypatch):
     """launch.forward's dispatch, without a GPU (fa3's launch replaced by a recorder): a table
     entry that asks for the schedule and a call it can serve go to fa3.forward once, later

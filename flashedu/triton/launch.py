@@ -40,10 +40,12 @@ def kernel_layout(t):
 
 
 def dout_layout(q, do):
-    """dO as the backward's kernels take it: contiguous where q is (FlashAttention-3's
-    backward walks q's and dO's rows with one descriptor each), else with its own strides
-    (the Triton kernels take them apart from q's)."""
-    return do.contiguous() if q.is_contiguous() else kernel_layout(do)
+    """dO as the backward's kernels take it: contiguous where q is and FlashAttention-3's
+    kernels are switched on (its backward walks q's and dO's rows with one descriptor each),
+    else with its own strides (the Triton kernels take them apart from q's: no copy)."""
+    if q.is_contiguous() and fa3.switched_on():
+        return do.contiguous()
+    return kernel_layout(do)
 
 
 def dense_like(t):

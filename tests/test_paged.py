@@ -315,6 +315,39 @@ def test_steps_back_to_back_and_in_a_cuda_graph_give_the_eager_answers():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_repeated_step_of_one_split_writes_its_answer_without_a_merge(monkeypatch,
+                                                                         return_lse):
+    """One split: the split kernel writes O (and L) itself, the plan has no merge, and the
+    decoding loop's repeated step (repeat_paged_step) gives the same bits with new lengths."""
+    from flashedu.triton import decode as tdecode
+    from flashedu.triton import fast
+
+    monkeypatch.setattr(fast, "PLANS", {})
+    k, v, table, seqlens = (t.to(DEVICE) for t in random_pool([40, 9], 16, 2, 32,
+                                                                torch.float32, seed=6))
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def step(lengths):
+        return paged_attention(q, k, v, table, lengths, num_splits=1, check_indices=False,
+                               return_lse=return_lse)
+    first = step(seqlens)
+    (plan,) = fast.PLANS.values()
+    assert plan[0].kernel is tdecode.split_kernel and plan[1] is None
+    shorter = seqlens - 1
+    again = step(shorter)  # the plan, repeated
+    fast.PLANS.clear()
+    fresh = step(shorter)  # the full path's answer for the same step
+    for a, b in zip(*((again, fresh) if return_lse else ((again,), (fresh,)))):
+        assert torch.equal(a, b)
+    O_ref, L_ref = reference(q.cpu(), k.cpu(), v.cpu(), table.cpu(), shorter.cpu(), 16, False)
+    out = again[0] if return_lse else again
+    torch.testing.assert_close(out.cpu().double(), O_ref, rtol=1e-5, atol=1e-5)
+    if return_lse:
+        torch.testing.assert_close(again[1].cpu().double(), L_ref, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(out, first[0] if return_lse else first)  # the new lengths were read
+
+
 def test_a_step_laid_out_as_before_skips_the_checks_and_nothing_else(monkeypatch):
     """A decoding step laid out as an earlier one goes straight to that step's launches
     (repeat_paged_step: a decoding loop's host time is most of a short step's); whatever the

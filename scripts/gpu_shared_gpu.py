@@ -13,6 +13,8 @@ the calls to the Triton kernels. Each process says which it ran.
     FLASHEDU_FA3=0 python scripts/gpu_shared_gpu.py --d 128
     python scripts/gpu_shared_gpu.py --d 128 --fa3 PINGPONG=1 STAGES=2   # the Gluon forward
                                                                        # alone, settings changed
+    python scripts/gpu_shared_gpu.py --d 128 --beside-triton   # one Gluon process, the others
+                                                                # on the Triton kernels
 
 ``--fa3`` starts ``flashedu.triton.fa3.forward`` directly, with the tile table's settings for
 this head dim changed by the KEY=VALUE pairs given (its keywords: CONSUMERS, STAGES,
@@ -165,6 +167,8 @@ def main(argv=None) -> int:
                    help="the Gluon forward alone, the table's settings changed by these")
     p.add_argument("--no-realloc", action="store_true",
                    help="the Gluon kernels compiled without register reallocation (diagnostic)")
+    p.add_argument("--beside-triton", action="store_true",
+                   help="every process but the first runs the Triton kernels (FLASHEDU_FA3=0)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -181,7 +185,10 @@ def main(argv=None) -> int:
     if args.no_realloc:  # Triton's cache key does not see the change: a cache of their own
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashedu-no-realloc-")
     subprocess.run([*child, "--seconds", "1"], check=False, env=env)
-    procs = [subprocess.Popen(child, env=env) for _ in range(args.processes)]
+    # --beside-triton: does a Gluon process fault when the GPU's other work is not its own?
+    others = {**env, "FLASHEDU_FA3": "0"} if args.beside_triton else env
+    procs = [subprocess.Popen(child, env=env if i == 0 else others)
+             for i in range(args.processes)]
     failed = sum(p.wait() != 0 for p in procs)
     print(f"{args.processes - failed} of {args.processes} processes gave their answer throughout")
     return 1 if failed else 0

@@ -64,8 +64,8 @@ from .tiles import chunk_tiles, full_tile, masked_tile
 
 MAX_ROWS = 64  # query rows (heads x queries) one program holds in registers
 MAX_SPLITS = 128
-# the split kernel's launch on a GPU: two warps were 0.5-2.5% faster than four in two sweeps
-# of seven to eight cells each (BENCHMARKS.md, "Decoding: two warps, at most four programs an
+# the split kernel's launch on a GPU: two warps were 0.1-2.8% faster than four in every cell
+# of two sweeps of seven cells (BENCHMARKS.md, "Decoding: two warps, at most four programs an
 # SM"); with two stages a program takes 38 KB of shared memory
 SPLIT_LAUNCH = {"num_warps": 2, "num_stages": 2}
 # programs an SM at once: five by shared memory, four by registers where a tile reads a page

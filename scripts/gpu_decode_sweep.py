@@ -29,20 +29,26 @@ LAUNCHES = ("4x2", "2x2", "4x3", "2x3")  # num_warps x num_stages of the split k
 
 def variants(B, Nk, launches, sms, per_sm=()):
     """{name: (SPLIT_LAUNCH, num_splits)} of one cell: the rule's split count, one split where
-    the batch has at least half as many groups as the GPU has SMs, and the counts that give
-    each of ``per_sm`` programs an SM."""
+    the batch has at least half as many groups as the GPU has SMs, and the counts nearest to
+    giving each of ``per_sm`` programs an SM. Each count is the one the launch runs (a chunk is
+    a whole number of K/V tiles, so some asked counts run as fewer splits: 9 asked of 64 tiles
+    run as 8 chunks of 8 tiles)."""
     import math
 
     from flashedu.triton import decode
 
+    import torch
+
     H, Hkv, d = 32, 8, 128
     heads = decode.heads_per_program(H // Hkv, 1)
     groups = B * H // heads
-    Bc = decode.key_tile(d, None, False)
-    rule = decode.choose_num_splits(groups, Nk, Bc, sms)
+
+    def splits_run(asked=None):  # the count a launch runs: chunks are whole K/V tiles
+        return decode.split_plan(B, H, Hkv, 1, Nk, d, torch.bfloat16, sms, False, asked)[2]
+    rule = splits_run()
     splits = [rule] + ([1] if rule > 1 and 2 * groups >= sms else [])
     for k in per_sm:
-        S = decode.choose_num_splits(groups, Nk, Bc, sms, math.ceil(k * sms / groups))
+        S = splits_run(math.ceil(k * sms / groups))
         if S not in splits:
             splits.append(S)
     out = {}

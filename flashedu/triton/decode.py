@@ -531,8 +531,9 @@ def choose_num_splits(programs: int, Nk: int, Bc: int, sms: int, num_splits=None
     GPU mostly idle. Swept on an H200 in CUDA graphs (BENCHMARKS.md, "Decoding: two warps, at
     most four programs an SM"): 32 sequences of 1K keys took 38.7 us a step at 2 splits (512
     programs), 45.2 at 3 (768: a second wave) and 38.9 at one; one sequence of 16K keys 23.8
-    us at 66 splits against 24.5 at 50 and 27.3 at 99; 8 sequences of 16K keys in pages of 16
-    172 us at 9 splits (576 programs, 48 of them a second wave) against 133 at 7."""
+    us at 64 splits (512 programs) against 24.5 at 43 and 27.3 at 86 (688); 8 sequences of 16K
+    keys in pages of 16 172 us at 9 splits (576 programs, 48 of them a second wave) against 133
+    at 7. (The count asked for here is rounded down by ``split_plan``'s whole-tile chunks.)"""
     if check_num_splits(num_splits) is not None:
         return min(num_splits, math.ceil(Nk / Bc))
     wanted = RESIDENT * sms // programs

@@ -29,14 +29,15 @@ def _fa3_here() -> bool:
 
 
 FA3 = _fa3_here()
+needs_fa3 = pytest.mark.skipif(not FA3, reason="needs an sm_90 GPU and Triton "
+                               f"{' or '.join(fa3.TESTED_TRITON)} (fa3's Gluon API)")
 
 
 @pytest.fixture(autouse=True)
 def switched_on(monkeypatch):
     """The kernels on for each test (FLASHEDU_FA3=1), as for a process alone on its GPU."""
     monkeypatch.setenv(fa3.SWITCH_ENV, "1")
-needs_fa3 = pytest.mark.skipif(not FA3, reason="needs an sm_90 GPU and Triton "
-                               f"{' or '.join(fa3.TESTED_TRITON)} (fa3's Gluon API)")
+
 
 # (B, H, Hkv, Nq, Nk, d, causal, dtype): ragged lengths, Nq != Nk, GQA, one Q row past a tile
 SHAPES = [(2, 4, 4, 1000, 1000, 128, False, torch.bfloat16),

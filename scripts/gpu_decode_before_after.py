@@ -45,32 +45,21 @@ def one_cell(before, B, Nk, page, rounds):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashedu.benchmarks import core
-    from flashedu.benchmarks.paged import GRAPH_STEPS, cache_copies, paged_copy
+    from flashedu.benchmarks.paged import graph_copies, graph_us_in_turn, step_inputs
     from flashedu.decode import paged_attention
 
-    H, Hkv, d = 32, 8, 128
-    g = torch.Generator(device="cuda").manual_seed(B * 7 + Nk)
-    q, k, v = (torch.randn(B, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-               for h, n in ((H, 1), (Hkv, Nk), (Hkv, Nk)))
-    kc, vc, table, seqlens = paged_copy(k, v, page, torch.Generator().manual_seed(Nk))
-    n = cache_copies(2 * k.numel() * k.element_size(), "cuda")
-    pools = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(n - 1)]
-    caches = [(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)]
-    ways = {"before": [lambda c=c: before.paged_kv_attention(q, *c, table, seqlens)
-                       for c in pools],
-            "now": [lambda c=c: paged_attention(q, *c, table, seqlens, check_indices=False)
-                    for c in pools],
-            "cudnn": [lambda c=c: F.scaled_dot_product_attention(q, *c, enable_gqa=True)
-                      for c in caches]}
-    times = {name: [] for name in ways}
+    q, k, v, kc, vc, table, seqlens = step_inputs(B, Nk, page, 32, 8, 128, "cuda",
+                                                  torch.bfloat16)
+    copies = graph_copies(k, v, kc, vc, device="cuda")
+    ways = {"before": [lambda c=c: before.paged_kv_attention(q, c[2], c[3], table, seqlens)
+                       for c in copies],
+            "now": [lambda c=c: paged_attention(q, c[2], c[3], table, seqlens,
+                                                check_indices=False) for c in copies],
+            "cudnn": [lambda c=c: F.scaled_dot_product_attention(q, c[0], c[1], enable_gqa=True)
+                      for c in copies]}
     with torch.no_grad():
-        for name in core.in_turn(ways, rounds):
-            if name == "cudnn":
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    times[name].append(core.graph_us(ways[name], GRAPH_STEPS))
-            else:
-                times[name].append(core.graph_us(ways[name], GRAPH_STEPS))
+        times = graph_us_in_turn(ways, rounds,
+                                 {"cudnn": lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)})
     return {"B": B, "Nk": Nk, "page_size": page,
             **{f"{name}_graph_us": statistics.median(t) for name, t in times.items()},
             "each": times}

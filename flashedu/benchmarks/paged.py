@@ -111,14 +111,46 @@ def cache_copies(kv_bytes: int, device) -> int:
     return max(1, min(GRAPH_STEPS, -(-2 * l2 // kv_bytes)))
 
 
+def step_inputs(B, Nk, page_size, H, Hkv, d, device, dtype):
+    """(q, k, v, k_cache, v_cache, block_table, seqlens) of one decoding step: one query per
+    head against Nk keys, seeded by the cell, and the same keys in a paged pool."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(B * 7 + Nk)
+    q = torch.randn(B, H, 1, d, device=device, dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, Nk, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, Nk, d, device=device, dtype=dtype, generator=g)
+    return (q, k, v, *paged_copy(k, v, page_size, torch.Generator().manual_seed(Nk)))
+
+
+def graph_copies(k, v, *more, device) -> list:
+    """[(k, v, *more), then clones of them]: as many copies as ``cache_copies`` asks for a
+    cache of k and v, for a graph's calls to take in turn."""
+    n = cache_copies(2 * k.numel() * k.element_size(), device)
+    first = (k, v, *more)
+    return [first] + [tuple(t.clone() for t in first) for _ in range(n - 1)]
+
+
+def graph_us_in_turn(ways: dict, rounds: int, contexts: dict | None = None) -> dict:
+    """{name: [us per call, one per round]}: each entry of ``ways`` (name -> the calls a graph
+    takes in turn, ``core.graph_us``) captured and timed once a round, in turn
+    (``core.in_turn``); ``contexts``: {name: a function making the context entered around
+    that name's timing} (an SDPA kernel selected, say)."""
+    contexts = contexts or {}
+    times = {name: [] for name in ways}
+    for name in core.in_turn(ways, rounds):
+        with contexts[name]() if name in contexts else contextlib.nullcontext():
+            times[name].append(core.graph_us(ways[name], GRAPH_STEPS))
+    return times
+
+
 def graph_times(q, k, v, kc, vc, table, seqlens, device) -> dict:
     """{call: us per call in a CUDA graph} for paged, contiguous and each SDPA kernel, each
     over its own copies of the cache (``core.graph_us``)."""
     from flashedu.decode import paged_attention
     from flashedu.triton.decode import split_kv_attention
 
-    n = cache_copies(2 * k.numel() * k.element_size(), device)
-    caches = [(k, v, kc, vc)] + [tuple(t.clone() for t in (k, v, kc, vc)) for _ in range(n - 1)]
+    caches = graph_copies(k, v, kc, vc, device=device)
     ways = {"paged": [lambda c=c: paged_attention(q, c[2], c[3], table, seqlens,
                                                   check_indices=False) for c in caches],
             "contiguous": [lambda c=c: split_kv_attention(q, c[0], c[1]) for c in caches]}
@@ -128,11 +160,7 @@ def graph_times(q, k, v, kc, vc, table, seqlens, device) -> dict:
             if call is not None:
                 ways.setdefault(f"sdpa_{name}", []).append(call)
                 contexts[f"sdpa_{name}"] = context
-    out = {}
-    for name, fns in ways.items():
-        with contexts[name]() if name in contexts else contextlib.nullcontext():
-            out[name] = core.graph_us(fns, GRAPH_STEPS)
-    return out
+    return {name: us[0] for name, us in graph_us_in_turn(ways, 1, contexts).items()}
 
 
 def one_case(B, Nk, page_size, args, device, dtype) -> dict:
@@ -144,11 +172,7 @@ def one_case(B, Nk, page_size, args, device, dtype) -> dict:
     from flashedu.triton.decode import split_kv_attention
 
     H, Hkv, d = args.heads, args.kv_heads, args.d
-    g = torch.Generator(device=device).manual_seed(B * 7 + Nk)
-    q = torch.randn(B, H, 1, d, device=device, dtype=dtype, generator=g)
-    k = torch.randn(B, Hkv, Nk, d, device=device, dtype=dtype, generator=g)
-    v = torch.randn(B, Hkv, Nk, d, device=device, dtype=dtype, generator=g)
-    kc, vc, table, seqlens = paged_copy(k, v, page_size, torch.Generator().manual_seed(Nk))
+    q, k, v, kc, vc, table, seqlens = step_inputs(B, Nk, page_size, H, Hkv, d, device, dtype)
     row = {"B": B, "Nk": Nk, "page_size": page_size, "H": H, "Hkv": Hkv, "d": d,
            "dtype": args.dtype}
     calls = {

@@ -376,7 +376,7 @@ def _split_kv(q, cache, Hkv, Nk, pages, page_size, num_splits, scale, is_causal,
         O_part, L_part, out, lse2 = _buffers(q, shapes, return_lse)
         sq, so = q.stride(), out.stride()
         final = combine_consts is None  # one split: the split kernel writes the answer
-        targets = _final_targets(O_part, L_part, out, lse2) if final else (O_part, L_part)
+        targets = _split_targets(final, O_part, L_part, out, lse2)
         split = (split_kernel, (S, B * H // heads),
                  (q, k, v, *targets, table, seqlens, scale * LOG2E, sq[0], sq[1], sq[2],
                   *stride_k, *stride_v, H, H // Hkv, heads, Nq, Nk, d, chunk, S, width,
@@ -430,9 +430,12 @@ def _buffers(q, shapes, return_lse):
     return (*parts, torch.empty_like(q), lse2)
 
 
-def _final_targets(O_part, L_part, out, lse2):
-    """Where a single split writes: the output, and the lse asked for or else the partial L
-    buffer (a slot of the launch needs a tensor; B * H * Nq floats, written and unread)."""
+def _split_targets(final, O_part, L_part, out, lse2):
+    """The two tensors the split kernel writes: the partial results; or, where it is the only
+    split (``final``), the output and the lse asked for, else the partial L buffer (a slot of
+    the launch needs a tensor; B * H * Nq floats, written and unread)."""
+    if not final:
+        return O_part, L_part
     return out, (L_part if lse2 is None else lse2)
 
 
@@ -442,11 +445,9 @@ def _repeat(plan, given):
     split, combine, shapes, return_lse = plan
     O_part, L_part, out, lse2 = _buffers(given[0], shapes, return_lse)
     stream = fast.stream_for(split, combine)
-    if combine is None:
-        split.start(*given[:3], *_final_targets(O_part, L_part, out, lse2), *given[3:],
-                    stream=stream)
-    else:
-        split.start(*given[:3], O_part, L_part, *given[3:], stream=stream)
+    split.start(*given[:3], *_split_targets(combine is None, O_part, L_part, out, lse2),
+                *given[3:], stream=stream)
+    if combine is not None:
         combine.start(O_part, L_part, out, *(() if lse2 is None else (lse2,)), stream=stream)
     return out, lse2
 

@@ -20,7 +20,7 @@ import warnings
 _CONFIGURED: dict | None = None
 
 INTERPRET_VARS = ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")
-# "1" switches FlashAttention-3's Gluon kernels on (flashedu.triton.fa3): read at each call
+# "0" switches FlashAttention-3's Gluon kernels off (flashedu.triton.fa3): read at each call
 FA3_SWITCH_ENV = "FLASHEDU_FA3"
 
 

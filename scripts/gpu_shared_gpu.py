@@ -3,10 +3,10 @@
 Each process makes one call, then repeats it for ``--seconds`` (a sync every 20 calls) and
 compares each output with its first, bit for bit; a CUDA error or a different output fails it.
 The processes share the GPU by time-slicing, as a class's notebooks or two training jobs on
-one GPU do. FlashAttention-3's Gluon kernels fault this way (BENCHMARKS.md,
-"FlashAttention-3's kernels and a GPU shared by time-slicing"). The processes run with them
-switched on (FLASHEDU_FA3=1) unless the environment says otherwise: ``FLASHEDU_FA3=0`` leaves
-the calls to the Triton kernels. Each process says which it ran.
+one GPU do. FlashAttention-3's Gluon kernels faulted this way until their mbarriers were
+invalidated at the end of each program (BENCHMARKS.md, "FlashAttention-3's kernels and a GPU
+shared by time-slicing", and the section after it). ``FLASHEDU_FA3=0`` leaves the calls to the
+Triton kernels. Each process says which it ran.
 
     python scripts/gpu_shared_gpu.py --d 128                    # 4 processes, 30 s, forward
     python scripts/gpu_shared_gpu.py --d 64 --causal --backward
@@ -181,7 +181,6 @@ def main(argv=None) -> int:
     # one process first, alone: it compiles the kernels the others then find in the cache
     child = [sys.executable, __file__, "--child", *(argv if argv is not None else sys.argv[1:])]
     env = dict(os.environ)
-    env.setdefault("FLASHEDU_FA3", "1")  # the kernels this is about, unless told otherwise
     if args.no_realloc:  # Triton's cache key does not see the change: a cache of their own
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashedu-no-realloc-")
     subprocess.run([*child, "--seconds", "1"], check=False, env=env)

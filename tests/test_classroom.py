@@ -266,16 +266,3 @@ def test_a_watch_counts_the_cpu_time_of_processes_below_it():
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
     subprocess.run([sys.executable, "-c", burn], check=True)
     assert 0.25 <= watch.cpu() < 5
-
-
-def test_notebooks_graded_at_once_start_without_the_fa3_kernels(monkeypatch):
-    """Several notebooks graded at once share the GPU, where FlashAttention-3's Gluon kernels
-    fault: their supervisors set FLASHEDU_FA3=0, even where the instructor turned the kernels
-    on (a fault would fail a learner's notebook); one at a time, nothing changes."""
-    from flashedu.checks.classroom import fa3_switch
-    from flashedu.triton.fa3 import SWITCH_ENV
-
-    monkeypatch.delenv(SWITCH_ENV, raising=False)
-    assert fa3_switch(4) == "0" and fa3_switch(1) is None
-    monkeypatch.setenv(SWITCH_ENV, "1")
-    assert fa3_switch(4) == "0" and fa3_switch(1) is None

@@ -2,8 +2,8 @@
 the Triton its Gluon is written against, every switch of the forward's schedule and the
 backward's settings against the float64 reference on ragged, GQA and causal shapes, and the
 public API taking both from the tile table. Elsewhere the kernels are not used (``usable`` says
-no), which the CPU tests check, with the dispatch to them. The kernels are off unless
-FLASHEDU_FA3=1: each test here turns them on (``switched_on``), one checks the switch."""
+no), which the CPU tests check, with the dispatch to them, and the switch that turns them off
+(FLASHEDU_FA3=0): each test here runs with it unset (``switched_on``)."""
 
 import dataclasses
 
@@ -24,7 +24,7 @@ def _fa3_here() -> bool:
         return False
     probe = torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(fa3.SWITCH_ENV, "1")
+        patch.delenv(fa3.SWITCH_ENV, raising=False)
         return fa3.usable(probe, probe, probe, ops.Call(False, 1.0))
 
 
@@ -35,8 +35,9 @@ needs_fa3 = pytest.mark.skipif(not FA3, reason="needs an sm_90 GPU and Triton "
 
 @pytest.fixture(autouse=True)
 def switched_on(monkeypatch):
-    """The kernels on for each test (FLASHEDU_FA3=1), as for a process alone on its GPU."""
-    monkeypatch.setenv(fa3.SWITCH_ENV, "1")
+    """The kernels on for each test (FLASHEDU_FA3 unset), whatever the shell running the
+    tests set."""
+    monkeypatch.delenv(fa3.SWITCH_ENV, raising=False)
 
 
 # (B, H, Hkv, Nq, Nk, d, causal, dtype): ragged lengths, Nq != Nk, GQA, one Q row past a tile
@@ -273,10 +274,9 @@ def test_calls_the_schedule_cannot_serve_are_refused(change):
     assert not fa3.usable(q, q, q, call)
 
 
-def test_the_schedule_runs_only_where_the_environment_turns_it_on(monkeypatch):
-    """Without FLASHEDU_FA3=1 (the kernels fault when another process shares the GPU), or with
-    FLASHEDU_FA3=0, a call the kernel would serve goes to the readable kernels, forward and
-    backward, and ``flashedu doctor`` says why; FLASHEDU_FA3=1 turns them on."""
+def test_the_schedule_runs_unless_the_environment_turns_it_off(monkeypatch):
+    """With FLASHEDU_FA3=0 a call the kernel would serve goes to the readable kernels, forward
+    and backward, and ``flashedu doctor`` says why; unset, or any other value, leaves them on."""
     import types
 
     from flashedu.triton import fa3_backward, fast
@@ -288,30 +288,38 @@ def test_the_schedule_runs_only_where_the_environment_turns_it_on(monkeypatch):
     q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16,
                               shape=(1, 2, 4096, 64), is_contiguous=lambda: True)
     call = ops.Call(True, 0.125)
-    monkeypatch.setenv(fa3.SWITCH_ENV, "1")
-    assert fa3.usable(q, q, q, call) and fa3_backward.usable(q, q, q, q, call)
-    for value in (None, "0", "yes"):
+    for value in (None, "1", "yes"):
         if value is None:
-            monkeypatch.delenv(fa3.SWITCH_ENV)
+            monkeypatch.delenv(fa3.SWITCH_ENV, raising=False)
         else:
             monkeypatch.setenv(fa3.SWITCH_ENV, value)
+        assert fa3.usable(q, q, q, call) and fa3_backward.usable(q, q, q, q, call)
+    for value in ("0", " 0 "):
+        monkeypatch.setenv(fa3.SWITCH_ENV, value)
         assert not fa3.usable(q, q, q, call) and not fa3_backward.usable(q, q, q, q, call)
-        assert fa3.status().startswith("off: FLASHEDU_FA3=1 turns them on")
+        assert fa3.status().startswith("off: FLASHEDU_FA3=0 turns them off")
 
 
-def test_do_is_copied_for_the_schedule_only_where_it_is_switched_on(monkeypatch):
+def test_do_is_copied_for_the_schedule_only_where_it_runs(monkeypatch):
     """FlashAttention-3's backward reads dO with q's one descriptor: a transposed dO of a
-    contiguous q is made contiguous for it, and kept as it is (no copy) where the kernels are
-    off, the Triton kernels taking its strides."""
+    contiguous q is made contiguous for it, and kept as it is (no copy) where the kernels do
+    not run (another device, or switched off), the Triton kernels taking its strides."""
+    import types
+
     from flashedu.triton import launch
 
     q = torch.zeros(2, 4, 8, 16)
     do = torch.zeros(2, 8, 4, 16).transpose(1, 2)
-    assert launch.dout_layout(q, do).is_contiguous()  # switched on (the fixture)
+    assert launch.dout_layout(q, do) is do  # a CPU tensor: the kernels do not run here
+    monkeypatch.setattr(fa3, "GLUON", True)
+    monkeypatch.setattr(fa3, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr("flashedu.triton.fast.TRITON", fa3.TESTED_TRITON[0])
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0), is_contiguous=lambda: True)
+    assert launch.dout_layout(on_gpu, do).is_contiguous()
+    monkeypatch.setenv(fa3.SWITCH_ENV, "0")
+    assert launch.dout_layout(on_gpu, do) is do
     monkeypatch.delenv(fa3.SWITCH_ENV)
-    assert launch.dout_layout(q, do) is do
     view = torch.zeros(2, 8, 4, 16).transpose(1, 2)  # q as a layer's view: never a copy
-    monkeypatch.setenv(fa3.SWITCH_ENV, "1")
     assert launch.dout_layout(view, do) is do
 
 

@@ -10,8 +10,7 @@ them, and a bf16 matrix product for the card's measured peak.
 The shapes: N = 4096, 8192, 16384 at d = 64 and 128, causal or not, with B * N = 16384
 tokens and H * d = 2048 (``core.batch_heads``), bf16. Needs an sm_90 GPU (H100, H200) and the
 Triton whose Gluon API the kernel is written against. It turns the kernels on in its own
-process (FLASHEDU_FA3=1), which should have the GPU to itself: they fault when another
-process's work shares it.
+process even where FLASHEDU_FA3=0 is set.
 """
 
 from __future__ import annotations

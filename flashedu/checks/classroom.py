@@ -113,29 +113,17 @@ def grade_class(paths: list[Path], timeout: float, kernel: str | None, budget: f
     with tempfile.TemporaryDirectory(prefix="flashedu-grade-") as root:
         submissions = stage(paths, Path(root))
         hide = [str(p) for p in hidden(submissions)]
-        fa3 = fa3_switch(jobs)
 
         def one(sub: Submission):
             if sub.refused:
                 return [score_row(sub.original, "-", 0, 0, False, sub.refused, NOT_GRADED)], False
             spec = {"notebook": str(sub.folder / "home" / sub.original.name),
                     "original": str(sub.original), "folder": str(sub.folder), "hide": hide,
-                    "timeout": timeout, "kernel": kernel, "budget": budget, "seed": seed,
-                    "fa3": fa3}
+                    "timeout": timeout, "kernel": kernel, "budget": budget, "seed": seed}
             return _supervise(spec, budget + SLACK)
 
         with ThreadPoolExecutor(max(1, jobs)) as pool:
             return list(pool.map(one, submissions))
-
-
-def fa3_switch(jobs: int) -> str | None:
-    """The FLASHEDU_FA3 value a supervisor sets for what it runs. Notebooks graded at once are
-    processes sharing the GPU, where FlashAttention-3's Gluon kernels fault (a process beside
-    them doing any GPU work is enough) and the Triton kernels do not (BENCHMARKS.md,
-    "FlashAttention-3's kernels and a GPU shared by time-slicing"): "0" then, even where the
-    instructor turned them on, since a fault would fail a learner's notebook; one at a time,
-    None (the environment as it is)."""
-    return "0" if jobs > 1 else None
 
 
 def _supervise(spec: dict, seconds: float) -> tuple[list[dict], bool]:
@@ -284,10 +272,6 @@ def _supervisor(spec: dict, rows_out) -> None:
     from .grade import grade_notebook
     from .jail import Jail
 
-    from ..runtime import FA3_SWITCH_ENV
-
-    if spec.get("fa3") is not None:  # set here, not inherited: the fork server keeps the
-        os.environ[FA3_SWITCH_ENV] = spec["fa3"]  # environment it started with
     os.setsid()  # its own session and group: the top-level process kills it whole
     _die_with_parent()  # a grader stopped midway takes its supervisors (and their jails) along
     _become_subreaper()

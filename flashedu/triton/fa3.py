@@ -28,9 +28,10 @@ Only what a training step's dense attention needs: 16-bit inputs, head dim 64 or
 backward. Dropout's keep-mask is the stream of ``dropout.py`` (the same helpers, called from
 Gluon): drawn in the layout of S_ij's product, where a thread holds all 16 entries of each
 Philox call it draws, and passed on as one flag byte an entry (``_keep_bytes``). Other calls,
-GPUs and Tritons take the readable kernel of ``forward.py``; ``usable`` says which. Every call
-does unless ``FLASHEDU_FA3=1`` is set: these kernels do not survive the GPU's switch to
-another process (``SWITCH_ENV``).
+GPUs and Tritons take the readable kernel of ``forward.py``; ``usable`` says which, and
+``FLASHEDU_FA3=0`` sends every call there (``SWITCH_ENV``). Every mbarrier is invalidated
+before the program ends (``_invalidate``): the next program on the SM may reuse its shared
+memory, and without it the kernels faulted whenever the GPU switched to another process.
 Written against Triton 3.6's Gluon API, the one run on a GPU (TESTED_TRITON); it also compiles
 on Triton 3.9 (``flashedu bench sass --variants fa3``), where one function was renamed.
 """
@@ -59,10 +60,8 @@ except ImportError:  # a Triton without Gluon's Hopper API: the readable kernel 
     GLUON = False
 
 TESTED_TRITON = ("3.6",)  # the Gluon API changes between releases
-# Off unless FLASHEDU_FA3=1: these kernels fault (illegal instruction, misaligned address)
-# when the GPU switches to another process's work in the middle of one, which the readable
-# kernels survive; a process that has the GPU to itself has never seen a fault (BENCHMARKS.md,
-# "FlashAttention-3's kernels and a GPU shared by time-slicing").
+# On unless FLASHEDU_FA3=0, which leaves every call to the readable kernels (to compare them,
+# or to rule these out)
 SWITCH_ENV = runtime.FA3_SWITCH_ENV
 M = 64  # rows of Q per consumer warpgroup: one wgmma's M
 H100_SMS = 132  # the grid of a persistent launch compiled without a GPU (bench sass)
@@ -73,11 +72,9 @@ def usable(q, k, v, call) -> bool:
     """Whether a forward call can take this kernel: Hopper (compute capability 9.0), this
     Triton, 16-bit q/k/v alike, head dim 64 or 128, rows the copy engine can read (16-byte
     aligned), and nothing but causal or dense attention asked for (with dropout or not)."""
-    from .fast import TRITON, tma_ok
+    from .fast import tma_ok
 
-    if not GLUON or TRITON not in TESTED_TRITON or not switched_on():
-        return False
-    if q.device.type != "cuda" or _capability(q.device.index) != (9, 0):
+    if not runs_on(q.device):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
         return False
@@ -91,13 +88,22 @@ def usable(q, k, v, call) -> bool:
     return tma_ok(q, k, v)
 
 
+def runs_on(device) -> bool:
+    """Whether these kernels run on this device at all: switched on, Triton's Gluon as tested,
+    a Hopper GPU (compute capability 9.0)."""
+    from .fast import TRITON
+
+    if not GLUON or TRITON not in TESTED_TRITON or not switched_on():
+        return False
+    return device.type == "cuda" and _capability(device.index) == (9, 0)
+
+
 def status() -> str:
     """Whether this machine runs the kernel, and if not why (``flashedu doctor``)."""
     from .fast import TRITON
 
     if not switched_on():
-        return (f"off: {SWITCH_ENV}=1 turns them on in a process that has the GPU to itself "
-                "(they fault when another process shares it)")
+        return f"off: {SWITCH_ENV}=0 turns them off (unset it to turn them on)"
     if not GLUON or TRITON not in TESTED_TRITON:
         return (f"off: written against Triton {' or '.join(TESTED_TRITON)}'s Gluon, this is "
                 f"Triton {triton.__version__}")
@@ -111,9 +117,9 @@ def status() -> str:
 
 
 def switched_on() -> bool:
-    """Whether the environment turns these kernels on, FLASHEDU_FA3=1 (read at each call: a
-    test or a notebook may set it while running)."""
-    return os.environ.get(SWITCH_ENV) == "1"
+    """Whether the environment leaves these kernels on: anything but FLASHEDU_FA3=0 (read at
+    each call: a test or a notebook may set it while running)."""
+    return os.environ.get(SWITCH_ENV, "").strip() != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -466,7 +472,9 @@ if GLUON:
     def _invalidate(shared, CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
         """Every mbarrier of the program invalidated, once all its partitions are done: PTX
         asks that an mbarrier's shared memory not be used again (here: by the next program on
-        the SM) before ``mbarrier.inval``, which Triton's own kernels end with."""
+        the SM) before ``mbarrier.inval``, which Triton's own kernels end with. Without it the
+        kernels faulted whenever another process's work shared the GPU (BENCHMARKS.md,
+        "FlashAttention-3's kernels: the mbarriers invalidated, a shared GPU survived")."""
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)

@@ -41,9 +41,9 @@ def kernel_layout(t):
 
 def dout_layout(q, do):
     """dO as the backward's kernels take it: contiguous where q is and FlashAttention-3's
-    kernels are switched on (its backward walks q's and dO's rows with one descriptor each),
+    kernels run on q's device (its backward walks q's and dO's rows with one descriptor each),
     else with its own strides (the Triton kernels take them apart from q's: no copy)."""
-    if q.is_contiguous() and fa3.switched_on():
+    if q.is_contiguous() and fa3.runs_on(q.device):
         return do.contiguous()
     return kernel_layout(do)
 

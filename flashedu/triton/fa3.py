@@ -270,7 +270,8 @@ if GLUON:
 
         Iteration j issues S_ij = Q_i K_j^T together with O_i += P_i,j-1 V_j-1 (P of the
         tile before), then the softmax of S_ij; the first iteration has no P V, the loop's
-        end one P V alone."""
+        end one P V alone. Causal, a consumer stops at its own rows' diagonal (``_own_tiles``)
+        and releases the program's later K/V tiles unread (``_release``)."""
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
         O, L, stride_on, row0, lse_row0, Nq, Nk, qk_scale, num_tiles, num_full = out
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -284,6 +285,7 @@ if GLUON:
         first = row0 + WG * _M
         rows = first + gl.arange(0, _M, row_layout)
         Q_i = q_smem.index(WG)
+        own = _own_tiles(first, num_tiles, Nk, Bc, IS_CAUSAL)
 
         zero = gl.zeros([_M, Bc], gl.float32, s_layout)
         l_i = gl.zeros([_M], gl.float32, row_layout)
@@ -305,7 +307,7 @@ if GLUON:
         P_ij = gl.convert_layout(_operand(P_ij.to(dtype), drop, rows, 0, Bc, s_layout,
                                           DROPOUT), p_layout)  # 16-bit A operand registers
 
-        for j in range(1, num_tiles):
+        for j in range(1, own):
             s = (kv0 + j) % STAGES
             phase = ((kv0 + j) // STAGES) & 1
             prev = (kv0 + j - 1) % STAGES
@@ -337,13 +339,14 @@ if GLUON:
         if PERSISTENT:  # every S_ij made: the copy warp may bring the next tile's Q
             mbarrier.arrive(q_empty, count=1)
         # the last tile's P V
-        last = (kv0 + num_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((kv0 + num_tiles - 1) // STAGES) & 1)
-        _turn(turns, WG, turn0 + num_tiles, PINGPONG)
+        last = (kv0 + own - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((kv0 + own - 1) // STAGES) & 1)
+        _turn(turns, WG, turn0 + own, PINGPONG)
         O_i = warpgroup_mma(P_ij, v_smem.index(last), O_i, is_async=True)
         _pass(turns, WG, CONSUMERS, PINGPONG)
         O_i = warpgroup_mma_wait(0, deps=(O_i,))
         mbarrier.arrive(kv_empty.index(last), count=1)
+        _release(shared, kv0, turn0, own, num_tiles, WG, CONSUMERS, STAGES, PINGPONG)
 
         # O_i / l_i and L_i = m_i + log2(l_i), base 2; every row saw key 0, so l_i > 0
         o_rows = first + gl.arange(0, _M, gl.SliceLayout(1, o_layout))
@@ -355,6 +358,32 @@ if GLUON:
         gl.store(O + o_rows[:, None] * stride_on + dims[None, :], out,
                  mask=o_rows[:, None] < Nq)
         gl.store(L + lse_row0 + rows, m_i + gl.log2(l_i), mask=rows < Nq)
+
+    @gluon.jit
+    def _own_tiles(first, num_tiles, Nk, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """The K/V tiles a consumer's rows first .. first + M - 1 read: causal, up to their
+        own diagonal, not the program's last row's (a consumer of 64 rows in a program of
+        192 skips up to two tiles of 64 keys a Q tile, and all of them past the last query);
+        at least one, which every row has (it holds key 0)."""
+        own = num_tiles
+        if IS_CAUSAL:
+            own = gl.maximum(1, gl.minimum(num_tiles, gl.cdiv(gl.minimum(Nk, first + _M), Bc)))
+        return own
+
+    @gluon.jit
+    def _release(shared, kv0, turn0, own, num_tiles, WG: gl.constexpr,
+                 CONSUMERS: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        """The program's K/V tiles past this consumer's own (``_own_tiles``), released as
+        the copy warp and the other consumers expect: each once it has landed (its stage's
+        previous round is then complete, so the arrival counts in this one), with this
+        consumer's turns passed on."""
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
+        for j in range(own, num_tiles):
+            s = (kv0 + j) % STAGES
+            mbarrier.wait(k_ready.index(s), ((kv0 + j) // STAGES) & 1)
+            _turn(turns, WG, turn0 + j + 1, PINGPONG)
+            _pass(turns, WG, CONSUMERS, PINGPONG)
+            mbarrier.arrive(kv_empty.index(s), count=1)
 
     @gluon.jit
     def _tile_of(n, n_q, total, IS_CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr):

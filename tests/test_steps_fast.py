@@ -26,6 +26,7 @@ STEPS = {  # step id -> its check
     "10.programs_per_sm": "step_programs_per_sm",
     "10.ring": "step_ring_slot",
     "10.deal": "step_persistent_deal",
+    "10.own": "step_own_tiles",
 }
 
 
@@ -77,6 +78,13 @@ MUTANTS = [  # step, what is wrong, replacements, words the message must hold
      [("(p if m % 2 == 0 else P - 1 - p)", "p")], ["t is wrong", "same order"]),
     ("10.deal", "a program's tiles one after another",
      [("m * P + (p if m % 2 == 0 else P - 1 - p)", "p * P + m")], ["t is wrong", "one to each"]),
+    ("10.own", "the consumer's first row decides",
+     [("first + M - 1", "first")], ["tiles is wrong", "first row"]),
+    ("10.own", "the tiles rounded down",
+     [("-(-min(Nk, last_row + 1) // Bc)", "min(Nk, last_row + 1) // Bc")],
+     ["tiles is wrong", "round up"]),
+    ("10.own", "keys past the last one",
+     [("min(Nk, last_row + 1)", "(last_row + 1)")], ["tiles is wrong", "past the last key"]),
     ("10.kv_tiles", "causal tiles judged by the last row",
      [("min(Nk, first_row + 1) if causal", "min(Nk, last_row + 1) if causal")],
      ["num_full is wrong", "FIRST row"]),
@@ -124,6 +132,12 @@ def test_the_references_agree_with_the_package():
         for p in range(P):
             for m in range(6):
                 assert deal(m, p, P) == fast.deal_by_dealing(m, p, P), (m, p, P)
+    own = course.reference("10.own", {})  # fa3.py's _own_tiles, for a consumer of a program
+    for Nk in (1, 63, 64, 300, 777, 4096):
+        for M, Bc in ((64, 64), (64, 128), (16, 32)):
+            for first in range(0, Nk + 2 * M, M):
+                kernel = max(1, -(-min(Nk, first + M) // Bc))
+                assert own(first, M, Nk, Bc) == kernel == fast.own_by_counting(first, M, Nk, Bc)
     ring = course.reference("10.ring", {})
     for j in range(40):
         for stages in range(1, 6):

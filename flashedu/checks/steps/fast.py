@@ -355,6 +355,64 @@ def _diagnose_deal(case_, wrong, outputs):
     return f"program {p}'s tile {m} is position {want} of the order, yours {got}."
 
 
+# ------------------------------------------------------------------------------------------
+# 10.own: the K/V tiles one consumer's rows read in a causal call
+# ------------------------------------------------------------------------------------------
+
+H_OWN = ("Row r of a causal call (top-left) sees keys 0 .. r: the consumer's last row, first + "
+         "M - 1, decides, and a tile is read if it holds any key the rows see. A tile of Bc "
+         "keys that starts at or before that row counts: ceil((first + M) / Bc) of them.")
+H_OWN_KEYS = ("There are only Nk keys: rows past the last key see them all, and no tile starts "
+              "at or past Nk.")
+
+
+def own_by_counting(first, M, Nk, Bc):
+    """The K/V tiles rows first .. first + M - 1 read in a causal call: each tile that holds a
+    key one of the rows sees, counted tile by tile; at least one."""
+    last_row = first + M - 1
+    tiles, start = 0, 0
+    while start < Nk and start <= last_row:
+        tiles += 1
+        start += Bc
+    return max(1, tiles)
+
+
+def _own_cases():
+    specs = [(0, 64, 4096, 128, "the first consumer: one tile", H_OWN),
+             (128, 64, 4096, 128, "rows 128 .. 191: a second tile", H_OWN),
+             (64, 64, 4096, 128, "rows 64 .. 127: still one tile", H_OWN),
+             (4032, 64, 4096, 128, "the last rows: every tile", H_OWN),
+             (320, 64, 300, 64, "rows past the last key (more queries than keys)", H_OWN_KEYS),
+             (190, 64, 4096, 64, "rows that do not start on a tile", H_OWN)]
+    rng = _rng(5)
+    for _ in range(4):
+        Bc = int(rng.choice([16, 32, 64, 128]))
+        M = int(rng.choice([16, 64]))
+        Nk = int(rng.integers(1, 3000))
+        specs.append((int(rng.integers(0, 3000)), M, Nk, Bc, "random", H_OWN_KEYS))
+    return [case(f"first={f}, M={M}, Nk={Nk}, Bc={Bc} ({what})", hint, (f, M, Nk, Bc),
+                 ("tiles",), (own_by_counting(f, M, Nk, Bc),))
+            for f, M, Nk, Bc, what, hint in specs]
+
+
+def _diagnose_own(case_, wrong, outputs):
+    first, M, Nk, Bc = case_.args
+    got = outputs.get("tiles")
+    if got is None:
+        return None
+    got = int(float(got))
+    want = own_by_counting(first, M, Nk, Bc)
+    if got == max(1, -(-(first + M) // Bc)) and Nk < first + M and got != want:
+        return f"yours reads tiles past the last key: there are {-(-Nk // Bc)} tiles of keys."
+    if got == max(1, -(-(first + 1) // Bc)) and got != want:
+        return ("yours stops at the consumer's first row: its other rows see further, up to "
+                "key first + M - 1.")
+    if got == max(1, (first + M) // Bc) and got != want:
+        return ("a tile that holds only part of the keys the rows see is still read (and "
+                "masked): round up.")
+    return f"rows {first} .. {first + M - 1} read {want} tiles, yours {got}."
+
+
 STEPS = [
     function_step("step_ring_slot", "ring_slot", _ring_cases, diagnose=_diagnose_ring),
     function_step("step_kv_tiles", "kv_tile_counts", _kv_cases, diagnose=_diagnose_kv),
@@ -363,4 +421,5 @@ STEPS = [
                   diagnose=_diagnose_programs),
     function_step("step_persistent_deal", "deal_position", _deal_cases,
                   diagnose=_diagnose_deal),
+    function_step("step_own_tiles", "own_tiles", _own_cases, diagnose=_diagnose_own),
 ]

@@ -185,7 +185,9 @@ def main(argv=None) -> int:
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashedu-no-realloc-")
     subprocess.run([*child, "--seconds", "1"], check=False, env=env)
     # --beside-triton: does a Gluon process fault when the GPU's other work is not its own?
-    others = {**env, "FLASHEDU_FA3": "0"} if args.beside_triton else env
+    from flashedu.runtime import FA3_SWITCH_ENV
+
+    others = {**env, FA3_SWITCH_ENV: "0"} if args.beside_triton else env
     procs = [subprocess.Popen(child, env=env if i == 0 else others)
              for i in range(args.processes)]
     failed = sum(p.wait() != 0 for p in procs)

@@ -362,9 +362,10 @@ if GLUON:
     @gluon.jit
     def _own_tiles(first, num_tiles, Nk, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """The K/V tiles a consumer's rows first .. first + M - 1 read: causal, up to their
-        own diagonal, not the program's last row's (a consumer of 64 rows in a program of
-        192 skips up to two tiles of 64 keys a Q tile, and all of them past the last query);
-        at least one, which every row has (it holds key 0)."""
+        own diagonal, not the program's last row's (three consumers of 64 rows, tiles of 128
+        keys: the first reads one tile fewer than its program in every Q tile, the second in
+        every other); at least one, which every row has (it holds key 0). Rows past the last
+        query, in a Q tile's tail, still count as rows and read their diagonal's tiles."""
         own = num_tiles
         if IS_CAUSAL:
             own = gl.maximum(1, gl.minimum(num_tiles, gl.cdiv(gl.minimum(Nk, first + _M), Bc)))

@@ -233,6 +233,21 @@ def test_each_step_trains_on_the_batch_its_generator_gives_though_drawn_ahead():
     assert all(torch.equal(a, b) for a, b in zip(seen, expected))
 
 
+def test_fit_draws_no_batch_past_its_last_step():
+    """fit draws each step's next batch ahead, but not after its last step: the generator has
+    then given exactly one batch a step."""
+    from flashedu.models import data as text
+
+    trainer = Trainer(micro_config(gradient_accumulation_steps=1),
+                      TrainSettings(batch_size=2, seq_len=16, max_steps=6, progress=False))
+    trainer.fit(until=3)
+    assert trainer._prefetched is None
+    generator = torch.Generator().manual_seed(trainer.settings.seed)
+    for _ in range(3):
+        text.get_batch(trainer.train_data, 2, 16, generator)
+    assert torch.equal(trainer.generator.get_state(), generator.get_state())
+
+
 def test_gradient_accumulation_matches_one_big_batch():
     """2 micro-batches of 4 = 1 batch of 8 drawn from the same generator (same windows)."""
     params = []

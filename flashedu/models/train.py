@@ -134,8 +134,10 @@ class Trainer:
 
     # --- training ------------------------------------------------------------------------
 
-    def train_step(self) -> float:
-        """One optimizer step over gradient_accumulation_steps micro-batches; the mean loss."""
+    def train_step(self, prefetch: bool = True) -> float:
+        """One optimizer step over gradient_accumulation_steps micro-batches; the mean loss.
+        ``prefetch``: draw the next step's first micro-batch before waiting for this one's
+        (``fit`` says no after its last step)."""
         self.model.train()
         accum = self.config.gradient_accumulation_steps
         total = torch.zeros((), device=self.device)
@@ -151,7 +153,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self._prefetch()
+        if prefetch:
+            self._prefetch()
         return total.item()  # waits for this step's kernels: the next batch is on its way
 
     def _prefetch(self):
@@ -208,7 +211,7 @@ class Trainer:
         start = time.perf_counter()
         while self.step < until:
             row = {"step": self.step + 1, "lr": self.scheduler.get_last_lr()[0]}
-            row["loss"] = self.train_step()
+            row["loss"] = self.train_step(prefetch=self.step + 1 < until)
             row["time"] = time.perf_counter() - start
             if s.eval_every and (self.step % s.eval_every == 0 or self.step == until):
                 row["val_loss"] = self.evaluate()

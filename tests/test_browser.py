@@ -299,8 +299,13 @@ def test_mask_editor_keeps_the_learners_choices_and_counts_clicks_honestly(page)
     expect(clicks).to_contain_text("2 tile(s) clicked")  # (0, 5) and (5, 0) differ
     editor.locator(".fe-tile").nth(30).click()  # (5, 0) back to the preset's value
     expect(clicks).to_contain_text("1 tile(s) clicked")
-    density = editor.locator(".fe-density").inner_text()
-    expect(editor.locator(".fe-stale-note")).to_contain_text(f"now {density}")
+    # the note and the density are separate outputs, updated one after the other: wait until
+    # the note names the density the editor shows
+    page.wait_for_function("""() => {
+        const editor = document.querySelector('.flashedu-mask-editor');
+        const density = editor.querySelector('.fe-density').textContent.trim();
+        return editor.querySelector('.fe-stale-note').textContent.includes('now ' + density);
+    }""")
 
 
 def test_sram_widget_redraws_and_agrees_with_its_table(page):

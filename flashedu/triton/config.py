@@ -207,12 +207,14 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # and 0.87x); at d=128 two consumers, three stages, no ping-pong (it measured 0.96x there):
 # 1.10-1.18x the Triton kernel, 0.94-1.09x cuDNN. At d=64 dense calls take persistent programs
 # (one per SM, the next Q tile's Q and first K/V tiles copied while the last one finishes):
-# 1.02-1.10x one program per Q tile on an H200; at d=128 level (+-2%), and causal calls were
-# 1-4% slower persistent (BENCHMARKS.md, "A persistent forward"). Causal at d=64 from 8192: at
+# 1.02-1.10x one program per Q tile on an H200; at d=128 too: never more than 0.2% slower
+# and up to 3.4% faster in four runs (1.00-1.03x at 8192 keys; BENCHMARKS.md, "Persistent
+# programs at d = 128"); causal calls were 1-4% slower persistent (BENCHMARKS.md, "A
+# persistent forward"). Causal at d=64 from 8192: at
 # 4096 keys the Triton kernel measured 3-4% faster in four runs (378 / 380 / 385 / 389 TFLOP/s
 # against fa3's 366 / 370 / 371 / 374), at 8192 fa3 1.04-1.09x.
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=8192)
-_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False)
+_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False, persistent=True)
 # With dropout (H200, N=4096, p=0.1, BENCHMARKS.md "Dropout in FlashAttention-3's schedule"):
 # two consumers of 240 registers, persistent, no ping-pong, at both head dims: d=64 dense
 # 1548 us against 1686 with the three consumers of 160 registers (which spill with the

@@ -48,7 +48,7 @@ def environment(command, **extra) -> dict:
         props = torch.cuda.get_device_properties(0)
         device = props.name
         memory = f"{props.total_memory / 2**30:.0f} GiB"
-        from ..triton import fa3  # off unless switched on: a record says which kernels ran
+        from ..triton import fa3  # FLASHEDU_FA3=0 turns them off: a record says which ran
 
         fa3_status = fa3.status()
     else:

@@ -47,12 +47,16 @@ SHAPES = [(2, 4, 4, 1000, 1000, 128, False, torch.bfloat16),
           (1, 8, 2, 1300, 777, 64, True, torch.bfloat16),
           (1, 2, 2, 129, 129, 128, True, torch.float16),
           (1, 2, 1, 64, 300, 128, False, torch.bfloat16)]
+# O_i stored from registers or through shared memory (TMA_STORE), each with one and many
+# programs; the tails of 777, 1000 and 129 queries leave consumers with no row at all
 SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
-            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False),
+            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False, TMA_STORE=True),
             dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240, OVERLAP=False, LONGEST_FIRST=False),
-            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160),
-            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True),
-            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True)]
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, TMA_STORE=True),
+            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True,
+                 TMA_STORE=True),
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True),
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True, TMA_STORE=True)]
 
 
 def _inputs(B, H, Hkv, Nq, Nk, d, dtype, seed):
@@ -85,8 +89,9 @@ def test_every_schedule_matches_the_float64_reference(shape, settings):
 
 @pytest.mark.gpu
 @needs_fa3
+@pytest.mark.parametrize("tma_store", [False, True])
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
-def test_a_persistent_program_takes_many_tiles_right(d, causal):
+def test_a_persistent_program_takes_many_tiles_right(d, causal, tma_store):
     """More Q tiles than SMs: each persistent program takes several, of different heads and
     lengths (causal), with the K/V ring's count and the ping-pong turns running on across
     them; a ragged last tile in every head, grouped-query heads."""
@@ -94,6 +99,7 @@ def test_a_persistent_program_takes_many_tiles_right(d, causal):
     q, k, v = _inputs(B, H, Hkv, N, N, d, torch.bfloat16, seed=d + causal)
     settings = (dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160) if d == 64 else
                 dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False))
+    settings["TMA_STORE"] = tma_store
     assert B * H * -(-N // (64 * settings["CONSUMERS"])) > 2 * torch.cuda.get_device_properties(
         0).multi_processor_count
     o, lse2 = torch.empty_like(q), torch.empty(B, H, N, device="cuda")
@@ -697,8 +703,9 @@ def _check_with_the_same_mask(out, grads, q, k, v, dout, **kw):
 
 DROPOUT_SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
                     dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False,
-                         PERSISTENT=True),
-                    dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True)]
+                         PERSISTENT=True, TMA_STORE=True),
+                    dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True,
+                         TMA_STORE=True)]
 
 
 @pytest.mark.gpu

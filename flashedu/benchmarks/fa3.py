@@ -31,7 +31,9 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
              # three consumers of 160 registers against two of 240 (d = 64)
              ("2 consumers", lambda s, causal: ({"CONSUMERS": 2, "CONSUMER_REGS": 240}
                                                 if s["CONSUMERS"] == 3 else None)),
-             ("persistent flipped", lambda s, causal: {"PERSISTENT": not s["PERSISTENT"]}))
+             ("persistent flipped", lambda s, causal: {"PERSISTENT": not s["PERSISTENT"]}),
+             # O_i through shared memory and the copy engine, or from registers
+             ("store flipped", lambda s, causal: {"TMA_STORE": not s["TMA_STORE"]}))
 PEERS = ("triton", "sdpa-cudnn", "sdpa-flash", "flex")
 
 
@@ -141,7 +143,7 @@ def parse_args(argv):
 
 
 SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "PINGPONG", "OVERLAP", "LONGEST_FIRST",
-            "PERSISTENT")
+            "PERSISTENT", "TMA_STORE")
 
 
 def _setting(text: str) -> tuple:

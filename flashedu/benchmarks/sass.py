@@ -406,8 +406,8 @@ def _compile_specialized(kernel, signature, constexprs, attrs, options, table: s
 
 def _tiles_text(consts: dict) -> str:
     if "CONSUMERS" in consts:  # fa3: consumers of 64 rows, stages, registers, switches
-        switches = "".join(f" {n.lower()}" for n in ("PINGPONG", "OVERLAP", "PERSISTENT")
-                           if consts.get(n))
+        switches = "".join(f" {n.lower()}" for n in ("PINGPONG", "OVERLAP", "PERSISTENT",
+                                                      "TMA_STORE") if consts.get(n))
         return (f"{64 * consts['CONSUMERS']}x{consts['Bc']} c{consts['CONSUMERS']} "
                 f"s{consts['STAGES']} r{consts['CONSUMER_REGS']}{switches}")
     if "Br" in consts:

@@ -54,13 +54,14 @@ class Schedule:
     longest_first: bool = True
     persistent: bool = False
     causal_from: int = 0
+    tma_store: bool = True
 
     def settings(self, is_causal: bool = False) -> dict:
         """The keywords of ``fa3.forward`` for a dense or a causal call."""
         return dict(CONSUMERS=self.consumers, STAGES=self.stages,
                     CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first,
-                    PERSISTENT=self.persistent and not is_causal)
+                    PERSISTENT=self.persistent and not is_causal, TMA_STORE=self.tma_store)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ lays it out on an H100, with every hardware step written down instead of left to
   copied while the consumers finish the last one (a program per Q tile starts with an empty
   ring and ends with idle tensor cores). Causal tiles are dealt longest first, in a snake, so
   that every program gets about the same work.
+- O_i out through shared memory (TMA_STORE): a consumer done with a Q tile writes O_i into
+  Q_i's buffer (dead once its last S_ij is made), and one thread hands it to the copy engine;
+  the consumer waits only until the copy has read the buffer, the global writes finish under
+  the next program's (or, persistent, the next tile's) work.
 
 Only what a training step's dense attention needs: 16-bit inputs, head dim 64 or 128, causal
 (top-left, as SDPA's is_causal) or not, GQA, dropout, the base-2 logsumexp L_i for the
@@ -137,6 +141,7 @@ if GLUON:
     # a TMA load into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, renamed
     # ``async_load`` later
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
     def _descriptor(base, rows, stride, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -146,6 +151,22 @@ if GLUON:
                                                                     base.dtype.element_ty)
         return tma.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride, 1],
                                           [BLOCK, HEAD_DIM], layout)
+
+    @gluon.jit
+    def _out_descriptor(O, heads, H, Nq, stride_ob, stride_oh, stride_on,
+                        HEAD_DIM: gl.constexpr, TMA_STORE: gl.constexpr):
+        """With TMA_STORE, all of O (B, H, Nq, HEAD_DIM) for the copy engine, written 64 rows
+        of one head at a time (rows past Nq are not written: a Q tile's tail stays in its
+        head); made once a program, as every consumer of every Q tile writes through it.
+        Without, nothing (O is stored from registers)."""
+        if TMA_STORE:
+            layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [1, 1, _M, HEAD_DIM], O.dtype.element_ty)
+            return tma.make_tensor_descriptor(O, [heads // H, H, Nq, HEAD_DIM],
+                                              [stride_ob, stride_oh, stride_on, 1],
+                                              [1, 1, _M, HEAD_DIM], layout)
+        else:
+            return 0
 
     @gluon.jit
     def _load(descs, shared, row0, num_tiles, CONSUMERS: gl.constexpr,
@@ -251,17 +272,18 @@ if GLUON:
     def _consume(shared, out, drop, WG: gl.constexpr, CONSUMERS: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                 DROPOUT: gl.constexpr):
+                 DROPOUT: gl.constexpr, TMA_STORE: gl.constexpr):
         """A consumer warpgroup of a program that owns one Q tile."""
         mbarrier.wait(shared[3], 0)  # Q_i
         _consume_tile(shared, out, drop, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
-                      PINGPONG, OVERLAP, False, DROPOUT)
+                      PINGPONG, OVERLAP, False, DROPOUT, TMA_STORE)
 
     @gluon.jit
     def _consume_tile(shared, out, drop, kv0, turn0, WG: gl.constexpr,
                       CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr):
+                      OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
+                      TMA_STORE: gl.constexpr):
         """A consumer warpgroup over one Q tile (Q_i in shared memory already): rows
         row0 + WG*M .. + M. kv0, turn0: the K/V tiles and turns this consumer went through
         before this Q tile (a persistent program's earlier tiles; 0 otherwise). DROPOUT: P_ij
@@ -271,9 +293,11 @@ if GLUON:
         Iteration j issues S_ij = Q_i K_j^T together with O_i += P_i,j-1 V_j-1 (P of the
         tile before), then the softmax of S_ij; the first iteration has no P V, the loop's
         end one P V alone. Causal, a consumer stops at its own rows' diagonal (``_own_tiles``)
-        and releases the program's later K/V tiles unread (``_release``)."""
+        and releases the program's later K/V tiles unread (``_release``). TMA_STORE: O_i goes
+        out through shared memory, Q_i's buffer (dead once the last S_ij is made), and the copy
+        engine, instead of from registers (``_write``)."""
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
-        O, L, stride_on, row0, lse_row0, Nq, Nk, qk_scale, num_tiles, num_full = out
+        O, L, stride_on, row0, lse_row0, Nq, Nk, qk_scale, num_tiles, num_full, o_desc, bh = out
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, Bc, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -285,7 +309,7 @@ if GLUON:
         first = row0 + WG * _M
         rows = first + gl.arange(0, _M, row_layout)
         Q_i = q_smem.index(WG)
-        own = _own_tiles(first, num_tiles, Nk, Bc, IS_CAUSAL)
+        own = _own_tiles(first, num_tiles, Nq, Nk, Bc, IS_CAUSAL)
 
         zero = gl.zeros([_M, Bc], gl.float32, s_layout)
         l_i = gl.zeros([_M], gl.float32, row_layout)
@@ -336,7 +360,7 @@ if GLUON:
             P_ij = gl.convert_layout(_operand(P_next.to(dtype), drop, rows, j, Bc, s_layout,
                                               DROPOUT), p_layout)
 
-        if PERSISTENT:  # every S_ij made: the copy warp may bring the next tile's Q
+        if PERSISTENT and not TMA_STORE:  # every S_ij made: the next tile's Q may come
             mbarrier.arrive(q_empty, count=1)
         # the last tile's P V
         last = (kv0 + own - 1) % STAGES
@@ -355,20 +379,40 @@ if GLUON:
         if DROPOUT:  # the keep scale, once for every entry
             l_o = l_o * keep_rate(drop)  # l_i / s, exact
         out = (O_i / l_o[:, None]).to(dtype)
-        gl.store(O + o_rows[:, None] * stride_on + dims[None, :], out,
-                 mask=o_rows[:, None] < Nq)
+        if TMA_STORE:
+            H = o_desc.shape[1]
+            _write(out, q_smem.index(WG), o_desc, [bh // H, bh % H, first, 0])
+            if PERSISTENT:  # Q_i's buffer read out: the next tile's Q may come
+                mbarrier.arrive(q_empty, count=1)
+        else:
+            gl.store(O + o_rows[:, None] * stride_on + dims[None, :], out,
+                     mask=o_rows[:, None] < Nq)
         gl.store(L + lse_row0 + rows, m_i + gl.log2(l_i), mask=rows < Nq)
 
     @gluon.jit
-    def _own_tiles(first, num_tiles, Nk, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    def _write(out, o_smem, o_desc, coords):
+        """O_i (registers) to global memory by the copy engine: into shared memory, then one
+        bulk copy; waits only until the copy has read the buffer (the global writes finish
+        on their own, under the next tile's or program's work)."""
+        o_smem.store(out)
+        fence_async_shared()  # the warpgroup's writes, visible to the copy engine
+        _tma_store(o_desc, coords, o_smem.reshape(o_desc.block_type.shape))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _own_tiles(first, num_tiles, Nq, Nk, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """The K/V tiles a consumer's rows first .. first + M - 1 read: causal, up to their
         own diagonal, not the program's last row's (three consumers of 64 rows, tiles of 128
         keys: the first reads one tile fewer than its program in every Q tile, the second in
-        every other); at least one, which every row has (it holds key 0). Rows past the last
-        query, in a Q tile's tail, still count as rows and read their diagonal's tiles."""
+        every other); at least one, which every row has (it holds key 0). A consumer whose
+        rows all lie past the last query (the tail of the last Q tile: at 4096 queries and
+        Br = 192, two of the last tile's three) writes nothing and reads that one tile only,
+        causal or not."""
         own = num_tiles
         if IS_CAUSAL:
             own = gl.maximum(1, gl.minimum(num_tiles, gl.cdiv(gl.minimum(Nk, first + _M), Bc)))
+        if first >= Nq:
+            own = 1
         return own
 
     @gluon.jit
@@ -475,11 +519,12 @@ if GLUON:
                             CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
                             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                            LONGEST_FIRST: gl.constexpr, DROPOUT: gl.constexpr):
+                            LONGEST_FIRST: gl.constexpr, DROPOUT: gl.constexpr,
+                            TMA_STORE: gl.constexpr):
         """A consumer warpgroup of a persistent program: its rows of each Q tile in turn;
         the K/V ring's count and the ping-pong turns run on across tiles (a tile takes one
         turn more than it has K/V tiles)."""
-        O, L, stride_qb, stride_qh, stride_qn, qk_scale = outs
+        O, L, stride_qb, stride_qh, stride_qn, qk_scale, o_desc = outs
         H, GROUP, Nq, Nk, n_q, total = work
         Br: gl.constexpr = CONSUMERS * _M
         kv = 0
@@ -490,11 +535,11 @@ if GLUON:
                 row0 = i * Br
                 num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
                 out = (O + (bh // H) * stride_qb + (bh % H) * stride_qh, L, stride_qn, row0,
-                       bh * Nq, Nq, Nk, qk_scale, num_tiles, num_full)
+                       bh * Nq, Nq, Nk, qk_scale, num_tiles, num_full, o_desc, bh)
                 mbarrier.wait(shared[3], n & 1)  # this tile's Q_i
                 _consume_tile(shared, out, (drop[0], drop[1], bh, drop[3], drop[4]), kv,
                               kv + n, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                              OVERLAP, True, DROPOUT)
+                              OVERLAP, True, DROPOUT, TMA_STORE)
                 kv += num_tiles
                 n += 1
 
@@ -533,12 +578,13 @@ if GLUON:
                            CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                            LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr):
+                           PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
+                           TMA_STORE: gl.constexpr):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
         forward_kernel; or, PERSISTENT, one program per SM that takes the ``total`` Q tiles
         in turn. O has Q's strides; L is (B, H, Nq) contiguous, base-2. DROPOUT: RNG is the
         call's [seed, offset] tensor, threshold and keep_scale as ``forward.dropout_args``
-        gives them."""
+        gives them. TMA_STORE: O written through shared memory by the copy engine."""
         Br: gl.constexpr = CONSUMERS * _M
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, HEAD_DIM], dtype)
@@ -563,21 +609,23 @@ if GLUON:
         mbarrier.arrive(turns.index(0), count=1)  # consumer 0 starts
         fence_async_shared()
         shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty)
+        o_desc = _out_descriptor(O, total // gl.cdiv(Nq, Br), H, Nq, stride_qb, stride_qh,
+                                 stride_qn, HEAD_DIM, TMA_STORE)
 
         if PERSISTENT:
             tensors = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                        stride_kn, stride_vb, stride_vh, stride_vn)
             work = (H, GROUP, Nq, Nk, gl.cdiv(Nq, Br), total)
-            outs = (O, L, stride_qb, stride_qh, stride_qn, qk_scale)
+            outs = (O, L, stride_qb, stride_qh, stride_qn, qk_scale, o_desc)
             drop = _dropout_state(RNG, 0, threshold, keep_scale, DROPOUT)  # bh: per tile
             if CONSUMERS == 2:
                 gl.warp_specialize([
                     (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
                     (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST))],
                     [4, 1], [CONSUMER_REGS, 24])
@@ -585,13 +633,13 @@ if GLUON:
                 gl.warp_specialize([
                     (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
                     (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
                     (_consume_persistent, (shared, outs, work, drop, 2, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST))],
                     [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -612,29 +660,29 @@ if GLUON:
                                  HEAD_DIM)
             num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
             out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles,
-                   num_full)
+                   num_full, o_desc, bh)
             descs = (q_desc, k_desc, v_desc)
             drop = _dropout_state(RNG, bh, threshold, keep_scale, DROPOUT)
             if CONSUMERS == 2:
                 gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 1], [CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_consume, (shared, out, drop, 2, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -652,12 +700,13 @@ def dropout_arguments(dropout_p: float, rng):
 
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
-            LONGEST_FIRST: bool = True, PERSISTENT: bool = False, dropout_p: float = 0.0,
-            rng=None):
+            LONGEST_FIRST: bool = True, PERSISTENT: bool = False, TMA_STORE: bool = False,
+            dropout_p: float = 0.0, rng=None):
     """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
     written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
     warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
-    consumer thread, and the schedule's switches. dropout_p > 0: rng is the call's [seed,
+    consumer thread, and the schedule's switches (TMA_STORE: O through shared memory and
+    the copy engine; its descriptor needs o 16-byte aligned, as q's are). dropout_p > 0: rng is the call's [seed,
     offset] tensor (``flashedu.dropout.draw_rng``). Returns the launch (``fast.Launch``), to be
     repeated with other q, k, v, o, lse2 (and rng) laid out alike."""
     from .fast import Launch, ensure_allocator, run
@@ -669,7 +718,8 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
     consts = dict(HEAD_DIM=d, Bc=128, STAGES=STAGES, CONSUMERS=CONSUMERS,
                   IS_CAUSAL=bool(is_causal), PINGPONG=PINGPONG, OVERLAP=OVERLAP,
                   LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,
-                  PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None, num_warps=4)
+                  PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None,
+                  TMA_STORE=bool(TMA_STORE), num_warps=4)
     grid = (triton.cdiv(Nq, CONSUMERS * M), B * H)
     total = grid[0] * grid[1]
     if PERSISTENT:  # one program per SM (one fits: the stages take most of shared memory)

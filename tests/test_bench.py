@@ -332,10 +332,9 @@ def test_sass_compiles_the_package_launches_for_an_h100(tmp_path, capsys):
     assert "forward_kernel" in text and "regs" in text
 
 
-def test_sass_compiles_the_gluon_forward_for_an_h100(tmp_path, capsys):
-    """FlashAttention-3's forward (triton/fa3.py, Gluon) with the sm_90 table's d=128 schedule,
-    compiled here: wgmma (HGMMA), the consumers' registers raised by setmaxnreg within the
-    ceiling and no spills, three K/V stages within the H100's 227 KB of shared memory."""
+def _gluon_forward_rows(tmp_path, capsys):
+    """The sm_90 table's d=128 fa3 forwards, dense and causal, compiled here by ``bench
+    sass``."""
     from flashedu.benchmarks import sass
     from flashedu.triton import fa3
 
@@ -349,10 +348,32 @@ def test_sass_compiles_the_gluon_forward_for_an_h100(tmp_path, capsys):
     assert code == 0, text
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["fa3", "causal-fa3"]
-    for r in rows:
+    return rows
+
+
+def test_sass_compiles_the_gluon_forward_for_an_h100(tmp_path, capsys):
+    """FlashAttention-3's forward (triton/fa3.py, Gluon) with the sm_90 table's d=128 schedule,
+    compiled here: wgmma (HGMMA), O_i out by the copy engine (UTMASTG), three K/V stages
+    within the H100's 227 KB of shared memory."""
+    for r in _gluon_forward_rows(tmp_path, capsys):
         assert r["kernel"] == "fa3_forward_kernel" and r["tiles"].startswith("128x128 c2 s3")
-        assert r["ops"]["HGMMA"] > 0 and r["spill_stores"] == 0 and r["stack_bytes"] == 0
+        assert r["ops"]["HGMMA"] > 0 and r["ops"]["UTMASTG"] > 0
         assert 2 * 128 * 128 * 2 * 3 < r["shared_bytes"] <= 227 * 1024
+
+
+def test_the_gluon_forward_does_not_spill_on_the_triton_it_runs_on(tmp_path, capsys):
+    """The consumers' registers, raised by setmaxnreg, hold the d=128 schedule without spills,
+    as compiled by the Triton the kernel runs on (``fa3.TESTED_TRITON``; another Triton's
+    compiler allots them otherwise: 3.9 keeps 32 bytes of the persistent program's
+    loop-invariant values on the stack, and fa3 does not run there)."""
+    from flashedu.triton import fa3
+    from flashedu.triton.fast import TRITON
+
+    if TRITON not in fa3.TESTED_TRITON:
+        pytest.skip(f"the kernel runs on Triton {' or '.join(fa3.TESTED_TRITON)} only, this is "
+                    f"{TRITON}: its spills here are not the ones that run")
+    for r in _gluon_forward_rows(tmp_path, capsys):
+        assert r["spill_stores"] == 0 and r["stack_bytes"] == 0, r
 
 
 def test_sass_compiles_the_persistent_gluon_forward_without_a_gpu(tmp_path, capsys):
@@ -370,7 +391,7 @@ def test_sass_compiles_the_persistent_gluon_forward_without_a_gpu(tmp_path, caps
                       "--json", str(out)], capsys)
     assert code == 0, text
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["tiles"].startswith("192x128 c3 s3") and row["tiles"].endswith("persistent")
+    assert row["tiles"].startswith("192x128 c3 s3") and " persistent" in row["tiles"]
     assert row["ops"]["HGMMA"] > 0
 
 

@@ -55,6 +55,7 @@ SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
             dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, TMA_STORE=True),
             dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True,
                  TMA_STORE=True),
+            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PERSISTENT=True, TMA_STORE=True),
             dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True),
             dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True, TMA_STORE=True)]
 
@@ -98,7 +99,7 @@ def test_a_persistent_program_takes_many_tiles_right(d, causal, tma_store):
     B, H, Hkv, N = 3, 16, 4, 1000 + 77
     q, k, v = _inputs(B, H, Hkv, N, N, d, torch.bfloat16, seed=d + causal)
     settings = (dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160) if d == 64 else
-                dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PINGPONG=False))
+                dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240))
     settings["TMA_STORE"] = tma_store
     assert B * H * -(-N // (64 * settings["CONSUMERS"])) > 2 * torch.cuda.get_device_properties(
         0).multi_processor_count

@@ -215,7 +215,11 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # 4096 keys the Triton kernel measured 3-4% faster in four runs (378 / 380 / 385 / 389 TFLOP/s
 # against fa3's 366 / 370 / 371 / 374), at 8192 fa3 1.04-1.09x.
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=8192)
-_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False, persistent=True)
+# Both head dims write O_i through shared memory and the copy engine (``tma_store``); at
+# d=128 with ping-pong since then: 1.01-1.08x (3.6-7.6% with ping-pong) against O_i stored
+# from registers, and 0.99-1.04x without ping-pong (BENCHMARKS.md, "O_i through the copy
+# engine"; with registers ping-pong had measured 0.96x at d=128).
+_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, persistent=True)
 # With dropout (H200, N=4096, p=0.1, BENCHMARKS.md "Dropout in FlashAttention-3's schedule"):
 # two consumers of 240 registers, persistent, no ping-pong, at both head dims: d=64 dense
 # 1548 us against 1686 with the three consumers of 160 registers (which spill with the
@@ -223,7 +227,7 @@ _FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False, pe
 # program per Q tile. Causal at d=64 still from 8192 (at 4096 the Triton kernel 892 us
 # against 925-932).
 _FA3_DROPOUT = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False,
-                        persistent=True)
+                        persistent=True, tma_store=False)  # as measured: O_i from registers
 # Its backward (fa3_backward.py), from the same length: two stages of (Q_i, dO_i), one buffer
 # for dQ_i (H200, N=8192: a second measured level at d=64 and 3-6% slower at d=128, a third
 # stage level at d=64 and 4% slower at d=128 not causal). At d=128 the descriptors of K_j, V_j

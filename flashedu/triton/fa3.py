@@ -297,7 +297,7 @@ if GLUON:
         out through shared memory, Q_i's buffer (dead once the last S_ij is made), and the copy
         engine, instead of from registers (``_write``)."""
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
-        O, L, stride_on, row0, lse_row0, Nq, Nk, qk_scale, num_tiles, num_full, o_desc, bh = out
+        O, L, stride_on, row0, lse_row0, Nq, Nk, qk_scale, num_tiles, o_desc, b, h = out
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, Bc, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -310,6 +310,7 @@ if GLUON:
         rows = first + gl.arange(0, _M, row_layout)
         Q_i = q_smem.index(WG)
         own = _own_tiles(first, num_tiles, Nq, Nk, Bc, IS_CAUSAL)
+        num_full = _unmasked(first, Nk, Bc, IS_CAUSAL)
 
         zero = gl.zeros([_M, Bc], gl.float32, s_layout)
         l_i = gl.zeros([_M], gl.float32, row_layout)
@@ -380,8 +381,7 @@ if GLUON:
             l_o = l_o * keep_rate(drop)  # l_i / s, exact
         out = (O_i / l_o[:, None]).to(dtype)
         if TMA_STORE:
-            H = o_desc.shape[1]
-            _write(out, q_smem.index(WG), o_desc, [bh // H, bh % H, first, 0])
+            _write(out, q_smem.index(WG), o_desc, [b, h, first, 0])
             if PERSISTENT:  # Q_i's buffer read out: the next tile's Q may come
                 mbarrier.arrive(q_empty, count=1)
         else:
@@ -459,16 +459,21 @@ if GLUON:
 
     @gluon.jit
     def _visited(row0, Nk, Br: gl.constexpr, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """The K/V tiles the Q tile of rows row0 .. + Br visits, and how many of them need no
-        mask."""
+        """The K/V tiles the Q tile of rows row0 .. + Br visits."""
         seen = Nk
         if IS_CAUSAL:
             seen = gl.minimum(Nk, row0 + Br)
-        num_tiles = gl.cdiv(seen, Bc)
+        return gl.cdiv(seen, Bc)
+
+    @gluon.jit
+    def _unmasked(first, Nk, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """How many of its K/V tiles a consumer of rows first .. first + M - 1 reads without a
+        mask: those of whole keys before its first row's diagonal (causal: its own rows, not
+        its program's first, so a consumer of 64 rows masks one tile of 128 keys, not two)."""
         num_full = Nk // Bc
         if IS_CAUSAL:
-            num_full = gl.minimum(num_full, (row0 + 1) // Bc)
-        return num_tiles, num_full
+            num_full = gl.minimum(num_full, (first + 1) // Bc)
+        return num_full
 
     @gluon.jit
     def _load_persistent(tensors, shared, work, HEAD_DIM: gl.constexpr,
@@ -493,7 +498,7 @@ if GLUON:
                 h = bh % H
                 h_kv = h // GROUP
                 row0 = i * Br
-                num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
+                num_tiles = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
                 if n > 0:  # the last tile's copies landed: their descriptors may be rewritten
                     mbarrier.wait(q_ready, (n - 1) & 1)
                     for r in range(gl.maximum(kv - STAGES, kv_last), kv):
@@ -533,9 +538,11 @@ if GLUON:
             t, i, bh = _tile_of(m, n_q, total, IS_CAUSAL, LONGEST_FIRST)
             if t < total:
                 row0 = i * Br
-                num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
-                out = (O + (bh // H) * stride_qb + (bh % H) * stride_qh, L, stride_qn, row0,
-                       bh * Nq, Nq, Nk, qk_scale, num_tiles, num_full, o_desc, bh)
+                num_tiles = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
+                b = bh // H
+                h = bh % H
+                out = (O + b * stride_qb + h * stride_qh, L, stride_qn, row0, bh * Nq, Nq, Nk,
+                       qk_scale, num_tiles, o_desc, b, h)
                 mbarrier.wait(shared[3], n & 1)  # this tile's Q_i
                 _consume_tile(shared, out, (drop[0], drop[1], bh, drop[3], drop[4]), kv,
                               kv + n, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
@@ -609,13 +616,13 @@ if GLUON:
         mbarrier.arrive(turns.index(0), count=1)  # consumer 0 starts
         fence_async_shared()
         shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty)
-        o_desc = _out_descriptor(O, total // gl.cdiv(Nq, Br), H, Nq, stride_qb, stride_qh,
-                                 stride_qn, HEAD_DIM, TMA_STORE)
 
         if PERSISTENT:
             tensors = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                        stride_kn, stride_vb, stride_vh, stride_vn)
             work = (H, GROUP, Nq, Nk, gl.cdiv(Nq, Br), total)
+            o_desc = _out_descriptor(O, total // gl.cdiv(Nq, Br), H, Nq, stride_qb, stride_qh,
+                                     stride_qn, HEAD_DIM, TMA_STORE)
             outs = (O, L, stride_qb, stride_qh, stride_qn, qk_scale, o_desc)
             drop = _dropout_state(RNG, 0, threshold, keep_scale, DROPOUT)  # bh: per tile
             if CONSUMERS == 2:
@@ -658,9 +665,11 @@ if GLUON:
                                  HEAD_DIM)
             v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc,
                                  HEAD_DIM)
-            num_tiles, num_full = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
-            out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles,
-                   num_full, o_desc, bh)
+            num_tiles = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
+            o_desc = _out_descriptor(O, total // gl.num_programs(0), H, Nq, stride_qb, stride_qh,
+                                     stride_qn, HEAD_DIM, TMA_STORE)
+            out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles, o_desc,
+                   b, h)
             descs = (q_desc, k_desc, v_desc)
             drop = _dropout_state(RNG, bh, threshold, keep_scale, DROPOUT)
             if CONSUMERS == 2:

@@ -431,6 +431,22 @@ if GLUON:
             mbarrier.arrive(kv_empty.index(s), count=1)
 
     @gluon.jit
+    def _in_groups(t, n_tiles, heads, heads_together):
+        """Program t's (rank of its tile, batch * head), in the order the GPU starts programs:
+        the heads in groups of ``heads_together``, each group's tiles rank by rank across its
+        heads (tile 0 of every head of the group, then tile 1, ...). One head at a time
+        (heads_together = 1) is a grid of (tiles, heads). Causal tiles differ in length, and
+        ranked longest first one head at a time, the last heads' longest tiles start last and
+        run on alone: a group of heads takes its longest tiles first together (counted for
+        4096 keys: 5-7% of the forward's and 4-7% of the backward's time, against 0-1.5% in
+        groups of 16), while its heads' K and V still fit in L2 together
+        (``heads_together``, host side)."""
+        g0 = (t // (heads_together * n_tiles)) * heads_together
+        size = gl.minimum(heads_together, heads - g0)
+        r = t - g0 * n_tiles
+        return r // size, g0 + r % size
+
+    @gluon.jit
     def _tile_of(n, n_q, total, IS_CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr):
         """A persistent program's n-th work item t (t >= total: none) as (Q tile, batch *
         head). Not causal, the order a grid of one program per Q tile starts them (a head's Q
@@ -581,6 +597,7 @@ if GLUON:
     def fa3_forward_kernel(Q, K, V, O, L, RNG, qk_scale, threshold, keep_scale,
                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, H, GROUP, Nq, Nk, total,
+                           heads_together,
                            HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
@@ -588,7 +605,7 @@ if GLUON:
                            PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
                            TMA_STORE: gl.constexpr):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
-        forward_kernel; or, PERSISTENT, one program per SM that takes the ``total`` Q tiles
+        forward_kernel, started in the order of ``_in_groups``; or, PERSISTENT, one program per SM that takes the ``total`` Q tiles
         in turn. O has Q's strides; L is (B, H, Nq) contiguous, base-2. DROPOUT: RNG is the
         call's [seed, offset] tensor, threshold and keep_scale as ``forward.dropout_args``
         gives them. TMA_STORE: O written through shared memory by the copy engine."""
@@ -651,10 +668,10 @@ if GLUON:
                                         IS_CAUSAL, LONGEST_FIRST))],
                     [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
-            i = gl.program_id(0)
+            i, bh = _in_groups(gl.program_id(0), gl.cdiv(Nq, Br), total // gl.cdiv(Nq, Br),
+                               heads_together)
             if IS_CAUSAL and LONGEST_FIRST:  # the last Q tiles see the most keys: first
-                i = gl.num_programs(0) - 1 - i
-            bh = gl.program_id(1)
+                i = gl.cdiv(Nq, Br) - 1 - i
             b = bh // H
             h = bh % H
             h_kv = h // GROUP  # grouped-query attention
@@ -698,6 +715,18 @@ if GLUON:
         _invalidate(shared, CONSUMERS, STAGES)  # after the partitions: the SM's next program
 
 
+L2_SHARE = 24 << 20  # bytes of K and V a group of heads may hold in L2 (H100, H200: 50 MB)
+
+
+def heads_together(streamed_bytes: int, grouped: bool) -> int:
+    """How many heads take their tiles together (``_in_groups``): 1 unless ``grouped``; else
+    as many as keep what each head's programs stream (``streamed_bytes`` a head: the
+    forward's K and V, the backward's Q and dO) within L2_SHARE, at most 16."""
+    if not grouped:
+        return 1
+    return max(1, min(16, L2_SHARE // streamed_bytes))
+
+
 def dropout_arguments(dropout_p: float, rng):
     """(RNG, threshold, keep scale) of the Gluon kernels: ``forward.dropout_args``'s, with
     (None, 0, 1.0) without dropout (RNG None: DROPOUT is off, nothing is drawn)."""
@@ -729,11 +758,12 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
                   LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,
                   PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None,
                   TMA_STORE=bool(TMA_STORE), num_warps=4)
-    grid = (triton.cdiv(Nq, CONSUMERS * M), B * H)
-    total = grid[0] * grid[1]
+    total = triton.cdiv(Nq, CONSUMERS * M) * B * H
+    grid = (total,)
     if PERSISTENT:  # one program per SM (one fits: the stages take most of shared memory)
         grid = (min(total, _multiprocessors(q.device.index) if q.is_cuda else H100_SMS),)
     args = (q, k, v, o, lse2, rng, float(scale) * LOG2E, threshold, keep_scale,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, H // Hkv, Nq, Nk, total)
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, H // Hkv, Nq, Nk, total,
+            heads_together(2 * Nk * d * k.element_size(), is_causal and LONGEST_FIRST))
     run(fa3_forward_kernel, grid, args, consts)
     return Launch(fa3_forward_kernel, grid, args, consts, tuple(range(5 + (rng is not None))))

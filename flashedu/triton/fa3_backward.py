@@ -52,7 +52,7 @@ if GLUON:
     from triton.experimental.gluon.language._core import builtin
 
     from .dropout import keep_rate
-    from .fa3 import _descriptor, _dropout_state, _keep_bytes, _kept, _tma_load
+    from .fa3 import _descriptor, _dropout_state, _in_groups, _keep_bytes, _kept, _tma_load
 
     @builtin
     def _tma_reduce_add(desc, coord, src, _semantic=None):
@@ -278,7 +278,7 @@ if GLUON:
     def fa3_backward_kernel(Q, K, V, dO, L, Dl, dQ, dK, dV, RNG, qk_scale, scale, threshold,
                             keep_scale,
                             stride_qn, stride_kb, stride_kh, stride_kn,
-                            stride_vb, stride_vh, stride_vn, H, Hkv, Nq, Nk,
+                            stride_vb, stride_vh, stride_vn, H, Hkv, Nq, Nk, heads_together,
                             HEAD_DIM: gl.constexpr, Br: gl.constexpr, STAGES: gl.constexpr,
                             IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, FRESH_DESCRIPTORS: gl.constexpr,
@@ -287,9 +287,10 @@ if GLUON:
         rows ``stride_qn`` apart and heads Nq rows apart; L (base 2) and Dl = rowsum(dO * O):
         (B, H, Nq) float32; dQ: float32 (B, H, Nq, d) contiguous, zeroed, added to; dK, dV
         with K's and V's strides. DROPOUT: as the forward's (RNG, threshold, keep_scale); scale
-        then includes the keep scale."""
-        j = gl.program_id(0)
-        bh = gl.program_id(1)
+        then includes the keep scale. Programs start in the order of ``fa3._in_groups`` (causal:
+        K/V tile 0, which every Q tile sees, first)."""
+        n_kv = gl.cdiv(Nk, 2 * _KM)
+        j, bh = _in_groups(gl.program_id(0), n_kv, gl.num_programs(0) // n_kv, heads_together)
         batch = bh // Hkv
         h_kv = bh % Hkv
         GROUP = H // Hkv
@@ -391,7 +392,7 @@ def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, S
     P_ij in 16 bits and dP_ij. dropout_p > 0: rng is the forward's [seed, offset] tensor.
     Returns the launch (``fast.Launch``), to be repeated with other tensors (and rng) laid out
     alike."""
-    from .fa3 import dropout_arguments
+    from .fa3 import dropout_arguments, heads_together
     from .fast import Launch, ensure_allocator, run
 
     B, H, Nq, d = q.shape
@@ -400,12 +401,13 @@ def launch(q, k, v, do, lse2, D, dq, dk, dv, *, is_causal: bool, scale: float, S
     rng, threshold, keep_scale = dropout_arguments(dropout_p, rng)
     args = (q, k, v, do, lse2, D, dq, dk, dv, rng, float(scale) * LOG2E,
             float(scale) * keep_scale, threshold, keep_scale, q.stride(2), *k.stride()[:3],
-            *v.stride()[:3], H, Hkv, Nq, Nk)
+            *v.stride()[:3], H, Hkv, Nq, Nk,
+            heads_together(2 * (H // Hkv) * Nq * d * q.element_size(), is_causal))
     consts = dict(HEAD_DIM=d, Br=M, STAGES=STAGES, IS_CAUSAL=bool(is_causal),
                   DQ_BUFFERS=DQ_BUFFERS, CONSUMER_REGS=CONSUMER_REGS,
                   FRESH_DESCRIPTORS=bool(FRESH_DESCRIPTORS), DROPOUT=rng is not None,
                   SELECT_ONCE=bool(SELECT_ONCE), num_warps=4)
-    grid = (triton.cdiv(Nk, 2 * M), B * Hkv)
+    grid = (triton.cdiv(Nk, 2 * M) * B * Hkv,)
     run(fa3_backward_kernel, grid, args, consts)
     return Launch(fa3_backward_kernel, grid, args, consts, tuple(range(9 + (rng is not None))))
 

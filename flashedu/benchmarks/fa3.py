@@ -28,6 +28,10 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
              ("no overlap", lambda s, causal: {"OVERLAP": False}),
              ("2 stages", lambda s, causal: {"STAGES": 2} if s["STAGES"] != 2 else None),
              ("shortest first", lambda s, causal: {"LONGEST_FIRST": False} if causal else None),
+             # longest first one head at a time, not heads in groups (fa3._in_groups)
+             ("one head at a time", lambda s, causal: ({"HEADS_TOGETHER": 1}
+                                                       if causal and not s["PERSISTENT"]
+                                                       else None)),
              # three consumers of 160 registers against two of 240 (d = 64)
              ("2 consumers", lambda s, causal: ({"CONSUMERS": 2, "CONSUMER_REGS": 240}
                                                 if s["CONSUMERS"] == 3 else None)),

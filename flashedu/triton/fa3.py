@@ -739,12 +739,13 @@ def dropout_arguments(dropout_p: float, rng):
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
             LONGEST_FIRST: bool = True, PERSISTENT: bool = False, TMA_STORE: bool = False,
-            dropout_p: float = 0.0, rng=None):
+            HEADS_TOGETHER: int | None = None, dropout_p: float = 0.0, rng=None):
     """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
     written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
     warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
     consumer thread, and the schedule's switches (TMA_STORE: O through shared memory and
-    the copy engine; its descriptor needs o 16-byte aligned, as q's are). dropout_p > 0: rng is the call's [seed,
+    the copy engine; its descriptor needs o 16-byte aligned, as q's are). HEADS_TOGETHER:
+    causal longest first, the heads a group of ``_in_groups`` holds (None: ``heads_together``). dropout_p > 0: rng is the call's [seed,
     offset] tensor (``flashedu.dropout.draw_rng``). Returns the launch (``fast.Launch``), to be
     repeated with other q, k, v, o, lse2 (and rng) laid out alike."""
     from .fast import Launch, ensure_allocator, run
@@ -764,6 +765,7 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
         grid = (min(total, _multiprocessors(q.device.index) if q.is_cuda else H100_SMS),)
     args = (q, k, v, o, lse2, rng, float(scale) * LOG2E, threshold, keep_scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, H // Hkv, Nq, Nk, total,
-            heads_together(2 * Nk * d * k.element_size(), is_causal and LONGEST_FIRST))
+            HEADS_TOGETHER or heads_together(2 * Nk * d * k.element_size(),
+                                             is_causal and LONGEST_FIRST))
     run(fa3_forward_kernel, grid, args, consts)
     return Launch(fa3_forward_kernel, grid, args, consts, tuple(range(5 + (rng is not None))))

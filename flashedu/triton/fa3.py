@@ -633,13 +633,14 @@ if GLUON:
         mbarrier.arrive(turns.index(0), count=1)  # consumer 0 starts
         fence_async_shared()
         shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty)
+        n_q = gl.cdiv(Nq, Br)  # Q tiles a head; total: of all heads
 
         if PERSISTENT:
             tensors = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                        stride_kn, stride_vb, stride_vh, stride_vn)
-            work = (H, GROUP, Nq, Nk, gl.cdiv(Nq, Br), total)
-            o_desc = _out_descriptor(O, total // gl.cdiv(Nq, Br), H, Nq, stride_qb, stride_qh,
-                                     stride_qn, HEAD_DIM, TMA_STORE)
+            work = (H, GROUP, Nq, Nk, n_q, total)
+            o_desc = _out_descriptor(O, total // n_q, H, Nq, stride_qb, stride_qh, stride_qn,
+                                     HEAD_DIM, TMA_STORE)
             outs = (O, L, stride_qb, stride_qh, stride_qn, qk_scale, o_desc)
             drop = _dropout_state(RNG, 0, threshold, keep_scale, DROPOUT)  # bh: per tile
             if CONSUMERS == 2:
@@ -668,10 +669,9 @@ if GLUON:
                                         IS_CAUSAL, LONGEST_FIRST))],
                     [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
-            i, bh = _in_groups(gl.program_id(0), gl.cdiv(Nq, Br), total // gl.cdiv(Nq, Br),
-                               heads_together)
+            i, bh = _in_groups(gl.program_id(0), n_q, total // n_q, heads_together)
             if IS_CAUSAL and LONGEST_FIRST:  # the last Q tiles see the most keys: first
-                i = gl.cdiv(Nq, Br) - 1 - i
+                i = n_q - 1 - i
             b = bh // H
             h = bh % H
             h_kv = h // GROUP  # grouped-query attention
@@ -683,8 +683,8 @@ if GLUON:
             v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc,
                                  HEAD_DIM)
             num_tiles = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
-            o_desc = _out_descriptor(O, total // gl.num_programs(0), H, Nq, stride_qb, stride_qh,
-                                     stride_qn, HEAD_DIM, TMA_STORE)
+            o_desc = _out_descriptor(O, total // n_q, H, Nq, stride_qb, stride_qh, stride_qn,
+                                     HEAD_DIM, TMA_STORE)
             out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles, o_desc,
                    b, h)
             descs = (q_desc, k_desc, v_desc)

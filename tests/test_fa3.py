@@ -270,9 +270,10 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
     for d in (64, 128):
         assert GPU_16BIT[d].fa3_settings(4096, 4096)["PERSISTENT"] is True
         assert GPU_16BIT[d].fa3_settings(8192, 8192, is_causal=True)["PERSISTENT"] is False
-    # causal at d=64: the Triton kernel up to 8192 keys (it measured faster at 4096)
-    assert GPU_16BIT[64].fa3_settings(4096, 4096, is_causal=True) is None
-    assert GPU_16BIT[128].fa3_settings(4096, 4096, is_causal=True) is not None
+    # causal at d=64 from 4096, persistent below 8192 (it measured faster there)
+    assert GPU_16BIT[64].fa3_settings(4096, 4096, is_causal=True)["PERSISTENT"] is True
+    assert GPU_16BIT[64].fa3_settings(8191, 9000, is_causal=True)["PERSISTENT"] is True
+    assert GPU_16BIT[128].fa3_settings(4096, 4096, is_causal=True)["PERSISTENT"] is False
     # with dropout: two consumers of 240 registers at both head dims, persistent when dense
     for d in (64, 128):
         settings = GPU_16BIT[d].fa3_settings(4096, 4096, dropout=True)

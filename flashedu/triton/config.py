@@ -43,9 +43,11 @@ class Schedule:
     """FlashAttention-3's forward (fa3.py): consumer warpgroups of 64 rows each, K_j/V_j
     stages in shared memory, registers per consumer thread, and the schedule's switches.
     ``persistent``: dense (not causal) calls run one program per SM that takes Q tiles in
-    turn; causal calls keep one program per Q tile, which measured faster for them.
+    turn; causal calls keep one program per Q tile, which measured faster for them, except
+    below ``causal_persistent_until`` queries and keys.
     ``causal_from``: causal calls take the schedule only from this many queries and keys (and
-    from the entry's ``schedule_from``)."""
+    from the entry's ``schedule_from``). ``tma_store``: O_i out through shared memory and the
+    copy engine."""
     consumers: int
     stages: int
     consumer_regs: int
@@ -55,13 +57,17 @@ class Schedule:
     persistent: bool = False
     causal_from: int = 0
     tma_store: bool = True
+    causal_persistent_until: int = 0
 
-    def settings(self, is_causal: bool = False) -> dict:
-        """The keywords of ``fa3.forward`` for a dense or a causal call."""
+    def settings(self, is_causal: bool = False, n: int | None = None) -> dict:
+        """The keywords of ``fa3.forward`` for a dense or a causal call of n queries and keys
+        (the fewer of the two; None: long)."""
+        persistent = self.persistent and (not is_causal or (
+            n is not None and n < self.causal_persistent_until))
         return dict(CONSUMERS=self.consumers, STAGES=self.stages,
                     CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first,
-                    PERSISTENT=self.persistent and not is_causal, TMA_STORE=self.tma_store)
+                    PERSISTENT=persistent, TMA_STORE=self.tma_store)
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,7 @@ class KernelConfig:
             return None
         if is_causal and min(Nq, Nk) < schedule.causal_from:
             return None
-        return schedule.settings(is_causal)
+        return schedule.settings(is_causal, min(Nq, Nk))
 
     def fa3_backward_settings(self, Nq: int, Nk: int) -> dict | None:
         """The fa3 backward's settings for a call of Nq queries and Nk keys, or None."""
@@ -211,10 +217,14 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # 1.02-1.10x one program per Q tile on an H200; at d=128 too: never more than 0.2% slower
 # and up to 3.4% faster in four runs (1.00-1.03x at 8192 keys; BENCHMARKS.md, "Persistent
 # programs at d = 128"); causal calls were 1-4% slower persistent (BENCHMARKS.md, "A
-# persistent forward"). Causal at d=64 from 8192: at
-# 4096 keys the Triton kernel measured 3-4% faster in four runs (378 / 380 / 385 / 389 TFLOP/s
-# against fa3's 366 / 370 / 371 / 374), at 8192 fa3 1.04-1.09x.
-_FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=8192)
+# persistent forward"). Causal at d=64 from 4096 keys, persistent below 8192: once each
+# consumer stopped at its own diagonal and the tail's empty consumers at one tile, the
+# persistent forward measured 386 / 399 / 403 TFLOP/s at 4096 keys against the Triton
+# kernel's 384 / 382 / 392 and one program per Q tile's 383 / 387 / 391 in three runs; at
+# 8192 one program per Q tile 1.02-1.05x persistent (BENCHMARKS.md, "The causal forward at
+# 4096 keys").
+_FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=4096,
+                   causal_persistent_until=8192)
 # Both head dims write O_i through shared memory and the copy engine (``tma_store``); at
 # d=128 with ping-pong since then: 1.01-1.08x (3.6-7.6% with ping-pong) against O_i stored
 # from registers, and 0.99-1.04x without ping-pong (BENCHMARKS.md, "O_i through the copy

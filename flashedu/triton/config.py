@@ -225,10 +225,12 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # 4096 keys").
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=4096,
                    causal_persistent_until=8192)
-# Both head dims write O_i through shared memory and the copy engine (``tma_store``); at
-# d=128 with ping-pong since then: 1.01-1.08x (3.6-7.6% with ping-pong) against O_i stored
-# from registers, and 0.99-1.04x without ping-pong (BENCHMARKS.md, "O_i through the copy
-# engine"; with registers ping-pong had measured 0.96x at d=128).
+# Both head dims write O_i through shared memory and the copy engine (``tma_store``), and d=128
+# takes ping-pong with it: in one run 1.02-1.05x the earlier settings (no ping-pong, O_i from
+# registers) at d=128; with ping-pong, the copy engine's store 1.00-1.08x registers in three
+# runs (14 of 16 cells up); with that store, ping-pong on against off level (0.96-1.04x in
+# four runs). At d=64 the store measured level (0.99-1.02x). BENCHMARKS.md, "O_i through the
+# copy engine, and the causal forward's tail".
 _FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, persistent=True)
 # With dropout (H200, N=4096, p=0.1, BENCHMARKS.md "Dropout in FlashAttention-3's schedule"):
 # two consumers of 240 registers, persistent, no ping-pong, at both head dims: d=64 dense

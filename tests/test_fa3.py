@@ -287,6 +287,42 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
         hash(config)
 
 
+@pytest.mark.skipif(not fa3.GLUON, reason="this Triton has no Gluon Hopper API (fa3.py's "
+                    "functions are not defined)")
+def test_heads_in_groups_start_every_tile_once_longest_first_within_each_group():
+    """``_in_groups`` (written in plain operators, so Python runs the kernel's own function):
+    every (tile, head) once; each head's tiles in rank order; the heads in contiguous groups
+    of at most heads_together, their sizes within one of each other; one head at a time the
+    order of a (tiles, heads) grid."""
+    in_groups = fa3._in_groups.fn
+    for n in range(1, 8):
+        for heads in range(1, 41):
+            for together in range(1, 18):
+                order = [in_groups(t, n, heads, together) for t in range(n * heads)]
+                assert sorted(order) == [(r, h) for r in range(n) for h in range(heads)]
+                span = {}  # head -> (its first program, its last)
+                for t, (r, h) in enumerate(order):
+                    assert r == sum(1 for x in order[:t] if x[1] == h)  # ranks in order
+                    span[h] = (span.get(h, (t, t))[0], t)
+                groups = []  # heads whose programs interleave, in the order they start
+                for h in sorted(span, key=lambda h: span[h][0]):
+                    if groups and span[h][0] < span[groups[-1][-1]][1]:
+                        groups[-1].append(h)
+                    else:
+                        groups.append([h])
+                sizes = [len(g) for g in groups]
+                assert max(sizes) <= together and max(sizes) - min(sizes) <= 1
+                assert [h for g in groups for h in g] == list(range(heads))
+                for g in groups:  # a group's tiles rank by rank across its heads
+                    ranks = [r for r, h in order if h in g]
+                    assert ranks == sorted(ranks)
+                if together == 1:
+                    assert order == [(t % n, t // n) for t in range(n * heads)]
+    assert fa3.heads_together(2 * 4096 * 128 * 2, grouped=True) == 12
+    assert fa3.heads_together(1 << 30, grouped=True) == 1
+    assert fa3.heads_together(1, grouped=False) == 1
+
+
 @pytest.mark.parametrize("change", ["cpu", "float32", "d96", "mask", "sinks"])
 def test_calls_the_schedule_cannot_serve_are_refused(change):
     """``usable`` says no to what the kernel does not compute: the readable kernel takes it."""

@@ -27,6 +27,7 @@ STEPS = {  # step id -> its check
     "10.ring": "step_ring_slot",
     "10.deal": "step_persistent_deal",
     "10.own": "step_own_tiles",
+    "10.finish": "step_finish_time",
 }
 
 
@@ -69,6 +70,12 @@ def test_skeleton_is_not_implemented_yet(step_id):
 
 
 MUTANTS = [  # step, what is wrong, replacements, words the message must hold
+    ("10.finish", "the work spread evenly",
+     [("return max(free)", "return sum(works) / sms")], ["finish is wrong", "spreads the work"]),
+    ("10.finish", "the programs handed out in turn",
+     [("for work in works:\n        heapq.heappush(free, heapq.heappop(free) + work)",
+       "for k, work in enumerate(works):\n        free[k % sms] += work")],
+     ["finish is wrong", "in turn"]),
     ("10.ring", "the copy warp waits on the consumers' parity",
      [("1 - ready_phase", "ready_phase")], ["free_phase is wrong", "hang"]),
     ("10.ring", "the parity of the tile, not of the stage's fill",
@@ -132,6 +139,12 @@ def test_the_references_agree_with_the_package():
         for p in range(P):
             for m in range(6):
                 assert deal(m, p, P) == fast.deal_by_dealing(m, p, P), (m, p, P)
+    finish = course.reference("10.finish", {})
+    rng = __import__("random").Random(0)
+    for _ in range(200):
+        works = [rng.randint(1, 40) for _ in range(rng.randint(1, 60))]
+        sms = rng.randint(1, 12)
+        assert finish(works, sms) == fast.finish_by_clock(works, sms), (works, sms)
     own = course.reference("10.own", {})  # fa3.py's _own_tiles, for a consumer of a program
     for Nk in (1, 63, 64, 300, 777, 4096):
         for M, Bc in ((64, 64), (64, 128), (16, 32)):

@@ -8,11 +8,15 @@
 - ``step_ring_slot``: where K/V tile j lands in a ring of shared-memory stages, and which phase
   of each stage's mbarriers the copy warp and the consumers wait on (FlashAttention-3's loads);
 - ``step_persistent_deal``: which tile a persistent program takes next when the causal Q tiles,
-  longest first, are dealt in a snake (every program gets about the same work).
+  longest first, are dealt in a snake (every program gets about the same work);
+- ``step_own_tiles``: the K/V tiles one consumer's rows read in a causal call;
+- ``step_finish_time``: when the last SM finishes, each SM taking the next program in the grid's
+  order whenever it is free (the tail of one program per causal Q tile).
 
 Every expected answer is computed here from the definition itself, not from the formula the
 notebook's solution uses: tiles by looking at each key of each tile, programs per SM by
-counting down what is left of the SM, the deal by sorting the tiles and dealing them out.
+counting down what is left of the SM, the deal by sorting the tiles and dealing them out, the
+finish by running a clock.
 """
 
 from __future__ import annotations
@@ -413,6 +417,66 @@ def _diagnose_own(case_, wrong, outputs):
     return f"rows {first} .. {first + M - 1} read {want} tiles, yours {got}."
 
 
+# ------------------------------------------------------------------------------------------
+# 10.finish: when the last SM finishes, each taking the next program whenever it is free
+# ------------------------------------------------------------------------------------------
+
+H_FINISH = ("The GPU starts programs in the grid's order: whenever an SM is free it takes the next "
+            "program, which keeps it busy for its work. The answer is when the last SM finishes.")
+H_TAIL = ("A long program started late runs on alone while the other SMs have nothing left: "
+          "the finish is the latest start + work, not the work spread evenly.")
+
+
+def finish_by_clock(works, sms):
+    """When the last SM finishes, by running a clock one unit at a time (works are whole
+    units): at each tick every free SM, in turn, takes the next program."""
+    busy_until = [0] * sms
+    nxt, tick = 0, 0
+    while nxt < len(works):
+        for s in range(sms):
+            if busy_until[s] <= tick and nxt < len(works):
+                busy_until[s] = tick + works[nxt]
+                nxt += 1
+        tick += 1
+    return max(busy_until)
+
+
+def _finish_cases():
+    specs = [([4], 3, "one program", H_FINISH),
+             ([2, 2, 2, 2], 2, "even work", H_FINISH),
+             ([5, 1, 1, 1, 1, 1], 2, "the long program first", H_FINISH),
+             ([1, 1, 1, 1, 1, 5], 2, "the long program last", H_TAIL),
+             ([3, 1, 2, 2, 1], 2, "an SM free before the other", H_FINISH),
+             ([1, 2, 3], 5, "more SMs than programs", H_FINISH)]
+    rng = _rng(6)
+    for _ in range(3):
+        works = [int(w) for w in rng.integers(1, 30, size=int(rng.integers(20, 40)))]
+        specs.append((works, int(rng.integers(1, 10)), "random", H_TAIL))
+    return [case(f"{len(w)} programs {w if len(w) < 8 else ''}on {sms} SMs ({what})", hint,
+                 (w, sms), ("finish",), (finish_by_clock(w, sms),))
+            for w, sms, what, hint in specs]
+
+
+def _diagnose_finish(case_, wrong, outputs):
+    works, sms = case_.args
+    got = outputs.get("finish")
+    if got is None:
+        return None
+    got = float(got)
+    want = finish_by_clock(works, sms)
+    if got == want:
+        return None
+    if math.isclose(got, sum(works) / sms):
+        return ("yours spreads the work evenly, as if a program could be cut up: each program "
+                "runs whole on the SM that takes it.")
+    if got == max(sum(works[k::sms]) for k in range(sms)):
+        return ("yours hands the programs out in turn (program k to SM k % sms): an SM takes "
+                "the next program when it is free, and a short program frees it early.")
+    if got == sum(works):
+        return "the SMs run at the same time: each takes the next program when it is free."
+    return f"the last SM finishes at {want}, yours {got:g}."
+
+
 STEPS = [
     function_step("step_ring_slot", "ring_slot", _ring_cases, diagnose=_diagnose_ring),
     function_step("step_kv_tiles", "kv_tile_counts", _kv_cases, diagnose=_diagnose_kv),
@@ -422,4 +486,5 @@ STEPS = [
     function_step("step_persistent_deal", "deal_position", _deal_cases,
                   diagnose=_diagnose_deal),
     function_step("step_own_tiles", "own_tiles", _own_cases, diagnose=_diagnose_own),
+    function_step("step_finish_time", "finish_time", _finish_cases, diagnose=_diagnose_finish),
 ]

@@ -219,10 +219,10 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # programs at d = 128"); causal calls were 1-4% slower persistent (BENCHMARKS.md, "A
 # persistent forward"). Causal at d=64 from 4096 keys, persistent below 8192: once each
 # consumer stopped at its own diagonal and the tail's empty consumers at one tile, the
-# persistent forward measured 386 / 399 / 403 TFLOP/s at 4096 keys against the Triton
-# kernel's 384 / 382 / 392 and one program per Q tile's 383 / 387 / 391 in three runs; at
-# 8192 one program per Q tile 1.02-1.05x persistent (BENCHMARKS.md, "The causal forward at
-# 4096 keys").
+# persistent forward measured 386 / 399 / 403 / 391 TFLOP/s at 4096 keys against the Triton
+# kernel's 384 / 382 / 382 / 383 and one program per Q tile's 383 / 387 / 391 / 383 in four
+# runs; at 8192 one program per Q tile 1.02-1.05x persistent (BENCHMARKS.md, "O_i through
+# the copy engine, and the causal forward's tail").
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=4096,
                    causal_persistent_until=8192)
 # Both head dims write O_i through shared memory and the copy engine (``tma_store``), and d=128

@@ -614,10 +614,11 @@ if GLUON:
                            PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
                            TMA_STORE: gl.constexpr):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
-        forward_kernel, started in the order of ``_in_groups``; or, PERSISTENT, one program per SM that takes the ``total`` Q tiles
-        in turn. O has Q's strides; L is (B, H, Nq) contiguous, base-2. DROPOUT: RNG is the
-        call's [seed, offset] tensor, threshold and keep_scale as ``forward.dropout_args``
-        gives them. TMA_STORE: O written through shared memory by the copy engine."""
+        forward_kernel, started in the order of ``_in_groups``; or, PERSISTENT, one program
+        per SM that takes the ``total`` Q tiles in turn. O has Q's strides; L is (B, H, Nq)
+        contiguous, base-2. DROPOUT: RNG is the call's [seed, offset] tensor, threshold and
+        keep_scale as ``forward.dropout_args`` gives them. TMA_STORE: O written through shared
+        memory by the copy engine."""
         Br: gl.constexpr = CONSUMERS * _M
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, HEAD_DIM], dtype)
@@ -724,7 +725,7 @@ if GLUON:
         _invalidate(shared, CONSUMERS, STAGES)  # after the partitions: the SM's next program
 
 
-L2_SHARE = 24 << 20  # bytes of K and V a group of heads may hold in L2 (H100, H200: 50 MB)
+L2_SHARE = 24 << 20  # bytes a group of heads may stream through L2 at once (H100, H200: 50 MB)
 
 
 def heads_together(streamed_bytes: int, grouped: bool) -> int:
@@ -754,9 +755,10 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
     warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
     consumer thread, and the schedule's switches (TMA_STORE: O through shared memory and
     the copy engine; its descriptor needs o 16-byte aligned, as q's are). HEADS_TOGETHER:
-    causal longest first, the heads a group of ``_in_groups`` holds (None: ``heads_together``). dropout_p > 0: rng is the call's [seed,
-    offset] tensor (``flashedu.dropout.draw_rng``). Returns the launch (``fast.Launch``), to be
-    repeated with other q, k, v, o, lse2 (and rng) laid out alike."""
+    causal longest first, the most heads a group of ``_in_groups`` holds (None:
+    ``heads_together``). dropout_p > 0: rng is the call's [seed, offset] tensor
+    (``flashedu.dropout.draw_rng``). Returns the launch (``fast.Launch``), to be repeated with
+    other q, k, v, o, lse2 (and rng) laid out alike."""
     from .fast import Launch, ensure_allocator, run
 
     B, H, Nq, d = q.shape

@@ -374,8 +374,6 @@ if GLUON:
         _release(shared, kv0, turn0, own, num_tiles, WG, CONSUMERS, STAGES, PINGPONG)
 
         # O_i / l_i and L_i = m_i + log2(l_i), base 2; every row saw key 0, so l_i > 0
-        o_rows = first + gl.arange(0, _M, gl.SliceLayout(1, o_layout))
-        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         if DROPOUT:  # the keep scale, once for every entry
             l_o = l_o * keep_rate(drop)  # l_i / s, exact
@@ -385,6 +383,8 @@ if GLUON:
             if PERSISTENT:  # Q_i's buffer read out: the next tile's Q may come
                 mbarrier.arrive(q_empty, count=1)
         else:
+            o_rows = first + gl.arange(0, _M, gl.SliceLayout(1, o_layout))
+            dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
             gl.store(O + o_rows[:, None] * stride_on + dims[None, :], out,
                      mask=o_rows[:, None] < Nq)
         gl.store(L + lse_row0 + rows, m_i + gl.log2(l_i), mask=rows < Nq)

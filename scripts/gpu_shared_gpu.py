@@ -15,6 +15,7 @@ Triton kernels. Each process says which it ran.
                                                                        # alone, settings changed
     python scripts/gpu_shared_gpu.py --d 128 --beside-triton   # one Gluon process, the others
                                                                 # on the Triton kernels
+    python scripts/gpu_shared_gpu.py --d 128 --json docs/bench/shared_gpu_h200_run.json
 
 ``--fa3`` starts ``flashedu.triton.fa3.forward`` directly, with the tile table's settings for
 this head dim changed by the KEY=VALUE pairs given (its keywords: CONSUMERS, STAGES,
@@ -25,6 +26,9 @@ share, and the consumers spill), which the Triton kernels, clean on a shared GPU
 it reaches into Triton 3.6's Gluon internals, and its kernels are compiled into a cache
 directory of their own.
 
+``--json`` writes the run as a record: the environment, and each process's line parsed (clean
+or failed, its calls, whether it ran the Gluon kernels).
+
 Without a CUDA GPU it says so and exits.
 """
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -169,6 +174,7 @@ def main(argv=None) -> int:
                    help="the Gluon kernels compiled without register reallocation (diagnostic)")
     p.add_argument("--beside-triton", action="store_true",
                    help="every process but the first runs the Triton kernels (FLASHEDU_FA3=0)")
+    p.add_argument("--json", help="write the run here (each process's line parsed)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -188,11 +194,36 @@ def main(argv=None) -> int:
     from flashedu.runtime import FA3_SWITCH_ENV
 
     others = {**env, FA3_SWITCH_ENV: "0"} if args.beside_triton else env
-    procs = [subprocess.Popen(child, env=env if i == 0 else others)
-             for i in range(args.processes)]
-    failed = sum(p.wait() != 0 for p in procs)
-    print(f"{args.processes - failed} of {args.processes} processes gave their answer throughout")
-    return 1 if failed else 0
+    procs = [subprocess.Popen(child, env=env if i == 0 else others, stdout=subprocess.PIPE,
+                              text=True) for i in range(args.processes)]
+    results = []
+    for proc in procs:
+        text = proc.communicate()[0]
+        print(text, end="", flush=True)
+        results.append(process_result(text, proc.returncode))
+    clean = sum(r["clean"] for r in results)
+    print(f"{clean} of {args.processes} processes gave their answer throughout")
+    if args.json:
+        from flashedu.benchmarks import core
+
+        argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+        core.write_json(args.json, {
+            "environment": core.environment(f"python scripts/gpu_shared_gpu.py {argv_text}"),
+            "processes": results, "clean": clean, "all_clean": clean == args.processes})
+        print(f"wrote {args.json}")
+    return 0 if clean == args.processes else 1
+
+
+def process_result(text: str, returncode: int) -> dict:
+    """One child's outcome from its output and exit code: clean (its "ok" line and exit 0),
+    its calls, whether it ran the Gluon kernels ("on"/"off"), and its last line."""
+    lines = [x for x in text.splitlines() if x.startswith(("ok ", "FAILED "))]
+    line = lines[-1] if lines else f"no result line (exit code {returncode})"
+    calls = re.search(r"(\d+) calls", line)
+    kernels = re.search(r"FlashAttention-3 kernels (\w+)", line)
+    return {"clean": returncode == 0 and line.startswith("ok "),
+            "calls": int(calls.group(1)) if calls else None,
+            "kernels": kernels.group(1) if kernels else None, "line": line}
 
 
 if __name__ == "__main__":

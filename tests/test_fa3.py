@@ -287,6 +287,29 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
         hash(config)
 
 
+def test_the_shared_gpu_run_reads_each_process_line():
+    """``scripts/gpu_shared_gpu.py --json`` records each process from its line and exit code
+    (what BENCHMARKS' tables of that run were transcribed from before)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_shared_gpu.py"
+    spec = importlib.util.spec_from_file_location("gpu_shared_gpu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ok = script.process_result("fa3.forward settings: {}\n"
+                               "ok pid 7 (FlashAttention-3 kernels on): 4620 calls\n", 0)
+    assert ok == {"clean": True, "calls": 4620, "kernels": "on",
+                  "line": "ok pid 7 (FlashAttention-3 kernels on): 4620 calls"}
+    fault = script.process_result("FAILED pid 8 (FlashAttention-3 kernels on) after 160 calls: "
+                                  "AcceleratorError: CUDA error: unspecified launch failure\n", 1)
+    assert not fault["clean"] and fault["calls"] == 160 and fault["kernels"] == "on"
+    off = script.process_result("ok pid 9 (FlashAttention-3 kernels off): 5500 calls\n", 0)
+    assert off["clean"] and off["kernels"] == "off"
+    died = script.process_result("", -11)  # killed before it printed its line
+    assert not died["clean"] and died["calls"] is None and "exit code -11" in died["line"]
+
+
 @pytest.mark.skipif(not fa3.GLUON, reason="this Triton has no Gluon Hopper API (fa3.py's "
                     "functions are not defined)")
 def test_heads_in_groups_start_every_tile_once_longest_first_within_each_group():

@@ -6,6 +6,7 @@ no), which the CPU tests check, with the dispatch to them, and the switch that t
 (FLASHEDU_FA3=0): each test here runs with it unset (``switched_on``)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -240,7 +241,7 @@ def test_bench_fa3_runs_small(tmp_path, capsys):
 
 @pytest.mark.gpu
 @needs_fa3
-def test_the_kernels_survive_a_gpu_shared_with_other_processes():
+def test_the_kernels_survive_a_gpu_shared_with_other_processes(tmp_path):
     """Three processes on the GPU at once, each repeating the d = 128 forward for a few seconds
     and comparing every answer with its first (``scripts/gpu_shared_gpu.py``): all clean.
     Before each program invalidated its mbarriers, the kernels faulted within a few hundred
@@ -251,11 +252,15 @@ def test_the_kernels_survive_a_gpu_shared_with_other_processes():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_shared_gpu.py"
+    record = tmp_path / "shared_gpu.json"
     run = subprocess.run([sys.executable, str(script), "--d", "128", "--processes", "3",
-                          "--seconds", "8"], capture_output=True, text=True, timeout=900)
+                          "--seconds", "8", "--json", str(record)], capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "3 of 3 processes gave their answer throughout" in run.stdout
-    assert run.stdout.count("FlashAttention-3 kernels on") >= 3  # the Gluon kernels ran
+    processes = json.loads(record.read_text())["processes"]
+    assert len(processes) == 3 and all(p["clean"] and p["calls"] > 0 for p in processes)
+    assert all(p["kernels"] == "on" for p in processes)  # the Gluon kernels ran
 
 
 def test_the_table_asks_for_the_schedule_only_where_it_was_measured():

@@ -644,13 +644,13 @@ if GLUON:
         fence_async_shared()
         shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty)
         n_q = gl.cdiv(Nq, Br)  # Q tiles a head; total: of all heads
+        o_desc = _out_descriptor(O, total // n_q, H, Nq, stride_qb, stride_qh, stride_qn,
+                                 HEAD_DIM, TMA_STORE)
 
         if PERSISTENT:
             tensors = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                        stride_kn, stride_vb, stride_vh, stride_vn)
             work = (H, GROUP, Nq, Nk, n_q, total)
-            o_desc = _out_descriptor(O, total // n_q, H, Nq, stride_qb, stride_qh, stride_qn,
-                                     HEAD_DIM, TMA_STORE)
             outs = (O, L, stride_qb, stride_qh, stride_qn, qk_scale, o_desc)
             drop = _dropout_state(RNG, 0, threshold, keep_scale, DROPOUT)  # bh: per tile
             if CONSUMERS == 2:
@@ -693,8 +693,6 @@ if GLUON:
             v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc,
                                  HEAD_DIM)
             num_tiles = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
-            o_desc = _out_descriptor(O, total // n_q, H, Nq, stride_qb, stride_qh, stride_qn,
-                                     HEAD_DIM, TMA_STORE)
             out = (O + q_off, L, stride_qn, row0, bh * Nq, Nq, Nk, qk_scale, num_tiles, o_desc,
                    b, h)
             descs = (q_desc, k_desc, v_desc)

@@ -32,7 +32,7 @@ scale = d ** -0.5
 config = resolve_config(d, q.dtype, None, q.device)
 if args.who == "fa3":  # the table's settings, whether or not the table takes fa3 at this N
     o, lse2 = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
-    settings = config.schedule.settings(args.causal)
+    settings = config.schedule.settings(args.causal, N)
 
     def call():
         fa3.forward(q, k, v, o, lse2, is_causal=args.causal, scale=scale, **settings)

@@ -11,6 +11,7 @@ where the batch has at least half as many K/V head groups as the GPU has SMs. Th
     python scripts/gpu_decode_sweep.py --json decode_sweep.json
     python scripts/gpu_decode_sweep.py --cells 32x1024 8x4096 --launches 4x2 2x3
     python scripts/gpu_decode_sweep.py --launches 2x2 --per-sm 2 4 5 6
+    python scripts/gpu_decode_sweep.py --launches 2x2 2x4x32 4x2x128   # x Bc: K/V rows a step
 
 Without a CUDA GPU it says so and exits.
 """
@@ -24,7 +25,17 @@ import sys
 from pathlib import Path
 
 CELLS = ("1x16384", "8x1024", "8x4096", "8x16384", "32x1024", "32x4096", "32x16384")
-LAUNCHES = ("4x2", "2x2", "4x3", "2x3")  # num_warps x num_stages of the split kernel
+# num_warps x num_stages of the split kernel, and optionally x Bc (its K/V rows a step)
+LAUNCHES = ("4x2", "2x2", "4x3", "2x3")
+
+
+def parse_launch(text: str) -> tuple:
+    """({"num_warps", "num_stages"}, Bc) of "WxS" or "WxSxBc" (Bc: the rule's, None)."""
+    parts = [int(x) for x in text.split("x")]
+    if len(parts) not in (2, 3):
+        raise ValueError(f"launch {text!r}: give warps x stages, optionally x Bc (2x3x32)")
+    return {"num_warps": parts[0], "num_stages": parts[1]}, (parts[2] if len(parts) == 3
+                                                               else None)
 
 
 def variants(B, Nk, launches, sms, per_sm=()):
@@ -42,32 +53,40 @@ def variants(B, Nk, launches, sms, per_sm=()):
     H, Hkv, d = 32, 8, 128
     heads = decode.heads_per_program(H // Hkv, 1)
     groups = B * H // heads
+    default_tile = decode.KEY_TILE
 
     def splits_run(asked=None):  # the count a launch runs: chunks are whole K/V tiles
         return decode.split_plan(B, H, Hkv, 1, Nk, d, torch.bfloat16, sms, False, asked)[2]
-    rule = splits_run()
-    splits = [rule] + ([1] if rule > 1 and 2 * groups >= sms else [])
-    for k in per_sm:
-        S = splits_run(math.ceil(k * sms / groups))
-        if S not in splits:
-            splits.append(S)
     out = {}
-    for launch in launches:
-        warps, stages = (int(x) for x in launch.split("x"))
+    for text in launches:
+        launch, Bc = parse_launch(text)
+        decode.KEY_TILE = Bc or default_tile
+        rule = splits_run()
+        splits = [rule] + ([1] if rule > 1 and 2 * groups >= sms else [])
+        for k in per_sm:
+            S = splits_run(math.ceil(k * sms / groups))
+            if S not in splits:
+                splits.append(S)
+        tile = "" if Bc is None else f"b{Bc}"
         for S in splits:
-            out[f"w{warps}s{stages}-S{S}"] = ({"num_warps": warps, "num_stages": stages}, S)
+            out[f"w{launch['num_warps']}s{launch['num_stages']}{tile}-S{S}"] = (launch, Bc, S)
+    decode.KEY_TILE = default_tile
     return out
 
 
-def plan_for(q, paged, launch, S):
-    """The launch plan of a paged step with the split kernel launched as ``launch``."""
+def plan_for(q, paged, launch, Bc, S):
+    """The launch plan of a paged step with the split kernel launched as ``launch`` on tiles
+    of Bc keys (None: the rule's)."""
     from flashedu.decode import paged_attention
     from flashedu.triton import decode, fast
 
+    default_tile = decode.KEY_TILE
     decode.SPLIT_LAUNCH = launch
+    decode.KEY_TILE = Bc or default_tile
     decode._launch_plan.cache_clear()
     fast.PLANS.clear()
     paged_attention(q, *paged, num_splits=S, check_indices=False)
+    decode.KEY_TILE = default_tile
     (plan,) = fast.PLANS.values()
     return plan
 
@@ -88,8 +107,8 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=()):
     ways = {}
     answer = None
     with torch.no_grad():
-        for name, (launch, S) in variants(B, Nk, launches, sms, per_sm).items():
-            plan = plan_for(q, (kc, vc, table, seqlens), launch, S)
+        for name, (launch, Bc, S) in variants(B, Nk, launches, sms, per_sm).items():
+            plan = plan_for(q, (kc, vc, table, seqlens), launch, Bc, S)
             out, _ = decode._repeat(plan, (q, kc, vc, table, seqlens))
             answer = out if answer is None else answer
             error = (out.float() - answer.float()).abs().max().item()
@@ -112,7 +131,8 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=()):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", nargs="+", default=CELLS, help="BxNk, e.g. 32x1024")
-    p.add_argument("--launches", nargs="+", default=LAUNCHES, help="warpsxstages, e.g. 2x3")
+    p.add_argument("--launches", nargs="+", default=LAUNCHES,
+                   help="warpsxstages[xBc], e.g. 2x3 or 2x4x32")
     p.add_argument("--per-sm", nargs="*", type=float, default=(),
                    help="also the split counts that give this many programs an SM")
     p.add_argument("--page-size", type=int, default=256)

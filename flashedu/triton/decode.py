@@ -72,6 +72,7 @@ SPLIT_LAUNCH = {"num_warps": 2, "num_stages": 2}
 # entry per row (220 registers a thread at pages of 16 on sm_90, 166 at pages of 256)
 RESIDENT = 4
 MERGE_TILE = 8192  # partial values one step of the merge loads: all in flight together
+KEY_TILE = 64  # Bc on a GPU where d <= 128 in 16 bits (two stages of K_j, V_j: 32 KB)
 
 
 @triton.jit
@@ -512,7 +513,7 @@ def key_tile(d: int, dtype, interpreted: bool) -> int:
         return 16
     if dtype == torch.float32 or padded_head_dim(d) >= 256:
         return 32
-    return 64
+    return KEY_TILE
 
 
 def major(device, interpreted: bool) -> int:

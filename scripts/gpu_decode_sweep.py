@@ -2,10 +2,11 @@
 split count, each step timed in a CUDA graph (``flashedu bench paged``'s third measurement)
 beside cuDNN on a contiguous cache, every variant of a cell in turn in one process.
 
-A variant's launch plan is made once (``decode.SPLIT_LAUNCH`` set, the plan caches cleared,
-one call) and then started directly, so that variants of one cell can alternate round by
-round. Split counts: the rule's (``choose_num_splits``), and one split (no merge launched)
-where the batch has at least half as many K/V head groups as the GPU has SMs. The cells are
+A variant's launch plan is made once (``decode.SPLIT_LAUNCH`` and ``KEY_TILE`` set, the plan
+caches cleared, one call) and then started directly, so that variants of one cell can alternate
+round by round. Variant "rule" is the package's own plan; for each launch asked, the split
+counts: ``choose_num_splits``'s, and one split (no merge launched) where the batch has at least
+half as many K/V head groups as the GPU has SMs. The cells are
 ``flashedu bench paged``'s: H = 32, Hkv = 8, d = 128, bf16, pages scattered over the pool.
 
     python scripts/gpu_decode_sweep.py --json decode_sweep.json
@@ -19,6 +20,7 @@ Without a CUDA GPU it says so and exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -38,9 +40,27 @@ def parse_launch(text: str) -> tuple:
                                                                else None)
 
 
+@contextlib.contextmanager
+def launched_as(launch, Bc):
+    """Plans made inside use the split kernel's ``launch`` on tiles of Bc keys (None: the
+    rule's) whatever the batch, the one-program-a-group rule off; ``launch`` None: the
+    package's own rule, unchanged."""
+    from flashedu.triton import decode
+
+    saved = decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE
+    if launch is not None:
+        decode.SPLIT_LAUNCH, decode.KEY_TILE = launch, Bc or decode.KEY_TILE
+        decode.WHOLE_TILE = None
+    try:
+        yield
+    finally:
+        decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE = saved
+
+
 def variants(B, Nk, launches, sms, per_sm=()):
-    """{name: (SPLIT_LAUNCH, num_splits)} of one cell: the rule's split count, one split where
-    the batch has at least half as many groups as the GPU has SMs, and the counts nearest to
+    """{name: (launch, Bc, num_splits)} of one cell: "rule", the package's own plan (launch
+    None); then for each launch the split count of ``choose_num_splits``, one split where the
+    batch has at least half as many groups as the GPU has SMs, and the counts nearest to
     giving each of ``per_sm`` programs an SM. Each count is the one the launch runs (a chunk is
     a whole number of K/V tiles, so some asked counts run as fewer splits: 9 asked of 64 tiles
     run as 8 chunks of 8 tiles)."""
@@ -53,40 +73,35 @@ def variants(B, Nk, launches, sms, per_sm=()):
     H, Hkv, d = 32, 8, 128
     heads = decode.heads_per_program(H // Hkv, 1)
     groups = B * H // heads
-    default_tile = decode.KEY_TILE
 
     def splits_run(asked=None):  # the count a launch runs: chunks are whole K/V tiles
         return decode.split_plan(B, H, Hkv, 1, Nk, d, torch.bfloat16, sms, False, asked)[2]
-    out = {}
+    out = {"rule": (None, None, None)}
     for text in launches:
         launch, Bc = parse_launch(text)
-        decode.KEY_TILE = Bc or default_tile
-        rule = splits_run()
-        splits = [rule] + ([1] if rule > 1 and 2 * groups >= sms else [])
-        for k in per_sm:
-            S = splits_run(math.ceil(k * sms / groups))
-            if S not in splits:
-                splits.append(S)
+        with launched_as(launch, Bc):
+            rule = splits_run()
+            splits = [rule] + ([1] if rule > 1 and 2 * groups >= sms else [])
+            for k in per_sm:
+                S = splits_run(math.ceil(k * sms / groups))
+                if S not in splits:
+                    splits.append(S)
         tile = "" if Bc is None else f"b{Bc}"
         for S in splits:
             out[f"w{launch['num_warps']}s{launch['num_stages']}{tile}-S{S}"] = (launch, Bc, S)
-    decode.KEY_TILE = default_tile
     return out
 
 
 def plan_for(q, paged, launch, Bc, S):
     """The launch plan of a paged step with the split kernel launched as ``launch`` on tiles
-    of Bc keys (None: the rule's)."""
+    of Bc keys, S splits (all None: the package's own plan)."""
     from flashedu.decode import paged_attention
     from flashedu.triton import decode, fast
 
-    default_tile = decode.KEY_TILE
-    decode.SPLIT_LAUNCH = launch
-    decode.KEY_TILE = Bc or default_tile
-    decode._launch_plan.cache_clear()
-    fast.PLANS.clear()
-    paged_attention(q, *paged, num_splits=S, check_indices=False)
-    decode.KEY_TILE = default_tile
+    with launched_as(launch, Bc):
+        decode._launch_plan.cache_clear()
+        fast.PLANS.clear()
+        paged_attention(q, *paged, num_splits=S, check_indices=False)
     (plan,) = fast.PLANS.values()
     return plan
 
@@ -103,7 +118,6 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=()):
                                                   torch.bfloat16)
     copies = graph_copies(k, v, kc, vc, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    saved = dict(decode.SPLIT_LAUNCH)
     ways = {}
     answer = None
     with torch.no_grad():
@@ -117,7 +131,6 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=()):
             ways[name] = [lambda plan=plan, c=c: decode._repeat(plan, (q, c[2], c[3], table,
                                                                        seqlens))
                           for c in copies]
-        decode.SPLIT_LAUNCH = saved
         ways["cudnn"] = [lambda c=c: F.scaled_dot_product_attention(q, c[0], c[1],
                                                                     enable_gqa=True)
                          for c in copies]

@@ -12,6 +12,7 @@ from flashedu.triton.decode import (
     heads_per_program,
     split_kv_attention,
     split_plan,
+    whole_caches,
 )
 
 DEVICE = flashedu.runtime.kernel_device()  # the CPU under the interpreter, else the GPU
@@ -140,6 +141,25 @@ def test_split_heuristics():
     # each split is rounded up to whole K/V tiles of 64: 32 tiles = 2048 keys, 64 splits
     assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132) == (4, 64, 64, 2048)
     assert split_plan(1, 4, 4, 1, 100, 64, torch.float32, 132, num_splits=3) == (1, 32, 2, 64)
+
+
+def test_a_batch_that_fills_the_gpu_reads_each_cache_whole():
+    """From one group a SM, each group is one program over its whole cache in 128-key steps
+    (no merge); below that, or when splits are asked, the split rule as before."""
+    # 32 sequences x 8 K/V heads: 256 groups on 132 SMs
+    assert whole_caches(256, 132, 128, torch.bfloat16, False)
+    assert split_plan(32, 32, 8, 1, 1024, 128, torch.bfloat16, 132) == (4, 128, 1, 1024)
+    assert split_plan(32, 32, 8, 1, 1000, 128, torch.bfloat16, 132, num_splits=1)[1:] == (
+        128, 1, 1024)  # a whole number of 128-key tiles
+    # 8 sequences: 64 groups, fewer than the SMs: 8 splits of 64-key tiles
+    assert not whole_caches(64, 132, 128, torch.bfloat16, False)
+    assert split_plan(8, 32, 8, 1, 4096, 128, torch.bfloat16, 132) == (4, 64, 8, 512)
+    # asked for splits, in float32, at d = 256, or under the interpreter: the split kernel's
+    assert split_plan(32, 32, 8, 1, 1024, 128, torch.bfloat16, 132, num_splits=2) == (
+        4, 64, 2, 512)
+    assert not whole_caches(256, 132, 128, torch.float32, False)
+    assert not whole_caches(256, 132, 256, torch.bfloat16, False)
+    assert not whole_caches(256, 132, 128, torch.bfloat16, True)
 
 
 def test_bad_input_is_refused():

@@ -315,6 +315,57 @@ def test_steps_back_to_back_and_in_a_cuda_graph_give_the_eager_answers():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the whole-cache "
+                    "launch is the compiled kernels' (the interpreter always splits)")
+@pytest.mark.parametrize("page_size, Nq, causal", [(16, 1, False), (256, 1, True), (16, 3, True),
+                                                   (256, 2, False)])
+def test_a_batch_that_fills_the_gpu_reads_each_cache_whole_and_right(page_size, Nq, causal):
+    """Enough sequences for a group an SM: one program a group, 128-key steps, no merge (the
+    plan says so), over ragged lengths (an empty one, tiles cut by the sequence's end, pages
+    smaller than a tile) against float64, paged and contiguous."""
+    from flashedu.triton import decode as tdecode
+    from flashedu.triton import fast
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, H, Hkv, d = -(-sms // 8) + 1, 32, 8, 128
+    g = torch.Generator().manual_seed(page_size + Nq)
+    lengths = torch.randint(1, 700, (B,), generator=g).tolist()
+    lengths[0], lengths[1] = 0, 128 * 3 + 1
+    k, v, table, seqlens = random_pool(lengths, page_size, Hkv, d, torch.bfloat16,
+                                       seed=page_size)
+    q = torch.randn(B, H, Nq, d, generator=g).to(torch.bfloat16)
+    fast.PLANS.clear()
+    with torch.no_grad():
+        out, lse = paged_attention(*(t.cuda() for t in (q, k, v, table, seqlens)),
+                                   is_causal=causal, return_lse=True)
+    (plan,) = fast.PLANS.values()
+    assert plan[1] is None and plan[0].consts["Bc"] == tdecode.WHOLE_TILE
+    assert plan[0].consts["num_warps"] == tdecode.WHOLE_LAUNCH["num_warps"]
+    O_ref, L_ref = reference(q, k, v, table, seqlens, page_size, causal)
+    O_plain, _ = reference(q, k, v, table, seqlens, page_size, causal, torch.float32)
+    tol = tolerance.allowed_error(torch.bfloat16,
+                                  tolerance.max_error(O_plain.to(torch.bfloat16).double(), O_ref))
+    assert (out.cpu().double() - O_ref).abs().max().item() <= tol
+    seen = torch.isfinite(L_ref)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    torch.testing.assert_close(lse.cpu().double()[seen], L_ref[seen], rtol=1e-5, atol=1e-4)
+    # a contiguous cache (B, Hkv, n, d), every sequence n keys: split_kv_attention; its
+    # reference reads it as a pool of B pages of n rows, sequence b on page b
+    n = 640
+    K, V = (torch.randn(B, Hkv, n, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        dense = split_kv_attention(q.cuda(), K.cuda(), V.cuda(), is_causal=causal)
+    pool = [c.permute(0, 2, 1, 3) for c in (K, V)]
+    one_page = torch.arange(B, dtype=torch.int32)[:, None]
+    full = torch.full((B,), n, dtype=torch.int32)
+    O_full, _ = reference(q, *pool, one_page, full, n, causal)
+    O_full32, _ = reference(q, *pool, one_page, full, n, causal, torch.float32)
+    tol = tolerance.allowed_error(torch.bfloat16, tolerance.max_error(
+        O_full32.to(torch.bfloat16).double(), O_full))
+    assert (dense.cpu().double() - O_full).abs().max().item() <= tol
+
+
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_a_repeated_step_of_one_split_writes_its_answer_without_a_merge(monkeypatch,
                                                                          return_lse):

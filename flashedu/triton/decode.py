@@ -73,6 +73,14 @@ SPLIT_LAUNCH = {"num_warps": 2, "num_stages": 2}
 RESIDENT = 4
 MERGE_TILE = 8192  # partial values one step of the merge loads: all in flight together
 KEY_TILE = 64  # Bc on a GPU where d <= 128 in 16 bits (two stages of K_j, V_j: 32 KB)
+# where the batch's groups alone give every SM a program, each group is one program over its
+# whole cache, in steps of WHOLE_TILE keys on four warps, and no merge is launched (cuDNN's
+# decode too: one program of 128-key steps per group). An H200's sweep at 32 sequences (256
+# groups): 37.5 us a step at 1K keys and 126.0 at 4K, against 39.0 and 127.7 with two splits
+# of 64-key steps on two warps; at 8 sequences (64 groups) 128-key steps were 3-11% slower
+# (BENCHMARKS.md, "Decoding: one program a group where the batch fills the GPU"). None: off.
+WHOLE_TILE = 128
+WHOLE_LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -463,10 +471,12 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
     heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)
     HEAD_DIM = padded_head_dim(d)
     dependent = pdl_launch(device_major, interpreted)
+    whole = whole_caches(B * H // heads, sms, d, dtype, interpreted, num_splits)
     split_consts = dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
                         HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
                         DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size, FINAL=S == 1,
-                        **({} if interpreted else SPLIT_LAUNCH), **dependent)
+                        **({} if interpreted else WHOLE_LAUNCH if whole else SPLIT_LAUNCH),
+                        **dependent)
     if S == 1:
         return S, chunk, heads, split_consts, None
     return S, chunk, heads, split_consts, {**merge_consts(S, HEAD_DIM), **dependent}
@@ -495,11 +505,26 @@ def merge_consts(S: int, HEAD_DIM: int) -> dict:
 def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):
     """(heads per program, Bc, number of splits S, keys per split): the launch of a problem."""
     heads = heads_per_program(H // Hkv, Nq)
-    Bc = key_tile(d, dtype, interpreted)
-    S = choose_num_splits(B * H // heads, Nk, Bc, sms, num_splits)
+    if whole_caches(B * H // heads, sms, d, dtype, interpreted, num_splits):
+        Bc, S = WHOLE_TILE, 1
+    else:
+        Bc = key_tile(d, dtype, interpreted)
+        S = choose_num_splits(B * H // heads, Nk, Bc, sms, num_splits)
     chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
     S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them
     return heads, Bc, S, chunk
+
+
+def whole_caches(programs: int, sms: int, d: int, dtype, interpreted: bool,
+                 num_splits=None) -> bool:
+    """Whether each of the ``programs`` groups reads its whole cache alone, in steps of
+    WHOLE_TILE keys on WHOLE_LAUNCH: where the groups alone give every SM a program (splitting
+    would only add a merge) and one split is asked or none is, on a GPU, in 16 bits, d <= 128
+    (compiled for sm_90: 72 KB of shared memory and 126-184 registers a thread, so three
+    programs fit on an SM)."""
+    return (WHOLE_TILE is not None and not interpreted and programs >= sms
+            and num_splits in (None, 1) and dtype != torch.float32
+            and padded_head_dim(d) <= 128)
 
 
 def heads_per_program(group: int, Nq: int) -> int:

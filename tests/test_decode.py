@@ -144,14 +144,17 @@ def test_split_heuristics():
 
 
 def test_a_batch_that_fills_the_gpu_reads_each_cache_whole():
-    """From one group an SM to two an SM, evenly, each group is one program over its whole
-    cache in 128-key steps (no merge); else, or when splits are asked, the split rule."""
+    """Where the groups give every SM two programs, evenly, each group is one program over
+    its whole cache in 128-key steps (no merge); else, or when splits are asked, the split
+    rule."""
     # 32 sequences x 8 K/V heads: 256 groups on 132 SMs
     assert whole_caches(256, 132, 128, torch.bfloat16, False)
     assert split_plan(32, 32, 8, 1, 1024, 128, torch.bfloat16, 132) == (4, 128, 1, 1024)
     assert split_plan(32, 32, 8, 1, 1000, 128, torch.bfloat16, 132, num_splits=1)[1:] == (
         128, 1, 1024)  # a whole number of 128-key tiles
-    assert whole_caches(132, 132, 128, torch.bfloat16, False)  # one an SM
+    assert not whole_caches(120, 132, 128, torch.bfloat16, False)  # one an SM: too few loads
+    assert whole_caches(240, 132, 128, torch.bfloat16, False)  # 108 SMs two, 24 one
+    assert not whole_caches(236, 132, 128, torch.bfloat16, False)  # 104 SMs two, 28 one
     # 8 sequences: 64 groups, fewer than the SMs: 8 splits of 64-key tiles
     assert not whole_caches(64, 132, 128, torch.bfloat16, False)
     assert not whole_caches(192, 132, 128, torch.bfloat16, False)  # 60 SMs two, 72 one

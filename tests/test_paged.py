@@ -321,7 +321,7 @@ def test_steps_back_to_back_and_in_a_cuda_graph_give_the_eager_answers():
 @pytest.mark.parametrize("page_size, Nq, causal", [(16, 1, False), (256, 1, True), (16, 3, True),
                                                    (256, 2, False)])
 def test_a_batch_that_fills_the_gpu_reads_each_cache_whole_and_right(page_size, Nq, causal):
-    """Enough sequences for about a group an SM: one program a group, 128-key steps, no merge
+    """Enough sequences for about two groups an SM: one program a group, 128-key steps, no merge
     (the plan says so), over ragged lengths (an empty one, tiles cut by the sequence's end, pages
     smaller than a tile) against float64, paged and contiguous."""
     from flashedu.triton import decode as tdecode

@@ -73,17 +73,18 @@ SPLIT_LAUNCH = {"num_warps": 2, "num_stages": 2}
 RESIDENT = 4
 MERGE_TILE = 8192  # partial values one step of the merge loads: all in flight together
 KEY_TILE = 64  # Bc on a GPU where d <= 128 in 16 bits (two stages of K_j, V_j: 32 KB)
-# where the batch's groups alone give every SM one or two programs, evenly, each group is one
-# program over its whole cache, in steps of WHOLE_TILE keys on four warps, and no merge is
-# launched (cuDNN's decode too: one program of 128-key steps per group). Two H200 sweeps at 32
-# sequences (256 groups, 1.94 an SM): 37.1-37.5 us a step at 1K keys, 126.0 at 4K and 470.1
-# at 16K, against 38.7-39.0, 127.7 and 475.9 with two splits of 64-key steps on two warps. At
-# 24 sequences (192 groups: 60 SMs run two, 72 one) 98.6 against 96.9 with splits, and at 64
-# (512 groups, more than the three 72 KB programs an SM holds) 72.5 against 64.5 with 64-key
-# steps (BENCHMARKS.md, "Decoding: one program a group where the batch fills the GPU").
+# where the batch's groups alone give every SM two programs, evenly, each group is one program
+# over its whole cache, in steps of WHOLE_TILE keys on four warps, and no merge is launched
+# (cuDNN's decode too: one program of 128-key steps per group). H200 sweeps at 32 sequences
+# (256 groups on 132 SMs): 37.1-37.5 us a step at 1K keys, 126.0 at 4K and 470.1 at 16K,
+# against 38.7-39.0, 127.7 and 475.9 with two splits of 64-key steps on two warps. Elsewhere
+# the splits won: one program an SM keeps too few loads in flight (15 sequences of 4K keys,
+# 120 groups: 80.1 us against 64.5), 192 groups leave 72 SMs one program (98.6 against 96.9),
+# 512 are more than the three 72 KB programs an SM holds (72.5 against 64.5 at 1K keys)
+# (BENCHMARKS.md, "Decoding: one program a group where the batch fills the GPU").
 WHOLE_TILE = 128  # None: off
 WHOLE_LAUNCH = {"num_warps": 4, "num_stages": 2}
-WHOLE_PER_SM = 2  # the most programs an SM (three fit; not measured)
+WHOLE_PER_SM = 2  # programs an SM (three fit: not measured)
 WHOLE_EVEN = 0.9  # the groups fill at least this share of their last round over the SMs
 
 
@@ -522,13 +523,12 @@ def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=N
 def whole_caches(programs: int, sms: int, d: int, dtype, interpreted: bool,
                  num_splits=None) -> bool:
     """Whether each of the ``programs`` groups reads its whole cache alone, in steps of
-    WHOLE_TILE keys on WHOLE_LAUNCH: where the groups alone give every SM one program or up
-    to WHOLE_PER_SM, evenly (the step takes as long as the SMs with the most programs: 192
-    groups on 132 SMs leave most SMs one program and some two), one split asked or none, on a
-    GPU, in 16 bits, d <= 128 (compiled for sm_90: 72 KB of shared memory and 126-184
-    registers a thread)."""
+    WHOLE_TILE keys on WHOLE_LAUNCH: where the groups alone give every SM WHOLE_PER_SM
+    programs, evenly (the step takes as long as the SMs with the most programs), one split
+    asked or none, on a GPU, in 16 bits, d <= 128 (compiled for sm_90: 72 KB of shared memory
+    and 126-184 registers a thread)."""
     rounds = math.ceil(programs / sms)  # programs an SM, on the busiest SMs
-    return (WHOLE_TILE is not None and not interpreted and 1 <= rounds <= WHOLE_PER_SM
+    return (WHOLE_TILE is not None and not interpreted and rounds == WHOLE_PER_SM
             and programs >= WHOLE_EVEN * rounds * sms and num_splits in (None, 1)
             and dtype != torch.float32 and padded_head_dim(d) <= 128)
 

@@ -378,9 +378,11 @@ def test_the_gluon_forward_does_not_spill_on_the_triton_it_runs_on(tmp_path, cap
 
 def test_sass_compiles_the_persistent_gluon_forward_without_a_gpu(tmp_path, capsys):
     """The d=64 table takes persistent programs for dense calls: their launch (one program per
-    SM) is made and compiled here without a GPU, as an H100's 132 SMs would run it."""
+    SM) is made and compiled here without a GPU, as an H100's 132 SMs would run it, its Q
+    buffers and K/V stages in the shared memory ``fa3.shared_bytes`` counts."""
     from flashedu.benchmarks import sass
     from flashedu.triton import fa3
+    from flashedu.triton.config import GPU_16BIT
 
     if not sass.can_compile():
         pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
@@ -393,6 +395,8 @@ def test_sass_compiles_the_persistent_gluon_forward_without_a_gpu(tmp_path, caps
     (row,) = json.loads(out.read_text())["rows"]
     assert row["tiles"].startswith("192x128 c3 s3") and " persistent" in row["tiles"]
     assert row["ops"]["HGMMA"] > 0
+    q_buffers = GPU_16BIT[64].schedule.q_buffers
+    assert 0 <= row["shared_bytes"] - fa3.shared_bytes(64, 3, 3, q_buffers) < 1024  # barriers
 
 
 def test_sass_compiles_the_kernels_that_read_packed_cuts(tmp_path, capsys):

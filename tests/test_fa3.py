@@ -91,17 +91,20 @@ def test_every_schedule_matches_the_float64_reference(shape, settings):
 
 @pytest.mark.gpu
 @needs_fa3
-@pytest.mark.parametrize("tma_store", [False, True])
+@pytest.mark.parametrize("tma_store,q_buffers", [(False, 1), (True, 1), (False, 2), (True, 2)])
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
-def test_a_persistent_program_takes_many_tiles_right(d, causal, tma_store):
+def test_a_persistent_program_takes_many_tiles_right(d, causal, tma_store, q_buffers):
     """More Q tiles than SMs: each persistent program takes several, of different heads and
-    lengths (causal), with the K/V ring's count and the ping-pong turns running on across
-    them; a ragged last tile in every head, grouped-query heads."""
+    lengths (causal), with the K/V ring's count, the Q buffers and the ping-pong turns running
+    on across them; a ragged last tile in every head, grouped-query heads."""
     B, H, Hkv, N = 3, 16, 4, 1000 + 77
     q, k, v = _inputs(B, H, Hkv, N, N, d, torch.bfloat16, seed=d + causal)
     settings = (dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160) if d == 64 else
                 dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240))
-    settings["TMA_STORE"] = tma_store
+    settings.update(TMA_STORE=tma_store, Q_BUFFERS=q_buffers)
+    if fa3.shared_bytes(d, settings["CONSUMERS"], settings["STAGES"], q_buffers) > (
+            fa3.SHARED_MEMORY):
+        pytest.skip(f"two Q buffers do not fit beside three stages at d = {d}")
     assert B * H * -(-N // (64 * settings["CONSUMERS"])) > 2 * torch.cuda.get_device_properties(
         0).multi_processor_count
     o, lse2 = torch.empty_like(q), torch.empty(B, H, N, device="cuda")

@@ -37,7 +37,10 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
                                                 if s["CONSUMERS"] == 3 else None)),
              ("persistent flipped", lambda s, causal: {"PERSISTENT": not s["PERSISTENT"]}),
              # O_i through shared memory and the copy engine, or from registers
-             ("store flipped", lambda s, causal: {"TMA_STORE": not s["TMA_STORE"]}))
+             ("store flipped", lambda s, causal: {"TMA_STORE": not s["TMA_STORE"]}),
+             # a persistent program's next Q tile loaded during this one, or after it
+             ("Q buffers flipped", lambda s, causal: ({"Q_BUFFERS": 3 - s["Q_BUFFERS"]}
+                                                      if s["PERSISTENT"] else None)))
 PEERS = ("triton", "sdpa-cudnn", "sdpa-flash", "flex")
 
 
@@ -63,7 +66,8 @@ def forward_fns(q, k, v, causal, settings) -> dict:
     fns = {"fa3": fa3_fn({})}
     for label, change in ABLATIONS:
         extra = change(settings, causal)
-        if extra is not None:
+        if extra is not None and fa3.shared_bytes(d, **_memory({**settings, **extra})) <= (
+                fa3.SHARED_MEMORY):
             fns[label] = fa3_fn(extra)
     tiles = resolve_config(d, q.dtype, None, q.device).forward_tiles(None, N)
     call = Call(causal, scale)
@@ -146,8 +150,13 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "PINGPONG", "OVERLAP", "LONGEST_FIRST",
-            "PERSISTENT", "TMA_STORE")
+SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "Q_BUFFERS", "PINGPONG", "OVERLAP",
+            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE")
+
+
+def _memory(settings: dict) -> dict:
+    """The settings that size the forward's shared memory (``fa3.shared_bytes``)."""
+    return {name: settings[name] for name in ("CONSUMERS", "STAGES", "Q_BUFFERS")}
 
 
 def _setting(text: str) -> tuple:
@@ -160,7 +169,7 @@ def _setting(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected NAME=INTEGER with NAME one of "
                                          f"{', '.join(SETTINGS)}, got {text!r}")
     number = int(value)
-    return name, bool(number) if name in SETTINGS[3:] else number
+    return name, bool(number) if name in SETTINGS[4:] else number
 
 
 def main(argv=None) -> int:

@@ -408,8 +408,9 @@ def _tiles_text(consts: dict) -> str:
     if "CONSUMERS" in consts:  # fa3: consumers of 64 rows, stages, registers, switches
         switches = "".join(f" {n.lower()}" for n in ("PINGPONG", "OVERLAP", "PERSISTENT",
                                                       "TMA_STORE") if consts.get(n))
+        buffers = f" q{consts['Q_BUFFERS']}" if consts.get("Q_BUFFERS", 1) > 1 else ""
         return (f"{64 * consts['CONSUMERS']}x{consts['Bc']} c{consts['CONSUMERS']} "
-                f"s{consts['STAGES']} r{consts['CONSUMER_REGS']}{switches}")
+                f"s{consts['STAGES']} r{consts['CONSUMER_REGS']}{switches}{buffers}")
     if "Br" in consts:
         shape = f"{consts['Br']}x{consts['Bc']}"
     else:  # the backward: its dK/dV programs' tiles, or a dQ launch's

@@ -47,7 +47,8 @@ class Schedule:
     below ``causal_persistent_until`` queries and keys.
     ``causal_from``: causal calls take the schedule only from this many queries and keys (and
     from the entry's ``schedule_from``). ``tma_store``: O_i out through shared memory and the
-    copy engine."""
+    copy engine. ``q_buffers``: 2, a persistent program loads its next Q tile while it works
+    on this one (where shared memory holds two: ``fa3.shared_bytes``)."""
     consumers: int
     stages: int
     consumer_regs: int
@@ -58,6 +59,7 @@ class Schedule:
     causal_from: int = 0
     tma_store: bool = True
     causal_persistent_until: int = 0
+    q_buffers: int = 1
 
     def settings(self, is_causal: bool = False, n: int | None = None) -> dict:
         """The keywords of ``fa3.forward`` for a dense or a causal call of n queries and keys
@@ -67,7 +69,8 @@ class Schedule:
         return dict(CONSUMERS=self.consumers, STAGES=self.stages,
                     CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first,
-                    PERSISTENT=persistent, TMA_STORE=self.tma_store)
+                    PERSISTENT=persistent, TMA_STORE=self.tma_store,
+                    Q_BUFFERS=self.q_buffers if persistent else 1)
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # runs; at 8192 one program per Q tile 1.02-1.05x persistent (BENCHMARKS.md, "O_i through
 # the copy engine, and the causal forward's tail").
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=4096,
-                   causal_persistent_until=8192)
+                   causal_persistent_until=8192, q_buffers=2)
 # Both head dims write O_i through shared memory and the copy engine (``tma_store``), and d=128
 # takes ping-pong with it: in one run 1.02-1.05x the earlier settings (no ping-pong, O_i from
 # registers) at d=128; with ping-pong, the copy engine's store 1.00-1.08x registers in three

@@ -174,9 +174,9 @@ if GLUON:
         """The copy warp: every consumer's Q rows once, then the K/V tiles into the ring."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
-        mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(0), CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(CONSUMERS):
-            _tma_load(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
+            _tma_load(q_desc, [row0 + c * _M, 0], q_ready.index(0), q_smem.index(c))
         _load_kv(k_desc, v_desc, shared, 0, num_tiles, Bc, STAGES)
 
     @gluon.jit
@@ -274,19 +274,20 @@ if GLUON:
                  IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                  DROPOUT: gl.constexpr, TMA_STORE: gl.constexpr):
         """A consumer warpgroup of a program that owns one Q tile."""
-        mbarrier.wait(shared[3], 0)  # Q_i
-        _consume_tile(shared, out, drop, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
-                      PINGPONG, OVERLAP, False, DROPOUT, TMA_STORE)
+        mbarrier.wait(shared[3].index(0), 0)  # Q_i
+        _consume_tile(shared, out, drop, 0, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES,
+                      IS_CAUSAL, PINGPONG, OVERLAP, False, DROPOUT, TMA_STORE)
 
     @gluon.jit
-    def _consume_tile(shared, out, drop, kv0, turn0, WG: gl.constexpr,
+    def _consume_tile(shared, out, drop, kv0, turn0, qb, WG: gl.constexpr,
                       CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
                       TMA_STORE: gl.constexpr):
         """A consumer warpgroup over one Q tile (Q_i in shared memory already): rows
         row0 + WG*M .. + M. kv0, turn0: the K/V tiles and turns this consumer went through
-        before this Q tile (a persistent program's earlier tiles; 0 otherwise). DROPOUT: P_ij
+        before this Q tile (a persistent program's earlier tiles; 0 otherwise); qb: the Q
+        buffer that holds this tile's Q_i (a persistent program's alternate). DROPOUT: P_ij
         times the keep-mask Z_ij before its product with V_j (after l_i took it whole), drop
         = the Triton kernels' state (``_dropout_state``).
 
@@ -308,7 +309,7 @@ if GLUON:
         dtype: gl.constexpr = q_smem.dtype
         first = row0 + WG * _M
         rows = first + gl.arange(0, _M, row_layout)
-        Q_i = q_smem.index(WG)
+        Q_i = q_smem.index(qb * CONSUMERS + WG)
         own = _own_tiles(first, num_tiles, Nq, Nk, Bc, IS_CAUSAL)
         num_full = _unmasked(first, Nk, Bc, IS_CAUSAL)
 
@@ -361,8 +362,8 @@ if GLUON:
             P_ij = gl.convert_layout(_operand(P_next.to(dtype), drop, rows, j, Bc, s_layout,
                                               DROPOUT), p_layout)
 
-        if PERSISTENT and not TMA_STORE:  # every S_ij made: the next tile's Q may come
-            mbarrier.arrive(q_empty, count=1)
+        if PERSISTENT and not TMA_STORE:  # every S_ij made: a later tile's Q may come
+            mbarrier.arrive(q_empty.index(qb), count=1)
         # the last tile's P V
         last = (kv0 + own - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((kv0 + own - 1) // STAGES) & 1)
@@ -379,9 +380,9 @@ if GLUON:
             l_o = l_o * keep_rate(drop)  # l_i / s, exact
         out = (O_i / l_o[:, None]).to(dtype)
         if TMA_STORE:
-            _write(out, q_smem.index(WG), o_desc, [b, h, first, 0])
-            if PERSISTENT:  # Q_i's buffer read out: the next tile's Q may come
-                mbarrier.arrive(q_empty, count=1)
+            _write(out, Q_i, o_desc, [b, h, first, 0])
+            if PERSISTENT:  # Q_i's buffer read out: a later tile's Q may come
+                mbarrier.arrive(q_empty.index(qb), count=1)
         else:
             o_rows = first + gl.arange(0, _M, gl.SliceLayout(1, o_layout))
             dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
@@ -503,11 +504,14 @@ if GLUON:
     @gluon.jit
     def _load_persistent(tensors, shared, work, HEAD_DIM: gl.constexpr,
                          CONSUMERS: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
-                         IS_CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+                         IS_CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+                         Q_BUFFERS: gl.constexpr):
         """The copy warp of a persistent program: for each of its Q tiles, the head's
-        descriptors, Q_i once the consumers have made the last tile's last S, and K_j, V_j
-        into the ring, whose count runs on across tiles (the next tile's first K/V tiles
-        arrive while the consumers finish this one)."""
+        descriptors, Q_i into buffer n % Q_BUFFERS once the consumers are done with the tile
+        that buffer held, and K_j, V_j into the ring, whose count runs on across tiles (the
+        next tile's first K/V tiles arrive while the consumers finish this one). With two
+        buffers the next tile's Q_i arrives during this one too, where with one it waits for
+        this tile's end."""
         (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
          stride_vb, stride_vh, stride_vn) = tensors
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
@@ -525,7 +529,8 @@ if GLUON:
                 row0 = i * Br
                 num_tiles = _visited(row0, Nk, Br, Bc, IS_CAUSAL)
                 if n > 0:  # the last tile's copies landed: their descriptors may be rewritten
-                    mbarrier.wait(q_ready, (n - 1) & 1)
+                    mbarrier.wait(q_ready.index((n - 1) % Q_BUFFERS),
+                                  ((n - 1) // Q_BUFFERS) & 1)
                     for r in range(gl.maximum(kv - STAGES, kv_last), kv):
                         mbarrier.wait(k_ready.index(r % STAGES), (r // STAGES) & 1)
                         mbarrier.wait(v_ready.index(r % STAGES), (r // STAGES) & 1)
@@ -535,10 +540,12 @@ if GLUON:
                                      HEAD_DIM)
                 v_desc = _descriptor(V + b * stride_vb + h_kv * stride_vh, Nk, stride_vn, Bc,
                                      HEAD_DIM)
-                mbarrier.wait(q_empty, (n & 1) ^ 1)
-                mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+                qb = n % Q_BUFFERS
+                mbarrier.wait(q_empty.index(qb), ((n // Q_BUFFERS) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
                 for c in gl.static_range(CONSUMERS):
-                    _tma_load(q_desc, [row0 + c * _M, 0], q_ready, q_smem.index(c))
+                    _tma_load(q_desc, [row0 + c * _M, 0], q_ready.index(qb),
+                              q_smem.index(qb * CONSUMERS + c))
                 _load_kv(k_desc, v_desc, shared, kv, num_tiles, Bc, STAGES)
                 kv_last = kv
                 kv += num_tiles
@@ -550,10 +557,10 @@ if GLUON:
                             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                             LONGEST_FIRST: gl.constexpr, DROPOUT: gl.constexpr,
-                            TMA_STORE: gl.constexpr):
-        """A consumer warpgroup of a persistent program: its rows of each Q tile in turn;
-        the K/V ring's count and the ping-pong turns run on across tiles (a tile takes one
-        turn more than it has K/V tiles)."""
+                            TMA_STORE: gl.constexpr, Q_BUFFERS: gl.constexpr):
+        """A consumer warpgroup of a persistent program: its rows of each Q tile in turn, the
+        n-th tile's Q_i in buffer n % Q_BUFFERS; the K/V ring's count and the ping-pong turns
+        run on across tiles (a tile takes one turn more than it has K/V tiles)."""
         O, L, stride_qb, stride_qh, stride_qn, qk_scale, o_desc = outs
         H, GROUP, Nq, Nk, n_q, total = work
         Br: gl.constexpr = CONSUMERS * _M
@@ -568,23 +575,26 @@ if GLUON:
                 h = bh % H
                 out = (O + b * stride_qb + h * stride_qh, L, stride_qn, row0, bh * Nq, Nq, Nk,
                        qk_scale, num_tiles, o_desc, b, h)
-                mbarrier.wait(shared[3], n & 1)  # this tile's Q_i
+                qb = n % Q_BUFFERS
+                mbarrier.wait(shared[3].index(qb), (n // Q_BUFFERS) & 1)  # this tile's Q_i
                 _consume_tile(shared, out, (drop[0], drop[1], bh, drop[3], drop[4]), kv,
-                              kv + n, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL, PINGPONG,
-                              OVERLAP, True, DROPOUT, TMA_STORE)
+                              kv + n, qb, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
+                              PINGPONG, OVERLAP, True, DROPOUT, TMA_STORE)
                 kv += num_tiles
                 n += 1
 
     @gluon.jit
-    def _invalidate(shared, CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+    def _invalidate(shared, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+                    Q_BUFFERS: gl.constexpr):
         """Every mbarrier of the program invalidated, once all its partitions are done: PTX
         asks that an mbarrier's shared memory not be used again (here: by the next program on
         the SM) before ``mbarrier.inval``, which Triton's own kernels end with. Without it the
         kernels faulted whenever another process's work shared the GPU (BENCHMARKS.md,
         "FlashAttention-3's kernels: the mbarriers invalidated, a shared GPU survived")."""
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, q_empty = shared
-        mbarrier.invalidate(q_ready)
-        mbarrier.invalidate(q_empty)
+        for qb in gl.static_range(Q_BUFFERS):
+            mbarrier.invalidate(q_ready.index(qb))
+            mbarrier.invalidate(q_empty.index(qb))
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(k_ready.index(s))
             mbarrier.invalidate(v_ready.index(s))
@@ -612,28 +622,31 @@ if GLUON:
                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                            LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
-                           TMA_STORE: gl.constexpr):
+                           TMA_STORE: gl.constexpr, Q_BUFFERS: gl.constexpr = 1):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
         forward_kernel, started in the order of ``_in_groups``; or, PERSISTENT, one program
         per SM that takes the ``total`` Q tiles in turn. O has Q's strides; L is (B, H, Nq)
         contiguous, base-2. DROPOUT: RNG is the call's [seed, offset] tensor, threshold and
         keep_scale as ``forward.dropout_args`` gives them. TMA_STORE: O written through shared
-        memory by the copy engine."""
+        memory by the copy engine. Q_BUFFERS: 2, a persistent program's next Q tile loads
+        while it works on this one (1 where shared memory holds one)."""
         Br: gl.constexpr = CONSUMERS * _M
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Bc, HEAD_DIM], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _M, HEAD_DIM], q_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, _M, HEAD_DIM],
+                                           q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], kv_layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=CONSUMERS)  # every consumer has made its last S
+        for qb in gl.static_range(Q_BUFFERS):
+            mbarrier.init(q_ready.index(qb), count=1)
+            mbarrier.init(q_empty.index(qb), count=CONSUMERS)  # every consumer is done with it
         for s in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(s), count=1)
             mbarrier.init(v_ready.index(s), count=1)
@@ -657,26 +670,26 @@ if GLUON:
                 gl.warp_specialize([
                     (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
-                                        IS_CAUSAL, LONGEST_FIRST))],
+                                        IS_CAUSAL, LONGEST_FIRST, Q_BUFFERS))],
                     [4, 1], [CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([
                     (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_consume_persistent, (shared, outs, work, drop, 2, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
-                                        IS_CAUSAL, LONGEST_FIRST))],
+                                        IS_CAUSAL, LONGEST_FIRST, Q_BUFFERS))],
                     [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             i, bh = _in_groups(gl.program_id(0), n_q, total // n_q, heads_together)
@@ -720,7 +733,20 @@ if GLUON:
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
-        _invalidate(shared, CONSUMERS, STAGES)  # after the partitions: the SM's next program
+        _invalidate(shared, CONSUMERS, STAGES, Q_BUFFERS)  # after the partitions: the SM's
+        # next program
+
+
+SHARED_MEMORY = 227 << 10  # bytes of shared memory a program may take on sm_90
+
+
+def shared_bytes(d: int, CONSUMERS: int, STAGES: int, Q_BUFFERS: int = 1,
+                 itemsize: int = 2) -> int:
+    """The forward's shared memory: Q_BUFFERS x CONSUMERS Q tiles of 64 rows and STAGES
+    K_j, V_j tiles of 128 keys (the barriers' few bytes aside). d = 64, three consumers, three
+    stages: 120 KB with one Q buffer, 144 KB with two; d = 128, two consumers: 224 KB with
+    one, so no second."""
+    return (Q_BUFFERS * CONSUMERS * M + STAGES * 2 * 128) * d * itemsize
 
 
 L2_SHARE = 24 << 20  # bytes a group of heads may stream through L2 at once (H100, H200: 50 MB)
@@ -747,12 +773,14 @@ def dropout_arguments(dropout_p: float, rng):
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
             LONGEST_FIRST: bool = True, PERSISTENT: bool = False, TMA_STORE: bool = False,
-            HEADS_TOGETHER: int | None = None, dropout_p: float = 0.0, rng=None):
+            Q_BUFFERS: int = 1, HEADS_TOGETHER: int | None = None, dropout_p: float = 0.0,
+            rng=None):
     """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
     written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
     warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
     consumer thread, and the schedule's switches (TMA_STORE: O through shared memory and
-    the copy engine; its descriptor needs o 16-byte aligned, as q's are). HEADS_TOGETHER:
+    the copy engine; its descriptor needs o 16-byte aligned, as q's are; Q_BUFFERS: 2, a
+    persistent program loads its next Q tile during this one). HEADS_TOGETHER:
     causal longest first, the most heads a group of ``_in_groups`` holds (None:
     ``heads_together``). dropout_p > 0: rng is the call's [seed, offset] tensor
     (``flashedu.dropout.draw_rng``). Returns the launch (``fast.Launch``), to be repeated with
@@ -761,13 +789,16 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
 
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    if Q_BUFFERS not in (1, 2):
+        raise ValueError(f"Q_BUFFERS must be 1 or 2, got {Q_BUFFERS!r}")
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
     rng, threshold, keep_scale = dropout_arguments(dropout_p, rng)
     consts = dict(HEAD_DIM=d, Bc=128, STAGES=STAGES, CONSUMERS=CONSUMERS,
                   IS_CAUSAL=bool(is_causal), PINGPONG=PINGPONG, OVERLAP=OVERLAP,
                   LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,
                   PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None,
-                  TMA_STORE=bool(TMA_STORE), num_warps=4)
+                  TMA_STORE=bool(TMA_STORE), Q_BUFFERS=Q_BUFFERS if PERSISTENT else 1,
+                  num_warps=4)
     total = triton.cdiv(Nq, CONSUMERS * M) * B * H
     grid = (total,)
     if PERSISTENT:  # one program per SM (one fits: the stages take most of shared memory)

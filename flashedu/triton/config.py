@@ -225,7 +225,11 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # persistent forward measured 386 / 399 / 403 / 391 TFLOP/s at 4096 keys against the Triton
 # kernel's 384 / 382 / 382 / 383 and one program per Q tile's 383 / 387 / 391 / 383 in four
 # runs; at 8192 one program per Q tile 1.02-1.05x persistent (BENCHMARKS.md, "O_i through
-# the copy engine, and the causal forward's tail").
+# the copy engine, and the causal forward's tail"). Two Q buffers (the next tile's Q_i copied
+# during this one, 144 KB of shared memory; d=128's three stages leave no room): at 4096 keys
+# causal 406 and 398 TFLOP/s against 395 and 388 with one, dense 494 / 489 against 487 /
+# 486, two runs; 8192-16384 dense level (0.99-1.00x) (BENCHMARKS.md, "A persistent
+# program's next Q tile during this one").
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=4096,
                    causal_persistent_until=8192, q_buffers=2)
 # Both head dims write O_i through shared memory and the copy engine (``tma_store``), and d=128

@@ -207,3 +207,28 @@ def test_one_split_writes_the_answer_in_the_outputs_layout(return_lse):
     again = split_kv_attention(q, k, v, num_splits=1, is_causal=True, return_lse=return_lse)
     for a, b in zip(*((one, again) if return_lse else ((one,), (again,)))):
         assert torch.equal(a, b)
+
+
+def test_the_sweep_names_each_launch_and_its_split_counts():
+    """``scripts/gpu_decode_sweep.py`` (run on a GPU) plans its variants here: "rule" the
+    package's own plan, each launch asked (warps x stages, optionally x Bc) with the split
+    rule's count and one split; the package's knobs are put back after each."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashedu.triton import decode
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_decode_sweep.py"
+    spec = importlib.util.spec_from_file_location("gpu_decode_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    before = decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE
+    got = sweep.variants(32, 1024, ["2x2", "4x2x128"], 132)
+    assert got == {"rule": (None, None, None),
+                   "w2s2-S2": ({"num_warps": 2, "num_stages": 2}, None, 2),
+                   "w2s2-S1": ({"num_warps": 2, "num_stages": 2}, None, 1),
+                   "w4s2b128-S2": ({"num_warps": 4, "num_stages": 2}, 128, 2),
+                   "w4s2b128-S1": ({"num_warps": 4, "num_stages": 2}, 128, 1)}
+    assert (decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE) == before
+    with pytest.raises(ValueError, match="warps x stages"):
+        sweep.parse_launch("2x2x2x2")

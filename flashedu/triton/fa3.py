@@ -733,8 +733,8 @@ if GLUON:
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
-        _invalidate(shared, CONSUMERS, STAGES, Q_BUFFERS)  # after the partitions: the SM's
-        # next program
+        # after the partitions: the barriers' memory is the SM's next program's
+        _invalidate(shared, CONSUMERS, STAGES, Q_BUFFERS)
 
 
 SHARED_MEMORY = 227 << 10  # bytes of shared memory a program may take on sm_90

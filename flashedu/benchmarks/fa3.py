@@ -40,7 +40,11 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
              ("store flipped", lambda s, causal: {"TMA_STORE": not s["TMA_STORE"]}),
              # a persistent program's next Q tile loaded during this one, or after it
              ("Q buffers flipped", lambda s, causal: ({"Q_BUFFERS": 3 - s["Q_BUFFERS"]}
-                                                      if s["PERSISTENT"] else None)))
+                                                      if s["PERSISTENT"] else None)),
+             # a control: the table's settings again, timed after the columns above (in rounds
+             # turned around, before them); its gap to "fa3" is what a column's place in the
+             # order alone moves a reading (the first column has read 2-6% low)
+             ("fa3 again", lambda s, causal: {}))
 PEERS = ("triton", "sdpa-cudnn", "sdpa-flash", "flex")
 
 

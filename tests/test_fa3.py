@@ -369,6 +369,24 @@ def test_calls_the_schedule_cannot_serve_are_refused(change):
     assert not fa3.usable(q, q, q, call)
 
 
+def test_the_q_buffers_are_one_or_two_and_counted_in_shared_memory():
+    """``Q_BUFFERS`` other than 1 or 2 is refused by name before anything is launched; the
+    shared memory it takes is what the table's choice relies on (d = 64: two fit beside
+    three stages; d = 128: one)."""
+    q = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Q_BUFFERS"):
+        fa3.forward(q, q, q, q, torch.empty(1, 2, 256), is_causal=False, scale=1.0,
+                    CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True, Q_BUFFERS=3)
+    assert fa3.shared_bytes(64, 3, 3, 1) == 120 << 10 and fa3.shared_bytes(64, 3, 3, 2) == 144 << 10
+    assert fa3.shared_bytes(128, 2, 3, 1) <= fa3.SHARED_MEMORY < fa3.shared_bytes(128, 2, 3, 2)
+    table = GPU_16BIT
+    for d in (64, 128):
+        s = table[d].schedule
+        assert fa3.shared_bytes(d, s.consumers, s.stages, s.q_buffers) <= fa3.SHARED_MEMORY
+    assert table[64].schedule.settings(False, 4096)["Q_BUFFERS"] == 2
+    assert table[64].schedule.settings(True, 8192)["Q_BUFFERS"] == 1  # one program per Q tile
+
+
 def test_the_schedule_runs_unless_the_environment_turns_it_off(monkeypatch):
     """With FLASHEDU_FA3=0 a call the kernel would serve goes to the readable kernels, forward
     and backward, and ``flashedu doctor`` says why; unset, or any other value, leaves them on."""

@@ -191,6 +191,21 @@ def interleaved_ms(timed: dict, rounds: int, cpu_repeats: int = 3,
     return {name: statistics.median(ms) for name, ms in samples.items()}, samples
 
 
+def profile_once(call, warm: int = 2) -> None:
+    """``call()`` ``warm`` times (compiled, caches and clocks warm), then once between
+    cudaProfilerStart and Stop: what Nsight Compute profiles under ``--profile-from-start
+    off`` (the drivers in docs/bench/experiments)."""
+    import torch
+
+    for _ in range(warm):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def synchronize(device) -> None:
     """Wait for the device's queued work (nothing to wait for on a CPU)."""
     if str(device).startswith("cuda"):

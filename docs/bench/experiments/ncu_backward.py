@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashedu
+from flashedu.benchmarks.core import profile_once
 
 who = sys.argv[1]
 q, k, v = (
@@ -20,10 +21,4 @@ if who == "flashedu":
 else:
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = F.scaled_dot_product_attention(q, k, v)
-for _ in range(2):
-    torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-torch.cuda.synchronize()
-torch.cuda.profiler.start()
-torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-torch.cuda.synchronize()
-torch.cuda.profiler.stop()
+profile_once(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))

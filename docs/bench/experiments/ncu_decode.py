@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashedu  # noqa: F401 - first: decides GPU or interpreter before triton loads
+from flashedu.benchmarks.core import profile_once
 from flashedu.benchmarks.paged import step_inputs
 from flashedu.decode import paged_attention
 from flashedu.triton.decode import split_kv_attention
@@ -36,10 +37,4 @@ else:
     def call():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-for _ in range(2):
-    call()
-torch.cuda.synchronize()
-torch.cuda.profiler.start()
-call()
-torch.cuda.synchronize()
-torch.cuda.profiler.stop()
+profile_once(call)

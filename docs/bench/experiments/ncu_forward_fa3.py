@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashedu  # noqa: F401 - first: decides GPU or interpreter before triton loads
+from flashedu.benchmarks.core import profile_once
 from flashedu.ops import Call
 from flashedu.triton import fa3
 from flashedu.triton.autograd import resolve_config
@@ -43,10 +44,4 @@ else:
     def call():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
-for _ in range(2):
-    call()
-torch.cuda.synchronize()
-torch.cuda.profiler.start()
-call()
-torch.cuda.synchronize()
-torch.cuda.profiler.stop()
+profile_once(call)

@@ -476,10 +476,10 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
     split is the only one and writes the answer): worked out once per problem shape, since a
     model decodes the same shapes step after step (the host's time is a decoding step's
     budget)."""
-    heads, Bc, S, chunk = split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)
+    heads, Bc, S, chunk, whole = _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted,
+                                       num_splits)
     HEAD_DIM = padded_head_dim(d)
     dependent = pdl_launch(device_major, interpreted)
-    whole = whole_caches(B * H // heads, sms, d, dtype, interpreted, num_splits)
     split_consts = dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
                         HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
                         DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size, FINAL=S == 1,
@@ -512,15 +512,22 @@ def merge_consts(S: int, HEAD_DIM: int) -> dict:
 
 def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):
     """(heads per program, Bc, number of splits S, keys per split): the launch of a problem."""
+    return _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)[:4]
+
+
+def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits):
+    """``split_plan``'s four, and whether each group is read whole (``whole_caches``: the
+    launch takes WHOLE_LAUNCH then)."""
     heads = heads_per_program(H // Hkv, Nq)
-    if whole_caches(B * H // heads, sms, d, dtype, interpreted, num_splits):
+    whole = whole_caches(B * H // heads, sms, d, dtype, interpreted, num_splits)
+    if whole:
         Bc, S = WHOLE_TILE, 1
     else:
         Bc = key_tile(d, dtype, interpreted)
         S = choose_num_splits(B * H // heads, Nk, Bc, sms, num_splits)
     chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
     S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them
-    return heads, Bc, S, chunk
+    return heads, Bc, S, chunk, whole
 
 
 def whole_caches(programs: int, sms: int, d: int, dtype, interpreted: bool,

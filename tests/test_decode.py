@@ -213,15 +213,11 @@ def test_the_sweep_names_each_launch_and_its_split_counts():
     """``scripts/gpu_decode_sweep.py`` (run on a GPU) plans its variants here: "rule" the
     package's own plan, each launch asked (warps x stages, optionally x Bc) with the split
     rule's count and one split; the package's knobs are put back after each."""
-    import importlib.util
-    from pathlib import Path
+    from script_loading import load_script
 
     from flashedu.triton import decode
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_decode_sweep.py"
-    spec = importlib.util.spec_from_file_location("gpu_decode_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = load_script("gpu_decode_sweep")
     before = decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE
     got = sweep.variants(32, 1024, ["2x2", "4x2x128"], 132)
     assert got == {"rule": (None, None, None),

@@ -298,13 +298,9 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
 def test_the_shared_gpu_run_reads_each_process_line():
     """``scripts/gpu_shared_gpu.py --json`` records each process from its line and exit code
     (what BENCHMARKS' tables of that run were transcribed from before)."""
-    import importlib.util
-    from pathlib import Path
+    from script_loading import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_shared_gpu.py"
-    spec = importlib.util.spec_from_file_location("gpu_shared_gpu", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("gpu_shared_gpu")
     ok = script.process_result("fa3.forward settings: {}\n"
                                "ok pid 7 (FlashAttention-3 kernels on): 4620 calls\n", 0)
     assert ok == {"clean": True, "calls": 4620, "kernels": "on",

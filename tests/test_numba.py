@@ -159,13 +159,9 @@ def test_simulator_tiles_stay_small():
 def test_gpu_script_check_runs_on_the_simulator(monkeypatch):
     """scripts/gpu_numba.py's correctness check (poisoned outputs, float64 reference, 2x the
     error of float32 PyTorch), run here on a tiny case so that the GPU script cannot rot."""
-    import importlib.util
-    import pathlib
+    from script_loading import load_script
 
-    path = pathlib.Path(__file__).parents[1] / "scripts" / "gpu_numba.py"
-    spec = importlib.util.spec_from_file_location("gpu_numba", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("gpu_numba")
     monkeypatch.setattr(script, "DEV", "cpu")
     result = script.check_case(1, 2, 1, 21, 19, 6, is_causal=True, sample_rows=9)
     assert result["passed"], result

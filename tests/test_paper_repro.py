@@ -1,7 +1,6 @@
 """scripts/paper_repro.py: its model arithmetic, its ncu CSV parser, and one CPU dry run of the
 whole pipeline (children, fake ncu CSV, tables, JSON)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -10,17 +9,15 @@ import sys
 
 import pytest
 
+from script_loading import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "paper_repro.py")
 
 
 @pytest.fixture(scope="module")
 def pr():
-    spec = importlib.util.spec_from_file_location("paper_repro", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["paper_repro"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("paper_repro")
 
 
 def test_parse_ncu_csv_sums_units_and_separators(pr):

@@ -13,6 +13,8 @@ half as many K/V head groups as the GPU has SMs. The cells are
     python scripts/gpu_decode_sweep.py --cells 32x1024 8x4096 --launches 4x2 2x3
     python scripts/gpu_decode_sweep.py --launches 2x2 --per-sm 2 4 5 6
     python scripts/gpu_decode_sweep.py --launches 2x2 2x4x32 4x2x128   # x Bc: K/V rows a step
+    python scripts/gpu_decode_sweep.py --launches 2x2 2x3a --page-size 16   # a: pages ahead
+    python scripts/gpu_decode_sweep.py --launches 2x2 2x3 --page-size 0   # a contiguous cache
 
 Without a CUDA GPU it says so and exits.
 """
@@ -32,12 +34,15 @@ LAUNCHES = ("4x2", "2x2", "4x3", "2x3")
 
 
 def parse_launch(text: str) -> tuple:
-    """({"num_warps", "num_stages"}, Bc) of "WxS" or "WxSxBc" (Bc: the rule's, None)."""
-    parts = [int(x) for x in text.split("x")]
+    """({"num_warps", "num_stages", "AHEAD"}, Bc) of "WxS" or "WxSxBc" (Bc: the rule's,
+    None), an "a" at the end for the pages looked up one tile ahead (``decode.PAGES_AHEAD``)."""
+    ahead = text.endswith("a")
+    parts = [int(x) for x in text.removesuffix("a").split("x")]
     if len(parts) not in (2, 3):
-        raise ValueError(f"launch {text!r}: give warps x stages, optionally x Bc (2x3x32)")
-    return {"num_warps": parts[0], "num_stages": parts[1]}, (parts[2] if len(parts) == 3
-                                                               else None)
+        raise ValueError(f"launch {text!r}: give warps x stages, optionally x Bc (2x3x32), "
+                         "and an 'a' for the pages looked up ahead (2x3a)")
+    return ({"num_warps": parts[0], "num_stages": parts[1], "AHEAD": ahead},
+            (parts[2] if len(parts) == 3 else None))
 
 
 @contextlib.contextmanager
@@ -86,27 +91,33 @@ def variants(B, Nk, launches, sms, per_sm=()):
                 S = splits_run(math.ceil(k * sms / groups))
                 if S not in splits:
                     splits.append(S)
-        tile = "" if Bc is None else f"b{Bc}"
+        tile = ("" if Bc is None else f"b{Bc}") + ("a" if launch["AHEAD"] else "")
         for S in splits:
             out[f"w{launch['num_warps']}s{launch['num_stages']}{tile}-S{S}"] = (launch, Bc, S)
     return out
 
 
-def plan_for(q, paged, launch, Bc, S):
-    """The launch plan of a paged step with the split kernel launched as ``launch`` on tiles
-    of Bc keys, S splits (all None: the package's own plan)."""
+def plan_for(q, cache, launch, Bc, S):
+    """The launch plan of a decoding step from ``cache`` (paged: k and v pools, the block
+    table, the lengths; contiguous: k and v) with the split kernel launched as ``launch`` on
+    tiles of Bc keys, S splits (all None: the package's own plan)."""
     from flashedu.decode import paged_attention
     from flashedu.triton import decode, fast
 
     with launched_as(launch, Bc):
         decode._launch_plan.cache_clear()
         fast.PLANS.clear()
-        paged_attention(q, *paged, num_splits=S, check_indices=False)
+        if len(cache) == 2:
+            decode.split_kv_attention(q, *cache, num_splits=S)
+        else:
+            paged_attention(q, *cache, num_splits=S, check_indices=False)
     (plan,) = fast.PLANS.values()
     return plan
 
 
 def one_cell(B, Nk, page, launches, rounds, per_sm=()):
+    """One cell's variants and cuDNN, timed in turn; ``page`` 0: our kernels read the
+    contiguous cache that cuDNN reads."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -114,22 +125,24 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=()):
     from flashedu.benchmarks.paged import graph_copies, graph_us_in_turn, step_inputs
     from flashedu.triton import decode
 
-    q, k, v, kc, vc, table, seqlens = step_inputs(B, Nk, page, 32, 8, 128, "cuda",
+    q, k, v, kc, vc, table, seqlens = step_inputs(B, Nk, page or 256, 32, 8, 128, "cuda",
                                                   torch.bfloat16)
     copies = graph_copies(k, v, kc, vc, device="cuda")
+
+    def given(c):  # one copy's arguments after q
+        return (c[0], c[1]) if page == 0 else (c[2], c[3], table, seqlens)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ways = {}
     answer = None
     with torch.no_grad():
         for name, (launch, Bc, S) in variants(B, Nk, launches, sms, per_sm).items():
-            plan = plan_for(q, (kc, vc, table, seqlens), launch, Bc, S)
-            out, _ = decode._repeat(plan, (q, kc, vc, table, seqlens))
+            plan = plan_for(q, given(copies[0]), launch, Bc, S)
+            out, _ = decode._repeat(plan, (q, *given(copies[0])))
             answer = out if answer is None else answer
             error = (out.float() - answer.float()).abs().max().item()
             if not error < 2e-2:
                 raise SystemExit(f"{name}: its answer differs from the first variant's by {error}")
-            ways[name] = [lambda plan=plan, c=c: decode._repeat(plan, (q, c[2], c[3], table,
-                                                                       seqlens))
+            ways[name] = [lambda plan=plan, c=c: decode._repeat(plan, (q, *given(c)))
                           for c in copies]
         ways["cudnn"] = [lambda c=c: F.scaled_dot_product_attention(q, c[0], c[1],
                                                                     enable_gqa=True)
@@ -148,7 +161,8 @@ def main(argv=None) -> int:
                    help="warpsxstages[xBc], e.g. 2x3 or 2x4x32")
     p.add_argument("--per-sm", nargs="*", type=float, default=(),
                    help="also the split counts that give this many programs an SM")
-    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=256,
+                   help="0: a contiguous cache (the one cuDNN reads)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)

@@ -220,11 +220,14 @@ def test_the_sweep_names_each_launch_and_its_split_counts():
     sweep = load_script("gpu_decode_sweep")
     before = decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE
     got = sweep.variants(32, 1024, ["2x2", "4x2x128"], 132)
+    plain = {"num_warps": 2, "num_stages": 2, "AHEAD": False}
+    wide = {"num_warps": 4, "num_stages": 2, "AHEAD": False}
     assert got == {"rule": (None, None, None),
-                   "w2s2-S2": ({"num_warps": 2, "num_stages": 2}, None, 2),
-                   "w2s2-S1": ({"num_warps": 2, "num_stages": 2}, None, 1),
-                   "w4s2b128-S2": ({"num_warps": 4, "num_stages": 2}, 128, 2),
-                   "w4s2b128-S1": ({"num_warps": 4, "num_stages": 2}, 128, 1)}
+                   "w2s2-S2": (plain, None, 2), "w2s2-S1": (plain, None, 1),
+                   "w4s2b128-S2": (wide, 128, 2), "w4s2b128-S1": (wide, 128, 1)}
+    assert sweep.parse_launch("2x3a") == ({"num_warps": 2, "num_stages": 3, "AHEAD": True},
+                                          None)
+    assert "w2s3b32a-S2" in sweep.variants(32, 1024, ["2x3x32a"], 132)
     assert (decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE) == before
     with pytest.raises(ValueError, match="warps x stages"):
         sweep.parse_launch("2x2x2x2")

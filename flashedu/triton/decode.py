@@ -89,42 +89,58 @@ WHOLE_TILE = 128  # None: off
 WHOLE_LAUNCH = {"num_warps": 4, "num_stages": 2}
 WHOLE_PER_SM = 2  # programs an SM (three fit: not measured)
 WHOLE_EVEN = 0.9  # the groups fill at least this share of their last round over the SMs
+# each unmasked tile's page looked up during the tile before (split_kernel): without it,
+# Triton's pipeliner gives the page's load a stage and keeps one K/V tile in flight whatever
+# num_stages says
+PAGES_AHEAD = True
 
 
 @triton.jit
-def cache_rows(start_n, j, row_ok, b, block_table, width, stride_kb, stride_kn, stride_vb,
-               stride_vn, Bc: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Where keys j = start_n .. start_n + Bc - 1 of sequence b lie in K and in V, as offsets
-    from the head's start: rows j of batch b in a contiguous cache (no block_table); in a
-    paged one, row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE] (the table's rows
-    ``width`` entries apart), stride_kb, stride_vb then being the pages' strides. The page
-    lookup is the only difference, done once for K and V. Where pages hold whole tiles
-    (PAGE_SIZE a multiple of Bc; tiles start at multiples of Bc) the tile reads one table
-    entry; else each row reads its own. Keys past the sequence (not row_ok) read no entry;
-    their rows are masked by the load."""
+def tile_pages(start_n, ok, b, block_table, width, Nk, Bc: tl.constexpr,
+               PAGE_SIZE: tl.constexpr):
+    """The pages that keys start_n .. start_n + Bc - 1 of sequence b lie in: entry
+    j // PAGE_SIZE of the block table's row b (its rows ``width`` entries apart) for key j.
+    Where pages hold whole tiles (PAGE_SIZE a multiple of Bc; tiles start at multiples of Bc)
+    the tile reads one entry, else each row its own. Only where ``ok`` (the tile is one of
+    this program's) and the key is within the sequence (< Nk); elsewhere 0, no entry read. A
+    contiguous cache (no block table) has no pages."""
+    if block_table is None:
+        return 0
+    elif PAGE_SIZE % Bc == 0:  # start_n < Nk for any tile of the program's
+        return tl.load(block_table + b * width + start_n // PAGE_SIZE, mask=ok, other=0)
+    else:
+        j = start_n + tl.arange(0, Bc)  # keys are >= 0: "j < 0" is no key
+        return tl.load(block_table + b * width + j // PAGE_SIZE, mask=j < tl.where(ok, Nk, 0),
+                       other=0)
+
+
+@triton.jit
+def cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb, stride_vn,
+               PAGE_SIZE: tl.constexpr):
+    """Where keys j of sequence b lie in K and in V, as offsets from the head's start: rows j
+    of batch b in a contiguous cache (no block_table); in a paged one, row j % PAGE_SIZE of
+    ``page`` (``tile_pages``), stride_kb, stride_vb then being the pages' strides. The page
+    is the only difference, looked up once for K and V."""
     if block_table is None:
         return b * stride_kb + j * stride_kn, b * stride_vb + j * stride_vn
     else:
-        if PAGE_SIZE % Bc == 0:  # start_n < the sequence's length: its entry exists
-            page = tl.load(block_table + b * width + start_n // PAGE_SIZE).to(tl.int64)
-        else:
-            page = tl.load(block_table + b * width + j // PAGE_SIZE, mask=row_ok,
-                           other=0).to(tl.int64)
+        page = page.to(tl.int64)
         row = j % PAGE_SIZE
         return page * stride_kb + row * stride_kn, page * stride_vb + row * stride_vn
 
 
 @triton.jit
-def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, b, block_table, width, stride_kb,
-               stride_kn, stride_vb, stride_vn, pos, dims, Nk, d, qk_scale, ctx, Bc: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
-               DOT_PREC: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Load K_j, V_j (keys start_n ..) from the cache, then the forward's softmax step."""
+def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, page, b, block_table,
+               stride_kb, stride_kn, stride_vb, stride_vn, pos, dims, Nk, d, qk_scale, ctx,
+               Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Load K_j, V_j (keys start_n .., in ``page``: tile_pages) from the cache, then the
+    forward's softmax step."""
     j = start_n + tl.arange(0, Bc)
     row_ok = j < Nk
     dim_ok = dims[None, :] < d
-    K_rows, V_rows = cache_rows(start_n, j, row_ok, b, block_table, width, stride_kb,
-                                stride_kn, stride_vb, stride_vn, Bc, PAGE_SIZE)
+    K_rows, V_rows = cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb,
+                                stride_vn, PAGE_SIZE)
     K_j = load_tile(K_head + K_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
                     not EVEN_D)
     V_j = load_tile(V_head + V_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
@@ -141,7 +157,7 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
                  BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                  PAGE_SIZE: tl.constexpr = 0, PDL: tl.constexpr = False,
-                 FINAL: tl.constexpr = False):
+                 FINAL: tl.constexpr = False, AHEAD: tl.constexpr = False):
     """Program (s, g): chunk s of the keys for the query heads of group g. For a paged cache,
     ``block_table`` (rows ``width`` entries apart) and ``seqlens``, each sequence's cache
     length (K and V are then pools of pages whose stride_kb, stride_vb are the pages' strides);
@@ -183,18 +199,29 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
     # query sits at position Nk - Nq); the diagonal and the ragged edge pay for one
     num, num_full, u0, a0, na, b0, idx_row, e0 = chunk_tiles(lo, hi, Nq, Nk, Bc, IS_CAUSAL)
     ctx = (b, h, Nq, qk_scale, None, None, None)  # no mods here
+    # the page of each unmasked tile is looked up one tile ahead (AHEAD): the K/V loads then
+    # wait on no load of their own iteration, and the pipeline holds num_stages - 1 tiles of
+    # them in flight (a page load in the same iteration takes a stage of its own instead)
+    page = tile_pages(u0 * Bc, num_full > 0, b, block_table, width, Nk, Bc, PAGE_SIZE)
     for t in range(0, num_full):
         j = full_tile(t, u0, idx_row, None)
-        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, block_table,
-                                   width, stride_kb, stride_kn, stride_vb, stride_vn, pos, dims,
-                                   Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, False, EVEN_D,
-                                   DOT_PREC, PAGE_SIZE)
-    for t in range(num_full, num):
+        if AHEAD:
+            here = page
+            page = tile_pages((j + 1) * Bc, t + 1 < num_full, b, block_table, width, Nk, Bc,
+                              PAGE_SIZE)
+        else:
+            here = tile_pages(j * Bc, t < num_full, b, block_table, width, Nk, Bc, PAGE_SIZE)
+        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, here, b,
+                                   block_table, stride_kb, stride_kn, stride_vb, stride_vn,
+                                   pos, dims, Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, False,
+                                   EVEN_D, DOT_PREC, PAGE_SIZE)
+    for t in range(num_full, num):  # the diagonal and the ragged end: a tile or two
         j = masked_tile(t, num_full, a0, na, b0, idx_row, None)
-        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, b, block_table,
-                                   width, stride_kb, stride_kn, stride_vb, stride_vn, pos, dims,
-                                   Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, True, EVEN_D,
-                                   DOT_PREC, PAGE_SIZE)
+        here = tile_pages(j * Bc, t < num, b, block_table, width, Nk, Bc, PAGE_SIZE)
+        O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, here, b,
+                                   block_table, stride_kb, stride_kn, stride_vb, stride_vn,
+                                   pos, dims, Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, True,
+                                   EVEN_D, DOT_PREC, PAGE_SIZE)
 
     if PDL:  # the keys are read: the combine's programs may be set up (they wait for us)
         gdc_launch_dependents()
@@ -480,11 +507,13 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
                                        num_splits)
     HEAD_DIM = padded_head_dim(d)
     dependent = pdl_launch(device_major, interpreted)
-    split_consts = dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
-                        HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
-                        DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size, FINAL=S == 1,
-                        **({} if interpreted else WHOLE_LAUNCH if whole else SPLIT_LAUNCH),
-                        **dependent)
+    # a launch setting may name AHEAD too (the sweep's variants): it then replaces the rule's
+    split_consts = {**dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
+                           HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
+                           DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size, FINAL=S == 1,
+                           AHEAD=PAGES_AHEAD),
+                    **({} if interpreted else WHOLE_LAUNCH if whole else SPLIT_LAUNCH),
+                    **dependent}
     if S == 1:
         return S, chunk, heads, split_consts, None
     return S, chunk, heads, split_consts, {**merge_consts(S, HEAD_DIM), **dependent}

@@ -65,8 +65,8 @@ def launched_as(launch, Bc):
 def variants(B, Nk, launches, sms, per_sm=()):
     """{name: (launch, Bc, num_splits)} of one cell: "rule", the package's own plan (launch
     None); then for each launch the split count of ``choose_num_splits``, one split where the
-    batch has at least half as many groups as the GPU has SMs, and the counts nearest to
-    giving each of ``per_sm`` programs an SM. Each count is the one the launch runs (a chunk is
+    batch has at least half as many groups as the GPU has SMs, and the largest counts that
+    give at most each of ``per_sm`` programs an SM (one wave). Each count is the one the launch runs (a chunk is
     a whole number of K/V tiles, so some asked counts run as fewer splits: 9 asked of 64 tiles
     run as 8 chunks of 8 tiles)."""
     import math
@@ -88,7 +88,7 @@ def variants(B, Nk, launches, sms, per_sm=()):
             rule = splits_run()
             splits = [rule] + ([1] if rule > 1 and 2 * groups >= sms else [])
             for k in per_sm:
-                S = splits_run(math.ceil(k * sms / groups))
+                S = splits_run(max(1, math.floor(k * sms / groups)))
                 if S not in splits:
                     splits.append(S)
         tile = ("" if Bc is None else f"b{Bc}") + ("a" if launch["AHEAD"] else "")
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--launches", nargs="+", default=LAUNCHES,
                    help="warpsxstages[xBc], e.g. 2x3 or 2x4x32")
     p.add_argument("--per-sm", nargs="*", type=float, default=(),
-                   help="also the split counts that give this many programs an SM")
+                   help="also the split counts that give at most this many programs an SM")
     p.add_argument("--page-size", type=int, default=256,
                    help="0: a contiguous cache (the one cuDNN reads)")
     p.add_argument("--rounds", type=int, default=3)

@@ -8,11 +8,12 @@ import flashedu
 from flashedu import tolerance
 from flashedu.reference import naive_attention
 from flashedu.triton.decode import (
+    _plan,
     choose_num_splits,
+    double_buffered,
     heads_per_program,
     split_kv_attention,
     split_plan,
-    whole_caches,
 )
 
 DEVICE = flashedu.runtime.kernel_device()  # the CPU under the interpreter, else the GPU
@@ -137,36 +138,47 @@ def test_split_heuristics():
     assert choose_num_splits(4, 100, 16, 132, 50) == 7  # never more splits than tiles
     assert choose_num_splits(264, 4096, 64, 132) == 2
     assert choose_num_splits(1024, 4096, 64, 132) == 1  # already many programs
-    # 32 query heads on 8 K/V heads: 4 packed per program, 8 programs, 66 splits wanted;
-    # each split is rounded up to whole K/V tiles of 64: 32 tiles = 2048 keys, 64 splits
-    assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132) == (4, 64, 64, 2048)
+    # 32 query heads on 8 K/V heads: 4 packed per program, 8 programs; 66 splits asked are
+    # rounded up to whole K/V tiles of 64: 32 tiles = 2048 keys, 64 splits
+    assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132, num_splits=66) == (
+        4, 64, 64, 2048)
+    # unasked: 33 splits of 63 tiles, two programs an SM (double_buffered)
+    assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132) == (4, 64, 33, 4032)
     assert split_plan(1, 4, 4, 1, 100, 64, torch.float32, 132, num_splits=3) == (1, 32, 2, 64)
 
 
-def test_a_batch_that_fills_the_gpu_reads_each_cache_whole():
-    """Where the groups give every SM two programs, evenly, each group is one program over
-    its whole cache in 128-key steps (no merge); else, or when splits are asked, the split
-    rule."""
-    # 32 sequences x 8 K/V heads: 256 groups on 132 SMs
-    assert whole_caches(256, 132, 128, torch.bfloat16, False)
-    assert split_plan(32, 32, 8, 1, 1024, 128, torch.bfloat16, 132) == (4, 128, 1, 1024)
-    assert split_plan(32, 32, 8, 1, 1000, 128, torch.bfloat16, 132, num_splits=1)[1:] == (
-        128, 1, 1024)  # a whole number of 128-key tiles
-    assert not whole_caches(120, 132, 128, torch.bfloat16, False)  # one an SM: too few loads
-    assert whole_caches(240, 132, 128, torch.bfloat16, False)  # 108 SMs two, 24 one
-    assert not whole_caches(236, 132, 128, torch.bfloat16, False)  # 104 SMs two, 28 one
-    # 8 sequences: 64 groups, fewer than the SMs: 8 splits of 64-key tiles
-    assert not whole_caches(64, 132, 128, torch.bfloat16, False)
-    assert not whole_caches(192, 132, 128, torch.bfloat16, False)  # 60 SMs two, 72 one
-    assert not whole_caches(512, 132, 128, torch.bfloat16, False)  # four an SM
-    assert split_plan(64, 32, 8, 1, 1024, 128, torch.bfloat16, 132) == (4, 64, 1, 1024)
-    assert split_plan(8, 32, 8, 1, 4096, 128, torch.bfloat16, 132) == (4, 64, 8, 512)
-    # asked for splits, in float32, at d = 256, or under the interpreter: the split kernel's
-    assert split_plan(32, 32, 8, 1, 1024, 128, torch.bfloat16, 132, num_splits=2) == (
-        4, 64, 2, 512)
-    assert not whole_caches(256, 132, 128, torch.float32, False)
-    assert not whole_caches(256, 132, 256, torch.bfloat16, False)
-    assert not whole_caches(256, 132, 128, torch.bfloat16, True)
+def test_two_tiles_in_flight_where_the_splits_give_every_sm_two_programs_evenly():
+    """The split count that gives every SM two programs, evenly, each keeping two K/V tiles
+    in flight (double_buffered); where no count does, or splits are asked that do not, four
+    programs an SM with one tile each (choose_num_splits)."""
+    bf16 = torch.bfloat16
+    # 32 sequences x 8 K/V heads: 256 groups on 132 SMs, no split
+    assert double_buffered(256, 132, 128, bf16, False)
+    assert split_plan(32, 32, 8, 1, 1024, 128, bf16, 132) == (4, 64, 1, 1024)
+    assert _plan(32, 32, 8, 1, 1024, 128, bf16, 132, False, None)[4]
+    # 8 sequences: 64 groups, 4 splits (256 programs); one sequence: 8 groups, 32 splits
+    assert split_plan(8, 32, 8, 1, 4096, 128, bf16, 132) == (4, 64, 4, 1024)
+    assert split_plan(1, 32, 8, 1, 16384, 128, bf16, 132) == (4, 64, 32, 512)
+    # 15 sequences: 120 groups, 2 splits; 17: 136 groups, 1 split leaves 128 SMs one program
+    # and 2 splits give 140 SMs' worth: four an SM then, one tile each
+    assert split_plan(15, 32, 8, 1, 4096, 128, bf16, 132)[2] == 2
+    assert not _plan(17, 32, 8, 1, 4096, 128, bf16, 132, False, None)[4]
+    assert split_plan(17, 32, 8, 1, 4096, 128, bf16, 132)[2] == 3
+    assert double_buffered(240, 132, 128, bf16, False)  # 108 SMs two, 24 one
+    assert not double_buffered(236, 132, 128, bf16, False)  # 104 SMs two, 28 one
+    assert not double_buffered(120, 132, 128, bf16, False)  # one an SM: too few loads
+    assert not double_buffered(512, 132, 128, bf16, False)  # four an SM
+    # a short cache cannot split enough: 1K keys are 16 tiles, 128 programs of one sequence
+    assert split_plan(1, 32, 8, 1, 1024, 128, bf16, 132) == (4, 64, 16, 64)
+    assert not _plan(1, 32, 8, 1, 1024, 128, bf16, 132, False, None)[4]
+    # splits asked: the launch follows the programs they make
+    assert split_plan(32, 32, 8, 1, 1024, 128, bf16, 132, num_splits=2) == (4, 64, 2, 512)
+    assert not _plan(32, 32, 8, 1, 1024, 128, bf16, 132, False, 2)[4]
+    assert _plan(8, 32, 8, 1, 4096, 128, bf16, 132, False, 4)[4]
+    # float32, d = 256, the interpreter: one tile in flight
+    assert not double_buffered(256, 132, 128, torch.float32, False)
+    assert not double_buffered(256, 132, 256, bf16, False)
+    assert not double_buffered(256, 132, 128, bf16, True)
 
 
 def test_bad_input_is_refused():
@@ -218,7 +230,7 @@ def test_the_sweep_names_each_launch_and_its_split_counts():
     from flashedu.triton import decode
 
     sweep = load_script("gpu_decode_sweep")
-    before = decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE
+    before = decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.DOUBLE_BUFFERED_PER_SM
     got = sweep.variants(32, 1024, ["2x2", "4x2x128"], 132)
     plain = {"num_warps": 2, "num_stages": 2, "AHEAD": False}
     wide = {"num_warps": 4, "num_stages": 2, "AHEAD": False}
@@ -228,6 +240,6 @@ def test_the_sweep_names_each_launch_and_its_split_counts():
     assert sweep.parse_launch("2x3a") == ({"num_warps": 2, "num_stages": 3, "AHEAD": True},
                                           None)
     assert "w2s3b32a-S2" in sweep.variants(32, 1024, ["2x3x32a"], 132)
-    assert (decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.WHOLE_TILE) == before
+    assert (decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.DOUBLE_BUFFERED_PER_SM) == before
     with pytest.raises(ValueError, match="warps x stages"):
         sweep.parse_launch("2x2x2x2")

@@ -316,24 +316,34 @@ def test_steps_back_to_back_and_in_a_cuda_graph_give_the_eager_answers():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the whole-cache "
-                    "launch is the compiled kernels' (the interpreter always splits)")
-@pytest.mark.parametrize("page_size, Nq, causal", [(16, 1, False), (256, 1, True), (16, 3, True),
-                                                   (256, 2, False)])
-def test_a_batch_that_fills_the_gpu_reads_each_cache_whole_and_right(page_size, Nq, causal):
-    """Enough sequences for about two groups an SM: one program a group, 128-key steps, no merge
-    (the plan says so), over ragged lengths (an empty one, tiles cut by the sequence's end, pages
-    smaller than a tile) against float64, paged and contiguous."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the double-buffered "
+                    "launch is the compiled kernels' (the interpreter has no pipeline)")
+@pytest.mark.parametrize("page_size, Nq, causal, fills", [
+    (16, 1, False, True), (256, 1, True, True), (16, 3, True, True), (256, 2, False, True),
+    (16, 1, True, False), (256, 1, False, False)])
+def test_two_tiles_in_flight_read_the_cache_right(page_size, Nq, causal, fills):
+    """Programs that keep two K/V tiles in flight, each tile's page looked up during the tile
+    before (the plan says so): enough sequences for two groups an SM (one program a group, no
+    merge), or a few sequences split to two programs an SM; over ragged lengths (an empty one,
+    tiles cut by the sequence's end, pages smaller than a tile) against float64, paged and
+    contiguous."""
     from flashedu.triton import decode as tdecode
     from flashedu.triton import fast
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     H, Hkv, d = 32, 8, 128
-    B = next(B for B in range(1, 4 * sms)  # the fewest sequences the rule reads whole
-             if tdecode.whole_caches(B * Hkv, sms, d, torch.bfloat16, False))
+    longest = 700 if fills else 3000
+    capacity = (-(-longest // page_size) + 1) * page_size  # random_pool's table: a page spare
+
+    def planned(B):  # double-buffered, in one split exactly where the batch fills the GPU
+        plan = tdecode._plan(B, H, Hkv, Nq, capacity, d, torch.bfloat16, sms, False, None)
+        return plan[4] and (plan[2] == 1) == fills
+    B = next(B for B in range(1, 4 * sms) if planned(B))  # the fewest sequences
     g = torch.Generator().manual_seed(page_size + Nq)
-    lengths = torch.randint(1, 700, (B,), generator=g).tolist()
-    lengths[0], lengths[1] = 0, 128 * 3 + 1
+    lengths = torch.randint(1, longest, (B,), generator=g).tolist()
+    if B > 2:
+        lengths[1] = 64 * 3 + 1
+    lengths[0], lengths[-1] = 0, longest
     k, v, table, seqlens = random_pool(lengths, page_size, Hkv, d, torch.bfloat16,
                                        seed=page_size)
     q = torch.randn(B, H, Nq, d, generator=g).to(torch.bfloat16)
@@ -342,8 +352,9 @@ def test_a_batch_that_fills_the_gpu_reads_each_cache_whole_and_right(page_size, 
         out, lse = paged_attention(*(t.cuda() for t in (q, k, v, table, seqlens)),
                                    is_causal=causal, return_lse=True)
     (plan,) = fast.PLANS.values()
-    assert plan[1] is None and plan[0].consts["Bc"] == tdecode.WHOLE_TILE
-    assert plan[0].consts["num_warps"] == tdecode.WHOLE_LAUNCH["num_warps"]
+    assert (plan[1] is None) == fills  # one split: no merge
+    assert plan[0].consts["num_stages"] == tdecode.DOUBLE_BUFFERED_LAUNCH["num_stages"]
+    assert plan[0].consts["AHEAD"]
     O_ref, L_ref = reference(q, k, v, table, seqlens, page_size, causal)
     O_plain, _ = reference(q, k, v, table, seqlens, page_size, causal, torch.float32)
     tol = tolerance.allowed_error(torch.bfloat16,

@@ -14,10 +14,14 @@ Split-KV gives the keys to several programs instead:
    rule, L = log Σ_s e^{L_s}, O = Σ_s e^{L_s - L} O_s (in base 2 here; ``merge``).
 
 With one split (many sequences already fill the GPU, or ``num_splits=1``) the split kernel's
-partial result is the answer: it writes O and L itself and no merge is launched. Where the
-batch's groups give every SM two programs, evenly, each program reads its group's whole cache
-in steps of 128 keys on four warps (``whole_caches``): cuDNN's choice too, 1-4% faster there
-than two splits of 64-key steps and a merge.
+partial result is the answer: it writes O and L itself and no merge is launched.
+
+Decoding is a stream of reads, and its speed is how many bytes are in flight. A program holds
+one K/V tile in flight while it computes on the one before where its splits can give every SM
+two programs, evenly (``double_buffered``: one program a group when the batch alone fills the
+SMs twice; else as many splits as that takes); elsewhere, one tile at a time and more programs,
+four an SM. Two things make the second tile possible in a paged cache: the tile's page is looked
+up during the tile before (``PAGES_AHEAD``), and three pipeline stages.
 
 Grouped-query attention is packed: the query heads that share one K/V head go into the rows of
 one program (row r is head r // Nq, query r % Nq), so each K/V tile is read once per group
@@ -76,19 +80,17 @@ SPLIT_LAUNCH = {"num_warps": 2, "num_stages": 2}
 RESIDENT = 4
 MERGE_TILE = 8192  # partial values one step of the merge loads: all in flight together
 KEY_TILE = 64  # Bc on a GPU where d <= 128 in 16 bits (two stages of K_j, V_j: 32 KB)
-# where the batch's groups alone give every SM two programs, evenly, each group is one program
-# over its whole cache, in steps of WHOLE_TILE keys on four warps, and no merge is launched
-# (cuDNN's decode too: one program of 128-key steps per group). H200 sweeps at 32 sequences
-# (256 groups on 132 SMs): 37.1-37.5 us a step at 1K keys, 126.0 at 4K and 470.1 at 16K,
-# against 38.7-39.0, 127.7 and 475.9 with two splits of 64-key steps on two warps. Elsewhere
-# the splits won: one program an SM keeps too few loads in flight (15 sequences of 4K keys,
-# 120 groups: 80.1 us against 64.5), 192 groups leave 72 SMs one program (98.6 against 96.9),
-# 512 are more than the three 72 KB programs an SM holds (72.5 against 64.5 at 1K keys)
-# (BENCHMARKS.md, "Decoding: one program a group where the batch fills the GPU").
-WHOLE_TILE = 128  # None: off
-WHOLE_LAUNCH = {"num_warps": 4, "num_stages": 2}
-WHOLE_PER_SM = 2  # programs an SM (three fit: not measured)
-WHOLE_EVEN = 0.9  # the groups fill at least this share of their last round over the SMs
+# Two K/V tiles in flight a program (three stages: one tile read while the next loads; 70 KB of
+# shared memory, three fit on an SM), where the split count can give every SM two programs,
+# evenly: cuDNN's kernel also keeps more than one tile in flight, one program an SM. H200 sweeps
+# (BENCHMARKS.md, "Decoding: two K/V tiles in flight"), us a step in pages of 256 / 16: 32
+# sequences of 1K keys (256 groups, no split) 35.2 / 36.3 against 37.3 / 38.5 for 128-key
+# steps one tile in flight, cuDNN 35.0; 8 x 4K (64 groups, 4 splits) 37.5 / 38.9 against 38.9 /
+# 40.1 for 8 splits of one tile in flight, cuDNN 37.5; one sequence of 16K keys (32 splits)
+# 22.7 / 23.8 against 24.1 / 25.4, cuDNN 23.6. Three programs an SM, or one, were slower.
+DOUBLE_BUFFERED_LAUNCH = {"num_warps": 2, "num_stages": 3}
+DOUBLE_BUFFERED_PER_SM = 2  # programs an SM; None: off
+EVEN_SHARE = 0.9  # the programs fill at least this share of their last round over the SMs
 # each unmasked tile's page looked up during the tile before (split_kernel): without it,
 # Triton's pipeliner gives the page's load a stage and keeps one K/V tile in flight whatever
 # num_stages says
@@ -503,8 +505,8 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
     split is the only one and writes the answer): worked out once per problem shape, since a
     model decodes the same shapes step after step (the host's time is a decoding step's
     budget)."""
-    heads, Bc, S, chunk, whole = _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted,
-                                       num_splits)
+    heads, Bc, S, chunk, deep = _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted,
+                                      num_splits)
     HEAD_DIM = padded_head_dim(d)
     dependent = pdl_launch(device_major, interpreted)
     # a launch setting may name AHEAD too (the sweep's variants): it then replaces the rule's
@@ -512,7 +514,7 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
                            HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
                            DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size, FINAL=S == 1,
                            AHEAD=PAGES_AHEAD),
-                    **({} if interpreted else WHOLE_LAUNCH if whole else SPLIT_LAUNCH),
+                    **({} if interpreted else DOUBLE_BUFFERED_LAUNCH if deep else SPLIT_LAUNCH),
                     **dependent}
     if S == 1:
         return S, chunk, heads, split_consts, None
@@ -545,30 +547,40 @@ def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=N
 
 
 def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits):
-    """``split_plan``'s four, and whether each group is read whole (``whole_caches``: the
-    launch takes WHOLE_LAUNCH then)."""
+    """``split_plan``'s four, and whether its programs keep two K/V tiles in flight
+    (``double_buffered``: the launch takes DOUBLE_BUFFERED_LAUNCH then)."""
     heads = heads_per_program(H // Hkv, Nq)
-    whole = whole_caches(B * H // heads, sms, d, dtype, interpreted, num_splits)
-    if whole:
-        Bc, S = WHOLE_TILE, 1
-    else:
-        Bc = key_tile(d, dtype, interpreted)
-        S = choose_num_splits(B * H // heads, Nk, Bc, sms, num_splits)
+    groups = B * H // heads
+    Bc = key_tile(d, dtype, interpreted)
+    S = None
+    if num_splits is None and DOUBLE_BUFFERED_PER_SM is not None:
+        # the most splits that give the SMs at most DOUBLE_BUFFERED_PER_SM programs each
+        even = splits_run(Nk, Bc, max(1, min(DOUBLE_BUFFERED_PER_SM * sms // groups,
+                                                 MAX_SPLITS)))
+        if double_buffered(groups * even, sms, d, dtype, interpreted):
+            S = even
+    if S is None:
+        S = splits_run(Nk, Bc, choose_num_splits(groups, Nk, Bc, sms, num_splits))
     chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
-    S = math.ceil(Nk / chunk)  # rounding the chunk up may leave the last splits empty: drop them
-    return heads, Bc, S, chunk, whole
+    return heads, Bc, S, chunk, double_buffered(groups * S, sms, d, dtype, interpreted)
 
 
-def whole_caches(programs: int, sms: int, d: int, dtype, interpreted: bool,
-                 num_splits=None) -> bool:
-    """Whether each of the ``programs`` groups reads its whole cache alone, in steps of
-    WHOLE_TILE keys on WHOLE_LAUNCH: where the groups alone give every SM WHOLE_PER_SM
-    programs, evenly (the step takes as long as the SMs with the most programs), one split
-    asked or none, on a GPU, in 16 bits, d <= 128 (compiled for sm_90: 72 KB of shared memory
-    and 126-184 registers a thread)."""
+def splits_run(Nk: int, Bc: int, asked: int) -> int:
+    """The splits that run when ``asked`` are: each a whole number of K/V tiles, so rounding
+    a chunk up may leave the last splits empty, and they are dropped (9 asked of 64 tiles run
+    as 8 chunks of 8 tiles)."""
+    chunk = math.ceil(math.ceil(Nk / asked) / Bc) * Bc
+    return math.ceil(Nk / chunk)
+
+
+def double_buffered(programs: int, sms: int, d: int, dtype, interpreted: bool) -> bool:
+    """Whether ``programs`` programs of the split kernel each keep two K/V tiles in flight
+    (DOUBLE_BUFFERED_LAUNCH): where they give every SM DOUBLE_BUFFERED_PER_SM, evenly (the
+    step takes as long as the SMs with the most programs), on a GPU, in 16 bits, d <= 128
+    (compiled for sm_90: 70 KB of shared memory)."""
     rounds = math.ceil(programs / sms)  # programs an SM, on the busiest SMs
-    return (WHOLE_TILE is not None and not interpreted and rounds == WHOLE_PER_SM
-            and programs >= WHOLE_EVEN * rounds * sms and num_splits in (None, 1)
+    return (DOUBLE_BUFFERED_PER_SM is not None and not interpreted
+            and rounds == DOUBLE_BUFFERED_PER_SM and programs >= EVEN_SHARE * rounds * sms
             and dtype != torch.float32 and padded_head_dim(d) <= 128)
 
 

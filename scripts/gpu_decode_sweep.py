@@ -15,6 +15,7 @@ half as many K/V head groups as the GPU has SMs. The cells are
     python scripts/gpu_decode_sweep.py --launches 2x2 2x4x32 4x2x128   # x Bc: K/V rows a step
     python scripts/gpu_decode_sweep.py --launches 2x2 2x3a --page-size 16   # a: pages ahead
     python scripts/gpu_decode_sweep.py --launches 2x2 2x3 --page-size 0   # a contiguous cache
+    python scripts/gpu_decode_sweep.py --launches 2x2 --page-size 16 --in-order   # pages in order
 
 Without a CUDA GPU it says so and exits.
 """
@@ -115,18 +116,21 @@ def plan_for(q, cache, launch, Bc, S):
     return plan
 
 
-def one_cell(B, Nk, page, launches, rounds, per_sm=()):
+def one_cell(B, Nk, page, launches, rounds, per_sm=(), in_order=False):
     """One cell's variants and cuDNN, timed in turn; ``page`` 0: our kernels read the
-    contiguous cache that cuDNN reads."""
+    contiguous cache that cuDNN reads; ``in_order``: each sequence's pages one after another
+    in the pool (else scattered at random)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashedu.benchmarks.paged import graph_copies, graph_us_in_turn, step_inputs
+    from flashedu.benchmarks.paged import graph_copies, graph_us_in_turn, paged_copy, step_inputs
     from flashedu.triton import decode
 
     q, k, v, kc, vc, table, seqlens = step_inputs(B, Nk, page or 256, 32, 8, 128, "cuda",
                                                   torch.bfloat16)
+    if in_order:
+        kc, vc, table, seqlens = paged_copy(k, v, page, None)
     copies = graph_copies(k, v, kc, vc, device="cuda")
 
     def given(c):  # one copy's arguments after q
@@ -149,7 +153,7 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=()):
                          for c in copies]
         times = graph_us_in_turn(ways, rounds,
                                  {"cudnn": lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)})
-    return {"B": B, "Nk": Nk, "page_size": page,
+    return {"B": B, "Nk": Nk, "page_size": page, "pages_in_order": in_order,
             "graph_us": {name: statistics.median(t) for name, t in times.items()},
             "each": times}
 
@@ -163,6 +167,8 @@ def main(argv=None) -> int:
                    help="also the split counts that give at most this many programs an SM")
     p.add_argument("--page-size", type=int, default=256,
                    help="0: a contiguous cache (the one cuDNN reads)")
+    p.add_argument("--in-order", action="store_true",
+                   help="each sequence's pages one after another in the pool (else at random)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -174,7 +180,8 @@ def main(argv=None) -> int:
     rows = []
     for cell in args.cells:
         B, Nk = (int(x) for x in cell.split("x"))
-        row = one_cell(B, Nk, args.page_size, args.launches, args.rounds, args.per_sm)
+        row = one_cell(B, Nk, args.page_size, args.launches, args.rounds, args.per_sm,
+                       args.in_order)
         rows.append(row)
         t = row["graph_us"]
         best = min((name for name in t if name != "cudnn"), key=t.get)

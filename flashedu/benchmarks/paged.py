@@ -35,13 +35,15 @@ SDPA_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
 def paged_copy(k, v, page_size: int, generator):
     """(k_cache, v_cache, block_table, seqlens): k, v (B, Hkv, Nk, d) cut into pages of
-    page_size rows, the pages placed at random in a pool."""
+    page_size rows, the pages placed at random in a pool (``generator`` None: in order, each
+    sequence's pages one after another)."""
     import torch
 
     B, Hkv, Nk, d = k.shape
     per_seq = -(-Nk // page_size)
     num_pages = B * per_seq
-    perm = torch.randperm(num_pages, generator=generator, device="cpu").to(k.device)
+    perm = (torch.arange(num_pages) if generator is None else
+            torch.randperm(num_pages, generator=generator, device="cpu")).to(k.device)
     table = perm.view(B, per_seq).to(torch.int32)
     pools = []
     for t in (k, v):

@@ -91,6 +91,31 @@ def test_matches_contiguous_reference(case, backend):
     torch.testing.assert_close(lse.cpu().double()[seen], L_ref[seen], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("page_size", [5, 16, 48])
+def test_pages_looked_up_ahead_or_in_their_own_step_give_the_same_bits(monkeypatch, page_size):
+    """Each unmasked tile's page is looked up during the tile before (PAGES_AHEAD) so that the
+    compiled pipeline keeps two K/V tiles in flight; looked up in the tile's own step instead,
+    the arithmetic is the same: the same bits, pages smaller than a tile, larger, not a
+    multiple of it."""
+    from flashedu.triton import decode as tdecode
+    from flashedu.triton import fast
+
+    k, v, table, seqlens = random_pool([150, 0, 61, 97], page_size, 2, 32, torch.float32,
+                                       seed=page_size)
+    q = torch.randn(4, 4, 2, 32, generator=torch.Generator().manual_seed(3))
+    given = [t.to(DEVICE) for t in (q, k, v, table, seqlens)]
+    outs = []
+    for ahead in (True, False):
+        monkeypatch.setattr(tdecode, "PAGES_AHEAD", ahead)
+        monkeypatch.setattr(fast, "PLANS", {})
+        tdecode._launch_plan.cache_clear()
+        outs.append(paged_attention(*given, is_causal=True, num_splits=2, return_lse=True))
+        (plan,) = fast.PLANS.values()
+        assert plan[0].consts["AHEAD"] is ahead
+    tdecode._launch_plan.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_paged_equals_split_kv_on_the_same_keys():
     """The page lookup is the only difference from the contiguous split-KV kernel (the tiles
     and split points may differ: the same answer up to float32 rounding)."""

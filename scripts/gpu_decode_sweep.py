@@ -67,9 +67,9 @@ def variants(B, Nk, launches, sms, per_sm=()):
     """{name: (launch, Bc, num_splits)} of one cell: "rule", the package's own plan (launch
     None); then for each launch the split count of ``choose_num_splits``, one split where the
     batch has at least half as many groups as the GPU has SMs, and the largest counts that
-    give at most each of ``per_sm`` programs an SM (one wave). Each count is the one the launch runs (a chunk is
-    a whole number of K/V tiles, so some asked counts run as fewer splits: 9 asked of 64 tiles
-    run as 8 chunks of 8 tiles)."""
+    give at most each of ``per_sm`` programs an SM (one wave). Each count is the one the
+    launch runs (a chunk is a whole number of K/V tiles, so some asked counts run as fewer
+    splits: 9 asked of 64 tiles run as 8 chunks of 8 tiles)."""
     import math
 
     from flashedu.triton import decode
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", nargs="+", default=CELLS, help="BxNk, e.g. 32x1024")
     p.add_argument("--launches", nargs="+", default=LAUNCHES,
-                   help="warpsxstages[xBc], e.g. 2x3 or 2x4x32")
+                   help="warpsxstages[xBc][a], e.g. 2x3, 2x4x32 or 2x3a (pages ahead)")
     p.add_argument("--per-sm", nargs="*", type=float, default=(),
                    help="also the split counts that give at most this many programs an SM")
     p.add_argument("--page-size", type=int, default=256,
@@ -172,6 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.in_order and args.page_size == 0:
+        p.error("--in-order places pages: give a --page-size")
     import torch
 
     if not torch.cuda.is_available():

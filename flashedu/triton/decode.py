@@ -16,12 +16,12 @@ Split-KV gives the keys to several programs instead:
 With one split (many sequences already fill the GPU, or ``num_splits=1``) the split kernel's
 partial result is the answer: it writes O and L itself and no merge is launched.
 
-Decoding is a stream of reads, and its speed is how many bytes are in flight. A program holds
-one K/V tile in flight while it computes on the one before where its splits can give every SM
-two programs, evenly (``double_buffered``: one program a group when the batch alone fills the
-SMs twice; else as many splits as that takes); elsewhere, one tile at a time and more programs,
-four an SM. Two things make the second tile possible in a paged cache: the tile's page is looked
-up during the tile before (``PAGES_AHEAD``), and three pipeline stages.
+Decoding is a stream of reads, and its speed is how many bytes are in flight. Where the splits
+can give every SM two programs, evenly (``double_buffered``: one program a group when the batch
+alone fills the SMs twice, else as many splits as that takes), each program loads its next K/V
+tile while it computes on this one; elsewhere a program reads one tile at a time, and more
+programs, four an SM, keep the loads going. In a paged cache the next tile can load early
+because its page is looked up during the tile before (``PAGES_AHEAD``).
 
 Grouped-query attention is packed: the query heads that share one K/V head go into the rows of
 one program (row r is head r // Nq, query r % Nq), so each K/V tile is read once per group

@@ -68,6 +68,7 @@ CASES = [  # lengths, H, Hkv, Nq, d, page_size, dtype, causal, num_splits
     ([37, 12], 4, 2, 1, 32, 5, torch.float32, False, None),  # pages smaller than a tile
     ([60], 2, 1, 2, 16, 24, torch.float32, True, 3),  # tiles across page edges
     ([37, 0, 100], 4, 2, 2, 40, 16, torch.float32, True, 1),  # one split: no merge launched
+    ([45, 70], 4, 2, 1, 32, 4, torch.float32, True, 2),  # a tile holds whole pages: one entry each
 ]
 
 
@@ -91,12 +92,12 @@ def test_matches_contiguous_reference(case, backend):
     torch.testing.assert_close(lse.cpu().double()[seen], L_ref[seen], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("page_size", [5, 16, 48])
+@pytest.mark.parametrize("page_size", [5, 8, 16, 48])
 def test_pages_looked_up_ahead_or_in_their_own_step_give_the_same_bits(monkeypatch, page_size):
     """Each unmasked tile's page is looked up during the tile before (PAGES_AHEAD) so that the
     compiled pipeline keeps two K/V tiles in flight; looked up in the tile's own step instead,
-    the arithmetic is the same: the same bits, pages smaller than a tile, larger, not a
-    multiple of it."""
+    the arithmetic is the same: the same bits, pages smaller than a tile (a divisor of it or
+    not), larger, not a multiple of it."""
     from flashedu.triton import decode as tdecode
     from flashedu.triton import fast
 

@@ -103,22 +103,28 @@ def tile_pages(start_n, ok, b, block_table, width, Nk, Bc: tl.constexpr,
     """The pages that keys start_n .. start_n + Bc - 1 of sequence b lie in: entry
     j // PAGE_SIZE of the block table's row b (its rows ``width`` entries apart) for key j.
     Where pages hold whole tiles (PAGE_SIZE a multiple of Bc; tiles start at multiples of Bc)
-    the tile reads one entry, else each row its own. Only where ``ok`` (the tile is one of
-    this program's) and the key is within the sequence (< Nk); elsewhere 0, no entry read. A
-    contiguous cache (no block table) has no pages."""
+    the tile reads one entry; where tiles hold whole pages (Bc a multiple of PAGE_SIZE), the
+    entry of each of its Bc // PAGE_SIZE pages (``cache_rows`` hands each row its page's);
+    else each row its own. Only where ``ok`` (the tile is one of this program's) and the
+    keys are within the sequence (< Nk); elsewhere 0, no entry read. A contiguous cache (no
+    block table) has no pages."""
     if block_table is None:
         return 0
     elif PAGE_SIZE % Bc == 0:  # start_n < Nk for any tile of the program's
         return tl.load(block_table + b * width + start_n // PAGE_SIZE, mask=ok, other=0)
+    elif Bc % PAGE_SIZE == 0:
+        p = start_n // PAGE_SIZE + tl.arange(0, Bc // PAGE_SIZE)  # keys >= 0: "< 0" is none
+        return tl.load(block_table + b * width + p, mask=p * PAGE_SIZE < tl.where(ok, Nk, 0),
+                       other=0)
     else:
-        j = start_n + tl.arange(0, Bc)  # keys are >= 0: "j < 0" is no key
+        j = start_n + tl.arange(0, Bc)
         return tl.load(block_table + b * width + j // PAGE_SIZE, mask=j < tl.where(ok, Nk, 0),
                        other=0)
 
 
 @triton.jit
 def cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb, stride_vn,
-               PAGE_SIZE: tl.constexpr):
+               Bc: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Where keys j of sequence b lie in K and in V, as offsets from the head's start: rows j
     of batch b in a contiguous cache (no block_table); in a paged one, row j % PAGE_SIZE of
     ``page`` (``tile_pages``), stride_kb, stride_vb then being the pages' strides. The page
@@ -126,6 +132,10 @@ def cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb, stride_
     if block_table is None:
         return b * stride_kb + j * stride_kn, b * stride_vb + j * stride_vn
     else:
+        if PAGE_SIZE < Bc and Bc % PAGE_SIZE == 0:  # the tile's pages: each row's own
+            # (among a warp's registers: per-row entries, loaded, went through shared memory
+            # to the rows' layout, a barrier each tile)
+            page = tl.gather(page, tl.arange(0, Bc) // PAGE_SIZE, 0)
         page = page.to(tl.int64)
         row = j % PAGE_SIZE
         return page * stride_kb + row * stride_kn, page * stride_vb + row * stride_vn
@@ -142,7 +152,7 @@ def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, page, b, block_table
     row_ok = j < Nk
     dim_ok = dims[None, :] < d
     K_rows, V_rows = cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb,
-                                stride_vn, PAGE_SIZE)
+                                stride_vn, Bc, PAGE_SIZE)
     K_j = load_tile(K_head + K_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
                     not EVEN_D)
     V_j = load_tile(V_head + V_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,

@@ -181,6 +181,38 @@ def test_two_tiles_in_flight_where_the_splits_give_every_sm_two_programs_evenly(
     assert not double_buffered(256, 132, 128, bf16, True)
 
 
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_two_programs_of_two_tiles_fit_on_an_sm(page_size):
+    """The double-buffered launch compiled for sm_90 here, as a step of 32 sequences of 1K keys
+    plans it: shared memory holds two K/V tiles a program (the pipeline's second buffer: were
+    a tile's page loaded in its own step, the pipeline would keep one), and two programs fit
+    on an SM in shared memory and registers, as the rule assumes."""
+    from flashedu.benchmarks import sass
+    from flashedu.triton import decode as tdecode
+
+    if not sass.can_compile():
+        pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
+    B, H, Hkv, d, Nk, bf16 = 32, 32, 8, 128, 1024, torch.bfloat16
+    S, chunk, heads, consts, merge = tdecode._launch_plan(B, H, Hkv, 1, Nk, d, bf16, 132, False,
+                                                          None, False, page_size, 9)
+    assert S == 1 and merge is None and consts["num_stages"] == 3 and consts["AHEAD"]
+    consts = {k: v for k, v in consts.items() if k not in ("PDL", "launch_pdl")}
+    q = torch.empty(B, H, 1, d, dtype=bf16)
+    pool = torch.empty(B * Nk // page_size, page_size, Hkv, d, dtype=bf16)
+    table = torch.zeros(B, Nk // page_size, dtype=torch.int32)
+    out, lse2 = torch.empty_like(q), torch.empty(B, H, 1)
+    kv = (pool.stride(0), pool.stride(2), pool.stride(1))
+    args = (q, pool, pool, out, lse2, table, torch.zeros(B, dtype=torch.int32), 0.1,
+            *q.stride()[:3], *kv, *kv, H, H // Hkv, heads, 1, Nk, d, chunk, S, table.stride(0),
+            *out.stride()[:3])
+    got = sass.compile_kernel(tdecode.split_kernel, args, consts)
+    two_tiles = 2 * 2 * consts["Bc"] * d * 2  # K_j and V_j, two buffers, bf16
+    per_sm = tdecode.DOUBLE_BUFFERED_PER_SM
+    assert two_tiles <= got["shared_bytes"] and per_sm * got["shared_bytes"] <= 227 * 1024
+    assert per_sm * got["registers"] * 32 * consts["num_warps"] <= 65536
+    assert got["spill_stores"] == 0
+
+
 def test_bad_input_is_refused():
     q, k = randn(1, 2, 1, 16), randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="num_splits"):

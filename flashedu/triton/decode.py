@@ -75,11 +75,12 @@ MAX_SPLITS = 128
 # of two sweeps of seven cells (BENCHMARKS.md, "Decoding: two warps, at most four programs an
 # SM"); with two stages a program takes 38 KB of shared memory
 SPLIT_LAUNCH = {"num_warps": 2, "num_stages": 2}
-# programs an SM at once: five by shared memory, four by registers where a tile reads a page
-# entry per row (220 registers a thread at pages of 16 on sm_90, 166 at pages of 256)
+# programs an SM at once: five fit (38 KB of shared memory; 168 registers a thread at pages of
+# 16, 162 at 256, compiled for sm_90), but five were 1-3% slower than four at 8 sequences
+# (BENCHMARKS.md, "Decoding between 32 and 64 sequences")
 RESIDENT = 4
 MERGE_TILE = 8192  # partial values one step of the merge loads: all in flight together
-KEY_TILE = 64  # Bc on a GPU where d <= 128 in 16 bits (two stages of K_j, V_j: 32 KB)
+KEY_TILE = 64  # Bc on a GPU where d <= 128 in 16 bits (a buffer of K_j and V_j: 32 KB)
 # Two K/V tiles in flight a program (three stages: one tile read while the next loads; 70 KB of
 # shared memory, three fit on an SM), where the split count can give every SM two programs,
 # evenly: cuDNN's kernel also keeps more than one tile in flight, one program an SM. H200 sweeps

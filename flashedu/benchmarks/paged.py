@@ -9,7 +9,8 @@ round in turn (--rounds; the median kept):
 - contiguous: split-KV decoding (``flashedu.triton.decode.split_kv_attention``);
 - SDPA on the contiguous cache, each of its kernels selected explicitly (grouped-query through
   enable_gqa where the kernel takes it, else with K and V expanded to every query head).
-A step reads the whole cache once, so the table shows GB/s of K/V read. Each call is also
+A step reads the whole cache once, so the table shows GB/s of K/V read, and the plan of the
+split kernel (its splits, and the K/V tiles each program keeps in flight). Each call is also
 measured by its kernels' time on the GPU alone (torch.profiler): at small caches a call's time
 is the host's (Python, launches), and the two columns tell the host's share from the kernels'.
 Third, as inference servers run a step: captured in a CUDA graph of 16 calls and replayed

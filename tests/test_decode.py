@@ -159,8 +159,8 @@ def test_two_tiles_in_flight_where_the_splits_give_every_sm_two_programs_evenly(
     # 8 sequences: 64 groups, 4 splits (256 programs); one sequence: 8 groups, 32 splits
     assert split_plan(8, 32, 8, 1, 4096, 128, bf16, 132) == (4, 64, 4, 1024)
     assert split_plan(1, 32, 8, 1, 16384, 128, bf16, 132) == (4, 64, 32, 512)
-    # 15 sequences: 120 groups, 2 splits; 17: 136 groups, 1 split leaves 128 SMs one program
-    # and 2 splits give 140 SMs' worth: four an SM then, one tile each
+    # 15 sequences: 120 groups, 2 splits; 17: 136 groups, where one split leaves 128 SMs one
+    # program and two make 272 programs, more than two an SM: the split rule's 3, one tile
     assert split_plan(15, 32, 8, 1, 4096, 128, bf16, 132)[2] == 2
     assert not _plan(17, 32, 8, 1, 4096, 128, bf16, 132, False, None)[4]
     assert split_plan(17, 32, 8, 1, 4096, 128, bf16, 132)[2] == 3

@@ -465,7 +465,7 @@ def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monke
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     call = ops.Call(True, 0.25)
     o, lse2 = launch.forward(q, k, v, call, interpreted=False)
-    assert settings_seen == [entry.schedule.settings(True)]
+    assert settings_seen == [entry.schedule.settings(True, 64)]
     assert (o == 1).all() and (lse2 == 0.5).all() and o.shape == q.shape
     keep = []
     o, _ = launch.forward(q, k, v, call, interpreted=False, keep=keep)

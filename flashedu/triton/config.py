@@ -61,11 +61,11 @@ class Schedule:
     causal_persistent_until: int = 0
     q_buffers: int = 1
 
-    def settings(self, is_causal: bool = False, n: int | None = None) -> dict:
+    def settings(self, is_causal: bool, n: int) -> dict:
         """The keywords of ``fa3.forward`` for a dense or a causal call of n queries and keys
-        (the fewer of the two; None: long)."""
-        persistent = self.persistent and (not is_causal or (
-            n is not None and n < self.causal_persistent_until))
+        (the fewer of the two: a causal call's persistence depends on it, so every caller
+        says it)."""
+        persistent = self.persistent and (not is_causal or n < self.causal_persistent_until)
         return dict(CONSUMERS=self.consumers, STAGES=self.stages,
                     CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first,

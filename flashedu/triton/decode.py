@@ -566,22 +566,21 @@ def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits):
     S = None
     if num_splits is None and DOUBLE_BUFFERED_PER_SM is not None:
         # the most splits that give the SMs at most DOUBLE_BUFFERED_PER_SM programs each
-        even = splits_run(Nk, Bc, max(1, min(DOUBLE_BUFFERED_PER_SM * sms // groups,
-                                                 MAX_SPLITS)))
-        if double_buffered(groups * even, sms, d, dtype, interpreted):
-            S = even
+        S, chunk = split_chunks(Nk, Bc, max(1, min(DOUBLE_BUFFERED_PER_SM * sms // groups,
+                                                   MAX_SPLITS)))
+        if not double_buffered(groups * S, sms, d, dtype, interpreted):
+            S = None
     if S is None:
-        S = splits_run(Nk, Bc, choose_num_splits(groups, Nk, Bc, sms, num_splits))
-    chunk = math.ceil(math.ceil(Nk / S) / Bc) * Bc  # a whole number of K/V tiles per split
+        S, chunk = split_chunks(Nk, Bc, choose_num_splits(groups, Nk, Bc, sms, num_splits))
     return heads, Bc, S, chunk, double_buffered(groups * S, sms, d, dtype, interpreted)
 
 
-def splits_run(Nk: int, Bc: int, asked: int) -> int:
-    """The splits that run when ``asked`` are: each a whole number of K/V tiles, so rounding
-    a chunk up may leave the last splits empty, and they are dropped (9 asked of 64 tiles run
-    as 8 chunks of 8 tiles)."""
+def split_chunks(Nk: int, Bc: int, asked: int) -> tuple:
+    """(S, chunk): the splits that run when ``asked`` are, and the keys each reads. A chunk is
+    a whole number of K/V tiles, so rounding it up may leave the last splits empty, and they
+    are dropped (9 asked of 64 tiles run as 8 chunks of 8 tiles)."""
     chunk = math.ceil(math.ceil(Nk / asked) / Bc) * Bc
-    return math.ceil(Nk / chunk)
+    return math.ceil(Nk / chunk), chunk
 
 
 def double_buffered(programs: int, sms: int, d: int, dtype, interpreted: bool) -> bool:

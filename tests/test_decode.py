@@ -14,6 +14,7 @@ from flashedu.triton.decode import (
     heads_per_program,
     split_kv_attention,
     split_plan,
+    tiles_in_flight,
 )
 
 DEVICE = flashedu.runtime.kernel_device()  # the CPU under the interpreter, else the GPU
@@ -171,6 +172,8 @@ def test_two_tiles_in_flight_where_the_splits_give_every_sm_two_programs_evenly(
     # a short cache cannot split enough: 1K keys are 16 tiles, 128 programs of one sequence
     assert split_plan(1, 32, 8, 1, 1024, 128, bf16, 132) == (4, 64, 16, 64)
     assert not _plan(1, 32, 8, 1, 1024, 128, bf16, 132, False, None)[4]
+    assert tiles_in_flight(1, 32, 8, 1, 1024, 128, bf16, 132) == 1
+    assert tiles_in_flight(32, 32, 8, 1, 1024, 128, bf16, 132) == 2
     # splits asked: the launch follows the programs they make
     assert split_plan(32, 32, 8, 1, 1024, 128, bf16, 132, num_splits=2) == (4, 64, 2, 512)
     assert not _plan(32, 32, 8, 1, 1024, 128, bf16, 132, False, 2)[4]

@@ -234,9 +234,8 @@ def launch_plan(B, H, Hkv, Nk, d, dtype, device) -> tuple:
     from flashedu.triton import decode
 
     interpreted = runtime.triton_interpreted()
-    sms = decode.sm_count(device, interpreted)
-    heads, _, S, _ = decode.split_plan(B, H, Hkv, 1, Nk, d, dtype, sms, interpreted)
-    return S, 2 if decode.double_buffered(B * H // heads * S, sms, d, dtype, interpreted) else 1
+    shape = (B, H, Hkv, 1, Nk, d, dtype, decode.sm_count(device, interpreted), interpreted)
+    return decode.split_plan(*shape)[2], decode.tiles_in_flight(*shape)
 
 
 def parse_args(argv):

@@ -557,6 +557,13 @@ def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=N
     return _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)[:4]
 
 
+def tiles_in_flight(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False,
+                    num_splits=None) -> int:
+    """The K/V tiles each program of ``split_plan``'s launch keeps in flight: two where it
+    is ``double_buffered``, else one."""
+    return 2 if _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)[4] else 1
+
+
 def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits):
     """``split_plan``'s four, and whether its programs keep two K/V tiles in flight
     (``double_buffered``: the launch takes DOUBLE_BUFFERED_LAUNCH then)."""

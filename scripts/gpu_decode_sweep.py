@@ -124,13 +124,11 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=(), in_order=False):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashedu.benchmarks.paged import graph_copies, graph_us_in_turn, paged_copy, step_inputs
+    from flashedu.benchmarks.paged import graph_copies, graph_us_in_turn, step_inputs
     from flashedu.triton import decode
 
     q, k, v, kc, vc, table, seqlens = step_inputs(B, Nk, page or 256, 32, 8, 128, "cuda",
-                                                  torch.bfloat16)
-    if in_order:
-        kc, vc, table, seqlens = paged_copy(k, v, page, None)
+                                                  torch.bfloat16, in_order)
     copies = graph_copies(k, v, kc, vc, device="cuda")
 
     def given(c):  # one copy's arguments after q

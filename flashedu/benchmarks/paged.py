@@ -114,16 +114,18 @@ def cache_copies(kv_bytes: int, device) -> int:
     return max(1, min(GRAPH_STEPS, -(-2 * l2 // kv_bytes)))
 
 
-def step_inputs(B, Nk, page_size, H, Hkv, d, device, dtype):
+def step_inputs(B, Nk, page_size, H, Hkv, d, device, dtype, in_order=False):
     """(q, k, v, k_cache, v_cache, block_table, seqlens) of one decoding step: one query per
-    head against Nk keys, seeded by the cell, and the same keys in a paged pool."""
+    head against Nk keys, seeded by the cell, and the same keys in a paged pool (its pages
+    scattered, or ``in_order``)."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(B * 7 + Nk)
     q = torch.randn(B, H, 1, d, device=device, dtype=dtype, generator=g)
     k = torch.randn(B, Hkv, Nk, d, device=device, dtype=dtype, generator=g)
     v = torch.randn(B, Hkv, Nk, d, device=device, dtype=dtype, generator=g)
-    return (q, k, v, *paged_copy(k, v, page_size, torch.Generator().manual_seed(Nk)))
+    placing = None if in_order else torch.Generator().manual_seed(Nk)
+    return (q, k, v, *paged_copy(k, v, page_size, placing))
 
 
 def graph_copies(k, v, *more, device) -> list:

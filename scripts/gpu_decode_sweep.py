@@ -49,18 +49,20 @@ def parse_launch(text: str) -> tuple:
 @contextlib.contextmanager
 def launched_as(launch, Bc):
     """Plans made inside use the split kernel's ``launch`` on tiles of Bc keys (None: the
-    rule's) whatever the batch, the double-buffered rule off; ``launch`` None: the
+    rule's) whatever the batch, the one- and two-an-SM rules off; ``launch`` None: the
     package's own rule, unchanged."""
     from flashedu.triton import decode
 
-    saved = decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.DOUBLE_BUFFERED_PER_SM
+    saved = (decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.DOUBLE_BUFFERED_PER_SM,
+             decode.ONE_PER_SM)
     if launch is not None:
         decode.SPLIT_LAUNCH, decode.KEY_TILE = launch, Bc or decode.KEY_TILE
-        decode.DOUBLE_BUFFERED_PER_SM = None
+        decode.DOUBLE_BUFFERED_PER_SM, decode.ONE_PER_SM = None, False
     try:
         yield
     finally:
-        decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.DOUBLE_BUFFERED_PER_SM = saved
+        (decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.DOUBLE_BUFFERED_PER_SM,
+         decode.ONE_PER_SM) = saved
 
 
 def variants(B, Nk, launches, sms, per_sm=()):

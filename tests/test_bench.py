@@ -612,8 +612,9 @@ def test_paged_dry_run(tmp_path, capsys):
     assert "paged within 10% of contiguous" in text  # the goals, counted under the table
     # the plan of each cell: 2 sequences x 2 K/V heads on the interpreter's 4 "SMs", 40 keys
     # in tiles of 16: three splits (a chunk a tile), one tile in flight (no pipeline there)
-    assert all(r["splits"] == 3 and r["tiles_in_flight"] == 1 for r in rows)
-    assert "splits x tiles" in text and "3 x 1" in text
+    assert all(r["splits"] == 3 and r["tiles_in_flight"] == 1 and r["key_tile"] == 16
+               for r in rows)
+    assert "splits x tiles x Bc" in text and "3 x 1 x 16" in text
 
 
 def test_paged_goals_count_the_cells_that_meet_them():

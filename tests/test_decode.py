@@ -8,6 +8,9 @@ import flashedu
 from flashedu import tolerance
 from flashedu.reference import naive_attention
 from flashedu.triton.decode import (
+    DOUBLE_BUFFERED_LAUNCH,
+    ONE_PER_SM_LAUNCH,
+    SPLIT_LAUNCH,
     _plan,
     choose_num_splits,
     double_buffered,
@@ -143,59 +146,100 @@ def test_split_heuristics():
     # rounded up to whole K/V tiles of 64: 32 tiles = 2048 keys, 64 splits
     assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132, num_splits=66) == (
         4, 64, 64, 2048)
-    # unasked: 33 splits of 63 tiles, two programs an SM (double_buffered)
-    assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132) == (4, 64, 33, 4032)
+    # unasked, in pages of 16: 33 splits of 63 tiles, two programs an SM (double_buffered)
+    assert split_plan(1, 32, 8, 1, 131072, 128, torch.bfloat16, 132, page_size=16) == (
+        4, 64, 33, 4032)
     assert split_plan(1, 4, 4, 1, 100, 64, torch.float32, 132, num_splits=3) == (1, 32, 2, 64)
 
 
 def test_two_tiles_in_flight_where_the_splits_give_every_sm_two_programs_evenly():
     """The split count that gives every SM two programs, evenly, each keeping two K/V tiles
     in flight (double_buffered); where no count does, or splits are asked that do not, four
-    programs an SM with one tile each (choose_num_splits)."""
+    programs an SM with one tile each (choose_num_splits). Pages of 16 rows: no 128-key tile
+    lies in one page, so no plan of one program an SM (the next test)."""
     bf16 = torch.bfloat16
+
+    def plan(B, Nk, num_splits=None):
+        return _plan(B, 32, 8, 1, Nk, 128, bf16, 132, False, num_splits, 16)
+
+    def split_plan16(B, Nk, num_splits=None):
+        return split_plan(B, 32, 8, 1, Nk, 128, bf16, 132, num_splits=num_splits, page_size=16)
+
     # 32 sequences x 8 K/V heads: 256 groups on 132 SMs, no split
     assert double_buffered(256, 132, 128, bf16, False)
-    assert split_plan(32, 32, 8, 1, 1024, 128, bf16, 132) == (4, 64, 1, 1024)
-    assert _plan(32, 32, 8, 1, 1024, 128, bf16, 132, False, None)[4]
+    assert split_plan16(32, 1024) == (4, 64, 1, 1024)
+    assert plan(32, 1024)[4] is DOUBLE_BUFFERED_LAUNCH
     # 8 sequences: 64 groups, 4 splits (256 programs); one sequence: 8 groups, 32 splits
-    assert split_plan(8, 32, 8, 1, 4096, 128, bf16, 132) == (4, 64, 4, 1024)
-    assert split_plan(1, 32, 8, 1, 16384, 128, bf16, 132) == (4, 64, 32, 512)
+    assert split_plan16(8, 4096) == (4, 64, 4, 1024)
+    assert split_plan16(1, 16384) == (4, 64, 32, 512)
     # 15 sequences: 120 groups, 2 splits; 17: 136 groups, where one split leaves 128 SMs one
     # program and two make 272 programs, more than two an SM: the split rule's 3, one tile
-    assert split_plan(15, 32, 8, 1, 4096, 128, bf16, 132)[2] == 2
-    assert not _plan(17, 32, 8, 1, 4096, 128, bf16, 132, False, None)[4]
-    assert split_plan(17, 32, 8, 1, 4096, 128, bf16, 132)[2] == 3
+    assert split_plan16(15, 4096)[2] == 2
+    assert plan(17, 4096)[4] is SPLIT_LAUNCH
+    assert split_plan16(17, 4096)[2] == 3
     assert double_buffered(240, 132, 128, bf16, False)  # 108 SMs two, 24 one
     assert not double_buffered(236, 132, 128, bf16, False)  # 104 SMs two, 28 one
     assert not double_buffered(120, 132, 128, bf16, False)  # one an SM: too few loads
     assert not double_buffered(512, 132, 128, bf16, False)  # four an SM
     # a short cache cannot split enough: 1K keys are 16 tiles, 128 programs of one sequence
-    assert split_plan(1, 32, 8, 1, 1024, 128, bf16, 132) == (4, 64, 16, 64)
-    assert not _plan(1, 32, 8, 1, 1024, 128, bf16, 132, False, None)[4]
-    assert tiles_in_flight(1, 32, 8, 1, 1024, 128, bf16, 132) == 1
-    assert tiles_in_flight(32, 32, 8, 1, 1024, 128, bf16, 132) == 2
+    assert split_plan16(1, 1024) == (4, 64, 16, 64)
+    assert plan(1, 1024)[4] is SPLIT_LAUNCH
+    assert tiles_in_flight(1, 32, 8, 1, 1024, 128, bf16, 132, page_size=16) == 1
+    assert tiles_in_flight(32, 32, 8, 1, 1024, 128, bf16, 132, page_size=16) == 2
     # splits asked: the launch follows the programs they make
-    assert split_plan(32, 32, 8, 1, 1024, 128, bf16, 132, num_splits=2) == (4, 64, 2, 512)
-    assert not _plan(32, 32, 8, 1, 1024, 128, bf16, 132, False, 2)[4]
-    assert _plan(8, 32, 8, 1, 4096, 128, bf16, 132, False, 4)[4]
+    assert split_plan16(32, 1024, num_splits=2) == (4, 64, 2, 512)
+    assert plan(32, 1024, 2)[4] is SPLIT_LAUNCH
+    assert plan(8, 4096, 4)[4] is DOUBLE_BUFFERED_LAUNCH
     # float32, d = 256, the interpreter: one tile in flight
     assert not double_buffered(256, 132, 128, torch.float32, False)
     assert not double_buffered(256, 132, 256, bf16, False)
     assert not double_buffered(256, 132, 128, bf16, True)
+    assert _plan(32, 32, 8, 1, 1024, 128, bf16, 132, True, None, 16)[4] == {}
 
 
-@pytest.mark.parametrize("page_size", [16, 256])
-def test_two_programs_of_two_tiles_fit_on_an_sm(page_size):
-    """The double-buffered launch compiled for sm_90 here, as a step of 32 sequences of 1K keys
-    plans it: shared memory holds two K/V tiles a program (the pipeline's second buffer: were
-    a tile's page loaded in its own step, the pipeline would keep one), and two programs fit
-    on an SM in shared memory and registers, as the rule assumes."""
+def test_one_program_an_sm_where_the_splits_give_every_sm_one_and_a_tile_lies_in_a_page():
+    """Where the groups and a split count fill every SM once, evenly, and pages hold whole
+    128-key tiles (or there are none): one program an SM, 128-key tiles two in flight."""
+    bf16 = torch.bfloat16
+
+    def plan(B, Nk, page_size, num_splits=None, d=128, dtype=bf16):
+        return _plan(B, 32, 8, 1, Nk, d, dtype, 132, False, num_splits, page_size)
+
+    # 16 sequences: 128 groups, no split; 8: 64 groups, 2 splits; one: 8 groups, 16 splits
+    assert plan(16, 4096, 256) == (4, 128, 1, 4096, ONE_PER_SM_LAUNCH)
+    assert plan(8, 65536, 256) == (4, 128, 2, 32768, ONE_PER_SM_LAUNCH)
+    assert plan(1, 16384, 0) == (4, 128, 16, 1024, ONE_PER_SM_LAUNCH)  # a contiguous cache
+    assert tiles_in_flight(8, 32, 8, 1, 4096, 128, bf16, 132, page_size=256) == 2
+    # 15 sequences: 120 groups, 91% of the SMs; 14: 112, 85%, too few, and two splits fill
+    # 85% of two rounds: four programs an SM, one tile in flight
+    assert plan(15, 4096, 256)[4] is ONE_PER_SM_LAUNCH
+    assert plan(14, 4096, 256)[4] is SPLIT_LAUNCH
+    # 32 sequences fill the SMs twice: the double-buffered plan
+    assert plan(32, 4096, 256)[4] is DOUBLE_BUFFERED_LAUNCH
+    # not where 128-key tiles cross pages, splits are asked, float32, d = 256, interpreted
+    assert plan(16, 4096, 16)[4] is DOUBLE_BUFFERED_LAUNCH
+    assert plan(16, 4096, 64)[4] is DOUBLE_BUFFERED_LAUNCH
+    assert plan(16, 4096, 256, num_splits=1)[1:] == (64, 1, 4096, SPLIT_LAUNCH)
+    assert plan(16, 4096, 256, dtype=torch.float32)[4] is SPLIT_LAUNCH
+    assert plan(16, 4096, 256, d=256)[4] is SPLIT_LAUNCH
+    assert _plan(16, 32, 8, 1, 4096, 128, bf16, 132, True, None, 256)[1] == 16
+    # a short cache: 1K keys are 8 tiles of 128, 64 programs of one sequence: not even
+    assert plan(1, 1024, 256)[4] is SPLIT_LAUNCH
+
+
+@pytest.mark.parametrize("B, page_size, per_sm", [(32, 16, 2), (32, 256, 2), (16, 256, 1)])
+def test_programs_of_two_tiles_fit_on_an_sm(B, page_size, per_sm):
+    """The two-tile launches compiled for sm_90 here, as steps of B sequences of 1K keys plan
+    them (32: two programs an SM, 16: one): shared memory holds two K/V tiles a program (the
+    pipeline's second buffer: were a tile's page loaded in its own step, the pipeline would
+    keep one), and the programs an SM fit in shared memory and registers, as the rule
+    assumes."""
     from flashedu.benchmarks import sass
     from flashedu.triton import decode as tdecode
 
     if not sass.can_compile():
         pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
-    B, H, Hkv, d, Nk, bf16 = 32, 32, 8, 128, 1024, torch.bfloat16
+    H, Hkv, d, Nk, bf16 = 32, 8, 128, 1024, torch.bfloat16
     S, chunk, heads, consts, merge = tdecode._launch_plan(B, H, Hkv, 1, Nk, d, bf16, 132, False,
                                                           None, False, page_size, 9)
     assert S == 1 and merge is None and consts["num_stages"] == 3 and consts["AHEAD"]
@@ -210,7 +254,7 @@ def test_two_programs_of_two_tiles_fit_on_an_sm(page_size):
             *out.stride()[:3])
     got = sass.compile_kernel(tdecode.split_kernel, args, consts)
     two_tiles = 2 * 2 * consts["Bc"] * d * 2  # K_j and V_j, two buffers, bf16
-    per_sm = tdecode.DOUBLE_BUFFERED_PER_SM
+    assert tdecode.tiles_in_flight(B, H, Hkv, 1, Nk, d, bf16, 132, page_size=page_size) == 2
     assert two_tiles <= got["shared_bytes"] and per_sm * got["shared_bytes"] <= 227 * 1024
     assert per_sm * got["registers"] * 32 * consts["num_warps"] <= 65536
     assert got["spill_stores"] == 0
@@ -265,7 +309,8 @@ def test_the_sweep_names_each_launch_and_its_split_counts():
     from flashedu.triton import decode
 
     sweep = load_script("gpu_decode_sweep")
-    before = decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.DOUBLE_BUFFERED_PER_SM
+    knobs = ("SPLIT_LAUNCH", "KEY_TILE", "DOUBLE_BUFFERED_PER_SM", "ONE_PER_SM")
+    before = [getattr(decode, k) for k in knobs]
     got = sweep.variants(32, 1024, ["2x2", "4x2x128"], 132)
     plain = {"num_warps": 2, "num_stages": 2, "AHEAD": False}
     wide = {"num_warps": 4, "num_stages": 2, "AHEAD": False}
@@ -275,6 +320,28 @@ def test_the_sweep_names_each_launch_and_its_split_counts():
     assert sweep.parse_launch("2x3a") == ({"num_warps": 2, "num_stages": 3, "AHEAD": True},
                                           None)
     assert "w2s3b32a-S2" in sweep.variants(32, 1024, ["2x3x32a"], 132)
-    assert (decode.SPLIT_LAUNCH, decode.KEY_TILE, decode.DOUBLE_BUFFERED_PER_SM) == before
+    assert [getattr(decode, k) for k in knobs] == before
     with pytest.raises(ValueError, match="warps x stages"):
         sweep.parse_launch("2x2x2x2")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: a cache of "
+                    "2^31 elements and more")
+def test_a_cache_past_two_to_the_31_elements_is_read_where_it_lies():
+    """Three sequences of 2^23 keys, one K/V head of 128: a sequence is 2^30 elements, so the
+    third starts at element 2^31, past what a 32-bit offset holds. Its answer against the same
+    keys attended to alone (one sequence: offsets from 0)."""
+    if torch.cuda.mem_get_info()[0] < 10e9:
+        pytest.skip("needs 10 GB of free GPU memory: the cache is 6.4 GB, its copy 2.1")
+    B, Nk, d = 3, 2**23, 128
+    kv = torch.empty(B, 1, Nk, d, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for b in range(B):  # in parts: one sequence's float32 draw would be 4 GB
+        kv[b].normal_(generator=g)
+    q = torch.randn(B, 4, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    last = kv[2:].clone()
+    with torch.no_grad():  # K and V one tensor: 6.4 GB, not 12.8; the same splits, the same sums
+        out = split_kv_attention(q, kv, kv, num_splits=64)
+        alone = split_kv_attention(q[2:], last, last, num_splits=64)
+    assert torch.equal(out[2:], alone) and out.isfinite().all()

@@ -342,17 +342,20 @@ def test_steps_back_to_back_and_in_a_cuda_graph_give_the_eager_answers():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the double-buffered "
-                    "launch is the compiled kernels' (the interpreter has no pipeline)")
-@pytest.mark.parametrize("page_size, Nq, causal, fills", [
-    (16, 1, False, True), (256, 1, True, True), (16, 3, True, True), (256, 2, False, True),
-    (16, 1, True, False), (256, 1, False, False)])
-def test_two_tiles_in_flight_read_the_cache_right(page_size, Nq, causal, fills):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the two-tile "
+                    "launches are the compiled kernels' (the interpreter has no pipeline)")
+@pytest.mark.parametrize("launch, page_size, Nq, causal, fills", [
+    ("DOUBLE_BUFFERED_LAUNCH", 16, 1, False, True), ("DOUBLE_BUFFERED_LAUNCH", 256, 1, True, True),
+    ("DOUBLE_BUFFERED_LAUNCH", 16, 3, True, True), ("DOUBLE_BUFFERED_LAUNCH", 256, 2, False, True),
+    ("DOUBLE_BUFFERED_LAUNCH", 16, 1, True, False), ("DOUBLE_BUFFERED_LAUNCH", 64, 1, False, False),
+    ("ONE_PER_SM_LAUNCH", 256, 1, False, True), ("ONE_PER_SM_LAUNCH", 256, 2, True, False),
+    ("ONE_PER_SM_LAUNCH", 512, 1, True, True), ("ONE_PER_SM_LAUNCH", 128, 3, False, False)])
+def test_two_tiles_in_flight_read_the_cache_right(launch, page_size, Nq, causal, fills):
     """Programs that keep two K/V tiles in flight, each tile's page looked up during the tile
-    before (the plan says so): enough sequences for two groups an SM (one program a group, no
-    merge), or a few sequences split to two programs an SM; over ragged lengths (an empty one,
-    tiles cut by the sequence's end, pages smaller than a tile) against float64, paged and
-    contiguous."""
+    before (the plan says so): two programs of 64-key tiles an SM, or one of 128-key tiles;
+    enough sequences to fill the SMs with one program a group (no merge), or a few sequences
+    split to fill them; over ragged lengths (an empty one, tiles cut by the sequence's end,
+    pages smaller than a tile) against float64, paged and contiguous."""
     from flashedu.triton import decode as tdecode
     from flashedu.triton import fast
 
@@ -361,9 +364,10 @@ def test_two_tiles_in_flight_read_the_cache_right(page_size, Nq, causal, fills):
     longest = 700 if fills else 3000
     capacity = (-(-longest // page_size) + 1) * page_size  # random_pool's table: a page spare
 
-    def planned(B):  # double-buffered, in one split exactly where the batch fills the GPU
-        plan = tdecode._plan(B, H, Hkv, Nq, capacity, d, torch.bfloat16, sms, False, None)
-        return plan[4] and (plan[2] == 1) == fills
+    def planned(B):  # the launch, in one split exactly where the batch fills the GPU
+        plan = tdecode._plan(B, H, Hkv, Nq, capacity, d, torch.bfloat16, sms, False, None,
+                             page_size)
+        return plan[4] is getattr(tdecode, launch) and (plan[2] == 1) == fills
     B = next(B for B in range(1, 4 * sms) if planned(B))  # the fewest sequences
     g = torch.Generator().manual_seed(page_size + Nq)
     lengths = torch.randint(1, longest, (B,), generator=g).tolist()
@@ -379,7 +383,8 @@ def test_two_tiles_in_flight_read_the_cache_right(page_size, Nq, causal, fills):
                                    is_causal=causal, return_lse=True)
     (plan,) = fast.PLANS.values()
     assert (plan[1] is None) == fills  # one split: no merge
-    assert plan[0].consts["num_stages"] == tdecode.DOUBLE_BUFFERED_LAUNCH["num_stages"]
+    assert plan[0].consts["num_warps"] == getattr(tdecode, launch)["num_warps"]
+    assert plan[0].consts["num_stages"] == getattr(tdecode, launch)["num_stages"]
     assert plan[0].consts["AHEAD"]
     O_ref, L_ref = reference(q, k, v, table, seqlens, page_size, causal)
     O_plain, _ = reference(q, k, v, table, seqlens, page_size, causal, torch.float32)

@@ -222,22 +222,25 @@ def one_case(B, Nk, page_size, args, device, dtype) -> dict:
             fastest = min(in_graph, key=lambda n: graph_us[n])
             row["sdpa_best_graph"], row["sdpa_best_graph_us"] = fastest[5:], graph_us[fastest]
             row["sdpa_best_vs_paged_graph"] = graph_us[fastest] / graph_us["paged"]
-    row["splits"], row["tiles_in_flight"] = launch_plan(B, H, Hkv, Nk, d, dtype, q.device)
+    row["splits"], row["tiles_in_flight"], row["key_tile"] = launch_plan(
+        B, H, Hkv, Nk, d, dtype, q.device, page_size)
     kv_bytes = 2 * k.numel() * k.element_size()
     row["paged_GBps"] = kv_bytes / row["paged_ms"] / 1e6
     row["paged_vs_contiguous"] = row["paged_ms"] / row["contiguous_ms"]
     return row
 
 
-def launch_plan(B, H, Hkv, Nk, d, dtype, device) -> tuple:
-    """(splits, K/V tiles each program keeps in flight) of a paged step's split kernel, one
-    query a head: what ``flashedu.triton.decode`` plans for this shape on this device."""
+def launch_plan(B, H, Hkv, Nk, d, dtype, device, page_size) -> tuple:
+    """(splits, K/V tiles each program keeps in flight, keys a tile) of a paged step's split
+    kernel, one query a head: what ``flashedu.triton.decode`` plans for this shape and page
+    size on this device."""
     from flashedu import runtime
     from flashedu.triton import decode
 
     interpreted = runtime.triton_interpreted()
     shape = (B, H, Hkv, 1, Nk, d, dtype, decode.sm_count(device, interpreted), interpreted)
-    return decode.split_plan(*shape)[2], decode.tiles_in_flight(*shape)
+    _, Bc, S, _ = decode.split_plan(*shape, page_size=page_size)
+    return S, decode.tiles_in_flight(*shape, page_size=page_size), Bc
 
 
 def parse_args(argv):
@@ -327,7 +330,7 @@ def main(argv=None) -> int:
     head = ["B", "Nk", "page", "paged ms", "checked ms", "contiguous ms", "paged/contig",
             "SDPA best ms", "SDPA/paged", "GPU us: paged", "contiguous", "SDPA best",
             "SDPA/paged", "graph us: paged", "contiguous", "SDPA best", "SDPA/paged",
-            "paged GB/s", "splits x tiles", "err"]
+            "paged GB/s", "splits x tiles x Bc", "err"]
     lines = []
     itemsize = 4 if args.dtype == "fp32" else 2
     for B in args.batch:
@@ -341,7 +344,7 @@ def main(argv=None) -> int:
                               f"{row['checked_ms']:.4f}", f"{row['contiguous_ms']:.4f}",
                               f"{row['paged_vs_contiguous']:.3f}x",
                               *_sdpa_columns(row), f"{row['paged_GBps']:.0f}",
-                              f"{row['splits']} x {row['tiles_in_flight']}",
+                              f"{row['splits']} x {row['tiles_in_flight']} x {row['key_tile']}",
                               f"{row['max_err_paged']:.1e}"])
                 print(" | ".join(str(x) for x in lines[-1]), flush=True)
                 if "error" in row:

@@ -88,10 +88,23 @@ KEY_TILE = 64  # Bc on a GPU where d <= 128 in 16 bits (a buffer of K_j and V_j:
 # sequences of 1K keys (256 groups, no split) 35.2 / 36.3 against 37.3 / 38.5 for 128-key
 # steps one tile in flight, cuDNN 35.0; 8 x 4K (64 groups, 4 splits) 37.5 / 38.9 against 38.9 /
 # 40.1 for 8 splits of one tile in flight, cuDNN 37.5; one sequence of 16K keys (32 splits)
-# 22.7 / 23.8 against 24.1 / 25.4, cuDNN 23.6. Three programs an SM, or one, were slower.
+# 22.7 / 23.8 against 24.1 / 25.4, cuDNN 23.6. Three programs an SM were slower.
 DOUBLE_BUFFERED_LAUNCH = {"num_warps": 2, "num_stages": 3}
 DOUBLE_BUFFERED_PER_SM = 2  # programs an SM; None: off
 EVEN_SHARE = 0.9  # the programs fill at least this share of their last round over the SMs
+# Where the batch's groups and a split count give every SM ONE program, evenly, that program
+# takes twice the tile and twice the warps, two tiles in flight (136 KB of shared memory): the
+# same bytes in flight an SM as two double-buffered programs, half the programs and merges.
+# Only where a tile's keys lie in one page (pages of a multiple of 128 rows, or no pages): a
+# 128-key tile across 8 pages of 16 pays for 8 table entries and was slower (8 x 16K, 8 x 64K:
+# 136.5 and 511.2 us against 127.4 and 490.8). H200 sweep in pages of 256 (BENCHMARKS.md,
+# "Decoding: one program an SM"), us a step against the two-an-SM rule: 16 sequences of 4K
+# keys (no split) 63.7 against 66.5, cuDNN 63.5; 8 x 64K (2 splits) 479.7 against 488.5, cuDNN
+# 481.8; 16 x 16K 241.4 against 245.8, cuDNN 241.9; one sequence of 64K (16 splits) 67.2
+# against 67.7, cuDNN 67.9.
+ONE_PER_SM_LAUNCH = {"num_warps": 4, "num_stages": 3}
+ONE_PER_SM_TILE = 128  # Bc
+ONE_PER_SM = True  # False: off
 # each unmasked tile's page looked up during the tile before (split_kernel): without it,
 # Triton's pipeliner gives the page's load a stage and keeps one K/V tile in flight whatever
 # num_stages says
@@ -130,7 +143,8 @@ def cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb, stride_
     of batch b in a contiguous cache (no block_table); in a paged one, row j % PAGE_SIZE of
     ``page`` (``tile_pages``), stride_kb, stride_vb then being the pages' strides. The page
     is the only difference, looked up once for K and V."""
-    if block_table is None:
+    if block_table is None:  # b in 64 bits: a cache of 2^31 elements or more wraps in 32
+        b = b.to(tl.int64)
         return b * stride_kb + j * stride_kn, b * stride_vb + j * stride_vn
     else:
         if PAGE_SIZE < Bc and Bc % PAGE_SIZE == 0:  # the tile's pages: each row's own
@@ -516,8 +530,8 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
     split is the only one and writes the answer): worked out once per problem shape, since a
     model decodes the same shapes step after step (the host's time is a decoding step's
     budget)."""
-    heads, Bc, S, chunk, deep = _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted,
-                                      num_splits)
+    heads, Bc, S, chunk, launch = _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted,
+                                        num_splits, page_size)
     HEAD_DIM = padded_head_dim(d)
     dependent = pdl_launch(device_major, interpreted)
     # a launch setting may name AHEAD too (the sweep's variants): it then replaces the rule's
@@ -525,7 +539,7 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
                            HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
                            DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size, FINAL=S == 1,
                            AHEAD=PAGES_AHEAD),
-                    **({} if interpreted else DOUBLE_BUFFERED_LAUNCH if deep else SPLIT_LAUNCH),
+                    **launch,
                     **dependent}
     if S == 1:
         return S, chunk, heads, split_consts, None
@@ -552,23 +566,33 @@ def merge_consts(S: int, HEAD_DIM: int) -> dict:
                 MERGE_SPLITS=max(1, min(triton.next_power_of_2(S), MERGE_TILE // HEAD_DIM)))
 
 
-def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None):
-    """(heads per program, Bc, number of splits S, keys per split): the launch of a problem."""
-    return _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)[:4]
+def split_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False, num_splits=None,
+               page_size=0):
+    """(heads per program, Bc, number of splits S, keys per split): the launch of a problem
+    (``page_size``: the cache's pages, 0 for a contiguous cache)."""
+    return _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, page_size)[:4]
 
 
 def tiles_in_flight(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False,
-                    num_splits=None) -> int:
-    """The K/V tiles each program of ``split_plan``'s launch keeps in flight: two where it
-    is ``double_buffered``, else one."""
-    return 2 if _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits)[4] else 1
+                    num_splits=None, page_size=0) -> int:
+    """The K/V tiles each program of ``split_plan``'s launch keeps in flight: one fewer than
+    its pipeline's stages (its page looked up a tile ahead: ``PAGES_AHEAD``); one under the
+    interpreter."""
+    launch = _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, page_size)[4]
+    return launch["num_stages"] - 1 if launch else 1
 
 
-def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits):
-    """``split_plan``'s four, and whether its programs keep two K/V tiles in flight
-    (``double_buffered``: the launch takes DOUBLE_BUFFERED_LAUNCH then)."""
+def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, page_size=0):
+    """``split_plan``'s four, and the split kernel's launch settings: ONE_PER_SM_LAUNCH where
+    the groups and a split count give every SM one program evenly (``one_per_sm``), else
+    DOUBLE_BUFFERED_LAUNCH where they give it two (``double_buffered``), else SPLIT_LAUNCH
+    (none under the interpreter)."""
     heads = heads_per_program(H // Hkv, Nq)
     groups = B * H // heads
+    if num_splits is None and one_per_sm_fits(d, dtype, page_size, interpreted):
+        S, chunk = split_chunks(Nk, ONE_PER_SM_TILE, max(1, min(sms // groups, MAX_SPLITS)))
+        if even(groups * S, sms, 1):
+            return heads, ONE_PER_SM_TILE, S, chunk, ONE_PER_SM_LAUNCH
     Bc = key_tile(d, dtype, interpreted)
     S = None
     if num_splits is None and DOUBLE_BUFFERED_PER_SM is not None:
@@ -579,7 +603,13 @@ def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits):
             S = None
     if S is None:
         S, chunk = split_chunks(Nk, Bc, choose_num_splits(groups, Nk, Bc, sms, num_splits))
-    return heads, Bc, S, chunk, double_buffered(groups * S, sms, d, dtype, interpreted)
+    if interpreted:
+        launch = {}
+    elif double_buffered(groups * S, sms, d, dtype, interpreted):
+        launch = DOUBLE_BUFFERED_LAUNCH
+    else:
+        launch = SPLIT_LAUNCH
+    return heads, Bc, S, chunk, launch
 
 
 def split_chunks(Nk: int, Bc: int, asked: int) -> tuple:
@@ -595,10 +625,24 @@ def double_buffered(programs: int, sms: int, d: int, dtype, interpreted: bool) -
     (DOUBLE_BUFFERED_LAUNCH): where they give every SM DOUBLE_BUFFERED_PER_SM, evenly (the
     step takes as long as the SMs with the most programs), on a GPU, in 16 bits, d <= 128
     (compiled for sm_90: 70 KB of shared memory)."""
-    rounds = math.ceil(programs / sms)  # programs an SM, on the busiest SMs
     return (DOUBLE_BUFFERED_PER_SM is not None and not interpreted
-            and rounds == DOUBLE_BUFFERED_PER_SM and programs >= EVEN_SHARE * rounds * sms
+            and even(programs, sms, DOUBLE_BUFFERED_PER_SM)
             and dtype != torch.float32 and padded_head_dim(d) <= 128)
+
+
+def even(programs: int, sms: int, per_sm: int) -> bool:
+    """Whether ``programs`` give the SMs per_sm programs each, evenly: at most per_sm on the
+    busiest SM (the step takes as long as those), and at least EVEN_SHARE of the slots that
+    round offers filled."""
+    rounds = math.ceil(programs / sms)  # programs an SM, on the busiest SMs
+    return rounds == per_sm and programs >= EVEN_SHARE * rounds * sms
+
+
+def one_per_sm_fits(d: int, dtype, page_size: int, interpreted: bool) -> bool:
+    """Whether ONE_PER_SM_LAUNCH may run: on a GPU, in 16 bits, d <= 128 (two K/V buffers of
+    128 keys: 136 KB of shared memory compiled for sm_90), each tile in one page."""
+    return (ONE_PER_SM and not interpreted and dtype != torch.float32
+            and padded_head_dim(d) <= 128 and page_size % ONE_PER_SM_TILE == 0)
 
 
 def heads_per_program(group: int, Nq: int) -> int:

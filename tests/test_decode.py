@@ -345,3 +345,21 @@ def test_a_cache_past_two_to_the_31_elements_is_read_where_it_lies():
         out = split_kv_attention(q, kv, kv, num_splits=64)
         alone = split_kv_attention(q[2:], last, last, num_splits=64)
     assert torch.equal(out[2:], alone) and out.isfinite().all()
+
+
+@pytest.mark.parametrize("layout", ["BHNd", "BNHd"])
+@pytest.mark.parametrize("heads, rows", [(1, 4), (2, 8), (4, 8)])
+def test_the_stream_script_reads_every_element_once(layout, heads, rows):
+    """``scripts/gpu_kv_stream.py``'s kernel (run on a GPU to time a layout's stream): each
+    program's column sums over its heads and keys add up to the cache's, in either layout."""
+    from script_loading import load_script
+
+    stream = load_script("gpu_kv_stream")
+    B, Hkv, N, d = 2, 4, 32, 16
+    K, V, strides = stream.cache(layout, B, Hkv, N, d, DEVICE, torch.float32)
+    out = stream.launch(K, V, strides, Hkv, N, heads, rows)
+    assert out.shape == (B * Hkv // heads * heads, d)
+    want = (K.double().sum(dim=(0, 1, 2)) + V.double().sum(dim=(0, 1, 2))).cpu()
+    torch.testing.assert_close(out.double().sum(0).cpu(), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="whole tiles"):
+        stream.launch(K, V, strides, Hkv, 24, 2, 16)

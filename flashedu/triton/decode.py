@@ -17,11 +17,13 @@ With one split (many sequences already fill the GPU, or ``num_splits=1``) the sp
 partial result is the answer: it writes O and L itself and no merge is launched.
 
 Decoding is a stream of reads, and its speed is how many bytes are in flight. Where the splits
-can give every SM two programs, evenly (``double_buffered``: one program a group when the batch
-alone fills the SMs twice, else as many splits as that takes), each program loads its next K/V
-tile while it computes on this one; elsewhere a program reads one tile at a time, and more
-programs, four an SM, keep the loads going. In a paged cache the next tile can load early
-because its page is looked up during the tile before (``PAGES_AHEAD``).
+can give every SM one program, evenly, and a tile's keys lie in one page (``one_per_sm_fits``),
+that program reads tiles of 128 keys on four warps, loading the next while it computes on this
+one; where they can give every SM two (``double_buffered``: one program a group when the batch
+alone fills the SMs twice, else as many splits as that takes), each does the same with tiles of
+64 keys on two warps; elsewhere a program reads one tile at a time, and more programs, four an
+SM, keep the loads going. In a paged cache the next tile can load early because its page is
+looked up during the tile before (``PAGES_AHEAD``).
 
 Grouped-query attention is packed: the query heads that share one K/V head go into the rows of
 one program (row r is head r // Nq, query r % Nq), so each K/V tile is read once per group

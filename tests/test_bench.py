@@ -613,7 +613,7 @@ def test_paged_dry_run(tmp_path, capsys):
     # the plan of each cell: 2 sequences x 2 K/V heads on the interpreter's 4 "SMs", 40 keys
     # in tiles of 16: three splits (a chunk a tile), one tile in flight (no pipeline there)
     assert all(r["splits"] == 3 and r["tiles_in_flight"] == 1 and r["key_tile"] == 16
-               for r in rows)
+               and r["kv_heads"] == 1 for r in rows)
     assert "splits x tiles x Bc" in text and "3 x 1 x 16" in text
 
 

@@ -214,11 +214,19 @@ def test_one_program_an_sm_where_the_splits_give_every_sm_one_and_a_tile_lies_in
     # 85% of two rounds: four programs an SM, one tile in flight
     assert plan(15, 4096, 256)[4] is ONE_PER_SM_LAUNCH
     assert plan(14, 4096, 256)[4] is SPLIT_LAUNCH
-    # 32 sequences fill the SMs twice: the double-buffered plan
-    assert plan(32, 4096, 256)[4] is DOUBLE_BUFFERED_LAUNCH
+    # 32 sequences fill the SMs twice: a program reads two K/V heads side by side, in tiles of
+    # 64 keys (128 rows), 128 programs; in pages of 32 rows, two programs an SM
+    assert plan(32, 4096, 256) == (8, 64, 1, 4096, ONE_PER_SM_LAUNCH)
+    assert plan(33, 4096, 0) == (8, 64, 1, 4096, ONE_PER_SM_LAUNCH)  # 132 programs
+    assert plan(32, 4096, 32)[4] is DOUBLE_BUFFERED_LAUNCH
+    assert plan(34, 4096, 256)[4] is SPLIT_LAUNCH  # 136 programs: more than the SMs
+    # two K/V heads need both heads' query rows in one program: 16 queries of 4 heads each
+    # make 64 rows a K/V head, so one K/V head a program
+    assert _plan(32, 32, 8, 16, 4096, 128, bf16, 132, False, None, 256)[0] == 4
     # not where 128-key tiles cross pages, splits are asked, float32, d = 256, interpreted
     assert plan(16, 4096, 16)[4] is DOUBLE_BUFFERED_LAUNCH
-    assert plan(16, 4096, 64)[4] is DOUBLE_BUFFERED_LAUNCH
+    # pages of 64 rows hold tiles of 64 keys: two K/V heads a program, 64 programs, 2 splits
+    assert plan(16, 4096, 64) == (8, 64, 2, 2048, ONE_PER_SM_LAUNCH)
     assert plan(16, 4096, 256, num_splits=1)[1:] == (64, 1, 4096, SPLIT_LAUNCH)
     assert plan(16, 4096, 256, dtype=torch.float32)[4] is SPLIT_LAUNCH
     assert plan(16, 4096, 256, d=256)[4] is SPLIT_LAUNCH
@@ -227,13 +235,13 @@ def test_one_program_an_sm_where_the_splits_give_every_sm_one_and_a_tile_lies_in
     assert plan(1, 1024, 256)[4] is SPLIT_LAUNCH
 
 
-@pytest.mark.parametrize("B, page_size, per_sm", [(32, 16, 2), (32, 256, 2), (16, 256, 1)])
+@pytest.mark.parametrize("B, page_size, per_sm", [(32, 16, 2), (32, 256, 1), (16, 256, 1)])
 def test_programs_of_two_tiles_fit_on_an_sm(B, page_size, per_sm):
     """The two-tile launches compiled for sm_90 here, as steps of B sequences of 1K keys plan
-    them (32: two programs an SM, 16: one): shared memory holds two K/V tiles a program (the
-    pipeline's second buffer: were a tile's page loaded in its own step, the pipeline would
-    keep one), and the programs an SM fit in shared memory and registers, as the rule
-    assumes."""
+    them (32 in pages of 16: two programs an SM; 32 in pages of 256: one of two K/V heads side
+    by side; 16: one of one): shared memory holds two K/V tiles a program (the pipeline's
+    second buffer: were a tile's page loaded in its own step, the pipeline would keep one),
+    and the programs an SM fit in shared memory and registers, as the rule assumes."""
     from flashedu.benchmarks import sass
     from flashedu.triton import decode as tdecode
 
@@ -253,7 +261,7 @@ def test_programs_of_two_tiles_fit_on_an_sm(B, page_size, per_sm):
             *q.stride()[:3], *kv, *kv, H, H // Hkv, heads, 1, Nk, d, chunk, S, table.stride(0),
             *out.stride()[:3])
     got = sass.compile_kernel(tdecode.split_kernel, args, consts)
-    two_tiles = 2 * 2 * consts["Bc"] * d * 2  # K_j and V_j, two buffers, bf16
+    two_tiles = 2 * 2 * consts["Bc"] * consts["KV_HEADS"] * d * 2  # K_j, V_j, two buffers, bf16
     assert tdecode.tiles_in_flight(B, H, Hkv, 1, Nk, d, bf16, 132, page_size=page_size) == 2
     assert two_tiles <= got["shared_bytes"] and per_sm * got["shared_bytes"] <= 227 * 1024
     assert per_sm * got["registers"] * 32 * consts["num_warps"] <= 65536

@@ -117,6 +117,59 @@ def test_pages_looked_up_ahead_or_in_their_own_step_give_the_same_bits(monkeypat
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+KV_HEADS_CASES = [  # lengths, H, Hkv, Nq, d, page_size (0: contiguous), causal, num_splits
+    ([37, 0, 100], 8, 4, 1, 32, 16, False, 3),  # an empty sequence; tiles of 8 keys, 2 a page
+    ([70, 5], 8, 2, 1, 64, 8, True, 2),  # a tile a page
+    ([48, 33, 16], 4, 2, 3, 40, 32, True, 1),  # 3 queries, padded head dim, one split
+    ([2, 90], 4, 4, 3, 16, 16, True, 4),  # fewer keys than queries
+    ([61, 45], 8, 4, 2, 32, 0, True, 3),  # a contiguous cache
+    ([100, 7, 55], 2, 2, 1, 32, 0, False, 2),  # no GQA: one query head a K/V head
+]
+
+
+@pytest.mark.parametrize("case", KV_HEADS_CASES,
+                         ids=lambda c: "-".join(map(str, c[1:])))
+def test_two_kv_heads_a_program_match_the_reference(monkeypatch, case):
+    """A program that reads two K/V heads side by side (the one-an-SM plan where the groups fill
+    the GPU twice: on a GPU only, so planned here by hand), each query row seeing its own
+    head's rows: against float64, paged and contiguous, causal, ragged, empty, split or not."""
+    from flashedu.triton import decode as tdecode
+    from flashedu.triton import fast
+
+    lengths, H, Hkv, Nq, d, P, causal, splits = case
+    k, v, table, seqlens = random_pool(lengths, P or 16, Hkv, d, torch.float32, seed=sum(lengths))
+    q = torch.randn(len(lengths), H, Nq, d, generator=torch.Generator().manual_seed(d))
+    group, Bc = H // Hkv, 8
+    capacity = table.shape[1] * (P or 16)
+
+    def two_heads(B, H_, Hkv_, Nq_, Nk, d_, dtype, sms, interpreted, num_splits, page_size=0):
+        S, chunk = tdecode.split_chunks(Nk, Bc, splits)
+        return 2 * group, Bc, S, chunk, {}
+    monkeypatch.setattr(tdecode, "_plan", two_heads)
+    monkeypatch.setattr(fast, "PLANS", {})
+    tdecode._launch_plan.cache_clear()
+    try:
+        with torch.no_grad():
+            if P:
+                out, lse = paged_attention(*(t.to(DEVICE) for t in (q, k, v, table, seqlens)),
+                                           is_causal=causal, return_lse=True)
+            else:  # the same keys, one contiguous block (every sequence the longest's length)
+                K, V = (torch.stack([contiguous(c, table[b], capacity, 16).float()
+                                     for b in range(len(lengths))]) for c in (k, v))
+                seqlens = torch.full_like(seqlens, capacity)
+                out, lse = split_kv_attention(q.to(DEVICE), K.to(DEVICE), V.to(DEVICE),
+                                              is_causal=causal, return_lse=True)
+        (plan,) = fast.PLANS.values()
+    finally:
+        tdecode._launch_plan.cache_clear()
+    assert plan[0].consts["KV_HEADS"] == 2 and plan[0].grid[1] == len(lengths) * Hkv // 2
+    O_ref, L_ref = reference(q, k, v, table, seqlens, P or 16, causal)
+    assert tolerance.max_error(out.cpu(), O_ref) < 1e-4
+    seen = torch.isfinite(L_ref)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    torch.testing.assert_close(lse.cpu().double()[seen], L_ref[seen], rtol=1e-5, atol=1e-4)
+
+
 def test_paged_equals_split_kv_on_the_same_keys():
     """The page lookup is the only difference from the contiguous split-KV kernel (the tiles
     and split points may differ: the same answer up to float32 rounding)."""
@@ -344,18 +397,24 @@ def test_steps_back_to_back_and_in_a_cuda_graph_give_the_eager_answers():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the two-tile "
                     "launches are the compiled kernels' (the interpreter has no pipeline)")
-@pytest.mark.parametrize("launch, page_size, Nq, causal, fills", [
-    ("DOUBLE_BUFFERED_LAUNCH", 16, 1, False, True), ("DOUBLE_BUFFERED_LAUNCH", 256, 1, True, True),
-    ("DOUBLE_BUFFERED_LAUNCH", 16, 3, True, True), ("DOUBLE_BUFFERED_LAUNCH", 256, 2, False, True),
-    ("DOUBLE_BUFFERED_LAUNCH", 16, 1, True, False), ("DOUBLE_BUFFERED_LAUNCH", 64, 1, False, False),
-    ("ONE_PER_SM_LAUNCH", 256, 1, False, True), ("ONE_PER_SM_LAUNCH", 256, 2, True, False),
-    ("ONE_PER_SM_LAUNCH", 512, 1, True, True), ("ONE_PER_SM_LAUNCH", 128, 3, False, False)])
-def test_two_tiles_in_flight_read_the_cache_right(launch, page_size, Nq, causal, fills):
+@pytest.mark.parametrize("launch, kv_heads, page_size, Nq, causal, fills", [
+    ("DOUBLE_BUFFERED_LAUNCH", 1, 16, 1, False, True),
+    ("DOUBLE_BUFFERED_LAUNCH", 1, 32, 1, True, True),
+    ("DOUBLE_BUFFERED_LAUNCH", 1, 16, 3, True, True),
+    ("DOUBLE_BUFFERED_LAUNCH", 1, 32, 2, False, True),
+    ("DOUBLE_BUFFERED_LAUNCH", 1, 16, 1, True, False),
+    ("DOUBLE_BUFFERED_LAUNCH", 1, 64, 1, False, False),
+    ("ONE_PER_SM_LAUNCH", 1, 256, 1, False, True), ("ONE_PER_SM_LAUNCH", 1, 256, 2, True, False),
+    ("ONE_PER_SM_LAUNCH", 1, 512, 1, True, True), ("ONE_PER_SM_LAUNCH", 1, 128, 3, False, False),
+    ("ONE_PER_SM_LAUNCH", 2, 256, 1, True, True), ("ONE_PER_SM_LAUNCH", 2, 64, 2, False, True)])
+def test_two_tiles_in_flight_read_the_cache_right(launch, kv_heads, page_size, Nq, causal,
+                                                  fills):
     """Programs that keep two K/V tiles in flight, each tile's page looked up during the tile
-    before (the plan says so): two programs of 64-key tiles an SM, or one of 128-key tiles;
-    enough sequences to fill the SMs with one program a group (no merge), or a few sequences
-    split to fill them; over ragged lengths (an empty one, tiles cut by the sequence's end,
-    pages smaller than a tile) against float64, paged and contiguous."""
+    before (the plan says so): two programs of 64-key tiles an SM, or one of 128-key tiles, or
+    one of two K/V heads side by side in 64-key tiles; enough sequences to fill the SMs with
+    one program a group (no merge), or a few sequences split to fill them; over ragged lengths
+    (an empty one, tiles cut by the sequence's end, pages smaller than a tile) against
+    float64, paged and contiguous."""
     from flashedu.triton import decode as tdecode
     from flashedu.triton import fast
 
@@ -367,7 +426,8 @@ def test_two_tiles_in_flight_read_the_cache_right(launch, page_size, Nq, causal,
     def planned(B):  # the launch, in one split exactly where the batch fills the GPU
         plan = tdecode._plan(B, H, Hkv, Nq, capacity, d, torch.bfloat16, sms, False, None,
                              page_size)
-        return plan[4] is getattr(tdecode, launch) and (plan[2] == 1) == fills
+        return (plan[4] is getattr(tdecode, launch) and (plan[2] == 1) == fills
+                and plan[0] == kv_heads * H // Hkv)
     B = next(B for B in range(1, 4 * sms) if planned(B))  # the fewest sequences
     g = torch.Generator().manual_seed(page_size + Nq)
     lengths = torch.randint(1, longest, (B,), generator=g).tolist()
@@ -384,6 +444,7 @@ def test_two_tiles_in_flight_read_the_cache_right(launch, page_size, Nq, causal,
     (plan,) = fast.PLANS.values()
     assert (plan[1] is None) == fills  # one split: no merge
     assert plan[0].consts["num_warps"] == getattr(tdecode, launch)["num_warps"]
+    assert plan[0].consts["KV_HEADS"] == kv_heads
     assert plan[0].consts["num_stages"] == getattr(tdecode, launch)["num_stages"]
     assert plan[0].consts["AHEAD"]
     O_ref, L_ref = reference(q, k, v, table, seqlens, page_size, causal)

@@ -222,7 +222,7 @@ def one_case(B, Nk, page_size, args, device, dtype) -> dict:
             fastest = min(in_graph, key=lambda n: graph_us[n])
             row["sdpa_best_graph"], row["sdpa_best_graph_us"] = fastest[5:], graph_us[fastest]
             row["sdpa_best_vs_paged_graph"] = graph_us[fastest] / graph_us["paged"]
-    row["splits"], row["tiles_in_flight"], row["key_tile"] = launch_plan(
+    row["splits"], row["tiles_in_flight"], row["key_tile"], row["kv_heads"] = launch_plan(
         B, H, Hkv, Nk, d, dtype, q.device, page_size)
     kv_bytes = 2 * k.numel() * k.element_size()
     row["paged_GBps"] = kv_bytes / row["paged_ms"] / 1e6
@@ -231,16 +231,24 @@ def one_case(B, Nk, page_size, args, device, dtype) -> dict:
 
 
 def launch_plan(B, H, Hkv, Nk, d, dtype, device, page_size) -> tuple:
-    """(splits, K/V tiles each program keeps in flight, keys a tile) of a paged step's split
-    kernel, one query a head: what ``flashedu.triton.decode`` plans for this shape and page
-    size on this device."""
+    """(splits, K/V tiles each program keeps in flight, keys a tile, K/V heads a program) of a
+    paged step's split kernel, one query a head: what ``flashedu.triton.decode`` plans for
+    this shape and page size on this device."""
     from flashedu import runtime
     from flashedu.triton import decode
 
     interpreted = runtime.triton_interpreted()
     shape = (B, H, Hkv, 1, Nk, d, dtype, decode.sm_count(device, interpreted), interpreted)
-    _, Bc, S, _ = decode.split_plan(*shape, page_size=page_size)
-    return S, decode.tiles_in_flight(*shape, page_size=page_size), Bc
+    heads, Bc, S, _ = decode.split_plan(*shape, page_size=page_size)
+    kv_heads = max(1, heads // (H // Hkv))
+    return S, decode.tiles_in_flight(*shape, page_size=page_size), Bc, kv_heads
+
+
+def plan_text(row) -> str:
+    """A row's plan: splits x tiles in flight x keys a tile, and x K/V heads where a program
+    reads more than one."""
+    text = f"{row['splits']} x {row['tiles_in_flight']} x {row['key_tile']}"
+    return text + (f" x {row['kv_heads']}" if row["kv_heads"] > 1 else "")
 
 
 def parse_args(argv):
@@ -330,7 +338,7 @@ def main(argv=None) -> int:
     head = ["B", "Nk", "page", "paged ms", "checked ms", "contiguous ms", "paged/contig",
             "SDPA best ms", "SDPA/paged", "GPU us: paged", "contiguous", "SDPA best",
             "SDPA/paged", "graph us: paged", "contiguous", "SDPA best", "SDPA/paged",
-            "paged GB/s", "splits x tiles x Bc", "err"]
+            "paged GB/s", "splits x tiles x Bc (x K/V heads)", "err"]
     lines = []
     itemsize = 4 if args.dtype == "fp32" else 2
     for B in args.batch:
@@ -344,7 +352,7 @@ def main(argv=None) -> int:
                               f"{row['checked_ms']:.4f}", f"{row['contiguous_ms']:.4f}",
                               f"{row['paged_vs_contiguous']:.3f}x",
                               *_sdpa_columns(row), f"{row['paged_GBps']:.0f}",
-                              f"{row['splits']} x {row['tiles_in_flight']} x {row['key_tile']}",
+                              plan_text(row),
                               f"{row['max_err_paged']:.1e}"])
                 print(" | ".join(str(x) for x in lines[-1]), flush=True)
                 if "error" in row:

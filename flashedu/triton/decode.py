@@ -17,9 +17,10 @@ With one split (many sequences already fill the GPU, or ``num_splits=1``) the sp
 partial result is the answer: it writes O and L itself and no merge is launched.
 
 Decoding is a stream of reads, and its speed is how many bytes are in flight. Where the splits
-can give every SM one program, evenly, and a tile's keys lie in one page (``one_per_sm_fits``),
-that program reads tiles of 128 keys on four warps, loading the next while it computes on this
-one; where they can give every SM two (``double_buffered``: one program a group when the batch
+can give every SM one program, evenly, and a tile's keys lie in one page (``one_per_sm_plan``),
+that program reads tiles of 128 rows on four warps (128 keys of its K/V head, or where the
+groups alone fill the SMs twice, 64 keys of two K/V heads side by side), loading the next while
+it computes on this one; where they can give every SM two (``double_buffered``: one program a group when the batch
 alone fills the SMs twice, else as many splits as that takes), each does the same with tiles of
 64 keys on two warps; elsewhere a program reads one tile at a time, and more programs, four an
 SM, keep the loads going. In a paged cache the next tile can load early because its page is
@@ -105,8 +106,9 @@ EVEN_SHARE = 0.9  # the programs fill at least this share of their last round ov
 # 481.8; 16 x 16K 241.4 against 245.8, cuDNN 241.9; one sequence of 64K (16 splits) 67.2
 # against 67.7, cuDNN 67.9.
 ONE_PER_SM_LAUNCH = {"num_warps": 4, "num_stages": 3}
-ONE_PER_SM_TILE = 128  # Bc
+ONE_PER_SM_TILE = 128  # rows of K_j: Bc keys times the K/V heads a program reads
 ONE_PER_SM = True  # False: off
+ONE_PER_SM_KV_HEADS = (1, 2)  # K/V heads a program, side by side: each tried in turn
 # each unmasked tile's page looked up during the tile before (split_kernel): without it,
 # Triton's pipeliner gives the page's load a stage and keeps one K/V tile in flight whatever
 # num_stages says
@@ -159,23 +161,48 @@ def cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb, stride_
 
 
 @triton.jit
+def own_kv_head(b, h, q_idx, kv_idx, args):
+    """The mask of a program that reads KV_HEADS K/V heads side by side (``split_step``):
+    query head h sees the rows of its own K/V head, row kv_idx holding head kv_idx % KV_HEADS
+    of the program's (the first being h_kv); args = (GROUP, h_kv, KV_HEADS)."""
+    return (h[:, None] // args[0] - args[1]) == kv_idx % args[2]
+
+
+@triton.jit
 def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, page, b, block_table,
-               stride_kb, stride_kn, stride_vb, stride_vn, pos, dims, Nk, d, qk_scale, ctx,
-               Bc: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, PAGE_SIZE: tl.constexpr):
+               stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, pos, dims,
+               Nk, d, qk_scale, ctx, Bc: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr = 1):
     """Load K_j, V_j (keys start_n .., in ``page``: tile_pages) from the cache, then the
-    forward's softmax step."""
-    j = start_n + tl.arange(0, Bc)
+    forward's softmax step.
+
+    With KV_HEADS K/V heads a program, row c of K_j and V_j is key start_n + c // KV_HEADS
+    of head c % KV_HEADS: a key's heads side by side, as the pool holds them, so a tile reads
+    KV_HEADS times the bytes in one run. A query row sees its own head's rows only
+    (``own_kv_head``), and the softmax step counts positions in rows, KV_HEADS to a key: the
+    keys before Nk are the rows before KV_HEADS * Nk, and a query at position pos sees the
+    rows up to its key's last, KV_HEADS * pos + KV_HEADS - 1."""
+    c = tl.arange(0, Bc * KV_HEADS)
+    j = start_n + c // KV_HEADS
     row_ok = j < Nk
     dim_ok = dims[None, :] < d
     K_rows, V_rows = cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb,
                                 stride_vn, Bc, PAGE_SIZE)
+    if KV_HEADS > 1:
+        K_rows += (c % KV_HEADS) * stride_kh
+        V_rows += (c % KV_HEADS) * stride_vh
     K_j = load_tile(K_head + K_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
                     not EVEN_D)
     V_j = load_tile(V_head + V_rows[:, None] + dims[None, :], row_ok[:, None], dim_ok, MASK,
                     not EVEN_D)
-    return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, pos, Nk, qk_scale, ctx, None,
-                         None, IS_CAUSAL, MASK, DOT_PREC)
+    if KV_HEADS == 1:
+        return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, start_n, pos, Nk, qk_scale, ctx,
+                             None, None, IS_CAUSAL, MASK, DOT_PREC)
+    else:
+        return _softmax_step(O_i, l_i, m_i, Q_i, K_j, V_j, KV_HEADS * start_n,
+                             KV_HEADS * pos + KV_HEADS - 1, KV_HEADS * Nk, qk_scale, ctx, None,
+                             None, IS_CAUSAL, True, DOT_PREC, MASK_MOD=own_kv_head)
 
 
 @triton.jit
@@ -186,8 +213,11 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
                  BLOCK_M: tl.constexpr, Bc: tl.constexpr, HEAD_DIM: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
                  PAGE_SIZE: tl.constexpr = 0, PDL: tl.constexpr = False,
-                 FINAL: tl.constexpr = False, AHEAD: tl.constexpr = False):
-    """Program (s, g): chunk s of the keys for the query heads of group g. For a paged cache,
+                 FINAL: tl.constexpr = False, AHEAD: tl.constexpr = False,
+                 KV_HEADS: tl.constexpr = 1):
+    """Program (s, g): chunk s of the keys for the query heads of group g: HEADS query heads
+    that share KV_HEADS consecutive K/V heads (one, or where HEADS = KV_HEADS * GROUP several
+    side by side: ``split_step``). For a paged cache,
     ``block_table`` (rows ``width`` entries apart) and ``seqlens``, each sequence's cache
     length (K and V are then pools of pages whose stride_kb, stride_vb are the pages' strides);
     both None where the cache is one contiguous (B, Hkv, Nk, d) block, and then not compiled.
@@ -195,6 +225,8 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
     FINAL: the only split (num_splits = 1), whose partial result is the answer: O_part is the
     output itself (strides stride_ob, stride_oh, stride_on; d columns) and L_part its base-2
     lse, so that no merge is launched."""
+    # several K/V heads a program read a key's heads side by side: within one page
+    tl.static_assert(KV_HEADS == 1 or PAGE_SIZE % Bc == 0)
     if PDL:  # before reading Q or the cache, and writing the partials (which the previous
         gdc_wait()  # step's combine reads), the kernel before this one must be done
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
@@ -227,7 +259,8 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
     # this chunk's tiles (tiles.py): those every query sees whole need no mask (the first
     # query sits at position Nk - Nq); the diagonal and the ragged edge pay for one
     num, num_full, u0, a0, na, b0, idx_row, e0 = chunk_tiles(lo, hi, Nq, Nk, Bc, IS_CAUSAL)
-    ctx = (b, h, Nq, qk_scale, None, None, None)  # no mods here
+    # no mods here; with several K/V heads, the arguments of own_kv_head
+    ctx = (b, h, Nq, qk_scale, None, None, (GROUP, h_kv, KV_HEADS) if KV_HEADS > 1 else None)
     # the page of each unmasked tile is looked up one tile ahead (AHEAD): the K/V loads then
     # wait on no load of their own iteration, and the pipeline holds num_stages - 1 tiles of
     # them in flight (a page load in the same iteration takes a stage of its own instead)
@@ -241,16 +274,16 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
         else:
             here = tile_pages(j * Bc, t < num_full, b, block_table, width, Nk, Bc, PAGE_SIZE)
         O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, here, b,
-                                   block_table, stride_kb, stride_kn, stride_vb, stride_vn,
-                                   pos, dims, Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, False,
-                                   EVEN_D, DOT_PREC, PAGE_SIZE)
+                                   block_table, stride_kb, stride_kh, stride_kn, stride_vb,
+                                   stride_vh, stride_vn, pos, dims, Nk, d, qk_scale, ctx, Bc,
+                                   IS_CAUSAL, False, EVEN_D, DOT_PREC, PAGE_SIZE, KV_HEADS)
     for t in range(num_full, num):  # the diagonal and the ragged end: a tile or two
         j = masked_tile(t, num_full, a0, na, b0, idx_row, None)
         here = tile_pages(j * Bc, t < num, b, block_table, width, Nk, Bc, PAGE_SIZE)
         O_i, l_i, m_i = split_step(O_i, l_i, m_i, Q_i, K_head, V_head, j * Bc, here, b,
-                                   block_table, stride_kb, stride_kn, stride_vb, stride_vn,
-                                   pos, dims, Nk, d, qk_scale, ctx, Bc, IS_CAUSAL, True,
-                                   EVEN_D, DOT_PREC, PAGE_SIZE)
+                                   block_table, stride_kb, stride_kh, stride_kn, stride_vb,
+                                   stride_vh, stride_vn, pos, dims, Nk, d, qk_scale, ctx, Bc,
+                                   IS_CAUSAL, True, EVEN_D, DOT_PREC, PAGE_SIZE, KV_HEADS)
 
     if PDL:  # the keys are read: the combine's programs may be set up (they wait for us)
         gdc_launch_dependents()
@@ -535,12 +568,13 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
     heads, Bc, S, chunk, launch = _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted,
                                         num_splits, page_size)
     HEAD_DIM = padded_head_dim(d)
+    kv_heads = max(1, heads // (H // Hkv))  # K/V heads a program: one, or several side by side
     dependent = pdl_launch(device_major, interpreted)
     # a launch setting may name AHEAD too (the sweep's variants): it then replaces the rule's
     split_consts = {**dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
                            HEAD_DIM=HEAD_DIM, IS_CAUSAL=is_causal, EVEN_D=HEAD_DIM == d,
                            DOT_PREC=dot_precision(dtype), PAGE_SIZE=page_size, FINAL=S == 1,
-                           AHEAD=PAGES_AHEAD),
+                           AHEAD=PAGES_AHEAD, KV_HEADS=kv_heads),
                     **launch,
                     **dependent}
     if S == 1:
@@ -591,10 +625,10 @@ def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, page_size=0
     (none under the interpreter)."""
     heads = heads_per_program(H // Hkv, Nq)
     groups = B * H // heads
-    if num_splits is None and one_per_sm_fits(d, dtype, page_size, interpreted):
-        S, chunk = split_chunks(Nk, ONE_PER_SM_TILE, max(1, min(sms // groups, MAX_SPLITS)))
-        if even(groups * S, sms, 1):
-            return heads, ONE_PER_SM_TILE, S, chunk, ONE_PER_SM_LAUNCH
+    if num_splits is None:
+        plan = one_per_sm_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, page_size)
+        if plan is not None:
+            return plan
     Bc = key_tile(d, dtype, interpreted)
     S = None
     if num_splits is None and DOUBLE_BUFFERED_PER_SM is not None:
@@ -640,11 +674,35 @@ def even(programs: int, sms: int, per_sm: int) -> bool:
     return rounds == per_sm and programs >= EVEN_SHARE * rounds * sms
 
 
-def one_per_sm_fits(d: int, dtype, page_size: int, interpreted: bool) -> bool:
-    """Whether ONE_PER_SM_LAUNCH may run: on a GPU, in 16 bits, d <= 128 (two K/V buffers of
-    128 keys: 136 KB of shared memory compiled for sm_90), each tile in one page."""
+def one_per_sm_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, page_size):
+    """``_plan``'s five where the programs of ONE_PER_SM_LAUNCH fill every SM once, evenly
+    (``one_per_sm_fits``), else None. A program reads the K/V heads of ONE_PER_SM_KV_HEADS in
+    turn, the first that fills the SMs: one K/V head in tiles of 128 keys; or two side by side
+    in tiles of 64 keys (the same 128 rows), where the groups alone fill the SMs twice (32
+    sequences of 8 K/V heads: 256 groups, 128 programs)."""
+    group = H // Hkv
+    heads = heads_per_program(group, Nq)
+    for kv_heads in ONE_PER_SM_KV_HEADS:
+        if kv_heads > 1 and (heads != group or Hkv % kv_heads
+                             or kv_heads * heads * Nq > MAX_ROWS):
+            continue  # the program's query rows: every head of its K/V heads
+        Bc = ONE_PER_SM_TILE // kv_heads
+        if not one_per_sm_fits(d, dtype, page_size, interpreted, Bc):
+            continue
+        programs = B * H // (heads * kv_heads)
+        S, chunk = split_chunks(Nk, Bc, max(1, min(sms // programs, MAX_SPLITS)))
+        if even(programs * S, sms, 1):
+            return heads * kv_heads, Bc, S, chunk, ONE_PER_SM_LAUNCH
+    return None
+
+
+def one_per_sm_fits(d: int, dtype, page_size: int, interpreted: bool,
+                    Bc: int = ONE_PER_SM_TILE) -> bool:
+    """Whether ONE_PER_SM_LAUNCH may run on tiles of Bc keys: on a GPU, in 16 bits, d <= 128
+    (two K/V buffers of 128 rows: 136 KB of shared memory compiled for sm_90), each tile in
+    one page."""
     return (ONE_PER_SM and not interpreted and dtype != torch.float32
-            and padded_head_dim(d) <= 128 and page_size % ONE_PER_SM_TILE == 0)
+            and padded_head_dim(d) <= 128 and page_size % Bc == 0)
 
 
 def heads_per_program(group: int, Nq: int) -> int:

@@ -219,14 +219,17 @@ def test_one_program_an_sm_where_the_splits_give_every_sm_one_and_a_tile_lies_in
     assert plan(32, 4096, 256) == (8, 64, 1, 4096, ONE_PER_SM_LAUNCH)
     assert plan(33, 4096, 0) == (8, 64, 1, 4096, ONE_PER_SM_LAUNCH)  # 132 programs
     assert plan(32, 4096, 32)[4] is DOUBLE_BUFFERED_LAUNCH
+    assert plan(32, 1024, 256)[4] is DOUBLE_BUFFERED_LAUNCH  # 1K keys a program: too short
     assert plan(34, 4096, 256)[4] is SPLIT_LAUNCH  # 136 programs: more than the SMs
     # two K/V heads need both heads' query rows in one program: 16 queries of 4 heads each
     # make 64 rows a K/V head, so one K/V head a program
     assert _plan(32, 32, 8, 16, 4096, 128, bf16, 132, False, None, 256)[0] == 4
     # not where 128-key tiles cross pages, splits are asked, float32, d = 256, interpreted
     assert plan(16, 4096, 16)[4] is DOUBLE_BUFFERED_LAUNCH
-    # pages of 64 rows hold tiles of 64 keys: two K/V heads a program, 64 programs, 2 splits
-    assert plan(16, 4096, 64) == (8, 64, 2, 2048, ONE_PER_SM_LAUNCH)
+    # pages of 64 rows hold tiles of 64 keys of two K/V heads, but 16 sequences of 4K keys
+    # would make 2 splits of 2K keys: two programs an SM (8K keys: one of two heads)
+    assert plan(16, 4096, 64)[4] is DOUBLE_BUFFERED_LAUNCH
+    assert plan(16, 8192, 64) == (8, 64, 2, 4096, ONE_PER_SM_LAUNCH)
     assert plan(16, 4096, 256, num_splits=1)[1:] == (64, 1, 4096, SPLIT_LAUNCH)
     assert plan(16, 4096, 256, dtype=torch.float32)[4] is SPLIT_LAUNCH
     assert plan(16, 4096, 256, d=256)[4] is SPLIT_LAUNCH

@@ -421,6 +421,8 @@ def test_two_tiles_in_flight_read_the_cache_right(launch, kv_heads, page_size, N
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     H, Hkv, d = 32, 8, 128
     longest = 700 if fills else 3000
+    if kv_heads > 1:  # two heads a program where each reads this many keys or more
+        longest = tdecode.SIDE_BY_SIDE_MIN_KEYS + 500
     capacity = (-(-longest // page_size) + 1) * page_size  # random_pool's table: a page spare
 
     def planned(B):  # the launch, in one split exactly where the batch fills the GPU

@@ -109,6 +109,12 @@ ONE_PER_SM_LAUNCH = {"num_warps": 4, "num_stages": 3}
 ONE_PER_SM_TILE = 128  # rows of K_j: Bc keys times the K/V heads a program reads
 ONE_PER_SM = True  # False: off
 ONE_PER_SM_KV_HEADS = (1, 2)  # K/V heads a program, side by side: each tried in turn
+# Two K/V heads a program only where each program reads this many keys or more: at 32
+# sequences (256 groups, 128 programs of two heads, or 256 of one two an SM), in pages of 256,
+# 4K keys 124.5 us against 125.3, 16K 477.3 against 486.4, but 1K 36.5 against 35.9, where
+# two programs an SM hide each other's start and end (BENCHMARKS.md, "Decoding: two K/V heads
+# a program"; cuDNN 124.5, 475.1, 35.6)
+SIDE_BY_SIDE_MIN_KEYS = 4096
 # each unmasked tile's page looked up during the tile before (split_kernel): without it,
 # Triton's pipeliner gives the page's load a stage and keeps one K/V tile in flight whatever
 # num_stages says
@@ -679,7 +685,8 @@ def one_per_sm_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, page_size):
     (``one_per_sm_fits``), else None. A program reads the K/V heads of ONE_PER_SM_KV_HEADS in
     turn, the first that fills the SMs: one K/V head in tiles of 128 keys; or two side by side
     in tiles of 64 keys (the same 128 rows), where the groups alone fill the SMs twice (32
-    sequences of 8 K/V heads: 256 groups, 128 programs)."""
+    sequences of 8 K/V heads: 256 groups, 128 programs) and each reads at least
+    SIDE_BY_SIDE_MIN_KEYS keys."""
     group = H // Hkv
     heads = heads_per_program(group, Nq)
     for kv_heads in ONE_PER_SM_KV_HEADS:
@@ -691,6 +698,8 @@ def one_per_sm_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, page_size):
             continue
         programs = B * H // (heads * kv_heads)
         S, chunk = split_chunks(Nk, Bc, max(1, min(sms // programs, MAX_SPLITS)))
+        if kv_heads > 1 and chunk < SIDE_BY_SIDE_MIN_KEYS:
+            continue
         if even(programs * S, sms, 1):
             return heads * kv_heads, Bc, S, chunk, ONE_PER_SM_LAUNCH
     return None

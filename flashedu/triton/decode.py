@@ -99,12 +99,11 @@ EVEN_SHARE = 0.9  # the programs fill at least this share of their last round ov
 # takes twice the tile and twice the warps, two tiles in flight (136 KB of shared memory): the
 # same bytes in flight an SM as two double-buffered programs, half the programs and merges.
 # Only where a tile's keys lie in one page (pages of a multiple of 128 rows, or no pages): a
-# 128-key tile across 8 pages of 16 pays for 8 table entries and was slower (8 x 16K, 8 x 64K:
-# 136.5 and 511.2 us against 127.4 and 490.8). H200 sweep in pages of 256 (BENCHMARKS.md,
-# "Decoding: one program an SM"), us a step against the two-an-SM rule: 16 sequences of 4K
-# keys (no split) 63.7 against 66.5, cuDNN 63.5; 8 x 64K (2 splits) 479.7 against 488.5, cuDNN
-# 481.8; 16 x 16K 241.4 against 245.8, cuDNN 241.9; one sequence of 64K (16 splits) 67.2
-# against 67.7, cuDNN 67.9.
+# 128-key tile across 8 pages of 16 reads 8 table entries, and lost in 5 of 10 cells there
+# (4 x 4K: 23.3 us against 22.8). H200 sweep in pages of 256 (BENCHMARKS.md, "Decoding: one
+# program an SM"), us a step against two an SM: 16 sequences of 4K keys (no split) 63.8
+# against 66.5, cuDNN 63.6; 8 x 64K (2 splits) 469.5 against 478.1, cuDNN 470.9; one sequence
+# of 64K (16 splits) 65.7 against 66.7, cuDNN 67.0; level or faster in all 10 cells.
 ONE_PER_SM_LAUNCH = {"num_warps": 4, "num_stages": 3}
 ONE_PER_SM_TILE = 128  # rows of K_j: Bc keys times the K/V heads a program reads
 ONE_PER_SM = True  # False: off

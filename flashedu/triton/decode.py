@@ -20,11 +20,11 @@ Decoding is a stream of reads, and its speed is how many bytes are in flight. Wh
 can give every SM one program, evenly, and a tile's keys lie in one page (``one_per_sm_plan``),
 that program reads tiles of 128 rows on four warps (128 keys of its K/V head, or where the
 groups alone fill the SMs twice, 64 keys of two K/V heads side by side), loading the next while
-it computes on this one; where they can give every SM two (``double_buffered``: one program a group when the batch
-alone fills the SMs twice, else as many splits as that takes), each does the same with tiles of
-64 keys on two warps; elsewhere a program reads one tile at a time, and more programs, four an
-SM, keep the loads going. In a paged cache the next tile can load early because its page is
-looked up during the tile before (``PAGES_AHEAD``).
+it computes on this one; where they can give every SM two (``double_buffered``: one program a
+group when the batch alone fills the SMs twice, else as many splits as that takes), each does
+the same with tiles of 64 keys on two warps; elsewhere a program reads one tile at a time, and
+more programs, four an SM, keep the loads going. In a paged cache the next tile can load early
+because its page is looked up during the tile before (``PAGES_AHEAD``).
 
 Grouped-query attention is packed: the query heads that share one K/V head go into the rows of
 one program (row r is head r // Nq, query r % Nq), so each K/V tile is read once per group
@@ -625,7 +625,7 @@ def tiles_in_flight(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted=False,
 
 def _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, page_size=0):
     """``split_plan``'s four, and the split kernel's launch settings: ONE_PER_SM_LAUNCH where
-    the groups and a split count give every SM one program evenly (``one_per_sm``), else
+    the groups and a split count give every SM one program evenly (``one_per_sm_plan``), else
     DOUBLE_BUFFERED_LAUNCH where they give it two (``double_buffered``), else SPLIT_LAUNCH
     (none under the interpreter)."""
     heads = heads_per_program(H // Hkv, Nq)

@@ -152,7 +152,7 @@ def cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb, stride_
     of batch b in a contiguous cache (no block_table); in a paged one, row j % PAGE_SIZE of
     ``page`` (``tile_pages``), stride_kb, stride_vb then being the pages' strides. The page
     is the only difference, looked up once for K and V."""
-    if block_table is None:  # b in 64 bits: a cache of 2^31 elements or more wraps in 32
+    if block_table is None:  # b in 64 bits: past 2^31 elements, b * stride_kb overflows 32
         b = b.to(tl.int64)
         return b * stride_kb + j * stride_kn, b * stride_vb + j * stride_vn
     else:

@@ -16,6 +16,7 @@ half as many K/V head groups as the GPU has SMs. The cells are
     python scripts/gpu_decode_sweep.py --launches 2x2 2x3a --page-size 16   # a: pages ahead
     python scripts/gpu_decode_sweep.py --launches 2x2 2x3 --page-size 0   # a contiguous cache
     python scripts/gpu_decode_sweep.py --launches 2x2 --page-size 16 --in-order   # pages in order
+    python scripts/gpu_decode_sweep.py --page-size 16 --set SIDE_BY_SIDE_ACROSS_PAGES=1
 
 Without a CUDA GPU it says so and exits.
 """
@@ -118,6 +119,17 @@ def plan_for(q, cache, launch, Bc, S):
     return plan
 
 
+def rule_plan(B, Nk, page) -> list:
+    """The rule's (heads a program, Bc, S, keys a split) for the cell: what "rule" ran."""
+    import torch
+
+    from flashedu.triton import decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return list(decode.split_plan(B, 32, 8, 1, Nk, 128, torch.bfloat16, sms,
+                                  page_size=page))
+
+
 def one_cell(B, Nk, page, launches, rounds, per_sm=(), in_order=False):
     """One cell's variants and cuDNN, timed in turn; ``page`` 0: our kernels read the
     contiguous cache that cuDNN reads; ``in_order``: each sequence's pages one after another
@@ -154,8 +166,24 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=(), in_order=False):
         times = graph_us_in_turn(ways, rounds,
                                  {"cudnn": lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)})
     return {"B": B, "Nk": Nk, "page_size": page, "pages_in_order": in_order,
+            "rule_plan": rule_plan(B, Nk, page),
             "graph_us": {name: statistics.median(t) for name, t in times.items()},
             "each": times}
+
+
+def rule_setting(text: str) -> tuple:
+    """(name, value) of "NAME=VALUE": a setting of ``flashedu.triton.decode`` that the "rule"
+    variant plans with (an int, or a float; the names its module defines in capitals)."""
+    from flashedu.triton import decode
+
+    name, _, value = text.partition("=")
+    if not (name.isupper() and hasattr(decode, name)) or not value:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE, NAME a setting of "
+                                         "flashedu.triton.decode in capitals")
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, float(value)
 
 
 def main(argv=None) -> int:
@@ -170,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--in-order", action="store_true",
                    help="each sequence's pages one after another in the pool (else at random)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--set", type=rule_setting, nargs="+", default=(), metavar="NAME=VALUE",
+                   help="plan the rule variant with these settings of flashedu.triton.decode")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.in_order and args.page_size == 0:
@@ -179,6 +209,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_decode_sweep.py: needs a CUDA GPU; none is visible here.", file=sys.stderr)
         return 1
+    from flashedu.triton import decode
+
+    for name, value in args.set:  # for the whole run: the launch variants turn the rules off
+        setattr(decode, name, value)
     rows = []
     for cell in args.cells:
         B, Nk = (int(x) for x in cell.split("x"))

@@ -33,6 +33,7 @@ from pathlib import Path
 CELLS = ("1x16384", "8x1024", "8x4096", "8x16384", "32x1024", "32x4096", "32x16384")
 # num_warps x num_stages of the split kernel, and optionally x Bc (its K/V rows a step)
 LAUNCHES = ("4x2", "2x2", "4x3", "2x3")
+H, HKV, D = 32, 8, 128  # every cell's query heads, K/V heads and head dim (bench paged's)
 
 
 def parse_launch(text: str) -> tuple:
@@ -79,12 +80,11 @@ def variants(B, Nk, launches, sms, per_sm=()):
 
     import torch
 
-    H, Hkv, d = 32, 8, 128
-    heads = decode.heads_per_program(H // Hkv, 1)
+    heads = decode.heads_per_program(H // HKV, 1)
     groups = B * H // heads
 
     def splits_run(asked=None):  # the count a launch runs: chunks are whole K/V tiles
-        return decode.split_plan(B, H, Hkv, 1, Nk, d, torch.bfloat16, sms, False, asked)[2]
+        return decode.split_plan(B, H, HKV, 1, Nk, D, torch.bfloat16, sms, False, asked)[2]
     out = {"rule": (None, None, None)}
     for text in launches:
         launch, Bc = parse_launch(text)
@@ -119,15 +119,13 @@ def plan_for(q, cache, launch, Bc, S):
     return plan
 
 
-def rule_plan(B, Nk, page) -> list:
+def rule_plan(B, Nk, page, sms) -> list:
     """The rule's (heads a program, Bc, S, keys a split) for the cell: what "rule" ran."""
     import torch
 
     from flashedu.triton import decode
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return list(decode.split_plan(B, 32, 8, 1, Nk, 128, torch.bfloat16, sms,
-                                  page_size=page))
+    return list(decode.split_plan(B, H, HKV, 1, Nk, D, torch.bfloat16, sms, page_size=page))
 
 
 def one_cell(B, Nk, page, launches, rounds, per_sm=(), in_order=False):
@@ -141,7 +139,7 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=(), in_order=False):
     from flashedu.benchmarks.paged import graph_copies, graph_us_in_turn, step_inputs
     from flashedu.triton import decode
 
-    q, k, v, kc, vc, table, seqlens = step_inputs(B, Nk, page or 256, 32, 8, 128, "cuda",
+    q, k, v, kc, vc, table, seqlens = step_inputs(B, Nk, page or 256, H, HKV, D, "cuda",
                                                   torch.bfloat16, in_order)
     copies = graph_copies(k, v, kc, vc, device="cuda")
 
@@ -166,7 +164,7 @@ def one_cell(B, Nk, page, launches, rounds, per_sm=(), in_order=False):
         times = graph_us_in_turn(ways, rounds,
                                  {"cudnn": lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)})
     return {"B": B, "Nk": Nk, "page_size": page, "pages_in_order": in_order,
-            "rule_plan": rule_plan(B, Nk, page),
+            "rule_plan": rule_plan(B, Nk, page, sms),
             "graph_us": {name: statistics.median(t) for name, t in times.items()},
             "each": times}
 

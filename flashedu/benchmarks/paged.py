@@ -240,7 +240,7 @@ def launch_plan(B, H, Hkv, Nk, d, dtype, device, page_size) -> tuple:
     interpreted = runtime.triton_interpreted()
     shape = (B, H, Hkv, 1, Nk, d, dtype, decode.sm_count(device, interpreted), interpreted)
     heads, Bc, S, _ = decode.split_plan(*shape, page_size=page_size)
-    kv_heads = max(1, heads // (H // Hkv))
+    kv_heads = decode.kv_heads_per_program(heads, H, Hkv)
     return S, decode.tiles_in_flight(*shape, page_size=page_size), Bc, kv_heads
 
 

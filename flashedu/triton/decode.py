@@ -579,7 +579,7 @@ def _launch_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, num_splits, is_c
     heads, Bc, S, chunk, launch = _plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted,
                                         num_splits, page_size)
     HEAD_DIM = padded_head_dim(d)
-    kv_heads = max(1, heads // (H // Hkv))  # K/V heads a program: one, or several side by side
+    kv_heads = kv_heads_per_program(heads, H, Hkv)
     dependent = pdl_launch(device_major, interpreted)
     # a launch setting may name AHEAD too (the sweep's variants): it then replaces the rule's
     split_consts = {**dict(BLOCK_M=max(16, triton.next_power_of_2(heads * Nq)), Bc=Bc,
@@ -719,6 +719,12 @@ def one_per_sm_fits(d: int, dtype, page_size: int, interpreted: bool,
     in_pages = page_size % Bc == 0 or (across_pages and page_size > 0 and Bc % page_size == 0)
     return (ONE_PER_SM and not interpreted and dtype != torch.float32
             and padded_head_dim(d) <= 128 and in_pages)
+
+
+def kv_heads_per_program(heads: int, H: int, Hkv: int) -> int:
+    """The K/V heads a program of ``heads`` query heads reads: one, or several side by side
+    (``one_per_sm_plan``) where it holds every query head of each."""
+    return max(1, heads // (H // Hkv))
 
 
 def heads_per_program(group: int, Nq: int) -> int:

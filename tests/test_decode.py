@@ -388,19 +388,30 @@ def test_a_cache_past_two_to_the_31_elements_is_read_where_it_lies():
     assert torch.equal(out[2:], alone) and out.isfinite().all()
 
 
-@pytest.mark.parametrize("layout", ["BHNd", "BNHd"])
+@pytest.mark.parametrize("layout, page, order", [
+    ("BHNd", 0, ""), ("BNHd", 0, ""), ("pages", 4, "in order"), ("pages", 4, "local"),
+    ("pages", 8, "scattered")])
 @pytest.mark.parametrize("heads, rows", [(1, 4), (2, 8), (4, 8)])
-def test_the_stream_script_reads_every_element_once(layout, heads, rows):
+def test_the_stream_script_reads_every_element_once(layout, page, order, heads, rows):
     """``scripts/gpu_kv_stream.py``'s kernel (run on a GPU to time a layout's stream): each
-    program's column sums over its heads and keys add up to the cache's, in either layout."""
+    program's column sums over its heads and keys add up to the cache's, in every layout and
+    page order, and each sequence's keys are its own table's pages."""
     from script_loading import load_script
 
     stream = load_script("gpu_kv_stream")
     B, Hkv, N, d = 2, 4, 32, 16
-    K, V, strides = stream.cache(layout, B, Hkv, N, d, DEVICE, torch.float32)
-    out = stream.launch(K, V, strides, Hkv, N, heads, rows)
+    K, V, strides, table = stream.cache(layout, B, Hkv, N, d, DEVICE, torch.float32, page,
+                                        order or "in order")
+    out = stream.launch(K, V, strides, Hkv, N, heads, rows, table=table)
     assert out.shape == (B * Hkv // heads * heads, d)
     want = (K.double().sum(dim=(0, 1, 2)) + V.double().sum(dim=(0, 1, 2))).cpu()
     torch.testing.assert_close(out.double().sum(0).cpu(), want, rtol=1e-5, atol=1e-4)
+    if table is not None:  # sequence 0's programs sum sequence 0's pages
+        own = K[table[0].long()].double().sum(dim=(0, 1, 2)) + \
+            V[table[0].long()].double().sum(dim=(0, 1, 2))
+        torch.testing.assert_close(out[:Hkv].double().sum(0).cpu(), own.cpu(), rtol=1e-5,
+                                   atol=1e-4)
+        scattered = not torch.equal(table.cpu(), torch.arange(B * N // page).view(B, -1))
+        assert scattered == (order != "in order")
     with pytest.raises(ValueError, match="whole tiles"):
-        stream.launch(K, V, strides, Hkv, 24, 2, 16)
+        stream.launch(K, V, strides, Hkv, 24, 2, 16, table=table)

@@ -32,9 +32,10 @@ def random_pool(lengths, page_size, Hkv, d, dtype, seed, spare=3, width_extra=1)
 
 
 def contiguous(cache, table, n, page_size):
-    """Sequence's n keys as (Hkv, n, d), read through its pages."""
-    return torch.from_numpy(gather_pages(cache.double().numpy(), table.numpy(), page_size, 0, n)
-                            ).permute(1, 0, 2)
+    """Sequence's n keys as (Hkv, n, d) in float64, read through its pages (only the rows read
+    are widened: the pool of a filled GPU is gigabytes in float64)."""
+    rows = gather_pages(cache, table.numpy(), page_size, 0, n)
+    return rows.double().permute(1, 0, 2)
 
 
 def reference(q, k, v, table, lengths, page_size, causal, dtype=torch.float64):

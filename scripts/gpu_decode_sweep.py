@@ -16,7 +16,7 @@ half as many K/V head groups as the GPU has SMs. The cells are
     python scripts/gpu_decode_sweep.py --launches 2x2 2x3a --page-size 16   # a: pages ahead
     python scripts/gpu_decode_sweep.py --launches 2x2 2x3 --page-size 0   # a contiguous cache
     python scripts/gpu_decode_sweep.py --launches 2x2 --page-size 16 --in-order   # pages in order
-    python scripts/gpu_decode_sweep.py --page-size 16 --set SIDE_BY_SIDE_ACROSS_PAGES=1
+    python scripts/gpu_decode_sweep.py --page-size 256 --set SIDE_BY_SIDE_MIN_KEYS=1024
 
 Without a CUDA GPU it says so and exits.
 """

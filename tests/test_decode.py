@@ -240,38 +240,19 @@ def test_one_program_an_sm_where_the_splits_give_every_sm_one_and_a_tile_lies_in
     assert plan(1, 1024, 256)[4] is SPLIT_LAUNCH
 
 
-def test_two_kv_heads_across_pages_only_when_asked(monkeypatch):
-    """Two K/V heads a program in tiles that span whole pages (pages of 16) only with
-    SIDE_BY_SIDE_ACROSS_PAGES; one K/V head's 128-key tiles never span pages."""
-    from flashedu.triton import decode as tdecode
-
-    def plan(B, Nk, page_size):
-        return _plan(B, 32, 8, 1, Nk, 128, torch.bfloat16, 132, False, None, page_size)
-    assert plan(32, 4096, 16)[4] is DOUBLE_BUFFERED_LAUNCH
-    monkeypatch.setattr(tdecode, "SIDE_BY_SIDE_ACROSS_PAGES", True)
-    assert plan(32, 4096, 16) == (8, 64, 1, 4096, ONE_PER_SM_LAUNCH)
-    assert plan(8, 65536, 16) == (8, 64, 4, 16384, ONE_PER_SM_LAUNCH)
-    assert plan(16, 4096, 16)[4] is DOUBLE_BUFFERED_LAUNCH  # 128-key tiles: not across
-    assert plan(32, 4096, 48)[4] is DOUBLE_BUFFERED_LAUNCH  # 64 keys: not whole pages of 48
-    assert plan(32, 1024, 16)[4] is DOUBLE_BUFFERED_LAUNCH  # too short a program
-
-
-@pytest.mark.parametrize("B, page_size, per_sm, across", [
-    (32, 16, 2, False), (32, 256, 1, False), (16, 256, 1, False), (32, 16, 1, True)])
-def test_programs_of_two_tiles_fit_on_an_sm(monkeypatch, B, page_size, per_sm, across):
+@pytest.mark.parametrize("B, page_size, per_sm", [(32, 16, 2), (32, 256, 1), (16, 256, 1)])
+def test_programs_of_two_tiles_fit_on_an_sm(B, page_size, per_sm):
     """The two-tile launches compiled for sm_90 here, as steps of B sequences of 4K keys plan
     them (32 in pages of 16: two programs an SM; 32 in pages of 256: one of two K/V heads side
-    by side, and in pages of 16 where SIDE_BY_SIDE_ACROSS_PAGES asks; 16: one of one): shared
-    memory holds two K/V tiles a program (the pipeline's second buffer: were a tile's page
-    loaded in its own step, the pipeline would keep one), and the programs an SM fit in
-    shared memory and registers, as the rule assumes."""
+    by side; 16: one of one): shared memory holds two K/V tiles a program (the pipeline's
+    second buffer: were a tile's page loaded in its own step, the pipeline would keep one),
+    and the programs an SM fit in shared memory and registers, as the rule assumes."""
     from flashedu.benchmarks import sass
     from flashedu.triton import decode as tdecode
 
     if not sass.can_compile():
         pytest.skip("this Triton has no NVIDIA backend tools: nothing can compile for a GPU")
     H, Hkv, d, Nk, bf16 = 32, 8, 128, 4096, torch.bfloat16
-    monkeypatch.setattr(tdecode, "SIDE_BY_SIDE_ACROSS_PAGES", across)
     tdecode._launch_plan.cache_clear()
     S, chunk, heads, consts, merge = tdecode._launch_plan(B, H, Hkv, 1, Nk, d, bf16, 132, False,
                                                           None, False, page_size, 9)
@@ -359,7 +340,7 @@ def test_the_sweep_names_each_launch_and_its_split_counts():
     with pytest.raises(ValueError, match="warps x stages"):
         sweep.parse_launch("2x2x2x2")
     # --set: settings of the decode module the rule variant plans with
-    assert sweep.rule_setting("SIDE_BY_SIDE_ACROSS_PAGES=1") == ("SIDE_BY_SIDE_ACROSS_PAGES", 1)
+    assert sweep.rule_setting("SIDE_BY_SIDE_MIN_KEYS=8192") == ("SIDE_BY_SIDE_MIN_KEYS", 8192)
     assert sweep.rule_setting("EVEN_SHARE=0.8") == ("EVEN_SHARE", 0.8)
     for bad in ("NO_SUCH_SETTING=1", "math=1", "EVEN_SHARE", "EVEN_SHARE="):
         with pytest.raises(argparse.ArgumentTypeError, match="NAME=VALUE"):

@@ -114,10 +114,6 @@ ONE_PER_SM_KV_HEADS = (1, 2)  # K/V heads a program, side by side: each tried in
 # two programs an SM hide each other's start and end (BENCHMARKS.md, "Decoding: two K/V heads
 # a program"; cuDNN 124.5, 475.1, 35.6)
 SIDE_BY_SIDE_MIN_KEYS = 4096
-# Two K/V heads a program also where a tile spans whole pages (pages of 16: 4 table entries a
-# tile of 128 rows, where two programs an SM read 4 a tile of 64): unmeasured, so off; the
-# sweep turns it on (``scripts/gpu_decode_sweep.py --set SIDE_BY_SIDE_ACROSS_PAGES=1``)
-SIDE_BY_SIDE_ACROSS_PAGES = False
 # each unmasked tile's page looked up during the tile before (split_kernel): without it,
 # Triton's pipeliner gives the page's load a stage and keeps one K/V tile in flight whatever
 # num_stages says
@@ -151,12 +147,11 @@ def tile_pages(start_n, ok, b, block_table, width, Nk, Bc: tl.constexpr,
 
 @triton.jit
 def cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb, stride_vn,
-               Bc: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr = 1):
+               Bc: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Where keys j of sequence b lie in K and in V, as offsets from the head's start: rows j
     of batch b in a contiguous cache (no block_table); in a paged one, row j % PAGE_SIZE of
     ``page`` (``tile_pages``), stride_kb, stride_vb then being the pages' strides. The page
-    is the only difference, looked up once for K and V. j: the tile's keys, each KV_HEADS
-    times over where a program reads KV_HEADS heads side by side (``split_step``)."""
+    is the only difference, looked up once for K and V."""
     if block_table is None:  # b in 64 bits: past 2^31 elements, b * stride_kb overflows 32
         b = b.to(tl.int64)
         return b * stride_kb + j * stride_kn, b * stride_vb + j * stride_vn
@@ -164,7 +159,7 @@ def cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb, stride_
         if PAGE_SIZE < Bc and Bc % PAGE_SIZE == 0:  # the tile's pages: each row's own
             # (among a warp's registers: per-row entries, loaded, went through shared memory
             # to the rows' layout, a barrier each tile)
-            page = tl.gather(page, tl.arange(0, Bc * KV_HEADS) // (KV_HEADS * PAGE_SIZE), 0)
+            page = tl.gather(page, tl.arange(0, Bc) // PAGE_SIZE, 0)
         page = page.to(tl.int64)
         row = j % PAGE_SIZE
         return page * stride_kb + row * stride_kn, page * stride_vb + row * stride_vn
@@ -198,7 +193,7 @@ def split_step(O_i, l_i, m_i, Q_i, K_head, V_head, start_n, page, b, block_table
     row_ok = j < Nk
     dim_ok = dims[None, :] < d
     K_rows, V_rows = cache_rows(page, j, b, block_table, stride_kb, stride_kn, stride_vb,
-                                stride_vn, Bc, PAGE_SIZE, KV_HEADS)
+                                stride_vn, Bc, PAGE_SIZE)
     if KV_HEADS > 1:
         K_rows += (c % KV_HEADS) * stride_kh
         V_rows += (c % KV_HEADS) * stride_vh
@@ -235,9 +230,10 @@ def split_kernel(Q, K, V, O_part, L_part, block_table, seqlens, qk_scale,
     FINAL: the only split (num_splits = 1), whose partial result is the answer: O_part is the
     output itself (strides stride_ob, stride_oh, stride_on; d columns) and L_part its base-2
     lse, so that no merge is launched."""
-    # several K/V heads a program read a key's heads side by side: a tile in one page, or in
-    # whole pages (a page entry for each row otherwise: not written for several heads)
-    tl.static_assert(KV_HEADS == 1 or PAGE_SIZE % Bc == 0 or Bc % PAGE_SIZE == 0)
+    # several K/V heads a program read a key's heads side by side: within one page (in
+    # tiles across pages of 16, 32 sequences of 4K and 16K keys, they measured 11% slower
+    # than two programs an SM; BENCHMARKS.md)
+    tl.static_assert(KV_HEADS == 1 or PAGE_SIZE % Bc == 0)
     if PDL:  # before reading Q or the cache, and writing the partials (which the previous
         gdc_wait()  # step's combine reads), the kernel before this one must be done
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile may hand a float64 scalar
@@ -699,8 +695,7 @@ def one_per_sm_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, page_size):
                              or kv_heads * heads * Nq > MAX_ROWS):
             continue  # the program's query rows: every head of its K/V heads
         Bc = ONE_PER_SM_TILE // kv_heads
-        across = kv_heads > 1 and SIDE_BY_SIDE_ACROSS_PAGES
-        if not one_per_sm_fits(d, dtype, page_size, interpreted, Bc, across):
+        if not one_per_sm_fits(d, dtype, page_size, interpreted, Bc):
             continue
         programs = B * H // (heads * kv_heads)
         S, chunk = split_chunks(Nk, Bc, max(1, min(sms // programs, MAX_SPLITS)))
@@ -712,13 +707,12 @@ def one_per_sm_plan(B, H, Hkv, Nq, Nk, d, dtype, sms, interpreted, page_size):
 
 
 def one_per_sm_fits(d: int, dtype, page_size: int, interpreted: bool,
-                    Bc: int = ONE_PER_SM_TILE, across_pages: bool = False) -> bool:
+                    Bc: int = ONE_PER_SM_TILE) -> bool:
     """Whether ONE_PER_SM_LAUNCH may run on tiles of Bc keys: on a GPU, in 16 bits, d <= 128
     (two K/V buffers of 128 rows: 136 KB of shared memory compiled for sm_90), each tile in
-    one page (or with ``across_pages``, in whole pages)."""
-    in_pages = page_size % Bc == 0 or (across_pages and page_size > 0 and Bc % page_size == 0)
+    one page."""
     return (ONE_PER_SM and not interpreted and dtype != torch.float32
-            and padded_head_dim(d) <= 128 and in_pages)
+            and padded_head_dim(d) <= 128 and page_size % Bc == 0)
 
 
 def kv_heads_per_program(heads: int, H: int, Hkv: int) -> int:

@@ -9,7 +9,7 @@ run time (``variant_source``: each change is asserted to apply, so a change to f
 breaks one fails loudly here rather than timing something else); dense, no dropout.
 
     python scripts/fa3_wide_tiles.py --compile 64 32     # no GPU: ptxas's verdict on sm_90
-    python scripts/fa3_wide_tiles.py --extra 32 --json docs/bench/fa3_wide_h200.json   # a GPU
+    python scripts/fa3_wide_tiles.py --extra 32 64 --json docs/bench/fa3_wide_h200.json  # a GPU
 
 ``--compile`` needs Triton 3.6 (the Gluon API fa3.py is written against) with its NVIDIA
 tools: registers, spills, the products and their waits, and whether ptxas serialized the
@@ -270,8 +270,9 @@ def compile_report(extra: int, regs: int) -> dict:
                            + ptxas.stdout.splitlines() if "C7512" in l]}
 
 
-def gpu_run(extra: int, regs: int, rounds: int) -> dict:
-    """Answers against SDPA, then the forwards timed in turn (``interleaved_ms``)."""
+def gpu_run(extras: list, regs: int, rounds: int) -> dict:
+    """Each variant's answers against SDPA, then the forwards timed in turn
+    (``interleaved_ms``)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -281,10 +282,11 @@ def gpu_run(extra: int, regs: int, rounds: int) -> dict:
     from flashedu.triton.autograd import resolve_config
 
     os.environ[fa3.SWITCH_ENV] = "1"
-    wide_fa3 = load_variant(extra)
+    variants = {extra: load_variant(extra) for extra in extras}
     d = 128
     config = resolve_config(d, torch.bfloat16, None, torch.device("cuda"))
-    out = {"extra": extra, "regs": regs, "device": torch.cuda.get_device_name(), "rows": []}
+    out = {"extras": extras, "regs": regs, "stages": STAGES,
+           "device": torch.cuda.get_device_name(), "rows": []}
 
     def forward(module, q, k, v, settings):
         o = torch.empty_like(q)
@@ -300,12 +302,14 @@ def gpu_run(extra: int, regs: int, rounds: int) -> dict:
                    for _ in range(3))
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         settings = {**table, "STAGES": STAGES, "CONSUMER_REGS": regs, "PERSISTENT": persistent}
-        err = (forward(wide_fa3, q, k, v, settings).float() - want).abs().max().item()
-        print(f"N={N} H={H} persistent={persistent}: max error {err:.1e}", flush=True)
-        out["rows"].append({"check": True, "N": N, "H": H, "persistent": persistent,
-                            "err": err})
-        if err > 2e-2:
-            raise SystemExit(f"the variant's answer is wrong at N={N}: {err}")
+        for extra, module in variants.items():
+            err = (forward(module, q, k, v, settings).float() - want).abs().max().item()
+            print(f"128+{extra}, N={N} H={H} persistent={persistent}: max error {err:.1e}",
+                  flush=True)
+            out["rows"].append({"check": True, "extra": extra, "N": N, "H": H,
+                                "persistent": persistent, "err": err})
+            if err > 2e-2:
+                raise SystemExit(f"128+{extra}: the answer is wrong at N={N}: {err}")
     for N in (4096, 8192, 16384):
         B, H = core.batch_heads(N, d)
         g = torch.Generator(device="cuda").manual_seed(N)
@@ -322,11 +326,12 @@ def gpu_run(extra: int, regs: int, rounds: int) -> dict:
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v)
-        timed = {"fa3": (run(fa3, table), {}),
-                 f"128+{extra}": (run(wide_fa3, {**table, "STAGES": STAGES,
-                                                 "CONSUMER_REGS": regs}), {}),
-                 "fa3 2 stages": (run(fa3, {**table, "STAGES": 2}), {}),
-                 "sdpa-cudnn": (cudnn, {})}
+        timed = {"fa3": (run(fa3, table), {})}
+        for extra, module in variants.items():
+            timed[f"128+{extra}"] = (run(module, {**table, "STAGES": STAGES,
+                                                  "CONSUMER_REGS": regs}), {})
+        timed.update({"fa3 2 stages": (run(fa3, {**table, "STAGES": 2}), {}),
+                      "sdpa-cudnn": (cudnn, {})})
         ms, samples = core.interleaved_ms(timed, rounds)
         flops = core.attention_flops(B, H, N, N, d)
         tflops = {name: core.tflops(flops, t) for name, t in ms.items()}
@@ -341,8 +346,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compile", type=int, nargs="+", metavar="EXTRA",
                    help="compile for sm_90 here with these second boxes (no GPU needed)")
-    p.add_argument("--extra", type=int, default=32, choices=(16, 32, 64),
-                   help="keys of a tile's second box (on a GPU)")
+    p.add_argument("--extra", type=int, nargs="+", default=[32], choices=(16, 32, 64),
+                   help="keys of a tile's second box, a variant each (on a GPU)")
     p.add_argument("--regs", type=int, default=240, help="registers a consumer thread")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", help="write the results here")

@@ -237,24 +237,15 @@ def compile_report(extra: int, regs: int) -> dict:
     os.environ["TRITON_INTERPRET"] = "0"  # compiled, not emulated, with or without a GPU
     import flashedu  # noqa: F401  (before triton, as everywhere)
     import triton
-    from compile_fa3_backward import usage
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from compile_fa3_backward import compile_for_sm90, usage
 
     kernel = load_variant(extra).fa3_forward_kernel
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "L": "*fp32"}
     floats = {"qk_scale": "fp32", "keep_scale": "fp32"}
     consts = dict(HEAD_DIM=128, Bc=MAIN_BOX, STAGES=STAGES, CONSUMERS=2, IS_CAUSAL=False,
                   PINGPONG=True, OVERLAP=True, LONGEST_FIRST=True, CONSUMER_REGS=regs,
-                  PERSISTENT=True, DROPOUT=False, TMA_STORE=True, Q_BUFFERS=1, RNG=None)
-    names = kernel.arg_names
-    signature = {n: pointers.get(n) or floats.get(n) or "i32" for n in names}
-    signature.update({n: "constexpr" for n in consts})
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
-    source = GluonASTSource(kernel, signature,
-                            {(names.index(n),): v for n, v in consts.items()}, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4))
+                  PERSISTENT=True, DROPOUT=False, TMA_STORE=True, Q_BUFFERS=1)
+    compiled = compile_for_sm90(kernel, consts, pointers, floats)
     line, counts = usage(compiled, f"/tmp/fa3_wide_{extra}.sass")
     with open(f"/tmp/fa3_wide_{extra}.sass") as f:
         sass = f.read()

@@ -59,10 +59,10 @@ SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
             dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PERSISTENT=True, TMA_STORE=True),
             dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True),
             dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True, TMA_STORE=True),
-            # some of the softmax's exponentials by the polynomial on the FMA pipe
+            # O_i rescaled only once a row's max grew past 2^8
             dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PERSISTENT=True, TMA_STORE=True,
-                 POLY_EXP=1),
-            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, POLY_EXP=2)]
+                 LAZY_RESCALE=True),
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, LAZY_RESCALE=True)]
 
 
 def _inputs(B, H, Hkv, Nq, Nk, d, dtype, seed):

@@ -41,8 +41,8 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
              # a persistent program's next Q tile loaded during this one, or after it
              ("Q buffers flipped", lambda s, causal: ({"Q_BUFFERS": 3 - s["Q_BUFFERS"]}
                                                       if s["PERSISTENT"] else None)),
-             # some of the softmax's exponentials by a polynomial on the FMA pipe, or none
-             ("FMA exp flipped", lambda s, causal: {"POLY_EXP": 0 if s["POLY_EXP"] else 1}),
+             # O_i rescaled only once a row's max grew past 2^8, or at every K/V tile
+             ("lazy rescale flipped", lambda s, causal: {"LAZY_RESCALE": not s["LAZY_RESCALE"]}),
              # a control: the table's settings again, timed after the columns above (in rounds
              # turned around, before them); its gap to "fa3" is what a column's place in the
              # order alone moves a reading (the first column has read 2-6% low)
@@ -156,8 +156,8 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "Q_BUFFERS", "POLY_EXP", "PINGPONG",
-            "OVERLAP", "LONGEST_FIRST", "PERSISTENT", "TMA_STORE")
+SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "Q_BUFFERS", "PINGPONG", "OVERLAP",
+            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE", "LAZY_RESCALE")
 
 
 def _memory(settings: dict) -> dict:
@@ -175,7 +175,7 @@ def _setting(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected NAME=INTEGER with NAME one of "
                                          f"{', '.join(SETTINGS)}, got {text!r}")
     number = int(value)
-    return name, bool(number) if name in SETTINGS[5:] else number
+    return name, bool(number) if name in SETTINGS[4:] else number
 
 
 def main(argv=None) -> int:

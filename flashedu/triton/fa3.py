@@ -70,34 +70,6 @@ SWITCH_ENV = runtime.FA3_SWITCH_ENV
 M = 64  # rows of Q per consumer warpgroup: one wgmma's M
 H100_SMS = 132  # the grid of a persistent launch compiled without a GPU (bench sass)
 LOG2E = 1.4426950408889634
-# 2^f on [0, 1) by a cubic, fitted for the least relative error with 2^0 exact (8.6e-5 at
-# most; bf16 keeps 3.9e-3): the coefficients of f^1, f^2, f^3 as float32 bits
-EXP2_CUBIC = (0x3F31F32D, 0x3E691BC2, 0x3D9DD559)
-
-
-def ex2_mixed_asm(poly: int) -> str:
-    """PTX for 2^x of four float32 entries ($4-$7 into $0-$3), the last ``poly`` of them on
-    the FMA pipe instead of the special-function unit, which does 16 ex2 a clock an SM
-    against 128 multiply-adds (FlashAttention-4 moves some of the softmax's exponentials to
-    a polynomial for that reason). x = n + f: n = floor(x), by adding 1.5 * 2^23 rounding
-    down (the integer lands in the low bits), 2^f by the cubic, 2^n by adding n to the
-    exponent's bits. x <= 0 here (S_ij - m_i), clamped at -126, so a masked entry (-inf)
-    gives 2^-126 (~1e-38), not 0: below anything P V and l_i keep."""
-    c1, c2, c3 = (f"0f{c:08X}" for c in EXP2_CUBIC)
-    lines = []
-    for i in range(4):
-        x, y = f"${i + 4}", f"${i}"
-        if i < 4 - poly:
-            lines.append(f"ex2.approx.ftz.f32 {y}, {x};")
-            continue
-        lines.append(
-            "{ .reg .f32 %x, %t, %n, %f, %p; .reg .b32 %e, %b; "
-            f"max.ftz.f32 %x, {x}, 0fC2FC0000; add.rm.ftz.f32 %t, %x, 0f4B400000; "
-            "sub.ftz.f32 %n, %t, 0f4B400000; sub.ftz.f32 %f, %x, %n; "
-            f"fma.rn.ftz.f32 %p, %f, {c3}, {c2}; fma.rn.ftz.f32 %p, %p, %f, {c1}; "
-            "fma.rn.ftz.f32 %p, %p, %f, 0f3F800000; mov.b32 %e, %t; shl.b32 %e, %e, 23; "
-            f"mov.b32 %b, %p; add.s32 {y}, %b, %e; }}")
-    return " ".join(lines)
 
 
 def usable(q, k, v, call) -> bool:
@@ -166,8 +138,9 @@ def _multiprocessors(index):
 
 if GLUON:
     _M = gl.constexpr(M)
-    _EX2_1 = gl.constexpr(ex2_mixed_asm(1))  # one entry of four on the FMA pipe
-    _EX2_2 = gl.constexpr(ex2_mixed_asm(2))  # two of four
+    # LAZY_RESCALE: a row's m_i moves only once its max grew by more than this (base 2), so
+    # P_ij stays within 2^8 and most K/V tiles leave O_i as it is
+    _SLACK = gl.constexpr(8.0)
     # a TMA load into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, renamed
     # ``async_load`` later
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -286,18 +259,6 @@ if GLUON:
         return P_ij
 
     @gluon.jit
-    def _exp2(x, POLY_EXP: gl.constexpr):
-        """2^x (x <= 0), POLY_EXP of every four entries on the FMA pipe (``ex2_mixed_asm``)."""
-        if POLY_EXP == 1:
-            return gl.inline_asm_elementwise(_EX2_1, "=r,=r,=r,=r,r,r,r,r", [x],
-                                             dtype=gl.float32, is_pure=True, pack=4)
-        elif POLY_EXP == 2:
-            return gl.inline_asm_elementwise(_EX2_2, "=r,=r,=r,=r,r,r,r,r", [x],
-                                             dtype=gl.float32, is_pure=True, pack=4)
-        else:
-            return gl.exp2(x)
-
-    @gluon.jit
     def _turn(turns, mine: gl.constexpr, n, PINGPONG: gl.constexpr):
         """Wait for this consumer's n-th turn at the tensor cores."""
         if PINGPONG:
@@ -314,18 +275,18 @@ if GLUON:
     def _consume(shared, out, drop, WG: gl.constexpr, CONSUMERS: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                 DROPOUT: gl.constexpr, TMA_STORE: gl.constexpr, POLY_EXP: gl.constexpr):
+                 DROPOUT: gl.constexpr, TMA_STORE: gl.constexpr, LAZY_RESCALE: gl.constexpr):
         """A consumer warpgroup of a program that owns one Q tile."""
         mbarrier.wait(shared[3].index(0), 0)  # Q_i
         _consume_tile(shared, out, drop, 0, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                      IS_CAUSAL, PINGPONG, OVERLAP, False, DROPOUT, TMA_STORE, POLY_EXP)
+                      IS_CAUSAL, PINGPONG, OVERLAP, False, DROPOUT, TMA_STORE, LAZY_RESCALE)
 
     @gluon.jit
     def _consume_tile(shared, out, drop, kv0, turn0, qb, WG: gl.constexpr,
                       CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
-                      TMA_STORE: gl.constexpr, POLY_EXP: gl.constexpr):
+                      TMA_STORE: gl.constexpr, LAZY_RESCALE: gl.constexpr):
         """A consumer warpgroup over one Q tile (Q_i in shared memory already): rows
         row0 + WG*M .. + M. kv0, turn0: the K/V tiles and turns this consumer went through
         before this Q tile (a persistent program's earlier tiles; 0 otherwise); qb: the Q
@@ -370,7 +331,7 @@ if GLUON:
         S_ij = warpgroup_mma_wait(0, deps=(S_ij,))
         S_ij = _scores(S_ij, 0, rows, Nk, num_full == 0, Bc, IS_CAUSAL, s_layout)
         m_i = gl.max(S_ij, axis=1) * qk_scale
-        P_ij = _exp2(S_ij * qk_scale - m_i[:, None], POLY_EXP)
+        P_ij = gl.exp2(S_ij * qk_scale - m_i[:, None])
         l_i = gl.sum(P_ij, axis=1)
         P_ij = gl.convert_layout(_operand(P_ij.to(dtype), drop, rows, 0, Bc, s_layout,
                                           DROPOUT), p_layout)  # 16-bit A operand registers
@@ -392,15 +353,23 @@ if GLUON:
             else:
                 S_ij, O_i = warpgroup_mma_wait(0, deps=(S_ij, O_i))
             S_ij = _scores(S_ij, j, rows, Nk, j >= num_full, Bc, IS_CAUSAL, s_layout)
-            m_new = gl.maximum(m_i, gl.max(S_ij, axis=1) * qk_scale)
+            m_tile = gl.max(S_ij, axis=1) * qk_scale
+            if LAZY_RESCALE:  # a row's m_i moves only once its max grew past 2^_SLACK
+                m_new = gl.where(m_tile - m_i > _SLACK, m_tile, m_i)
+            else:
+                m_new = gl.maximum(m_i, m_tile)
             alpha = gl.exp2(m_i - m_new)
-            P_next = _exp2(S_ij * qk_scale - m_new[:, None], POLY_EXP)
+            P_next = gl.exp2(S_ij * qk_scale - m_new[:, None])
             l_i = l_i * alpha + gl.sum(P_next, axis=1)
             m_i = m_new
             if OVERLAP:
                 O_i = warpgroup_mma_wait(0, deps=(O_i,))
             mbarrier.arrive(kv_empty.index(prev), count=1)  # K_j-1 and V_j-1 read
-            O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            if LAZY_RESCALE:  # one answer for the warpgroup: did any of its rows move?
+                if gl.min(alpha, axis=0) < 1.0:
+                    O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            else:
+                O_i = O_i * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             P_ij = gl.convert_layout(_operand(P_next.to(dtype), drop, rows, j, Bc, s_layout,
                                               DROPOUT), p_layout)
 
@@ -600,7 +569,7 @@ if GLUON:
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                             LONGEST_FIRST: gl.constexpr, DROPOUT: gl.constexpr,
                             TMA_STORE: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                            POLY_EXP: gl.constexpr):
+                            LAZY_RESCALE: gl.constexpr):
         """A consumer warpgroup of a persistent program: its rows of each Q tile in turn, the
         n-th tile's Q_i in buffer n % Q_BUFFERS; the K/V ring's count and the ping-pong turns
         run on across tiles (a tile takes one turn more than it has K/V tiles)."""
@@ -622,7 +591,7 @@ if GLUON:
                 mbarrier.wait(shared[3].index(qb), (n // Q_BUFFERS) & 1)  # this tile's Q_i
                 _consume_tile(shared, out, (drop[0], drop[1], bh, drop[3], drop[4]), kv,
                               kv + n, qb, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
-                              PINGPONG, OVERLAP, True, DROPOUT, TMA_STORE, POLY_EXP)
+                              PINGPONG, OVERLAP, True, DROPOUT, TMA_STORE, LAZY_RESCALE)
                 kv += num_tiles
                 n += 1
 
@@ -666,7 +635,7 @@ if GLUON:
                            LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
                            TMA_STORE: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
-                           POLY_EXP: gl.constexpr = 0):
+                           LAZY_RESCALE: gl.constexpr = False):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
         forward_kernel, started in the order of ``_in_groups``; or, PERSISTENT, one program
         per SM that takes the ``total`` Q tiles in turn. O has Q's strides; L is (B, H, Nq)
@@ -715,11 +684,11 @@ if GLUON:
                     (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
                                            LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           POLY_EXP)),
+                                           LAZY_RESCALE)),
                     (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
                                            LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           POLY_EXP)),
+                                           LAZY_RESCALE)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST, Q_BUFFERS))],
                     [4, 1], [CONSUMER_REGS, 24])
@@ -728,15 +697,15 @@ if GLUON:
                     (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
                                            LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           POLY_EXP)),
+                                           LAZY_RESCALE)),
                     (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
                                            LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           POLY_EXP)),
+                                           LAZY_RESCALE)),
                     (_consume_persistent, (shared, outs, work, drop, 2, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
                                            LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           POLY_EXP)),
+                                           LAZY_RESCALE)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST, Q_BUFFERS))],
                     [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -762,23 +731,23 @@ if GLUON:
             if CONSUMERS == 2:
                 gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, POLY_EXP)),
+                                                 DROPOUT, TMA_STORE, LAZY_RESCALE)),
                                     (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, POLY_EXP)),
+                                                 DROPOUT, TMA_STORE, LAZY_RESCALE)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 1], [CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, POLY_EXP)),
+                                                 DROPOUT, TMA_STORE, LAZY_RESCALE)),
                                     (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, POLY_EXP)),
+                                                 DROPOUT, TMA_STORE, LAZY_RESCALE)),
                                     (_consume, (shared, out, drop, 2, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, POLY_EXP)),
+                                                 DROPOUT, TMA_STORE, LAZY_RESCALE)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -822,7 +791,7 @@ def dropout_arguments(dropout_p: float, rng):
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
             LONGEST_FIRST: bool = True, PERSISTENT: bool = False, TMA_STORE: bool = False,
-            Q_BUFFERS: int = 1, HEADS_TOGETHER: int | None = None, POLY_EXP: int = 0,
+            Q_BUFFERS: int = 1, HEADS_TOGETHER: int | None = None, LAZY_RESCALE: bool = False,
             dropout_p: float = 0.0, rng=None):
     """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
     written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
@@ -840,8 +809,6 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
     Hkv, Nk = k.shape[1], k.shape[2]
     if Q_BUFFERS not in (1, 2):
         raise ValueError(f"Q_BUFFERS must be 1 or 2, got {Q_BUFFERS!r}")
-    if POLY_EXP not in (0, 1, 2):
-        raise ValueError(f"POLY_EXP must be 0, 1 or 2 (entries of four), got {POLY_EXP!r}")
     ensure_allocator()  # the kernel makes its TMA descriptors in scratch memory
     rng, threshold, keep_scale = dropout_arguments(dropout_p, rng)
     consts = dict(HEAD_DIM=d, Bc=128, STAGES=STAGES, CONSUMERS=CONSUMERS,
@@ -849,7 +816,7 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
                   LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,
                   PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None,
                   TMA_STORE=bool(TMA_STORE), Q_BUFFERS=Q_BUFFERS if PERSISTENT else 1,
-                  POLY_EXP=POLY_EXP,
+                  LAZY_RESCALE=bool(LAZY_RESCALE),
                   num_warps=4)
     total = triton.cdiv(Nq, CONSUMERS * M) * B * H
     grid = (total,)

@@ -58,11 +58,7 @@ SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
                  TMA_STORE=True),
             dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PERSISTENT=True, TMA_STORE=True),
             dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True),
-            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True, TMA_STORE=True),
-            # O_i rescaled only once a row's max grew past 2^8
-            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PERSISTENT=True, TMA_STORE=True,
-                 LAZY_RESCALE=True),
-            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, LAZY_RESCALE=True)]
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True, TMA_STORE=True)]
 
 
 def _inputs(B, H, Hkv, Nq, Nk, d, dtype, seed):

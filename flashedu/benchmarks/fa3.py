@@ -41,8 +41,6 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
              # a persistent program's next Q tile loaded during this one, or after it
              ("Q buffers flipped", lambda s, causal: ({"Q_BUFFERS": 3 - s["Q_BUFFERS"]}
                                                       if s["PERSISTENT"] else None)),
-             # O_i rescaled only once a row's max grew past 2^8, or at every K/V tile
-             ("lazy rescale flipped", lambda s, causal: {"LAZY_RESCALE": not s["LAZY_RESCALE"]}),
              # a control: the table's settings again, timed after the columns above (in rounds
              # turned around, before them); its gap to "fa3" is what a column's place in the
              # order alone moves a reading (the first column has read 2-6% low)
@@ -157,7 +155,7 @@ def parse_args(argv):
 
 
 SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "Q_BUFFERS", "PINGPONG", "OVERLAP",
-            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE", "LAZY_RESCALE")
+            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE")
 
 
 def _memory(settings: dict) -> dict:

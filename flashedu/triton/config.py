@@ -48,8 +48,7 @@ class Schedule:
     ``causal_from``: causal calls take the schedule only from this many queries and keys (and
     from the entry's ``schedule_from``). ``tma_store``: O_i out through shared memory and the
     copy engine. ``q_buffers``: 2, a persistent program loads its next Q tile while it works
-    on this one (where shared memory holds two: ``fa3.shared_bytes``). ``lazy_rescale``: m_i moves and
-    O_i is rescaled only once some row's max grew past 2^8."""
+    on this one (where shared memory holds two: ``fa3.shared_bytes``)."""
     consumers: int
     stages: int
     consumer_regs: int
@@ -61,7 +60,6 @@ class Schedule:
     tma_store: bool = True
     causal_persistent_until: int = 0
     q_buffers: int = 1
-    lazy_rescale: bool = False
 
     def settings(self, is_causal: bool, n: int) -> dict:
         """The keywords of ``fa3.forward`` for a dense or a causal call of n queries and keys
@@ -72,7 +70,7 @@ class Schedule:
                     CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first,
                     PERSISTENT=persistent, TMA_STORE=self.tma_store,
-                    Q_BUFFERS=self.q_buffers if persistent else 1, LAZY_RESCALE=self.lazy_rescale)
+                    Q_BUFFERS=self.q_buffers if persistent else 1)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ STEPS = {  # step id -> its check
     "10.deal": "step_persistent_deal",
     "10.own": "step_own_tiles",
     "10.finish": "step_finish_time",
+    "10.exp2_cubic": "step_exp2_cubic",
 }
 
 
@@ -70,6 +71,11 @@ def test_skeleton_is_not_implemented_yet(step_id):
 
 
 MUTANTS = [  # step, what is wrong, replacements, words the message must hold
+    ("10.exp2_cubic", "masked scores not clamped",
+     [("x = np.maximum(x, np.float32(-126))", "pass")], ["P is wrong", "Clamp x at -126"]),
+    ("10.exp2_cubic", "round, not floor", [("n = np.floor(x)", "n = np.round(x)")],
+     ["P is wrong", "not round(x)"]),
+    ("10.exp2_cubic", "a quadratic", [("C2 + f * C3", "C2")], ["P is wrong", "off by up to"]),
     ("10.finish", "the work spread evenly",
      [("return max(free)", "return sum(works) / sms")], ["finish is wrong", "spreads the work"]),
     ("10.finish", "the programs handed out in turn",

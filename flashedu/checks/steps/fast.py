@@ -11,7 +11,9 @@
   longest first, are dealt in a snake (every program gets about the same work);
 - ``step_own_tiles``: the K/V tiles one consumer's rows read in a causal call;
 - ``step_finish_time``: when the last SM finishes, each SM taking the next program in the grid's
-  order whenever it is free (the tail of one program per causal Q tile).
+  order whenever it is free (the tail of one program per causal Q tile);
+- ``step_exp2_cubic``: 2^x of the softmax's exponents without the special-function unit: the
+  float's exponent bits for 2^floor(x), a cubic for the rest.
 
 Every expected answer is computed here from the definition itself, not from the formula the
 notebook's solution uses: tiles by looking at each key of each tile, programs per SM by
@@ -26,7 +28,7 @@ import math
 import numpy as np
 
 from ..engine import run_seed
-from ..steptools import case, function_step
+from ..steptools import case, function_step, untouched
 
 # An H100 (sm_90) SM, as the CUDA occupancy calculator counts it
 REGISTERS_PER_SM = 65536
@@ -477,6 +479,52 @@ def _diagnose_finish(case_, wrong, outputs):
     return f"the last SM finishes at {want}, yours {got:g}."
 
 
+# ------------------------------------------------------------------------------------------
+# 10.exp2_cubic: 2^x as 2^n (the exponent's bits) times 2^f (a cubic), x <= 0
+# ------------------------------------------------------------------------------------------
+
+# What a cubic fitted to 2^f on [0, 1) misses by (8.6e-5 of the value for the notebook's one),
+# with float32's rounding; a quadratic misses by 1.7e-3 and fails
+CUBIC_ALLOWANCE = 1e-4
+H_CUBIC = ("x = n + f with n = floor(x), f = x - n in [0, 1); 2^f = 1 + f * (c1 + f * (c2 + f * "
+           "c3)); then 2^x = 2^n * 2^f: add n << 23 to the bits of 2^f (p.view(np.int32)), "
+           "which adds n to its exponent, and view the result as float32 again.")
+H_MASKED = ("A masked score is -inf: floor(-inf) is -inf and f = x - n is NaN. Clamp x at -126 "
+            "first (np.maximum(x, -126)): 2^-126, about 1e-38, is as good as 0 beside the "
+            "row's largest entry, 1, and the exponent bits stay those of a normal float.")
+
+
+def _exp2_cases():
+    rng = _rng(7)
+    specs = [(np.array([0, -1, -2, -10, -126], np.float32), "whole numbers: f = 0", H_CUBIC),
+             (np.linspace(-8, 0, 257, dtype=np.float32), "between the whole numbers", H_CUBIC),
+             (np.array([-0.25, -0.5, -0.75, -1.5, -0.001], np.float32), "just below 0",
+              H_CUBIC),
+             (np.array([-np.inf, -300, -127.5, 0], np.float32), "masked and tiny scores",
+              H_MASKED),
+             (rng.uniform(-40, 0, size=1000).astype(np.float32), "random", H_CUBIC)]
+    return [case(f"{len(x)} entries ({what})", hint, (x,), ("P",),
+                 (np.exp2(x.astype(np.float64)),), inputs=("x",), dtype=np.float32,
+                 rounding=(CUBIC_ALLOWANCE,))
+            for x, what, hint in specs]
+
+
+def _diagnose_exp2(case_, wrong, outputs):
+    (x,) = case_.args
+    got = np.asarray(outputs.get("P"), dtype=np.float64)
+    if got.shape != x.shape:
+        return f"P has the shape of x, {x.shape}: one 2^x an entry; yours {got.shape}."
+    if np.isnan(got[np.isinf(x)]).any() or np.isnan(got[x < -126]).any():
+        return H_MASKED
+    finite = x > -126
+    off = np.abs(got[finite] / np.exp2(x[finite].astype(np.float64)) - 1)
+    upper = (x - np.floor(x))[finite] >= 0.5  # where round(x) may go up and leave f < 0
+    if upper.any() and off[upper].max() > CUBIC_ALLOWANCE >= off[~upper].max(initial=0):
+        return ("right where x - floor(x) < 0.5, off above: n = floor(x), not round(x); the "
+                "cubic was fitted on [0, 1), and round leaves f in [-0.5, 0.5).")
+    return None
+
+
 STEPS = [
     function_step("step_ring_slot", "ring_slot", _ring_cases, diagnose=_diagnose_ring),
     function_step("step_kv_tiles", "kv_tile_counts", _kv_cases, diagnose=_diagnose_kv),
@@ -487,4 +535,6 @@ STEPS = [
                   diagnose=_diagnose_deal),
     function_step("step_own_tiles", "own_tiles", _own_cases, diagnose=_diagnose_own),
     function_step("step_finish_time", "finish_time", _finish_cases, diagnose=_diagnose_finish),
+    function_step("step_exp2_cubic", "exp2_cubic", _exp2_cases, adapt=untouched,
+                  diagnose=_diagnose_exp2),
 ]

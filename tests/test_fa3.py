@@ -58,11 +58,7 @@ SETTINGS = [dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240),
                  TMA_STORE=True),
             dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PERSISTENT=True, TMA_STORE=True),
             dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True),
-            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True, TMA_STORE=True),
-            # P_ij's row sums made while the next S_ij is
-            dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240, PERSISTENT=True, TMA_STORE=True,
-                 DEFER_SUM=True),
-            dict(CONSUMERS=2, STAGES=2, CONSUMER_REGS=240, DEFER_SUM=True)]
+            dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160, PERSISTENT=True, TMA_STORE=True)]
 
 
 def _inputs(B, H, Hkv, Nq, Nk, d, dtype, seed):

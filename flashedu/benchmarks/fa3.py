@@ -41,8 +41,6 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
              # a persistent program's next Q tile loaded during this one, or after it
              ("Q buffers flipped", lambda s, causal: ({"Q_BUFFERS": 3 - s["Q_BUFFERS"]}
                                                       if s["PERSISTENT"] else None)),
-             # P_ij's row sums made while the next S_ij is, or right after the exponentials
-             ("deferred sums flipped", lambda s, causal: {"DEFER_SUM": not s.get("DEFER_SUM")}),
              # a control: the table's settings again, timed after the columns above (in rounds
              # turned around, before them); its gap to "fa3" is what a column's place in the
              # order alone moves a reading (the first column has read 2-6% low)
@@ -157,7 +155,7 @@ def parse_args(argv):
 
 
 SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "Q_BUFFERS", "PINGPONG", "OVERLAP",
-            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE", "DEFER_SUM")
+            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE")
 
 
 def _memory(settings: dict) -> dict:

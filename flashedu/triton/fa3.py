@@ -272,18 +272,18 @@ if GLUON:
     def _consume(shared, out, drop, WG: gl.constexpr, CONSUMERS: gl.constexpr,
                  HEAD_DIM: gl.constexpr, Bc: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                 DROPOUT: gl.constexpr, TMA_STORE: gl.constexpr, DEFER_SUM: gl.constexpr):
+                 DROPOUT: gl.constexpr, TMA_STORE: gl.constexpr):
         """A consumer warpgroup of a program that owns one Q tile."""
         mbarrier.wait(shared[3].index(0), 0)  # Q_i
         _consume_tile(shared, out, drop, 0, 0, 0, WG, CONSUMERS, HEAD_DIM, Bc, STAGES,
-                      IS_CAUSAL, PINGPONG, OVERLAP, False, DROPOUT, TMA_STORE, DEFER_SUM)
+                      IS_CAUSAL, PINGPONG, OVERLAP, False, DROPOUT, TMA_STORE)
 
     @gluon.jit
     def _consume_tile(shared, out, drop, kv0, turn0, qb, WG: gl.constexpr,
                       CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, Bc: gl.constexpr,
                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
-                      TMA_STORE: gl.constexpr, DEFER_SUM: gl.constexpr):
+                      TMA_STORE: gl.constexpr):
         """A consumer warpgroup over one Q tile (Q_i in shared memory already): rows
         row0 + WG*M .. + M. kv0, turn0: the K/V tiles and turns this consumer went through
         before this Q tile (a persistent program's earlier tiles; 0 otherwise); qb: the Q
@@ -329,11 +329,7 @@ if GLUON:
         S_ij = _scores(S_ij, 0, rows, Nk, num_full == 0, Bc, IS_CAUSAL, s_layout)
         m_i = gl.max(S_ij, axis=1) * qk_scale
         P_ij = gl.exp2(S_ij * qk_scale - m_i[:, None])
-        if DEFER_SUM:  # P_i0's row sums are made while S_i1 is (see the loop)
-            P_sum = P_ij
-            alpha = gl.full([_M], 1.0, gl.float32, row_layout)
-        else:
-            l_i = gl.sum(P_ij, axis=1)
+        l_i = gl.sum(P_ij, axis=1)
         P_ij = gl.convert_layout(_operand(P_ij.to(dtype), drop, rows, 0, Bc, s_layout,
                                           DROPOUT), p_layout)  # 16-bit A operand registers
 
@@ -349,8 +345,6 @@ if GLUON:
                                  is_async=True)
             O_i = warpgroup_mma(P_ij, v_smem.index(prev), O_i, is_async=True)  # P_i,j-1 V_j-1
             _pass(turns, WG, CONSUMERS, PINGPONG)
-            if DEFER_SUM:  # the last tile's row sums, while the tensor cores make S_ij
-                l_i = l_i * alpha + gl.sum(P_sum, axis=1)
             if OVERLAP:  # S_ij only (issued first, done first); P V runs on
                 S_ij = warpgroup_mma_wait(1, deps=(S_ij,))
             else:
@@ -359,10 +353,7 @@ if GLUON:
             m_new = gl.maximum(m_i, gl.max(S_ij, axis=1) * qk_scale)
             alpha = gl.exp2(m_i - m_new)
             P_next = gl.exp2(S_ij * qk_scale - m_new[:, None])
-            if DEFER_SUM:
-                P_sum = P_next
-            else:
-                l_i = l_i * alpha + gl.sum(P_next, axis=1)
+            l_i = l_i * alpha + gl.sum(P_next, axis=1)
             m_i = m_new
             if OVERLAP:
                 O_i = warpgroup_mma_wait(0, deps=(O_i,))
@@ -371,8 +362,6 @@ if GLUON:
             P_ij = gl.convert_layout(_operand(P_next.to(dtype), drop, rows, j, Bc, s_layout,
                                               DROPOUT), p_layout)
 
-        if DEFER_SUM:
-            l_i = l_i * alpha + gl.sum(P_sum, axis=1)
         if PERSISTENT and not TMA_STORE:  # every S_ij made: a later tile's Q may come
             mbarrier.arrive(q_empty.index(qb), count=1)
         # the last tile's P V
@@ -568,8 +557,7 @@ if GLUON:
                             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                             LONGEST_FIRST: gl.constexpr, DROPOUT: gl.constexpr,
-                            TMA_STORE: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                            DEFER_SUM: gl.constexpr):
+                            TMA_STORE: gl.constexpr, Q_BUFFERS: gl.constexpr):
         """A consumer warpgroup of a persistent program: its rows of each Q tile in turn, the
         n-th tile's Q_i in buffer n % Q_BUFFERS; the K/V ring's count and the ping-pong turns
         run on across tiles (a tile takes one turn more than it has K/V tiles)."""
@@ -591,7 +579,7 @@ if GLUON:
                 mbarrier.wait(shared[3].index(qb), (n // Q_BUFFERS) & 1)  # this tile's Q_i
                 _consume_tile(shared, out, (drop[0], drop[1], bh, drop[3], drop[4]), kv,
                               kv + n, qb, WG, CONSUMERS, HEAD_DIM, Bc, STAGES, IS_CAUSAL,
-                              PINGPONG, OVERLAP, True, DROPOUT, TMA_STORE, DEFER_SUM)
+                              PINGPONG, OVERLAP, True, DROPOUT, TMA_STORE)
                 kv += num_tiles
                 n += 1
 
@@ -634,8 +622,7 @@ if GLUON:
                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                            LONGEST_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            PERSISTENT: gl.constexpr, DROPOUT: gl.constexpr,
-                           TMA_STORE: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
-                           DEFER_SUM: gl.constexpr = False):
+                           TMA_STORE: gl.constexpr, Q_BUFFERS: gl.constexpr = 1):
         """One program per (Q tile of Br = CONSUMERS * 64 rows, batch * query head), as
         forward_kernel, started in the order of ``_in_groups``; or, PERSISTENT, one program
         per SM that takes the ``total`` Q tiles in turn. O has Q's strides; L is (B, H, Nq)
@@ -683,12 +670,10 @@ if GLUON:
                 gl.warp_specialize([
                     (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           DEFER_SUM)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           DEFER_SUM)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST, Q_BUFFERS))],
                     [4, 1], [CONSUMER_REGS, 24])
@@ -696,16 +681,13 @@ if GLUON:
                 gl.warp_specialize([
                     (_consume_persistent, (shared, outs, work, drop, 0, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           DEFER_SUM)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_consume_persistent, (shared, outs, work, drop, 1, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           DEFER_SUM)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_consume_persistent, (shared, outs, work, drop, 2, CONSUMERS, HEAD_DIM,
                                            Bc, STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS,
-                                           DEFER_SUM)),
+                                           LONGEST_FIRST, DROPOUT, TMA_STORE, Q_BUFFERS)),
                     (_load_persistent, (tensors, shared, work, HEAD_DIM, CONSUMERS, Bc, STAGES,
                                         IS_CAUSAL, LONGEST_FIRST, Q_BUFFERS))],
                     [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -731,23 +713,23 @@ if GLUON:
             if CONSUMERS == 2:
                 gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, DEFER_SUM)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, DEFER_SUM)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 1], [CONSUMER_REGS, 24])
             else:
                 gl.warp_specialize([(_consume, (shared, out, drop, 0, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, DEFER_SUM)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_consume, (shared, out, drop, 1, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, DEFER_SUM)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_consume, (shared, out, drop, 2, CONSUMERS, HEAD_DIM, Bc,
                                                  STAGES, IS_CAUSAL, PINGPONG, OVERLAP,
-                                                 DROPOUT, TMA_STORE, DEFER_SUM)),
+                                                 DROPOUT, TMA_STORE)),
                                     (_load, (descs, shared, row0, num_tiles, CONSUMERS, Bc,
                                              STAGES))],
                                    [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -791,8 +773,8 @@ def dropout_arguments(dropout_p: float, rng):
 def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, STAGES: int,
             CONSUMER_REGS: int, PINGPONG: bool = True, OVERLAP: bool = True,
             LONGEST_FIRST: bool = True, PERSISTENT: bool = False, TMA_STORE: bool = False,
-            Q_BUFFERS: int = 1, HEADS_TOGETHER: int | None = None, DEFER_SUM: bool = False,
-            dropout_p: float = 0.0, rng=None):
+            Q_BUFFERS: int = 1, HEADS_TOGETHER: int | None = None, dropout_p: float = 0.0,
+            rng=None):
     """Launch the kernel: o (q's shape and strides) and lse2 ((B, H, Nq) float32, base 2)
     written in place. The settings (the tile table's ``schedule``, config.py): CONSUMERS
     warpgroups of 64 rows each, STAGES of K_j/V_j in shared memory, CONSUMER_REGS registers a
@@ -816,7 +798,6 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
                   LONGEST_FIRST=LONGEST_FIRST, CONSUMER_REGS=CONSUMER_REGS,
                   PERSISTENT=bool(PERSISTENT), DROPOUT=rng is not None,
                   TMA_STORE=bool(TMA_STORE), Q_BUFFERS=Q_BUFFERS if PERSISTENT else 1,
-                  DEFER_SUM=bool(DEFER_SUM),
                   num_warps=4)
     total = triton.cdiv(Nq, CONSUMERS * M) * B * H
     grid = (total,)

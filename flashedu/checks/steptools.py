@@ -48,16 +48,20 @@ def case(label, hint, args, outputs, expected, *, naive=(), dtype=np.float64, **
                 **extra)
 
 
-def function_step(name, symbol, cases, *, adapt=None, timeout=30.0, diagnose=None) -> Exercise:
+def function_step(name, symbol, cases, *, adapt=None, timeout=30.0, diagnose=None,
+                  inspect=None) -> Exercise:
     """A step that is a plain function. ``adapt(value) -> arrays`` (default :func:`as_arrays`
-    for float64 cases) runs on what the learner's function returns, in the learner's process."""
+    for float64 cases) runs on what the learner's function returns, in the learner's process.
+    ``inspect(fn) -> problem text or None``: what the function may not use, looked at before
+    it runs."""
     adapt = adapt or as_arrays
 
     def invoke(fn, view, timeout_, measure):
         return call_limited(lambda *a: adapt(fn(*a, **view.kwargs)), view.args,
                             timeout=timeout_, measure_memory=measure)
 
-    return Exercise(name, 0, symbol, cases, invoke=invoke, timeout=timeout, diagnose=diagnose)
+    return Exercise(name, 0, symbol, cases, invoke=invoke, timeout=timeout, diagnose=diagnose,
+                    inspect=inspect)
 
 
 def kernel_step(name, symbol, cases, launch, *, kind="triton", timeout=120.0,

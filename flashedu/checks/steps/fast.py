@@ -494,6 +494,25 @@ H_MASKED = ("A masked score is -inf: floor(-inf) is -inf and f = x - n is NaN. C
             "row's largest entry, 1, and the exponent bits stay those of a normal float.")
 
 
+# what computes an exponential itself: the step builds 2^x without one
+EXPONENTIALS = {"exp", "exp2", "expm1", "power", "float_power", "pow"}
+
+
+def _no_exponential(fn):
+    """A message when ``fn`` (or a function it defines inside) names an exponential."""
+    code = getattr(fn, "__code__", None)
+    todo, names = ([code] if code else []), set()
+    while todo:
+        code = todo.pop()
+        names |= set(code.co_names)
+        todo += [c for c in code.co_consts if hasattr(c, "co_names")]
+    used = sorted(names & EXPONENTIALS)
+    if used:
+        return (f"yours calls {', '.join(used)}: that is the exponential this step replaces. "
+                "Build 2^x from floor(x), the cubic and the exponent's bits.")
+    return None
+
+
 def _exp2_cases():
     rng = _rng(7)
     specs = [(np.array([0, -1, -2, -10, -126], np.float32), "whole numbers: f = 0", H_CUBIC),
@@ -536,5 +555,5 @@ STEPS = [
     function_step("step_own_tiles", "own_tiles", _own_cases, diagnose=_diagnose_own),
     function_step("step_finish_time", "finish_time", _finish_cases, diagnose=_diagnose_finish),
     function_step("step_exp2_cubic", "exp2_cubic", _exp2_cases, adapt=untouched,
-                  diagnose=_diagnose_exp2),
+                  diagnose=_diagnose_exp2, inspect=_no_exponential),
 ]

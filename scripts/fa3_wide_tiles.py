@@ -90,9 +90,10 @@ def variant_source(extra: int) -> str:
                 layout: gl.constexpr):""",
          """    def _scores(S_ij, j, rows, Nk, masked, Bc: gl.constexpr, IS_CAUSAL: gl.constexpr,
                 layout: gl.constexpr, c0: gl.constexpr = 0, W: gl.constexpr = 0):""")
-    swap("            cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))\n            vis",
+    swap("            cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))\n"
+         "            if IS_CAUSAL:",
          "            cols = j * W + c0 + gl.arange(0, Bc, gl.SliceLayout(0, layout))\n"
-         "            vis")
+         "            if IS_CAUSAL:")
     swap("""        k_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, Bc, HEAD_DIM], kv_layout)""",
          """        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_X, HEAD_DIM], dtype)

@@ -361,6 +361,15 @@ def test_sass_compiles_the_gluon_forward_for_an_h100(tmp_path, capsys):
         assert 2 * 128 * 128 * 2 * 3 < r["shared_bytes"] <= 227 * 1024
 
 
+def test_the_gluon_forward_masks_the_causal_diagonal_in_one_select_an_entry(tmp_path, capsys):
+    """The causal d=128 forward's masked tiles (each consumer's diagonal) cost about what the
+    dense one's ragged last tile does: one compare with the row's last visible key and one
+    select an entry. With "key < Nk and key <= row" the two conditions were combined as
+    integers, five instructions an entry: 1.086x the dense kernel's instructions here."""
+    dense, causal = _gluon_forward_rows(tmp_path, capsys)
+    assert causal["instructions"] < 1.05 * dense["instructions"], (causal, dense)
+
+
 def test_the_gluon_forward_does_not_spill_on_the_triton_it_runs_on(tmp_path, capsys):
     """The consumers' registers, raised by setmaxnreg, hold the d=128 schedule without spills,
     as compiled by the Triton the kernel runs on (``fa3.TESTED_TRITON``; another Triton's

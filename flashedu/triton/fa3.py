@@ -203,10 +203,12 @@ if GLUON:
         and a key is past Nk or (causal) after the row."""
         if masked:
             cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
-            visible = cols[None, :] < Nk
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None])
-            S_ij = gl.where(visible, S_ij, float("-inf"))
+            if IS_CAUSAL:  # one compare with the row's last visible key: "col < Nk and col
+                # <= row" took five instructions an entry (the conditions combined as integers)
+                last = gl.minimum(rows, Nk - 1)
+                S_ij = gl.where(cols[None, :] <= last[:, None], S_ij, float("-inf"))
+            else:
+                S_ij = gl.where(cols[None, :] < Nk, S_ij, float("-inf"))
         return S_ij
 
     # Dropout's keep flags (``dropout.keep_flags``: bit 7 of a byte) as one byte an entry. In

@@ -203,8 +203,9 @@ if GLUON:
         and a key is past Nk or (causal) after the row."""
         if masked:
             cols = j * Bc + gl.arange(0, Bc, gl.SliceLayout(0, layout))
-            if IS_CAUSAL:  # one compare with the row's last visible key: "col < Nk and col
-                # <= row" took five instructions an entry (the conditions combined as integers)
+            if IS_CAUSAL:
+                # one compare an entry, with the row's last visible key: "col < Nk and col <=
+                # row" took five (the two conditions combined as integers)
                 last = gl.minimum(rows, Nk - 1)
                 S_ij = gl.where(cols[None, :] <= last[:, None], S_ij, float("-inf"))
             else:

@@ -28,6 +28,7 @@ import math
 import numpy as np
 
 from ..engine import run_seed
+from ..sandbox import _names
 from ..steptools import case, function_step, untouched
 
 # An H100 (sm_90) SM, as the CUDA occupancy calculator counts it
@@ -501,12 +502,7 @@ EXPONENTIALS = {"exp", "exp2", "expm1", "power", "float_power", "pow"}
 def _no_exponential(fn):
     """A message when ``fn`` (or a function it defines inside) names an exponential."""
     code = getattr(fn, "__code__", None)
-    todo, names = ([code] if code else []), set()
-    while todo:
-        code = todo.pop()
-        names |= set(code.co_names)
-        todo += [c for c in code.co_consts if hasattr(c, "co_names")]
-    used = sorted(names & EXPONENTIALS)
+    used = sorted(_names(code) & EXPONENTIALS) if code else []
     if used:
         return (f"yours calls {', '.join(used)}: that is the exponential this step replaces. "
                 "Build 2^x from floor(x), the cubic and the exponent's bits.")

@@ -41,21 +41,18 @@ def load_kernel():
     return importlib.import_module("flashedu.triton.fa3_backward").fa3_backward_kernel
 
 
-def compile_for_sm90(kernel, consts: dict, pointers=POINTERS, floats=FLOATS):
-    """A Gluon fa3 kernel compiled for sm_90: ``pointers`` and ``floats`` name its tensor and
-    float arguments (16-byte aligned tensors; other arguments i32), ``consts`` its constexprs;
-    its RNG pointer only with DROPOUT."""
+def compile_for_sm90(kernel, consts: dict):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = kernel.arg_names
-    signature = {n: pointers.get(n) or floats.get(n) or "i32" for n in names}
+    signature = {n: POINTERS.get(n) or FLOATS.get(n) or "i32" for n in names}
     signature["RNG"] = "*i64" if consts["DROPOUT"] else "constexpr"
     signature.update({n: "constexpr" for n in consts})
     if not consts["DROPOUT"]:
         consts = {**consts, "RNG": None}
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in POINTERS}
     source = GluonASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()},
                             aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

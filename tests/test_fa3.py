@@ -899,34 +899,3 @@ def test_a_plan_started_on_another_thread_brings_the_allocator_there():
     worker.join()
     assert len(seen) == 1 and not isinstance(seen[0], _allocation.NullAllocator)
     torch.testing.assert_close(D, (o * do).sum(-1))
-
-
-@pytest.mark.parametrize("extra", [32, 64])
-def test_the_wide_tiles_experiment_derives_its_kernel_from_fa3(extra):
-    """``scripts/fa3_wide_tiles.py`` (tiles of 128 + extra keys, as FlashAttention-3's 176 at
-    d = 128) builds its variant from fa3.py's own source: every change applies to today's
-    fa3.py, the result is Python, and it compiles for sm_90 with two products for S_ij (128
-    and ``extra`` keys) where this machine's Triton compiles for a GPU."""
-    import ast
-    import os
-    import subprocess
-    import sys
-
-    from flashedu.benchmarks import sass
-    from script_loading import load_script
-
-    wide = load_script("fa3_wide_tiles")
-    source = wide.variant_source(extra)
-    ast.parse(source)
-    assert f"_X = gl.constexpr({extra})" in source and source.count("_descriptor(") > 6
-    assert fa3.shared_bytes(128, 2, 3) == 224 << 10  # the table's d = 128: no room to widen
-    if not fa3.GLUON or not sass.can_compile():
-        pytest.skip("this Triton has no Gluon for Hopper or no NVIDIA tools: nothing compiles")
-    # in a process of its own: this one runs Triton as its interpreter
-    run = subprocess.run([sys.executable, wide.__file__, "--compile", str(extra)],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0",
-                              "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["products"] == sorted(["64x128x16", f"64x{extra}x16"])

@@ -91,17 +91,19 @@ def test_every_schedule_matches_the_float64_reference(shape, settings):
 
 @pytest.mark.gpu
 @needs_fa3
-@pytest.mark.parametrize("tma_store,q_buffers", [(False, 1), (True, 1), (False, 2), (True, 2)])
+@pytest.mark.parametrize("tma_store,q_buffers,planned", [(False, 1, False), (True, 1, True),
+                                                         (False, 2, True), (True, 2, False)])
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
-def test_a_persistent_program_takes_many_tiles_right(d, causal, tma_store, q_buffers):
+def test_a_persistent_program_takes_many_tiles_right(d, causal, tma_store, q_buffers, planned):
     """More Q tiles than SMs: each persistent program takes several, of different heads and
-    lengths (causal), with the K/V ring's count, the Q buffers and the ping-pong turns running
-    on across them; a ragged last tile in every head, grouped-query heads."""
+    lengths (causal: dealt in a snake or by the host's plan), with the K/V ring's count, the Q
+    buffers and the ping-pong turns running on across them; a ragged last tile in every head,
+    grouped-query heads."""
     B, H, Hkv, N = 3, 16, 4, 1000 + 77
     q, k, v = _inputs(B, H, Hkv, N, N, d, torch.bfloat16, seed=d + causal)
     settings = (dict(CONSUMERS=3, STAGES=3, CONSUMER_REGS=160) if d == 64 else
                 dict(CONSUMERS=2, STAGES=3, CONSUMER_REGS=240))
-    settings.update(TMA_STORE=tma_store, Q_BUFFERS=q_buffers)
+    settings.update(TMA_STORE=tma_store, Q_BUFFERS=q_buffers, PLANNED=planned)
     if fa3.shared_bytes(d, settings["CONSUMERS"], settings["STAGES"], q_buffers) > (
             fa3.SHARED_MEMORY):
         pytest.skip(f"two Q buffers do not fit beside three stages at d = {d}")
@@ -363,6 +365,70 @@ def test_calls_the_schedule_cannot_serve_are_refused(change):
     elif change == "sinks":
         call = ops.Call(False, 1.0, sinks=torch.zeros(2))
     assert not fa3.usable(q, q, q, call)
+
+
+def _snake(Nq, Nk, heads, programs, consumers):
+    """Each program's work under the kernel's snake deal (``_tile_of`` without a plan)."""
+    n_q = -(-Nq // (64 * consumers))
+    total = n_q * heads
+    loads = [0] * programs
+    for m in range(-(-total // programs)):
+        for p in range(programs):
+            t = m * programs + (p if m % 2 == 0 else programs - 1 - p)
+            if t < total:
+                loads[p] += fa3.q_tile_work(n_q - 1 - t // heads, Nq, Nk, consumers)
+    return loads
+
+
+@pytest.mark.parametrize("Nq,Nk,heads,programs,consumers",
+                         [(4096, 4096, 128, 132, 3), (8192, 8192, 64, 132, 3),
+                          (4096, 4096, 64, 132, 2), (1077, 1077, 48, 132, 3),
+                          (1300, 777, 8, 5, 3), (129, 129, 2, 1, 2), (4096, 4096, 32, 114, 2)])
+def test_the_causal_plan_deals_every_tile_once_and_evens_the_work(Nq, Nk, heads, programs,
+                                                                  consumers):
+    """``plan_causal``: every (Q tile, head) once, each program's list longest first (or,
+    reversed, shortest first); no program more than one tile's work over the mean (the
+    greedy's bound); at d = 64 and 4096 keys, where the snake's longest program counts 5%
+    over the mean, within 1%."""
+    n_q = -(-Nq // (64 * consumers))
+    plan = fa3.plan_causal(Nq, Nk, heads, programs, consumers)
+    assert sorted(t for tiles in plan for t in tiles) == list(range(n_q * heads))
+    work = [fa3.q_tile_work(i, Nq, Nk, consumers) for i in range(n_q)]
+    loads = [sum(work[t // heads] for t in tiles) for tiles in plan]
+    for tiles in plan:
+        assert [work[t // heads] for t in tiles] == sorted((work[t // heads] for t in tiles),
+                                                           reverse=True)
+    mean = sum(loads) / programs
+    assert max(loads) <= mean + max(work)
+    shortest = fa3.plan_causal(Nq, Nk, heads, programs, consumers, longest_first=False)
+    assert shortest == [tiles[::-1] for tiles in plan]
+    if (Nq, heads, programs, consumers) == (4096, 128, 132, 3):
+        assert max(loads) < 1.01 * mean < 0.97 * max(_snake(Nq, Nk, heads, programs, 3))
+
+
+def test_a_q_tiles_work_counts_each_consumers_own_tiles():
+    """``q_tile_work``: one for the tile, plus each consumer's K/V tiles as the course counts
+    them (``own_by_counting``, the step of ``_own_tiles``), one for a consumer past the last
+    query."""
+    from flashedu.checks.steps.fast import own_by_counting
+
+    for Nq, Nk, consumers in ((4096, 4096, 3), (1300, 777, 3), (777, 1300, 2), (129, 129, 2)):
+        for i in range(-(-Nq // (64 * consumers))):
+            firsts = [(i * consumers + c) * 64 for c in range(consumers)]
+            want = 1 + sum(own_by_counting(f, 64, Nk, 128) if f < Nq else 1 for f in firsts)
+            assert fa3.q_tile_work(i, Nq, Nk, consumers) == want
+
+
+def test_the_plan_reaches_the_kernel_as_rounds_of_programs():
+    """``_plan_tensor``: program p's m-th item at [m, p], ``total`` (no item) past the end of
+    its list; its rows are the rounds the persistent loops run."""
+    table, rounds = fa3._plan_tensor(1300, 777, 8, 5, 3, True, torch.device("cpu"))
+    plan = fa3.plan_causal(1300, 777, 8, 5, 3)
+    total = 7 * 8
+    assert table.dtype == torch.int32 and tuple(table.shape) == (rounds, 5)
+    assert rounds == max(map(len, plan))
+    for p, tiles in enumerate(plan):
+        assert table[:, p].tolist() == tiles + [total] * (rounds - len(tiles))
 
 
 def test_the_q_buffers_are_one_or_two_and_counted_in_shared_memory():

@@ -41,6 +41,9 @@ ABLATIONS = (("ping-pong flipped", lambda s, causal: {"PINGPONG": not s["PINGPON
              # a persistent program's next Q tile loaded during this one, or after it
              ("Q buffers flipped", lambda s, causal: ({"Q_BUFFERS": 3 - s["Q_BUFFERS"]}
                                                       if s["PERSISTENT"] else None)),
+             # causal persistent programs dealt their Q tiles in a snake, or by the host's plan
+             ("plan flipped", lambda s, causal: ({"PLANNED": not s["PLANNED"]}
+                                                 if causal and s["PERSISTENT"] else None)),
              # a control: the table's settings again, timed after the columns above (in rounds
              # turned around, before them); its gap to "fa3" is what a column's place in the
              # order alone moves a reading (the first column has read 2-6% low)
@@ -155,7 +158,7 @@ def parse_args(argv):
 
 
 SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "Q_BUFFERS", "PINGPONG", "OVERLAP",
-            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE")
+            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE", "PLANNED")
 
 
 def _memory(settings: dict) -> dict:

@@ -48,7 +48,9 @@ class Schedule:
     ``causal_from``: causal calls take the schedule only from this many queries and keys (and
     from the entry's ``schedule_from``). ``tma_store``: O_i out through shared memory and the
     copy engine. ``q_buffers``: 2, a persistent program loads its next Q tile while it works
-    on this one (where shared memory holds two: ``fa3.shared_bytes``)."""
+    on this one (where shared memory holds two: ``fa3.shared_bytes``). ``planned``: causal
+    persistent programs take their Q tiles from the host's plan (``fa3.plan_causal``), not the
+    snake deal."""
     consumers: int
     stages: int
     consumer_regs: int
@@ -60,6 +62,7 @@ class Schedule:
     tma_store: bool = True
     causal_persistent_until: int = 0
     q_buffers: int = 1
+    planned: bool = True
 
     def settings(self, is_causal: bool, n: int) -> dict:
         """The keywords of ``fa3.forward`` for a dense or a causal call of n queries and keys
@@ -70,7 +73,8 @@ class Schedule:
                     CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first,
                     PERSISTENT=persistent, TMA_STORE=self.tma_store,
-                    Q_BUFFERS=self.q_buffers if persistent else 1)
+                    Q_BUFFERS=self.q_buffers if persistent else 1,
+                    PLANNED=self.planned and persistent and is_causal)
 
 
 @dataclass(frozen=True)

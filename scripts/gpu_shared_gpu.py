@@ -142,7 +142,7 @@ def fa3_call(q, k, v, args):
     from flashedu.triton import config, fa3
 
     entry = config.table("sm90", False)[args.d]
-    settings = entry.schedule.settings(args.causal, args.n)
+    settings = entry.schedule.settings(args.causal)
     for pair in args.fa3:
         key, _, value = pair.partition("=")
         if key not in settings:

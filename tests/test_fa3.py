@@ -276,14 +276,14 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
             assert settings(4096, 4096) is not None
             assert settings(4095, 8192) is None
             assert settings(8192, 2048) is None
-    # persistent programs for dense calls; causal calls one program per Q tile
+    # persistent programs for dense calls; causal calls too at d=64 (their Q tiles by the
+    # host's plan), one program per Q tile at d=128 (each measured faster there)
     for d in (64, 128):
         assert GPU_16BIT[d].fa3_settings(4096, 4096)["PERSISTENT"] is True
-        assert GPU_16BIT[d].fa3_settings(8192, 8192, is_causal=True)["PERSISTENT"] is False
-    # causal at d=64 from 4096, persistent below 8192 (it measured faster there)
-    assert GPU_16BIT[64].fa3_settings(4096, 4096, is_causal=True)["PERSISTENT"] is True
-    assert GPU_16BIT[64].fa3_settings(8191, 9000, is_causal=True)["PERSISTENT"] is True
-    assert GPU_16BIT[128].fa3_settings(4096, 4096, is_causal=True)["PERSISTENT"] is False
+    for n in (4096, 8192, 16384):
+        causal64 = GPU_16BIT[64].fa3_settings(n, n, is_causal=True)
+        assert causal64["PERSISTENT"] is True and causal64["PLANNED"] is True
+        assert GPU_16BIT[128].fa3_settings(n, n, is_causal=True)["PERSISTENT"] is False
     # with dropout: two consumers of 240 registers at both head dims, persistent when dense
     for d in (64, 128):
         settings = GPU_16BIT[d].fa3_settings(4096, 4096, dropout=True)
@@ -445,8 +445,9 @@ def test_the_q_buffers_are_one_or_two_and_counted_in_shared_memory():
     for d in (64, 128):
         s = table[d].schedule
         assert fa3.shared_bytes(d, s.consumers, s.stages, s.q_buffers) <= fa3.SHARED_MEMORY
-    assert table[64].schedule.settings(False, 4096)["Q_BUFFERS"] == 2
-    assert table[64].schedule.settings(True, 8192)["Q_BUFFERS"] == 1  # one program per Q tile
+    assert table[64].schedule.settings(False)["Q_BUFFERS"] == 2
+    assert table[64].schedule.settings(True)["Q_BUFFERS"] == 2  # causal persistent too
+    assert table[128].schedule.settings(True)["Q_BUFFERS"] == 1  # one program per Q tile
 
 
 def test_the_schedule_runs_unless_the_environment_turns_it_off(monkeypatch):
@@ -531,7 +532,7 @@ def test_the_forward_takes_the_schedule_where_the_table_and_the_call_allow(monke
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     call = ops.Call(True, 0.25)
     o, lse2 = launch.forward(q, k, v, call, interpreted=False)
-    assert settings_seen == [entry.schedule.settings(True, 64)]
+    assert settings_seen == [entry.schedule.settings(True)]
     assert (o == 1).all() and (lse2 == 0.5).all() and o.shape == q.shape
     keep = []
     o, _ = launch.forward(q, k, v, call, interpreted=False, keep=keep)

@@ -210,7 +210,7 @@ def main(argv=None) -> int:
         schedule = resolve_config(d, torch.bfloat16, None, "cuda").schedule
         for N in args.n:
             for causal in (False, True):
-                settings = {**schedule.settings(causal, N), **dict(args.set)}
+                settings = {**schedule.settings(causal), **dict(args.set)}
                 row = one_case(N, d, causal, settings, args.rounds)
                 out["cases"].append(row)
                 t = row["tflops"]

@@ -43,8 +43,8 @@ class Schedule:
     """FlashAttention-3's forward (fa3.py): consumer warpgroups of 64 rows each, K_j/V_j
     stages in shared memory, registers per consumer thread, and the schedule's switches.
     ``persistent``: dense (not causal) calls run one program per SM that takes Q tiles in
-    turn; causal calls keep one program per Q tile, which measured faster for them, except
-    below ``causal_persistent_until`` queries and keys.
+    turn; causal calls too with ``causal_persistent`` (else one program per Q tile, which
+    measured faster for them at d = 128).
     ``causal_from``: causal calls take the schedule only from this many queries and keys (and
     from the entry's ``schedule_from``). ``tma_store``: O_i out through shared memory and the
     copy engine. ``q_buffers``: 2, a persistent program loads its next Q tile while it works
@@ -60,15 +60,13 @@ class Schedule:
     persistent: bool = False
     causal_from: int = 0
     tma_store: bool = True
-    causal_persistent_until: int = 0
+    causal_persistent: bool = False
     q_buffers: int = 1
     planned: bool = True
 
-    def settings(self, is_causal: bool, n: int) -> dict:
-        """The keywords of ``fa3.forward`` for a dense or a causal call of n queries and keys
-        (the fewer of the two: a causal call's persistence depends on it, so every caller
-        says it)."""
-        persistent = self.persistent and (not is_causal or n < self.causal_persistent_until)
+    def settings(self, is_causal: bool) -> dict:
+        """The keywords of ``fa3.forward`` for a dense or a causal call."""
+        persistent = self.persistent and (not is_causal or self.causal_persistent)
         return dict(CONSUMERS=self.consumers, STAGES=self.stages,
                     CONSUMER_REGS=self.consumer_regs, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, LONGEST_FIRST=self.longest_first,
@@ -148,7 +146,7 @@ class KernelConfig:
             return None
         if is_causal and min(Nq, Nk) < schedule.causal_from:
             return None
-        return schedule.settings(is_causal, min(Nq, Nk))
+        return schedule.settings(is_causal)
 
     def fa3_backward_settings(self, Nq: int, Nk: int) -> dict | None:
         """The fa3 backward's settings for a call of Nq queries and Nk keys, or None."""
@@ -224,18 +222,16 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # 1.02-1.10x one program per Q tile on an H200; at d=128 too: never more than 0.2% slower
 # and up to 3.4% faster in four runs (1.00-1.03x at 8192 keys; BENCHMARKS.md, "Persistent
 # programs at d = 128"); causal calls were 1-4% slower persistent (BENCHMARKS.md, "A
-# persistent forward"). Causal at d=64 from 4096 keys, persistent below 8192: once each
-# consumer stopped at its own diagonal and the tail's empty consumers at one tile, the
-# persistent forward measured 386 / 399 / 403 / 391 TFLOP/s at 4096 keys against the Triton
-# kernel's 384 / 382 / 382 / 383 and one program per Q tile's 383 / 387 / 391 / 383 in four
-# runs; at 8192 one program per Q tile 1.02-1.05x persistent (BENCHMARKS.md, "O_i through
-# the copy engine, and the causal forward's tail"). Two Q buffers (the next tile's Q_i copied
-# during this one, 144 KB of shared memory; d=128's three stages leave no room): at 4096 keys
-# causal 406 and 398 TFLOP/s against 395 and 388 with one, dense 494 / 489 against 487 /
-# 486, two runs; 8192-16384 dense level (0.99-1.00x) (BENCHMARKS.md, "A persistent
-# program's next Q tile during this one").
+# persistent forward"). Causal at d=64 persistent too, each program's Q tiles by the host's
+# plan (``fa3.plan_causal``), two Q buffers (the next tile's Q_i copied during this one, 144 KB
+# of shared memory; d=128's three stages leave no room): 403 / 449 / 484 TFLOP/s at 4096 /
+# 8192 / 16384 keys, against 386 / 423 / 461 with one program per Q tile and 401 / 444 / 464
+# dealt in the snake (one run; at d=128 one program per Q tile stays ahead, 493 / 555 / 591
+# against 475 / 542 / 567 planned: BENCHMARKS.md "Causal Q tiles dealt by a plan"). Two Q
+# buffers, dense: at 4096 keys 494 / 489 against 487 / 486 with one; 8192-16384 level
+# (0.99-1.00x) (BENCHMARKS.md, "A persistent program's next Q tile during this one").
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=4096,
-                   causal_persistent_until=8192, q_buffers=2)
+                   causal_persistent=True, q_buffers=2)
 # Both head dims write O_i through shared memory and the copy engine (``tma_store``), and d=128
 # takes ping-pong with it: in one run 1.02-1.05x the earlier settings (no ping-pong, O_i from
 # registers) at d=128; with ping-pong, the copy engine's store 1.00-1.08x registers in three

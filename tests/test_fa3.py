@@ -422,7 +422,7 @@ def test_a_q_tiles_work_counts_each_consumers_own_tiles():
 def test_the_plan_reaches_the_kernel_as_rounds_of_programs():
     """``_plan_tensor``: program p's m-th item at [m, p], ``total`` (no item) past the end of
     its list; its rows are the rounds the persistent loops run."""
-    table, rounds = fa3._plan_tensor(1300, 777, 8, 5, 3, True, torch.device("cpu"))
+    table, rounds = fa3._plan_tensor(1300, 777, 8, 5, 3, True, 0, torch.device("cpu"))
     plan = fa3.plan_causal(1300, 777, 8, 5, 3)
     total = 7 * 8
     assert table.dtype == torch.int32 and tuple(table.shape) == (rounds, 5)

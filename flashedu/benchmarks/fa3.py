@@ -157,8 +157,8 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "Q_BUFFERS", "PINGPONG", "OVERLAP",
-            "LONGEST_FIRST", "PERSISTENT", "TMA_STORE", "PLANNED")
+SETTINGS = ("CONSUMERS", "STAGES", "CONSUMER_REGS", "Q_BUFFERS", "HEADS_TOGETHER", "PINGPONG",
+            "OVERLAP", "LONGEST_FIRST", "PERSISTENT", "TMA_STORE", "PLANNED")
 
 
 def _memory(settings: dict) -> dict:
@@ -176,7 +176,7 @@ def _setting(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected NAME=INTEGER with NAME one of "
                                          f"{', '.join(SETTINGS)}, got {text!r}")
     number = int(value)
-    return name, bool(number) if name in SETTINGS[4:] else number
+    return name, bool(number) if name in SETTINGS[5:] else number
 
 
 def main(argv=None) -> int:

@@ -791,14 +791,16 @@ def q_tile_work(i: int, Nq: int, Nk: int, CONSUMERS: int, Bc: int = 128) -> int:
 
 
 def plan_causal(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
-                longest_first: bool = True) -> list[list[int]]:
+                longest_first: bool = True, heads_together: int = 0) -> list[list[int]]:
     """The causal Q tiles of ``heads`` heads (work item t = i * heads + bh) dealt to
     ``programs`` persistent programs, longest processing time first: in order of their work
     (``q_tile_work``; a Q tile's heads together), each to the program with the least work so
     far. Each program's list runs longest first (or shortest first). The snake deal
     (``_tile_of``) balances only when a deal lines up with the tiles of one length: at d = 64
     and 4096 keys, 128 heads of 22 Q tiles on 132 programs, the snake's longest program
-    counts 5% over the mean and this plan's 0.2%."""
+    counts 5% over the mean and this plan's 0.2%. heads_together > 0: the heads in groups of
+    at most that many, group after group, each group's tiles longest first (its K and V
+    stay in L2 while its tiles pass)."""
     import heapq
 
     n_q = -(-Nq // (CONSUMERS * M))
@@ -806,21 +808,23 @@ def plan_causal(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
     order = sorted(range(n_q), key=lambda i: (-work[i], -i))
     loads = [(0, p) for p in range(programs)]  # a heap: the least loaded program on top
     plan = [[] for _ in range(programs)]
-    for i in order:
-        for bh in range(heads):
-            load, p = heapq.heappop(loads)
-            plan[p].append(i * heads + bh)
-            heapq.heappush(loads, (load + work[i], p))
+    size = heads_together or heads
+    for g0 in range(0, heads, size):
+        for i in order:
+            for bh in range(g0, min(heads, g0 + size)):
+                load, p = heapq.heappop(loads)
+                plan[p].append(i * heads + bh)
+                heapq.heappush(loads, (load + work[i], p))
     return plan if longest_first else [tiles[::-1] for tiles in plan]
 
 
 @functools.lru_cache(maxsize=64)
 def _plan_tensor(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
-                 longest_first: bool, device: torch.device) -> tuple:
+                 longest_first: bool, heads_together: int, device: torch.device) -> tuple:
     """``plan_causal`` as the kernel reads it: (rounds, programs) int32, program p's m-th item
     at [m, p], ``total`` where it has none; made once for a shape (a launch's cost stays its
     own)."""
-    plan = plan_causal(Nq, Nk, heads, programs, CONSUMERS, longest_first)
+    plan = plan_causal(Nq, Nk, heads, programs, CONSUMERS, longest_first, heads_together)
     rounds = max(len(tiles) for tiles in plan)
     total = -(-Nq // (CONSUMERS * M)) * heads
     table = torch.full((rounds, programs), total, dtype=torch.int32)
@@ -875,7 +879,7 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
         rounds = triton.cdiv(total, grid[0])
     if consts["PLANNED"]:
         plan, rounds = _plan_tensor(Nq, Nk, B * H, grid[0], CONSUMERS, bool(LONGEST_FIRST),
-                                    q.device)
+                                    HEADS_TOGETHER or 0, q.device)
     args = (q, k, v, o, lse2, rng, plan, float(scale) * LOG2E, threshold, keep_scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, H // Hkv, Nq, Nk, total,
             rounds,

@@ -20,8 +20,10 @@ lays it out on an H100, with every hardware step written down instead of left to
 - persistent programs (PERSISTENT): one program per SM takes Q tiles in turn; the K/V ring
   and the ping-pong turns run on across them, so the next tile's Q_i and first K_j, V_j are
   copied while the consumers finish the last one (a program per Q tile starts with an empty
-  ring and ends with idle tensor cores). Causal tiles are dealt longest first, in a snake, so
-  that every program gets about the same work.
+  ring and ends with idle tensor cores). Causal Q tiles follow a plan made on the host
+  (PLANNED, ``plan_causal``): a few heads at a time, so that their K and V stay in L2, each
+  tile, longest first, to the program with the least work so far, so that every program gets
+  about the same work (without a plan they are dealt longest first, in a snake).
 - O_i out through shared memory (TMA_STORE): a consumer done with a Q tile writes O_i into
   Q_i's buffer (dead once its last S_ij is made), and one thread hands it to the copy engine;
   the consumer waits only until the copy has read the buffer, the global writes finish under
@@ -778,6 +780,14 @@ def heads_together(streamed_bytes: int, grouped: bool) -> int:
     return max(1, min(16, L2_SHARE // streamed_bytes))
 
 
+# The heads a causal plan takes together (``plan_causal``). d = 64 on an H200, TFLOP/s at 4096
+# / 16384 keys: all heads in one order 409-419 / 471-481 (cuDNN 410-422 / 436-449), groups
+# of 16 438-444 / 475-485, of 8 447-449 / 481-495 (BENCHMARKS.md, "Causal Q tiles dealt by a
+# plan"): 132 programs on 8 heads' tiles share their K and V in L2, where across 128 heads
+# each read its own; the plan's balance costs about 1% (counted).
+PLAN_HEADS_TOGETHER = 8
+
+
 def q_tile_work(i: int, Nq: int, Nk: int, CONSUMERS: int, Bc: int = 128) -> int:
     """What causal Q tile i of a program of CONSUMERS consumers costs, in K/V tiles: each
     consumer's own (``_own_tiles``, counted on the host: up to its last row's diagonal, one
@@ -855,9 +865,10 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
     persistent program loads its next Q tile during this one; PLANNED: causal persistent
     programs take their Q tiles from ``plan_causal``, not the snake deal). HEADS_TOGETHER:
     causal longest first, the most heads a group of ``_in_groups`` holds (None:
-    ``heads_together``). dropout_p > 0: rng is the call's [seed, offset] tensor
-    (``flashedu.dropout.draw_rng``). Returns the launch (``fast.Launch``), to be repeated with
-    other q, k, v, o, lse2 (and rng) laid out alike."""
+    ``heads_together``), or of the plan's (None: PLAN_HEADS_TOGETHER). dropout_p > 0: rng
+    is the call's [seed, offset] tensor (``flashedu.dropout.draw_rng``). Returns the launch
+    (``fast.Launch``), to be repeated with other q, k, v, o, lse2 (and rng) laid out
+    alike."""
     from .fast import Launch, ensure_allocator, run
 
     B, H, Nq, d = q.shape
@@ -879,7 +890,7 @@ def forward(q, k, v, o, lse2, *, is_causal: bool, scale: float, CONSUMERS: int, 
         rounds = triton.cdiv(total, grid[0])
     if consts["PLANNED"]:
         plan, rounds = _plan_tensor(Nq, Nk, B * H, grid[0], CONSUMERS, bool(LONGEST_FIRST),
-                                    HEADS_TOGETHER or 0, q.device)
+                                    HEADS_TOGETHER or PLAN_HEADS_TOGETHER, q.device)
     args = (q, k, v, o, lse2, rng, plan, float(scale) * LOG2E, threshold, keep_scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, H // Hkv, Nq, Nk, total,
             rounds,

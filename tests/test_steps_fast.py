@@ -28,6 +28,7 @@ STEPS = {  # step id -> its check
     "10.deal": "step_persistent_deal",
     "10.own": "step_own_tiles",
     "10.finish": "step_finish_time",
+    "10.plan": "step_plan_tiles",
     "10.exp2_cubic": "step_exp2_cubic",
 }
 
@@ -85,6 +86,13 @@ MUTANTS = [  # step, what is wrong, replacements, words the message must hold
      [("for work in works:\n        heapq.heappush(free, heapq.heappop(free) + work)",
        "for k, work in enumerate(works):\n        free[k % sms] += work")],
      ["finish is wrong", "in turn"]),
+    ("10.plan", "the items in the order given",
+     [("sorted(range(len(works)), key=lambda k: -works[k])", "range(len(works))")],
+     ["owner is wrong", "longest first"]),
+    ("10.plan", "the items handed out in turn",
+     [("    for k in sorted(", "    turn = 0\n    for k in sorted("),
+      ("load, p = heapq.heappop(loads)", "load, p = 0, turn % programs\n        turn += 1")],
+     ["owner is wrong", "in turn"]),
     ("10.ring", "the copy warp waits on the consumers' parity",
      [("1 - ready_phase", "ready_phase")], ["free_phase is wrong", "hang"]),
     ("10.ring", "the parity of the tile, not of the stage's fill",
@@ -154,6 +162,11 @@ def test_the_references_agree_with_the_package():
         works = [rng.randint(1, 40) for _ in range(rng.randint(1, 60))]
         sms = rng.randint(1, 12)
         assert finish(works, sms) == fast.finish_by_clock(works, sms), (works, sms)
+    plan = course.reference("10.plan", {})
+    for _ in range(200):
+        works = [rng.randint(1, 40) for _ in range(rng.randint(1, 60))]
+        programs = rng.randint(1, 12)
+        assert plan(works, programs) == fast.plan_by_scanning(works, programs), (works, programs)
     own = course.reference("10.own", {})  # fa3.py's _own_tiles, for a consumer of a program
     for Nk in (1, 63, 64, 300, 777, 4096):
         for M, Bc in ((64, 64), (64, 128), (16, 32)):

@@ -804,8 +804,9 @@ def plan_causal(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
                 longest_first: bool = True, heads_together: int = 0) -> list[list[int]]:
     """The causal Q tiles of ``heads`` heads (work item t = i * heads + bh) dealt to
     ``programs`` persistent programs, longest processing time first: in order of their work
-    (``q_tile_work``; a Q tile's heads together), each to the program with the least work so
-    far. Each program's list runs longest first (or shortest first). The snake deal
+    (``q_tile_work``; of equal work the lower t first, so a Q tile's heads together), each to
+    the program with the least work so far (of equal, the lowest-numbered). Each program's list
+    runs longest first (or shortest first). The snake deal
     (``_tile_of``) balances only when a deal lines up with the tiles of one length: at d = 64
     and 4096 keys, 128 heads of 22 Q tiles on 132 programs, the snake's longest program
     counts 5% over the mean and this plan's 0.2%. heads_together > 0: the heads in groups of
@@ -815,7 +816,7 @@ def plan_causal(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
 
     n_q = -(-Nq // (CONSUMERS * M))
     work = [q_tile_work(i, Nq, Nk, CONSUMERS) for i in range(n_q)]
-    order = sorted(range(n_q), key=lambda i: (-work[i], -i))
+    order = sorted(range(n_q), key=lambda i: -work[i])  # of equal work, the lower i first
     loads = [(0, p) for p in range(programs)]  # a heap: the least loaded program on top
     plan = [[] for _ in range(programs)]
     size = heads_together or heads

@@ -12,13 +12,15 @@
 - ``step_own_tiles``: the K/V tiles one consumer's rows read in a causal call;
 - ``step_finish_time``: when the last SM finishes, each SM taking the next program in the grid's
   order whenever it is free (the tail of one program per causal Q tile);
+- ``step_plan_tiles``: which persistent program takes each causal Q tile, longest first, each to
+  the program with the least work so far (``fa3.plan_causal``);
 - ``step_exp2_cubic``: 2^x of the softmax's exponents without the special-function unit: the
   float's exponent bits for 2^floor(x), a cubic for the rest.
 
 Every expected answer is computed here from the definition itself, not from the formula the
 notebook's solution uses: tiles by looking at each key of each tile, programs per SM by
 counting down what is left of the SM, the deal by sorting the tiles and dealing them out, the
-finish by running a clock.
+finish by running a clock, the plan by looking at every program's load.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 
 from ..engine import run_seed
 from ..sandbox import _names
-from ..steptools import case, function_step, untouched
+from ..steptools import as_arrays, case, function_step, untouched
 
 # An H100 (sm_90) SM, as the CUDA occupancy calculator counts it
 REGISTERS_PER_SM = 65536
@@ -455,7 +457,7 @@ def _finish_cases():
     for _ in range(3):
         works = [int(w) for w in rng.integers(1, 30, size=int(rng.integers(20, 40)))]
         specs.append((works, int(rng.integers(1, 10)), "random", H_TAIL))
-    return [case(f"{len(w)} programs {w if len(w) < 8 else ''}on {sms} SMs ({what})", hint,
+    return [case(f"{len(w)} programs {f'{w} ' if len(w) < 8 else ''}on {sms} SMs ({what})", hint,
                  (w, sms), ("finish",), (finish_by_clock(w, sms),))
             for w, sms, what, hint in specs]
 
@@ -478,6 +480,74 @@ def _diagnose_finish(case_, wrong, outputs):
     if got == sum(works):
         return "the SMs run at the same time: each takes the next program when it is free."
     return f"the last SM finishes at {want}, yours {got:g}."
+
+
+# ------------------------------------------------------------------------------------------
+# 10.plan: the causal Q tiles planned for the persistent programs, longest first
+# ------------------------------------------------------------------------------------------
+
+H_PLAN = ("Take the items longest first (of equal work, the lower index first) and give each to "
+          "the program with the least work so far (of equal, the lowest-numbered): "
+          "heapq.heappop on (work so far, program) pairs gives it.")
+H_LONGEST = ("The items in the order given leave a long one for the end, when every program is "
+             "already loaded: sort them longest first.")
+
+
+def plan_by_scanning(works, programs):
+    """Each item's program: the items longest first, each to the least-loaded program, found
+    by looking at every program's load."""
+    loads = [0] * programs
+    owner = [0] * len(works)
+    for k in sorted(range(len(works)), key=lambda k: (-works[k], k)):
+        p = loads.index(min(loads))
+        owner[k] = p
+        loads[p] += works[k]
+    return owner
+
+
+def _plan_cases():
+    specs = [([4], 3, "one item", H_PLAN),
+             ([1, 1, 1, 1], 2, "equal items", H_PLAN),
+             ([1, 1, 1, 1, 1, 5], 2, "the long item last in the list", H_LONGEST),
+             ([3, 1, 2, 2, 1], 2, "ties", H_PLAN),
+             ([1, 2, 3], 5, "more programs than items", H_PLAN),
+             ([2, 7, 7, 3, 1, 9, 4], 3, "a mix", H_LONGEST)]
+    rng = _rng(7)
+    for _ in range(3):
+        works = [int(w) for w in rng.integers(1, 30, size=int(rng.integers(20, 40)))]
+        specs.append((works, int(rng.integers(1, 10)), "random", H_LONGEST))
+    return [case(f"{len(w)} items {f'{w} ' if len(w) < 8 else ''}on {n} programs ({what})", hint,
+                 (w, n), ("owner",), (plan_by_scanning(w, n),))
+            for w, n, what, hint in specs]
+
+
+def _owner_list(value):
+    """``adapt`` for the plan: its list of programs is one output, not one output each."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, np.integer)) for v in value):
+        return np.asarray(value, dtype=np.float64)
+    return as_arrays(value)
+
+
+def _diagnose_plan(case_, wrong, outputs):
+    works, programs = case_.args
+    got = outputs.get("owner")
+    if got is None:
+        return None
+    got = [int(x) for x in np.ravel(np.asarray(got, dtype=np.float64))]
+    if len(got) != len(works):
+        return f"owner has one program for each item: {len(works)}, yours {len(got)}."
+    order = sorted(range(len(works)), key=lambda k: (-works[k], k))
+    if got == [order.index(k) % programs for k in range(len(works))]:
+        return ("yours hands the items out in turn: the next goes to the program with the "
+                "least work so far, which after a short item is not the next in turn.")
+    loads, given = [0] * programs, []
+    for w in works:  # least loaded, in the order given
+        p = loads.index(min(loads))
+        given.append(p)
+        loads[p] += w
+    if got == given:
+        return H_LONGEST
+    return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -550,6 +620,8 @@ STEPS = [
                   diagnose=_diagnose_deal),
     function_step("step_own_tiles", "own_tiles", _own_cases, diagnose=_diagnose_own),
     function_step("step_finish_time", "finish_time", _finish_cases, diagnose=_diagnose_finish),
+    function_step("step_plan_tiles", "plan_owners", _plan_cases, adapt=_owner_list,
+                  diagnose=_diagnose_plan),
     function_step("step_exp2_cubic", "exp2_cubic", _exp2_cases, adapt=untouched,
                   diagnose=_diagnose_exp2, inspect=_no_exponential),
 ]

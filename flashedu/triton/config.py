@@ -229,9 +229,9 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # Q tile and 401 / 444 / 464 dealt in the snake (one run; at d=128 one program per Q tile
 # stays ahead, 493 / 555 / 591 against 475 / 542 / 567 planned). With the heads in groups of
 # 8 (``fa3.PLAN_HEADS_TOGETHER``): 447-449 at 4096 and 481-495 at 16384 against cuDNN's 420
-# and 441 (BENCHMARKS.md "Causal Q tiles dealt by a plan"). Two Q
-# buffers, dense: at 4096 keys 494 / 489 against 487 / 486 with one; 8192-16384 level
-# (0.99-1.00x) (BENCHMARKS.md, "A persistent program's next Q tile during this one").
+# and 441 (BENCHMARKS.md "Causal Q tiles dealt by a plan"). Two Q buffers, dense: at 4096
+# keys 494 / 489 against 487 / 486 with one; 8192-16384 level (0.99-1.00x) (BENCHMARKS.md,
+# "A persistent program's next Q tile during this one").
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=4096,
                    causal_persistent=True, q_buffers=2)
 # Both head dims write O_i through shared memory and the copy engine (``tma_store``), and d=128

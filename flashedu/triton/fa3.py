@@ -806,12 +806,12 @@ def plan_causal(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
     ``programs`` persistent programs, longest processing time first: in order of their work
     (``q_tile_work``; of equal work the lower t first, so a Q tile's heads together), each to
     the program with the least work so far (of equal, the lowest-numbered). Each program's list
-    runs longest first (or shortest first). The snake deal
-    (``_tile_of``) balances only when a deal lines up with the tiles of one length: at d = 64
-    and 4096 keys, 128 heads of 22 Q tiles on 132 programs, the snake's longest program
-    counts 5% over the mean and this plan's 0.2%. heads_together > 0: the heads in groups of
-    at most that many, group after group, each group's tiles longest first (its K and V
-    stay in L2 while its tiles pass)."""
+    runs longest first (or shortest first). The snake deal (``_tile_of``) balances only when
+    a deal lines up with the tiles of one length: at d = 64 and 4096 keys, 128 heads of 22 Q
+    tiles on 132 programs, the snake's longest program counts 5% over the mean and this
+    plan's 0.2%. heads_together > 0: the heads in groups of at most that many, group after
+    group, each group's tiles longest first into the same loads (the group's K and V stay in
+    L2 while its tiles pass)."""
     import heapq
 
     n_q = -(-Nq // (CONSUMERS * M))
@@ -833,8 +833,8 @@ def plan_causal(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
 def _plan_tensor(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
                  longest_first: bool, heads_together: int, device: torch.device) -> tuple:
     """``plan_causal`` as the kernel reads it: (rounds, programs) int32, program p's m-th item
-    at [m, p], ``total`` where it has none; made once for a shape (a launch's cost stays its
-    own)."""
+    at [m, p], ``total`` where it has none; made once for a shape and kept (a repeated call
+    makes no new table)."""
     plan = plan_causal(Nq, Nk, heads, programs, CONSUMERS, longest_first, heads_together)
     rounds = max(len(tiles) for tiles in plan)
     total = -(-Nq // (CONSUMERS * M)) * heads

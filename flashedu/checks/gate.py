@@ -43,6 +43,7 @@ import textwrap
 import types
 
 from .engine import Remark
+from .sandbox import _names
 
 # The launchers' parameters (flashedu.checks.triton_forward, .triton_backward): pointers, then
 # the integers.
@@ -81,17 +82,9 @@ def parameters(which: str) -> list[str]:
 
 
 def _names_read(fn) -> list[str]:
-    """Global names the function's code reads (its nested code objects included)."""
-    names: set[str] = set()
-
-    def walk(code):
-        names.update(code.co_names)
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                walk(const)
-
-    walk(fn.__code__)
-    return sorted(names)
+    """Global names the function's code reads (its nested code objects included), sorted:
+    the sandbox's walk (``sandbox._names``), as plain data."""
+    return sorted(_names(fn.__code__))
 
 
 def _number(value):

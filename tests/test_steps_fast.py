@@ -167,6 +167,15 @@ def test_the_references_agree_with_the_package():
         works = [rng.randint(1, 40) for _ in range(rng.randint(1, 60))]
         programs = rng.randint(1, 12)
         assert plan(works, programs) == fast.plan_by_scanning(works, programs), (works, programs)
+    from flashedu.triton import fa3  # the kernel's plan, one group of heads: the same owners
+
+    for N, heads, programs, consumers in ((4096, 128, 132, 3), (1077, 6, 7, 2), (300, 3, 1, 3)):
+        n_q = -(-N // (64 * consumers))
+        works = [fa3.q_tile_work(t // heads, N, N, consumers) for t in range(n_q * heads)]
+        owner = fast.plan_by_scanning(works, programs)
+        in_order = sorted(range(len(works)), key=lambda t: -works[t])
+        assert fa3.plan_causal(N, N, heads, programs, consumers) == [
+            [t for t in in_order if owner[t] == p] for p in range(programs)]
     own = course.reference("10.own", {})  # fa3.py's _own_tiles, for a consumer of a program
     for Nk in (1, 63, 64, 300, 777, 4096):
         for M, Bc in ((64, 64), (64, 128), (16, 32)):

@@ -446,6 +446,16 @@ def finish_by_clock(works, sms):
     return max(busy_until)
 
 
+def _random_works(rng, hint):
+    """Three random cases of the scheduling steps: 20-39 works of 1-29 units each, on 1-9
+    SMs (or programs)."""
+    specs = []
+    for _ in range(3):
+        works = [int(w) for w in rng.integers(1, 30, size=int(rng.integers(20, 40)))]
+        specs.append((works, int(rng.integers(1, 10)), "random", hint))
+    return specs
+
+
 def _finish_cases():
     specs = [([4], 3, "one program", H_FINISH),
              ([2, 2, 2, 2], 2, "even work", H_FINISH),
@@ -453,10 +463,7 @@ def _finish_cases():
              ([1, 1, 1, 1, 1, 5], 2, "the long program last", H_TAIL),
              ([3, 1, 2, 2, 1], 2, "an SM free before the other", H_FINISH),
              ([1, 2, 3], 5, "more SMs than programs", H_FINISH)]
-    rng = _rng(6)
-    for _ in range(3):
-        works = [int(w) for w in rng.integers(1, 30, size=int(rng.integers(20, 40)))]
-        specs.append((works, int(rng.integers(1, 10)), "random", H_TAIL))
+    specs += _random_works(_rng(6), H_TAIL)
     return [case(f"{len(w)} programs {f'{w} ' if len(w) < 8 else ''}on {sms} SMs ({what})", hint,
                  (w, sms), ("finish",), (finish_by_clock(w, sms),))
             for w, sms, what, hint in specs]
@@ -493,12 +500,14 @@ H_LONGEST = ("The items in the order given leave a long one for the end, when ev
              "already loaded: sort them longest first.")
 
 
-def plan_by_scanning(works, programs):
-    """Each item's program: the items longest first, each to the least-loaded program, found
-    by looking at every program's load."""
+def plan_by_scanning(works, programs, order=None):
+    """Each item's program: the items longest first (or in ``order``), each to the
+    least-loaded program, found by looking at every program's load."""
     loads = [0] * programs
     owner = [0] * len(works)
-    for k in sorted(range(len(works)), key=lambda k: (-works[k], k)):
+    if order is None:
+        order = sorted(range(len(works)), key=lambda k: (-works[k], k))
+    for k in order:
         p = loads.index(min(loads))
         owner[k] = p
         loads[p] += works[k]
@@ -512,10 +521,7 @@ def _plan_cases():
              ([3, 1, 2, 2, 1], 2, "ties", H_PLAN),
              ([1, 2, 3], 5, "more programs than items", H_PLAN),
              ([2, 7, 7, 3, 1, 9, 4], 3, "a mix", H_LONGEST)]
-    rng = _rng(7)
-    for _ in range(3):
-        works = [int(w) for w in rng.integers(1, 30, size=int(rng.integers(20, 40)))]
-        specs.append((works, int(rng.integers(1, 10)), "random", H_LONGEST))
+    specs += _random_works(_rng(7), H_LONGEST)
     return [case(f"{len(w)} items {f'{w} ' if len(w) < 8 else ''}on {n} programs ({what})", hint,
                  (w, n), ("owner",), (plan_by_scanning(w, n),))
             for w, n, what, hint in specs]
@@ -540,12 +546,7 @@ def _diagnose_plan(case_, wrong, outputs):
     if got == [order.index(k) % programs for k in range(len(works))]:
         return ("yours hands the items out in turn: the next goes to the program with the "
                 "least work so far, which after a short item is not the next in turn.")
-    loads, given = [0] * programs, []
-    for w in works:  # least loaded, in the order given
-        p = loads.index(min(loads))
-        given.append(p)
-        loads[p] += w
-    if got == given:
+    if got == plan_by_scanning(works, programs, order=range(len(works))):
         return H_LONGEST
     return None
 

@@ -837,7 +837,7 @@ def _plan_tensor(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
     makes no new table)."""
     plan = plan_causal(Nq, Nk, heads, programs, CONSUMERS, longest_first, heads_together)
     rounds = max(len(tiles) for tiles in plan)
-    total = -(-Nq // (CONSUMERS * M)) * heads
+    total = sum(len(tiles) for tiles in plan)  # every work item once
     table = torch.full((rounds, programs), total, dtype=torch.int32)
     for p, tiles in enumerate(plan):
         table[:len(tiles), p] = torch.tensor(tiles, dtype=torch.int32)

@@ -276,14 +276,14 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
             assert settings(4096, 4096) is not None
             assert settings(4095, 8192) is None
             assert settings(8192, 2048) is None
-    # persistent programs for dense calls; causal calls too at d=64 (their Q tiles by the
-    # host's plan), one program per Q tile at d=128 (each measured faster there)
+    # persistent programs for dense calls, and for causal calls with their Q tiles by the
+    # host's plan (each measured faster so at both head dims)
     for d in (64, 128):
         assert GPU_16BIT[d].fa3_settings(4096, 4096)["PERSISTENT"] is True
-    for n in (4096, 8192, 16384):
-        causal64 = GPU_16BIT[64].fa3_settings(n, n, is_causal=True)
-        assert causal64["PERSISTENT"] is True and causal64["PLANNED"] is True
-        assert GPU_16BIT[128].fa3_settings(n, n, is_causal=True)["PERSISTENT"] is False
+        assert GPU_16BIT[d].fa3_settings(4096, 4096)["PLANNED"] is False
+        for n in (4096, 8192, 16384):
+            causal = GPU_16BIT[d].fa3_settings(n, n, is_causal=True)
+            assert causal["PERSISTENT"] is True and causal["PLANNED"] is True
     # with dropout: two consumers of 240 registers at both head dims, persistent when dense
     for d in (64, 128):
         settings = GPU_16BIT[d].fa3_settings(4096, 4096, dropout=True)
@@ -451,7 +451,7 @@ def test_the_q_buffers_are_one_or_two_and_counted_in_shared_memory():
         assert fa3.shared_bytes(d, s.consumers, s.stages, s.q_buffers) <= fa3.SHARED_MEMORY
     assert table[64].schedule.settings(False)["Q_BUFFERS"] == 2
     assert table[64].schedule.settings(True)["Q_BUFFERS"] == 2  # causal persistent too
-    assert table[128].schedule.settings(True)["Q_BUFFERS"] == 1  # one program per Q tile
+    assert table[128].schedule.settings(True)["Q_BUFFERS"] == 1  # persistent, one buffer
 
 
 def test_the_schedule_runs_unless_the_environment_turns_it_off(monkeypatch):

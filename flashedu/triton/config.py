@@ -43,8 +43,7 @@ class Schedule:
     """FlashAttention-3's forward (fa3.py): consumer warpgroups of 64 rows each, K_j/V_j
     stages in shared memory, registers per consumer thread, and the schedule's switches.
     ``persistent``: dense (not causal) calls run one program per SM that takes Q tiles in
-    turn; causal calls too with ``causal_persistent`` (else one program per Q tile, which
-    measured faster for them at d = 128).
+    turn; causal calls too with ``causal_persistent`` (else one program per Q tile).
     ``causal_from``: causal calls take the schedule only from this many queries and keys (and
     from the entry's ``schedule_from``). ``tma_store``: O_i out through shared memory and the
     copy engine. ``q_buffers``: 2, a persistent program loads its next Q tile while it works
@@ -222,16 +221,19 @@ _SMALL_D = replace(_SMALL_D, dropout_forward=Tiles(128, 64, 4, 3),
 # 1.02-1.10x one program per Q tile on an H200; at d=128 too: never more than 0.2% slower
 # and up to 3.4% faster in four runs (1.00-1.03x at 8192 keys; BENCHMARKS.md, "Persistent
 # programs at d = 128"); causal calls were 1-4% slower persistent (BENCHMARKS.md, "A
-# persistent forward"). Causal at d=64 persistent too, each program's Q tiles by the host's
-# plan (``fa3.plan_causal``), two Q buffers (the next tile's Q_i copied during this one, 144 KB
-# of shared memory; d=128's three stages leave no room). With all heads in one order: 403 /
-# 449 / 484 TFLOP/s at 4096 / 8192 / 16384 keys, against 386 / 423 / 461 with one program per
-# Q tile and 401 / 444 / 464 dealt in the snake (one run; at d=128 one program per Q tile
-# stays ahead, 493 / 555 / 591 against 475 / 542 / 567 planned). With the heads in groups of
-# 8 (``fa3.PLAN_HEADS_TOGETHER``): 447-449 at 4096 and 481-495 at 16384 against cuDNN's 420
-# and 441 (BENCHMARKS.md "Causal Q tiles dealt by a plan"). Two Q buffers, dense: at 4096
-# keys 494 / 489 against 487 / 486 with one; 8192-16384 level (0.99-1.00x) (BENCHMARKS.md,
-# "A persistent program's next Q tile during this one").
+# persistent forward"), until each program took its Q tiles by the host's plan
+# (``fa3.plan_causal``). At d=64 with two Q buffers (the next tile's Q_i copied during this
+# one, 144 KB of shared memory; d=128's three stages leave no room). With all heads in one
+# order: 403 / 449 / 484 TFLOP/s at 4096 / 8192 / 16384 keys, against 386 / 423 / 461 with one
+# program per Q tile and 401 / 444 / 464 dealt in the snake (one run; at d=128 one program per
+# Q tile stayed ahead, 493 / 555 / 591 against 475 / 542 / 567 planned). With the heads in
+# groups of 8 (``fa3.PLAN_HEADS_TOGETHER``): 447-449 at 4096 and 481-495 at 16384 against
+# cuDNN's 420 and 441 (BENCHMARKS.md "Causal Q tiles dealt by a plan"); at d=128 the groups
+# put the plan ahead too: 546 / 582 / 596 against 502 / 551 / 585 with one program per Q tile
+# and cuDNN's 522 / 526 / 535 (one run; BENCHMARKS.md "d = 128's causal Q tiles by the
+# plan"). Two Q buffers, dense: at 4096 keys 494 / 489 against 487 / 486 with one;
+# 8192-16384 level (0.99-1.00x) (BENCHMARKS.md, "A persistent program's next Q tile during
+# this one").
 _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, causal_from=4096,
                    causal_persistent=True, q_buffers=2)
 # Both head dims write O_i through shared memory and the copy engine (``tma_store``), and d=128
@@ -240,7 +242,8 @@ _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, ca
 # runs (14 of 16 cells up); with that store, ping-pong on against off level (0.96-1.04x in
 # four runs). At d=64 the store measured level (0.99-1.02x). BENCHMARKS.md, "O_i through the
 # copy engine, and the causal forward's tail".
-_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, persistent=True)
+_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, persistent=True,
+                    causal_persistent=True)
 # With dropout (H200, N=4096, p=0.1, BENCHMARKS.md "Dropout in FlashAttention-3's schedule"):
 # two consumers of 240 registers, persistent, no ping-pong, at both head dims: d=64 dense
 # 1548 us against 1686 with the three consumers of 160 registers (which spill with the

@@ -1,0 +1,95 @@
+"""Where the time of flashedu's backward goes on an sm_90 GPU, piece by piece, beside cuDNN's.
+The public API's backward is the preprocess (D = rowsum(dO * O)), dQ's float32 buffer zeroed,
+FlashAttention-3's backward kernel (which adds dQ into that buffer) and the cast of dQ into
+q's dtype; each piece is timed alone, and the kernel under other settings of its schedule.
+bf16, the shapes of ``flashedu bench fa3`` (B * N = 16384 tokens, H * d = 2048), one
+``do_bench`` each.
+
+    python scripts/gpu_backward_parts.py --n 4096 --json docs/bench/backward_parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import flashedu  # noqa: F401  (before triton)
+
+# (STAGES, DQ_BUFFERS) beside the table's: what fits in 227 KB of shared memory at each d
+SETTINGS = {64: [(2, 1), (2, 2), (3, 1), (3, 2)], 128: [(2, 1), (2, 2), (3, 1)]}
+
+
+def one_case(N, d, causal) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    from flashedu.benchmarks import core
+    from flashedu.ops import Call
+    from flashedu.triton import fa3_backward, launch
+    from flashedu.triton.autograd import resolve_config
+
+    B, H = 16384 // N, 2048 // d
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    call = Call(causal, d ** -0.5)
+    config = resolve_config(d, q.dtype, None, q.device)
+    table = config.fa3_backward_settings(N, N)
+    o, lse2 = launch.forward(q, k, v, call)
+    lse2 = lse2.contiguous()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashedu.attention(*leaves, is_causal=causal, backend="triton")
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out_cudnn = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    ms = {"API backward": do_bench(lambda: torch.autograd.grad(out, leaves, do,
+                                                                retain_graph=True)),
+          "cuDNN backward": do_bench(lambda: torch.autograd.grad(out_cudnn, leaves, do,
+                                                                  retain_graph=True))}
+    D = launch.preprocess(o, do, config.preprocess_rows)
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ms["preprocess"] = do_bench(lambda: launch.preprocess(o, do, config.preprocess_rows))
+    ms["dQ buffer zeroed"] = do_bench(acc.zero_)
+    ms["dQ cast"] = do_bench(lambda: dq.copy_(acc))
+    first = (table["STAGES"], table["DQ_BUFFERS"])
+    for stages, buffers in [first] + [s for s in SETTINGS[d] if s != first]:
+        settings = dict(table, STAGES=stages, DQ_BUFFERS=buffers)
+        kernel = fa3_backward.launch(q, k, v, do, lse2, D, acc, dk, dv, is_causal=causal,
+                                     scale=call.scale, **settings)
+        # acc keeps adding up across the repeats: only the time is read
+        label = ("kernel (the table's)" if settings == table
+                 else f"kernel {stages} stages {buffers} dQ buffers")
+        ms[label] = do_bench(lambda: kernel.start(q, k, v, do, lse2, D, acc, dk, dv))
+    flops = core.attention_flops(B, H, N, N, d, causal=causal, mode="bwd")
+    return {"B": B, "H": H, "N": N, "d": d, "causal": causal, "settings": table,
+            "us": {name: t * 1000 for name, t in ms.items()},
+            "tflops": {name: core.tflops(flops, ms[name])
+                       for name in ("API backward", "cuDNN backward", "kernel (the table's)")}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, nargs="+", default=[4096])
+    p.add_argument("--d", type=int, nargs="+", choices=(64, 128), default=[64, 128])
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    rows = []
+    for N in args.n:
+        for d in args.d:
+            for causal in (False, True):
+                row = one_case(N, d, causal)
+                rows.append(row)
+                api = row["us"]["API backward"]
+                print(f"d={d} N={N} causal={causal} (B={row['B']}, H={row['H']}):", flush=True)
+                for name, t in row["us"].items():
+                    print(f"   {name:32} {t:8.1f} us  {t / api:6.3f} of the API's")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

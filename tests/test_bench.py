@@ -99,6 +99,19 @@ def test_bench_parses_good_arguments(tmp_path):
     assert sweep.d == [64] and dict(sweep.set) == {"STAGES": 4, "PINGPONG": False}
 
 
+def test_fa3_bench_reads_the_matmul_in_its_rounds_by_its_own_flops():
+    """The matrix product timed among a case's columns counts 2 * 8192^3 FLOPs, a backward
+    column the backward's, every other column the forward's."""
+    from flashedu.benchmarks import fa3
+
+    ms = {"fa3": 2.0, "sdpa-cudnn bwd": 4.0, "matmul": 1.5, "flashedu bwd": 5.0}
+    got = fa3.case_tflops(ms, fwd_flops=8e12, bwd_flops=20e12)
+    assert got["fa3"] == pytest.approx(4000)
+    assert got["matmul"] == pytest.approx(2 * 8192 ** 3 / 1.5e9)
+    assert got["sdpa-cudnn bwd"] == pytest.approx(5000)
+    assert got["flashedu bwd"] == pytest.approx(4000)
+
+
 def test_overhead_providers_take_turns_and_keep_their_best_round(monkeypatch):
     """Each round runs every provider's calls in turn (a slow spell of the host then hits all
     of that round), and each provider keeps its fastest round: here provider "a" is slow only
@@ -362,12 +375,13 @@ def test_sass_compiles_the_gluon_forward_for_an_h100(tmp_path, capsys):
 
 
 def test_the_gluon_forward_masks_the_causal_diagonal_in_one_select_an_entry(tmp_path, capsys):
-    """The causal d=128 forward's masked tiles (each consumer's diagonal) cost about what the
-    dense one's ragged last tile does: one compare with the row's last visible key and one
-    select an entry. With "key < Nk and key <= row" the two conditions were combined as
-    integers, five instructions an entry: 1.086x the dense kernel's instructions here."""
+    """The causal d=128 forward's masked tiles (each consumer's diagonal): one compare with
+    the row's last visible key and one select an entry. Both persistent (the table's), the
+    causal kernel also carries each consumer's own K/V tiles and the plan's table: 1.11x the
+    dense kernel's instructions here (Triton 3.9, sm_90); with "key < Nk and key <= row" the
+    two conditions were combined as integers, and the same kernel compiled to 1.20x."""
     dense, causal = _gluon_forward_rows(tmp_path, capsys)
-    assert causal["instructions"] < 1.05 * dense["instructions"], (causal, dense)
+    assert causal["instructions"] < 1.15 * dense["instructions"], (causal, dense)
 
 
 def test_the_gluon_forward_does_not_spill_on_the_triton_it_runs_on(tmp_path, capsys):

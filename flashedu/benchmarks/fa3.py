@@ -3,7 +3,8 @@ with the tile table's settings, with each of the schedule's ideas turned off in 
 the Triton kernel of ``forward.py``, SDPA's cuDNN and FlashAttention-2 backends and
 FlexAttention, in one process; the backward (flashedu's: FlashAttention-3's of
 ``fa3_backward.py`` where the tile table asks for it; the Triton kernels'; cuDNN's) beside
-them, and a bf16 matrix product for the card's measured peak.
+them, and a bf16 matrix product for the card's measured peak (timed once before the cases,
+and in every case's rounds beside the kernels: "fwd / matmul").
 
     flashedu bench fa3 --json docs/bench/fa3_h200.json
 
@@ -117,15 +118,38 @@ def backward_fns(q, k, v, causal) -> dict:
     return fns
 
 
-def matmul_peak() -> float:
-    """TFLOP/s of a bf16 8192^3 matrix product (cuBLAS): the card's attainable peak."""
+MATMUL = 8192  # the matrix product's side
+MATMUL_FLOPS = 2 * MATMUL ** 3
+
+
+def matmul_fn():
+    """A zero-argument bf16 MATMUL^3 matrix product (cuBLAS): the card's attainable peak."""
     import torch
 
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return core.tflops(2 * 8192 ** 3, core.time_ms(lambda: a @ b))
+    a, b = (torch.randn(MATMUL, MATMUL, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return lambda: a @ b
 
 
-def one_case(N, d, causal, settings, rounds) -> dict:
+def matmul_peak(matmul) -> float:
+    """TFLOP/s of the matrix product (``matmul_fn``'s) timed once, before the cases."""
+    return core.tflops(MATMUL_FLOPS, core.time_ms(matmul))
+
+
+def case_tflops(ms: dict, fwd_flops: float, bwd_flops: float) -> dict:
+    """{label: TFLOP/s} of a case's timings: "matmul" by the product's FLOPs, a label ending in
+    "bwd" by the backward's, the rest by the forward's."""
+    def flops(name):
+        if name == "matmul":
+            return MATMUL_FLOPS
+        return bwd_flops if name.endswith("bwd") else fwd_flops
+
+    return {name: core.tflops(flops(name), t) for name, t in ms.items()}
+
+
+def one_case(N, d, causal, settings, rounds, matmul) -> dict:
+    """One shape's columns timed in turn, ``matmul`` (``matmul_fn``) among them: the card's peak
+    read in the same rounds as the kernels, where its clocks and heat are theirs (timed once
+    before the cases it read 694-805 TFLOP/s on H200s, more spread than the kernels')."""
     import torch
 
     B, H = core.batch_heads(N, d)
@@ -134,13 +158,12 @@ def one_case(N, d, causal, settings, rounds) -> dict:
                for _ in range(3))
     fwd = forward_fns(q, k, v, causal, settings)
     bwd = backward_fns(q, k, v, causal)
-    timed = {name: (fn, {}) for name, fn in {**fwd, **bwd}.items()}
+    timed = {name: (fn, {}) for name, fn in {**fwd, **bwd, "matmul": matmul}.items()}
     ms, _ = core.interleaved_ms(timed, rounds)
-    flops = {"fwd": core.attention_flops(B, H, N, N, d, causal=causal, mode="fwd"),
-             "bwd": core.attention_flops(B, H, N, N, d, causal=causal, mode="bwd")}
     row = {"B": B, "H": H, "N": N, "d": d, "causal": causal, "settings": settings, "ms": ms}
-    row["tflops"] = {name: core.tflops(flops["bwd" if name.endswith("bwd") else "fwd"], t)
-                     for name, t in ms.items()}
+    row["tflops"] = case_tflops(
+        ms, core.attention_flops(B, H, N, N, d, causal=causal, mode="fwd"),
+        core.attention_flops(B, H, N, N, d, causal=causal, mode="bwd"))
     return row
 
 
@@ -198,27 +221,29 @@ def main(argv=None) -> int:
               f"{torch.cuda.get_device_capability()} with Triton {fa3.triton.__version__}",
               file=sys.stderr)
         return 1
-    out = {"environment": core.environment(["fa3", *argv]), "matmul_tflops": matmul_peak(),
+    matmul = matmul_fn()
+    out = {"environment": core.environment(["fa3", *argv]), "matmul_tflops": matmul_peak(matmul),
            "cases": []}
     print(core.headline(out["environment"]), flush=True)
     print(f"bf16 matmul 8192^3: {out['matmul_tflops']:.0f} TFLOP/s", flush=True)
     names = ["fa3", *(label for label, _ in ABLATIONS), *PEERS]  # the forward's columns
     head = ["d", "N", "causal", *names, "fwd / cuDNN", "bwd flashedu", "bwd cuDNN",
-            "bwd / cuDNN", "bwd Triton kernels"]
+            "bwd / cuDNN", "bwd Triton kernels", "matmul", "fwd / matmul"]
     lines = []
     for d in args.d:
         schedule = resolve_config(d, torch.bfloat16, None, "cuda").schedule
         for N in args.n:
             for causal in (False, True):
                 settings = {**schedule.settings(causal), **dict(args.set)}
-                row = one_case(N, d, causal, settings, args.rounds)
+                row = one_case(N, d, causal, settings, args.rounds, matmul)
                 out["cases"].append(row)
                 t = row["tflops"]
                 line = [d, N, causal, *(f"{t[n]:.0f}" if n in t else "-" for n in names),
                         f"{t['fa3'] / t['sdpa-cudnn']:.2f}", f"{t['flashedu bwd']:.0f}",
                         f"{t['sdpa-cudnn bwd']:.0f}",
                         f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}",
-                        f"{t['triton bwd']:.0f}"]
+                        f"{t['triton bwd']:.0f}", f"{t['matmul']:.0f}",
+                        f"{t['fa3'] / t['matmul']:.3f}"]
                 lines.append(line)
                 print(" | ".join(str(x) for x in line), flush=True)
     print("TFLOP/s (forward: 4 B H N^2 d, causal half; backward 2.5x that)")

@@ -323,7 +323,7 @@ def _captured(d: int, variant: str, mode: str, n: int, dtype: str):
             if settings is None:
                 raise ValueError(f"the {os.environ.get(TABLE_ENV, 'sm90')} table runs no fa3 "
                                  f"forward at d={d}, N={n} (it asks for it at d=64 and d=128 "
-                                 "from 4096 keys, causal at d=64 from 8192)")
+                                 "from 4096 keys)")
             fa3.forward(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]),
                         is_causal=kw["is_causal"], scale=kw["scale"], **drop, **settings)
         elif variant == "resume":

@@ -148,8 +148,8 @@ def case_tflops(ms: dict, fwd_flops: float, bwd_flops: float) -> dict:
 
 def one_case(N, d, causal, settings, rounds, matmul) -> dict:
     """One shape's columns timed in turn, ``matmul`` (``matmul_fn``) among them: the card's peak
-    read in the same rounds as the kernels, where its clocks and heat are theirs (timed once
-    before the cases it read 694-805 TFLOP/s on H200s, more spread than the kernels')."""
+    read in the same rounds as the kernels, at their clocks and heat. Timed once before the
+    cases, it read 694-805 TFLOP/s on H200s, a wider spread than the kernels'."""
     import torch
 
     B, H = core.batch_heads(N, d)

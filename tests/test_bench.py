@@ -101,7 +101,8 @@ def test_bench_parses_good_arguments(tmp_path):
 
 def test_fa3_bench_reads_the_matmul_in_its_rounds_by_its_own_flops():
     """The matrix product timed among a case's columns counts 2 * 8192^3 FLOPs, a backward
-    column the backward's, every other column the forward's."""
+    column the backward's, every other column the forward's; the printed line ends with the
+    product's TFLOP/s and the forward's share of it."""
     from flashedu.benchmarks import fa3
 
     ms = {"fa3": 2.0, "sdpa-cudnn bwd": 4.0, "matmul": 1.5, "flashedu bwd": 5.0}
@@ -110,6 +111,11 @@ def test_fa3_bench_reads_the_matmul_in_its_rounds_by_its_own_flops():
     assert got["matmul"] == pytest.approx(2 * 8192 ** 3 / 1.5e9)
     assert got["sdpa-cudnn bwd"] == pytest.approx(5000)
     assert got["flashedu bwd"] == pytest.approx(4000)
+    t = {**got, "sdpa-cudnn": 3200.0, "triton bwd": 3000.0}
+    line = fa3.table_line({"d": 128, "N": 4096, "causal": False, "tflops": t}, ["fa3", "flex"])
+    assert len(line) == 3 + 2 + len(fa3.TAIL)
+    assert line[:5] == [128, 4096, False, "4000", "-"]  # flex did not run: "-"
+    assert line[-2:] == [f"{got['matmul']:.0f}", f"{4000 / got['matmul']:.3f}"]
 
 
 def test_overhead_providers_take_turns_and_keep_their_best_round(monkeypatch):

@@ -167,6 +167,22 @@ def one_case(N, d, causal, settings, rounds, matmul) -> dict:
     return row
 
 
+# the table's columns after the forward's
+TAIL = ("fwd / cuDNN", "bwd flashedu", "bwd cuDNN", "bwd / cuDNN", "bwd Triton kernels",
+        "matmul", "fwd / matmul")
+
+
+def table_line(row: dict, names) -> list:
+    """A case's line of the printed table: d, N, causal, the forward's columns ``names`` ("-"
+    where a column did not run), then TAIL's."""
+    t = row["tflops"]
+    return [row["d"], row["N"], row["causal"],
+            *(f"{t[n]:.0f}" if n in t else "-" for n in names),
+            f"{t['fa3'] / t['sdpa-cudnn']:.2f}", f"{t['flashedu bwd']:.0f}",
+            f"{t['sdpa-cudnn bwd']:.0f}", f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}",
+            f"{t['triton bwd']:.0f}", f"{t['matmul']:.0f}", f"{t['fa3'] / t['matmul']:.3f}"]
+
+
 def parse_args(argv):
     p = core.parser("fa3", __doc__)
     p.add_argument("--n", type=core.positive_int, nargs="+", default=list(NS))
@@ -227,8 +243,7 @@ def main(argv=None) -> int:
     print(core.headline(out["environment"]), flush=True)
     print(f"bf16 matmul 8192^3: {out['matmul_tflops']:.0f} TFLOP/s", flush=True)
     names = ["fa3", *(label for label, _ in ABLATIONS), *PEERS]  # the forward's columns
-    head = ["d", "N", "causal", *names, "fwd / cuDNN", "bwd flashedu", "bwd cuDNN",
-            "bwd / cuDNN", "bwd Triton kernels", "matmul", "fwd / matmul"]
+    head = ["d", "N", "causal", *names, *TAIL]
     lines = []
     for d in args.d:
         schedule = resolve_config(d, torch.bfloat16, None, "cuda").schedule
@@ -237,13 +252,7 @@ def main(argv=None) -> int:
                 settings = {**schedule.settings(causal), **dict(args.set)}
                 row = one_case(N, d, causal, settings, args.rounds, matmul)
                 out["cases"].append(row)
-                t = row["tflops"]
-                line = [d, N, causal, *(f"{t[n]:.0f}" if n in t else "-" for n in names),
-                        f"{t['fa3'] / t['sdpa-cudnn']:.2f}", f"{t['flashedu bwd']:.0f}",
-                        f"{t['sdpa-cudnn bwd']:.0f}",
-                        f"{t['flashedu bwd'] / t['sdpa-cudnn bwd']:.2f}",
-                        f"{t['triton bwd']:.0f}", f"{t['matmul']:.0f}",
-                        f"{t['fa3'] / t['matmul']:.3f}"]
+                line = table_line(row, names)
                 lines.append(line)
                 print(" | ".join(str(x) for x in line), flush=True)
     print("TFLOP/s (forward: 4 B H N^2 d, causal half; backward 2.5x that)")

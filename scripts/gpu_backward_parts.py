@@ -2,10 +2,10 @@
 The public API's backward is the preprocess (D = rowsum(dO * O)), dQ's float32 buffer zeroed,
 FlashAttention-3's backward kernel (which adds dQ into that buffer) and the cast of dQ into
 q's dtype; each piece is timed alone, and the kernel under other settings of its schedule.
-bf16, the shapes of ``flashedu bench fa3`` (B * N = 16384 tokens, H * d = 2048), one
-``do_bench`` each.
+bf16, the shapes of ``flashedu bench fa3`` (B * N = 16384 tokens, H * d = 2048); every
+column timed in turn, ``--rounds`` times (``core.interleaved_ms``), the median kept.
 
-    python scripts/gpu_backward_parts.py --n 4096 --json docs/bench/backward_parts.json
+    python scripts/gpu_backward_parts.py --n 4096 --rounds 3 --json docs/bench/backward_parts.json
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import flashedu  # noqa: F401  (before triton)
 SETTINGS = {64: [(2, 1), (2, 2), (3, 1), (3, 2)], 128: [(2, 1), (2, 2), (3, 1)]}
 
 
-def one_case(N, d, causal) -> dict:
+def one_case(N, d, causal, rounds=1) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
 
     from flashedu.benchmarks import core
     from flashedu.ops import Call
@@ -43,16 +42,15 @@ def one_case(N, d, causal) -> dict:
     out = flashedu.attention(*leaves, is_causal=causal, backend="triton")
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out_cudnn = F.scaled_dot_product_attention(*leaves, is_causal=causal)
-    ms = {"API backward": do_bench(lambda: torch.autograd.grad(out, leaves, do,
-                                                                retain_graph=True)),
-          "cuDNN backward": do_bench(lambda: torch.autograd.grad(out_cudnn, leaves, do,
-                                                                  retain_graph=True))}
     D = launch.preprocess(o, do, config.preprocess_rows)
     acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    ms["preprocess"] = do_bench(lambda: launch.preprocess(o, do, config.preprocess_rows))
-    ms["dQ buffer zeroed"] = do_bench(acc.zero_)
-    ms["dQ cast"] = do_bench(lambda: dq.copy_(acc))
+    fns = {"API backward": lambda: torch.autograd.grad(out, leaves, do, retain_graph=True),
+           "cuDNN backward": lambda: torch.autograd.grad(out_cudnn, leaves, do,
+                                                         retain_graph=True),
+           "preprocess": lambda: launch.preprocess(o, do, config.preprocess_rows),
+           "dQ buffer zeroed": acc.zero_,
+           "dQ cast": lambda: dq.copy_(acc)}
     first = (table["STAGES"], table["DQ_BUFFERS"])
     for stages, buffers in [first] + [s for s in SETTINGS[d] if s != first]:
         settings = dict(table, STAGES=stages, DQ_BUFFERS=buffers)
@@ -61,7 +59,8 @@ def one_case(N, d, causal) -> dict:
         # acc keeps adding up across the repeats: only the time is read
         label = ("kernel (the table's)" if settings == table
                  else f"kernel {stages} stages {buffers} dQ buffers")
-        ms[label] = do_bench(lambda: kernel.start(q, k, v, do, lse2, D, acc, dk, dv))
+        fns[label] = lambda kernel=kernel: kernel.start(q, k, v, do, lse2, D, acc, dk, dv)
+    ms, _ = core.interleaved_ms({name: (fn, {}) for name, fn in fns.items()}, rounds)
     flops = core.attention_flops(B, H, N, N, d, causal=causal, mode="bwd")
     return {"B": B, "H": H, "N": N, "d": d, "causal": causal, "settings": table,
             "us": {name: t * 1000 for name, t in ms.items()},
@@ -73,13 +72,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, nargs="+", default=[4096])
     p.add_argument("--d", type=int, nargs="+", choices=(64, 128), default=[64, 128])
+    p.add_argument("--rounds", type=int, default=3, help="each column timed this many times")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     rows = []
     for N in args.n:
         for d in args.d:
             for causal in (False, True):
-                row = one_case(N, d, causal)
+                row = one_case(N, d, causal, args.rounds)
                 rows.append(row)
                 api = row["us"]["API backward"]
                 print(f"d={d} N={N} causal={causal} (B={row['B']}, H={row['H']}):", flush=True)

@@ -17,6 +17,7 @@ import flashedu  # noqa: F401  (before triton)
 
 # (STAGES, DQ_BUFFERS) beside the table's: what fits in 227 KB of shared memory at each d
 SETTINGS = {64: [(2, 1), (2, 2), (3, 1), (3, 2)], 128: [(2, 1), (2, 2), (3, 1)]}
+KERNEL = "kernel (the table's)"  # the kernel alone with the tile table's settings
 
 
 def one_case(N, d, causal, rounds=1) -> dict:
@@ -29,7 +30,7 @@ def one_case(N, d, causal, rounds=1) -> dict:
     from flashedu.triton import fa3_backward, launch
     from flashedu.triton.autograd import resolve_config
 
-    B, H = 16384 // N, 2048 // d
+    B, H = core.batch_heads(N, d)  # the shapes of ``flashedu bench fa3``
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
@@ -57,7 +58,7 @@ def one_case(N, d, causal, rounds=1) -> dict:
         kernel = fa3_backward.launch(q, k, v, do, lse2, D, acc, dk, dv, is_causal=causal,
                                      scale=call.scale, **settings)
         # acc keeps adding up across the repeats: only the time is read
-        label = ("kernel (the table's)" if settings == table
+        label = (KERNEL if settings == table
                  else f"kernel {stages} stages {buffers} dQ buffers")
         fns[label] = lambda kernel=kernel: kernel.start(q, k, v, do, lse2, D, acc, dk, dv)
     ms, _ = core.interleaved_ms({name: (fn, {}) for name, fn in fns.items()}, rounds)
@@ -65,7 +66,7 @@ def one_case(N, d, causal, rounds=1) -> dict:
     return {"B": B, "H": H, "N": N, "d": d, "causal": causal, "settings": table,
             "us": {name: t * 1000 for name, t in ms.items()},
             "tflops": {name: core.tflops(flops, ms[name])
-                       for name in ("API backward", "cuDNN backward", "kernel (the table's)")}}
+                       for name in ("API backward", "cuDNN backward", KERNEL)}}
 
 
 def main(argv=None) -> int:

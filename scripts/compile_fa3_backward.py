@@ -5,6 +5,7 @@ local loads and stores, exponentials, shared-memory stores, barriers, Philox's h
 
     python scripts/compile_fa3_backward.py --d 128 --causal --stages 2 --dq-buffers 1 \
         --fresh-descriptors --dropout
+    python scripts/compile_fa3_backward.py --d 64 --causal --persistent --kv-buffers 2
 
 Needs the Triton whose Gluon API the kernel is written against (3.6); the SASS is written to
 /tmp/fa3_backward_<d>.sass for reading.
@@ -49,9 +50,12 @@ def compile_for_sm90(kernel, consts: dict):
     names = kernel.arg_names
     signature = {n: POINTERS.get(n) or FLOATS.get(n) or "i32" for n in names}
     signature["RNG"] = "*i64" if consts["DROPOUT"] else "constexpr"
+    signature["PLAN"] = "*i32" if consts["PLANNED"] else "constexpr"
     signature.update({n: "constexpr" for n in consts})
     if not consts["DROPOUT"]:
         consts = {**consts, "RNG": None}
+    if not consts["PLANNED"]:
+        consts = {**consts, "PLAN": None}
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in POINTERS}
     source = GluonASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()},
                             aligned)
@@ -94,11 +98,16 @@ def main(argv=None) -> int:
     p.add_argument("--dropout", action="store_true", help="with the dropout mask")
     p.add_argument("--select-once", action="store_true",
                    help="with dropout, the mask selects P_ij once, in float32")
+    p.add_argument("--persistent", action="store_true",
+                   help="one program per SM taking K/V tiles in turn (causal: by a plan)")
+    p.add_argument("--kv-buffers", type=int, choices=(1, 2), default=1,
+                   help="K/V buffers (2: a persistent program's next tile copied during this one)")
     args = p.parse_args(argv)
     consts = dict(HEAD_DIM=args.d, Br=64, STAGES=args.stages, IS_CAUSAL=args.causal,
                   DQ_BUFFERS=args.dq_buffers, CONSUMER_REGS=args.regs,
                   FRESH_DESCRIPTORS=args.fresh_descriptors, DROPOUT=args.dropout,
-                  SELECT_ONCE=args.select_once)
+                  SELECT_ONCE=args.select_once, PERSISTENT=args.persistent,
+                  PLANNED=args.persistent and args.causal, KV_BUFFERS=args.kv_buffers)
     compiled = compile_for_sm90(load_kernel(), consts)
     line, counts = usage(compiled, f"/tmp/fa3_backward_{args.d}.sass")
     # REG is the kernel's count before warp_specialize moves registers between partitions

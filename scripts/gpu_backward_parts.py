@@ -1,11 +1,13 @@
 """Where the time of flashedu's backward goes on an sm_90 GPU, piece by piece, beside cuDNN's.
 The public API's backward is the preprocess (D = rowsum(dO * O)), dQ's float32 buffer zeroed,
 FlashAttention-3's backward kernel (which adds dQ into that buffer) and the cast of dQ into
-q's dtype; each piece is timed alone, and the kernel under other settings of its schedule.
+q's dtype; each piece is timed alone, and the kernel under other settings of its schedule
+(``--variants``: more stages or dQ buffers, persistent programs with one or two K/V buffers).
 bf16, the shapes of ``flashedu bench fa3`` (B * N = 16384 tokens, H * d = 2048); every
 column timed in turn, ``--rounds`` times (``core.interleaved_ms``), the median kept.
 
     python scripts/gpu_backward_parts.py --n 4096 --rounds 3 --json docs/bench/backward_parts.json
+    python scripts/gpu_backward_parts.py --n 4096 8192 --variants persistent persistent-kv2
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import json
 
 import flashedu  # noqa: F401  (before triton)
 
-# (STAGES, DQ_BUFFERS) beside the table's: what fits in 227 KB of shared memory at each d
-SETTINGS = {64: [(2, 1), (2, 2), (3, 1), (3, 2)], 128: [(2, 1), (2, 2), (3, 1)]}
+# the kernel's settings timed beside the table's, by name: what fits in 227 KB of shared
+# memory at each d (d = 128 holds one K/V buffer only)
+VARIANTS = {"stages2": dict(STAGES=2, DQ_BUFFERS=1), "dq2": dict(STAGES=2, DQ_BUFFERS=2),
+            "stages3": dict(STAGES=3, DQ_BUFFERS=1), "stages3-dq2": dict(STAGES=3, DQ_BUFFERS=2),
+            "persistent": dict(PERSISTENT=True, KV_BUFFERS=1),
+            "persistent-kv2": dict(PERSISTENT=True, KV_BUFFERS=2)}
+FITS = {64: set(VARIANTS), 128: set(VARIANTS) - {"stages3-dq2", "persistent-kv2"}}
 KERNEL = "kernel (the table's)"  # the kernel alone with the tile table's settings
 
 
-def one_case(N, d, causal, rounds=1) -> dict:
+def one_case(N, d, causal, rounds=1, variants=tuple(VARIANTS)) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -36,7 +43,7 @@ def one_case(N, d, causal, rounds=1) -> dict:
     do = torch.randn_like(q)
     call = Call(causal, d ** -0.5)
     config = resolve_config(d, q.dtype, None, q.device)
-    table = config.fa3_backward_settings(N, N)
+    table = config.fa3_backward_settings(N, N, causal)
     o, lse2 = launch.forward(q, k, v, call)
     lse2 = lse2.contiguous()
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -52,21 +59,22 @@ def one_case(N, d, causal, rounds=1) -> dict:
            "preprocess": lambda: launch.preprocess(o, do, config.preprocess_rows),
            "dQ buffer zeroed": acc.zero_,
            "dQ cast": lambda: dq.copy_(acc)}
-    first = (table["STAGES"], table["DQ_BUFFERS"])
-    for stages, buffers in [first] + [s for s in SETTINGS[d] if s != first]:
-        settings = dict(table, STAGES=stages, DQ_BUFFERS=buffers)
+    kernels = {KERNEL: table}
+    for name in variants:
+        settings = dict(table, **VARIANTS[name])
+        if name in FITS[d] and settings != table:
+            kernels[f"kernel {name}"] = settings
+    for label, settings in kernels.items():
         kernel = fa3_backward.launch(q, k, v, do, lse2, D, acc, dk, dv, is_causal=causal,
                                      scale=call.scale, **settings)
         # acc keeps adding up across the repeats: only the time is read
-        label = (KERNEL if settings == table
-                 else f"kernel {stages} stages {buffers} dQ buffers")
         fns[label] = lambda kernel=kernel: kernel.start(q, k, v, do, lse2, D, acc, dk, dv)
     ms, _ = core.interleaved_ms({name: (fn, {}) for name, fn in fns.items()}, rounds)
     flops = core.attention_flops(B, H, N, N, d, causal=causal, mode="bwd")
     return {"B": B, "H": H, "N": N, "d": d, "causal": causal, "settings": table,
             "us": {name: t * 1000 for name, t in ms.items()},
             "tflops": {name: core.tflops(flops, ms[name])
-                       for name in ("API backward", "cuDNN backward", KERNEL)}}
+                       for name in ("API backward", "cuDNN backward", *kernels)}}
 
 
 def main(argv=None) -> int:
@@ -74,18 +82,22 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=[4096])
     p.add_argument("--d", type=int, nargs="+", choices=(64, 128), default=[64, 128])
     p.add_argument("--rounds", type=int, default=3, help="each column timed this many times")
+    p.add_argument("--variants", nargs="*", choices=tuple(VARIANTS), default=list(VARIANTS),
+                   help="the kernel's settings timed beside the table's")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     rows = []
     for N in args.n:
         for d in args.d:
             for causal in (False, True):
-                row = one_case(N, d, causal, args.rounds)
+                row = one_case(N, d, causal, args.rounds, args.variants)
                 rows.append(row)
                 api = row["us"]["API backward"]
                 print(f"d={d} N={N} causal={causal} (B={row['B']}, H={row['H']}):", flush=True)
                 for name, t in row["us"].items():
-                    print(f"   {name:32} {t:8.1f} us  {t / api:6.3f} of the API's")
+                    tflops = row["tflops"].get(name)
+                    rate = f"  {tflops:5.0f} TFLOP/s" if tflops else ""
+                    print(f"   {name:32} {t:8.1f} us  {t / api:6.3f} of the API's{rate}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -290,6 +290,17 @@ def test_the_table_asks_for_the_schedule_only_where_it_was_measured():
         assert settings["CONSUMERS"] == 2 and settings["PERSISTENT"] is True
     assert GPU_16BIT[64].fa3_settings(4096, 4096, is_causal=True, dropout=True) is None
     assert GPU_16BIT[128].fa3_settings(4096, 4096, True, True)["PERSISTENT"] is False
+    # the backward: persistent at d=64 (two K/V buffers), and at d=128 dense; with dropout
+    # one program per K/V tile (persistent programs were measured without it)
+    backward = {d: GPU_16BIT[d].fa3_backward_settings for d in (64, 128)}
+    for n in (4096, 8192, 16384):
+        assert backward[64](n, n)["PERSISTENT"] and backward[64](n, n, True)["PERSISTENT"]
+        assert backward[64](n, n)["KV_BUFFERS"] == 2
+        assert backward[128](n, n)["PERSISTENT"] and not backward[128](n, n, True)["PERSISTENT"]
+        for d in (64, 128):
+            for causal in (False, True):
+                with_dropout = backward[d](n, n, causal, dropout=True)
+                assert not with_dropout["PERSISTENT"] and with_dropout["KV_BUFFERS"] == 1
     for d in (16, 32, 256):
         assert GPU_16BIT[d].fa3_settings(16384, 16384) is None
         assert GPU_16BIT[d].fa3_backward_settings(16384, 16384) is None
@@ -433,6 +444,63 @@ def test_the_plan_reaches_the_kernel_as_rounds_of_programs():
     assert rounds == max(map(len, plan))
     for p, tiles in enumerate(plan):
         assert table[:, p].tolist() == tiles + [total] * (rounds - len(tiles))
+
+
+@pytest.mark.parametrize("together", [0, 16])
+@pytest.mark.parametrize("Nq,Nk,heads,programs", [(4096, 4096, 128, 132), (1300, 777, 8, 5),
+                                                  (777, 1300, 6, 7), (129, 129, 2, 1)])
+def test_the_backward_plan_deals_every_kv_tile_once_and_evens_the_work(Nq, Nk, heads,
+                                                                       programs, together):
+    """``plan_backward``: every (K/V tile, head) once; each program's list group by group,
+    longest first within a group; no program more than one tile's work over the mean."""
+    from flashedu.triton import fa3_backward
+
+    n_kv = -(-Nk // 128)
+    plan = fa3_backward.plan_backward(Nq, Nk, heads, programs, together)
+    assert sorted(t for tiles in plan for t in tiles) == list(range(n_kv * heads))
+    work = [fa3_backward.kv_tile_work(j, Nq) for j in range(n_kv)]
+    size = together or heads
+    for tiles in plan:
+        keys = [((t % heads) // size, -work[t // heads]) for t in tiles]
+        assert keys == sorted(keys)
+    loads = [sum(work[t // heads] for t in tiles) for tiles in plan]
+    assert max(loads) <= sum(loads) / programs + max(work)
+
+
+def test_a_kv_tiles_work_counts_the_q_tiles_that_see_it():
+    """``kv_tile_work``: one for the tile, plus the Q tiles of 64 rows from its first key's
+    (causal: none before it), none for a tile past the last query."""
+    from flashedu.triton import fa3_backward
+
+    assert [fa3_backward.kv_tile_work(j, 4096) for j in (0, 1, 31)] == [65, 63, 3]
+    assert fa3_backward.kv_tile_work(0, 129) == 4  # a ragged last Q tile counts
+    assert fa3_backward.kv_tile_work(5, 300) == 1  # keys past every query
+
+
+def test_the_kv_buffers_are_one_or_two_and_counted_in_shared_memory():
+    """``KV_BUFFERS`` other than 1 or 2, or more shared memory than a program may take, is
+    refused by name before anything is launched; d = 64 holds two K/V buffers beside the
+    stages, d = 128 one, as the table's schedules ask."""
+    from flashedu.triton import fa3_backward
+
+    q = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
+    D = torch.empty(1, 2, 256)
+    args = (q, q, q, q, D, D, q.float(), q, q)
+    kw = dict(is_causal=False, scale=1.0, STAGES=2, DQ_BUFFERS=1, CONSUMER_REGS=240,
+              FRESH_DESCRIPTORS=False, PERSISTENT=True)
+    with pytest.raises(ValueError, match="KV_BUFFERS"):
+        fa3_backward.launch(*args, KV_BUFFERS=3, **kw)
+    wide = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        fa3_backward.launch(wide, wide, wide, wide, D, D, wide.float(), wide, wide,
+                            KV_BUFFERS=2, **kw)
+    assert fa3_backward.shared_bytes(64, 2, 1, 2) <= fa3.SHARED_MEMORY
+    assert fa3_backward.shared_bytes(128, 2, 1, 1) <= fa3.SHARED_MEMORY
+    assert fa3_backward.shared_bytes(128, 2, 1, 2) > fa3.SHARED_MEMORY
+    for d in (64, 128):
+        b = GPU_16BIT[d].backward_schedule
+        assert fa3_backward.shared_bytes(d, b.stages, b.dq_buffers,
+                                         b.kv_buffers) <= fa3.SHARED_MEMORY
 
 
 def test_the_q_buffers_are_one_or_two_and_counted_in_shared_memory():
@@ -684,7 +752,7 @@ def test_the_backward_takes_the_schedule_where_the_table_and_the_call_allow(monk
     lse2, D = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64)  # D given: no preprocess launch
     call = ops.Call(True, 0.25)
     grads = launch.backward(q, k, v, o, lse2, do, call, D=D, interpreted=False)
-    assert seen == [(True, 0.25, entry.backward_schedule.settings())]
+    assert seen == [(True, 0.25, entry.backward_schedule.settings(is_causal=True))]
     assert all((g == 1).all() and g.shape == x.shape for g, x in zip(grads, (q, k, v)))
     keep = []
     grads = launch.backward(q, k, v, o, lse2, do, call, D=D, interpreted=False, keep=keep)
@@ -833,6 +901,52 @@ def test_the_backward_matches_the_float64_reference(shape, stages, dq_buffers, f
     for name, g, r, p in zip(("dq", "dk", "dv"), got, ref, plain):
         assert torch.isfinite(g).all(), name
         tolerance.check(g, r, p, dtype=dtype, factor=tolerance.GRADIENT,
+                        floor_scale=tolerance.GRADIENT, name=name)
+
+
+@pytest.mark.gpu
+@needs_fa3
+@pytest.mark.parametrize("kv_buffers,dropout", [(1, False), (2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
+def test_a_persistent_backward_takes_many_kv_tiles_right(d, causal, kv_buffers, dropout):
+    """More K/V tiles than SMs: each persistent program takes several, of different heads and
+    lengths (causal: by the host's plan), its stage, dS and dQ counts running on across them
+    and its K/V buffers refilled as they free. dK and dV equal one program per tile's bit for
+    bit (each tile's sums in the same order); dQ, added in another order, is right against
+    the float64 reference; with dropout each tile draws its own heads' mask."""
+    from flashedu.dropout import draw_rng
+    from flashedu.triton import fa3_backward
+
+    if fa3_backward.shared_bytes(d, 2, 1, kv_buffers) > fa3.SHARED_MEMORY:
+        pytest.skip(f"two K/V buffers do not fit beside the stages at d = {d}")
+    B, H, Hkv, N = 4, 16, 8, 1077  # 9 K/V tiles of 8 heads in 4 batches: 288 items
+    q, k, v = _inputs(B, H, Hkv, N, N, d, torch.bfloat16, seed=d + causal + 3)
+    assert B * Hkv * -(-N // 128) > 2 * torch.cuda.get_device_properties(
+        0).multi_processor_count
+    scale, p = d ** -0.5, (0.2 if dropout else 0.0)
+    rng = draw_rng(q.device) if dropout else None
+    o, lse2 = torch.empty_like(q), torch.empty(B, H, N, device="cuda")
+    fa3.forward(q, k, v, o, lse2, is_causal=causal, scale=scale, CONSUMERS=2, STAGES=2,
+                CONSUMER_REGS=240, dropout_p=p, rng=rng)
+    dout = torch.randn_like(q)
+    kw = dict(is_causal=causal, scale=scale, FRESH_DESCRIPTORS=d == 128, dropout_p=p, rng=rng)
+    got = fa3_backward.backward(q, k, v, o, lse2, dout, PERSISTENT=True,
+                                KV_BUFFERS=kv_buffers, **kw)
+    one_each = fa3_backward.backward(q, k, v, o, lse2, dout, **kw)
+    assert torch.equal(got[1], one_each[1]) and torch.equal(got[2], one_each[2])
+    if dropout:
+        _check_with_the_same_mask(o, got, q, k, v, dout, is_causal=causal, scale=scale,
+                                  enable_gqa=True, dropout_p=p, dropout_rng=rng)
+        return
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*leaves, is_causal=causal, scale=scale, enable_gqa=True)
+    ref = torch.autograd.grad(ref, leaves, dout.double())
+    plain = naive_attention_torch(*leaves, is_causal=causal, scale=scale, enable_gqa=True,
+                                  upcast=False)
+    plain = torch.autograd.grad(plain, leaves, dout)
+    for name, g, r, pl in zip(("dq", "dk", "dv"), got, ref, plain):
+        assert torch.isfinite(g).all(), name
+        tolerance.check(g, r, pl, dtype=torch.bfloat16, factor=tolerance.GRADIENT,
                         floor_scale=tolerance.GRADIENT, name=name)
 
 

@@ -78,19 +78,30 @@ class Schedule:
 class BackwardSchedule:
     """FlashAttention-3's backward (fa3_backward.py): stages of (Q_i, dO_i) in shared memory,
     buffers for dQ_i on its way to the writer, registers per consumer thread, whether the
-    loop-invariant operands' descriptors are made each step (where they would spill), and
-    whether dropout's mask selects P_ij once in float32 (where its registers fit)."""
+    loop-invariant operands' descriptors are made each step (where they would spill),
+    whether dropout's mask selects P_ij once in float32 (where its registers fit), and
+    whether one program per SM takes the K/V tiles in turn (``persistent``: dense calls
+    without dropout; causal ones too with ``causal_persistent``, by the host's plan) with
+    ``kv_buffers`` for K_j, V_j (2: the next tile's copied during this one)."""
     stages: int = 2
     dq_buffers: int = 1
     consumer_regs: int = 240
     fresh_descriptors: bool = False
     select_once: bool = False
+    persistent: bool = False
+    causal_persistent: bool = False
+    kv_buffers: int = 1
 
-    def settings(self) -> dict:
-        """The keywords of ``fa3_backward.launch``."""
+    def settings(self, is_causal: bool = False, dropout: bool = False) -> dict:
+        """The keywords of ``fa3_backward.launch`` for a call, causal or not, with dropout
+        or not (calls with dropout keep one program per K/V tile: persistent programs were
+        measured without it)."""
+        persistent = (self.persistent and not dropout
+                      and (not is_causal or self.causal_persistent))
         return dict(STAGES=self.stages, DQ_BUFFERS=self.dq_buffers,
                     CONSUMER_REGS=self.consumer_regs, FRESH_DESCRIPTORS=self.fresh_descriptors,
-                    SELECT_ONCE=self.select_once)
+                    SELECT_ONCE=self.select_once, PERSISTENT=persistent,
+                    KV_BUFFERS=self.kv_buffers if persistent else 1)
 
 
 @dataclass(frozen=True)
@@ -147,11 +158,12 @@ class KernelConfig:
             return None
         return schedule.settings(is_causal)
 
-    def fa3_backward_settings(self, Nq: int, Nk: int) -> dict | None:
+    def fa3_backward_settings(self, Nq: int, Nk: int, is_causal: bool = False,
+                              dropout: bool = False) -> dict | None:
         """The fa3 backward's settings for a call of Nq queries and Nk keys, or None."""
         if self.backward_schedule is None or min(Nq, Nk) < self.schedule_from:
             return None
-        return self.backward_schedule.settings()
+        return self.backward_schedule.settings(is_causal, dropout)
 
     def _short(self, block_mask, Nk: int, dropout: bool) -> "KernelConfig | None":
         if block_mask is None and not dropout and Nk < self.short_until:
@@ -241,8 +253,11 @@ _FA3_64 = Schedule(consumers=3, stages=3, consumer_regs=160, persistent=True, ca
 # registers) at d=128; with ping-pong, the copy engine's store 1.00-1.08x registers in three
 # runs (14 of 16 cells up); with that store, ping-pong on against off level (0.96-1.04x in
 # four runs). At d=64 the store measured level (0.99-1.02x). BENCHMARKS.md, "O_i through the
-# copy engine, and the causal forward's tail".
-_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, persistent=True,
+# copy engine, and the causal forward's tail". Since the programs became persistent (and the
+# causal ones planned), ping-pong off measured ahead at d=128 in four runs: dense 1.017-1.026x
+# at 4096 keys, 0.99-1.02x at 8192-16384 (11 of 12 ahead), causal level (0.99-1.02x):
+# off again (BENCHMARKS.md, "A persistent backward; ping-pong off again at d = 128").
+_FA3_128 = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False, persistent=True,
                     causal_persistent=True)
 # With dropout (H200, N=4096, p=0.1, BENCHMARKS.md "Dropout in FlashAttention-3's schedule"):
 # two consumers of 240 registers, persistent, no ping-pong, at both head dims: d=64 dense
@@ -259,8 +274,15 @@ _FA3_DROPOUT = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False
 # which does not spill, 0.95-1.0x). With dropout at d=64 the mask selects P_ij once, in
 # float32, and dS_ij = (Z_ij P_ij) dP_ij - P_ij D_i: 1.5-3% faster than selecting P_ij in 16
 # bits and dP_ij in float32; at d=128 it spills and runs 3-5% slower (H200, p=0.1, N=4096)
-_FA3_BACKWARD = BackwardSchedule(stages=2, dq_buffers=1, select_once=True)
-_FA3_BACKWARD_128 = BackwardSchedule(stages=2, dq_buffers=1, fresh_descriptors=True)
+# Persistent programs (one per SM, K/V tiles in turn; H200, N = 4096-16384, the kernel alone,
+# BENCHMARKS.md "A persistent backward"): at d=64 with two K/V buffers 0.95-0.97x the time
+# of one program per tile dense and 0.93-0.98x causal (4096 keys causal: 1687 us against 1801
+# and cuDNN's whole backward 1813); at d=128 with one (two do not fit) 0.96-0.99x dense, but
+# causal 1.01x at 4096 keys and 1.03-1.05x at 8192-16384: one program per tile there.
+_FA3_BACKWARD = BackwardSchedule(stages=2, dq_buffers=1, select_once=True, persistent=True,
+                                 causal_persistent=True, kv_buffers=2)
+_FA3_BACKWARD_128 = BackwardSchedule(stages=2, dq_buffers=1, fresh_descriptors=True,
+                                     persistent=True)
 GPU_16BIT = {
     16: _SMALL_D,
     32: _SMALL_D,

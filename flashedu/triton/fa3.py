@@ -803,20 +803,27 @@ def q_tile_work(i: int, Nq: int, Nk: int, CONSUMERS: int, Bc: int = 128) -> int:
 def plan_causal(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
                 longest_first: bool = True, heads_together: int = 0) -> list[list[int]]:
     """The causal Q tiles of ``heads`` heads (work item t = i * heads + bh) dealt to
-    ``programs`` persistent programs, longest processing time first: in order of their work
-    (``q_tile_work``; of equal work the lower t first, so a Q tile's heads together), each to
-    the program with the least work so far (of equal, the lowest-numbered). Each program's list
-    runs longest first (or shortest first). The snake deal (``_tile_of``) balances only when
-    a deal lines up with the tiles of one length: at d = 64 and 4096 keys, 128 heads of 22 Q
-    tiles on 132 programs, the snake's longest program counts 5% over the mean and this
-    plan's 0.2%. heads_together > 0: the heads in groups of at most that many, group after
-    group, each group's tiles longest first into the same loads (the group's K and V stay in
-    L2 while its tiles pass)."""
-    import heapq
-
+    ``programs`` persistent programs by ``deal_longest_first``, a tile's work its
+    ``q_tile_work``. The snake deal (``_tile_of``) balances only when a deal lines up with
+    the tiles of one length: at d = 64 and 4096 keys, 128 heads of 22 Q tiles on 132
+    programs, the snake's longest program counts 5% over the mean and this plan's 0.2%."""
     n_q = -(-Nq // (CONSUMERS * M))
     work = [q_tile_work(i, Nq, Nk, CONSUMERS) for i in range(n_q)]
-    order = sorted(range(n_q), key=lambda i: -work[i])  # of equal work, the lower i first
+    return deal_longest_first(work, heads, programs, longest_first, heads_together)
+
+
+def deal_longest_first(work: list[int], heads: int, programs: int, longest_first: bool = True,
+                       heads_together: int = 0) -> list[list[int]]:
+    """Tiles i of ``work[i]`` each, in every one of ``heads`` heads (work item t = i * heads +
+    bh), dealt to ``programs`` persistent programs, longest processing time first: in order of
+    their work (of equal work the lower i first, so a tile's heads together), each to the
+    program with the least work so far (of equal, the lowest-numbered). Each program's list
+    runs longest first (or shortest first). heads_together > 0: the heads in groups of at
+    most that many, group after group, each group's tiles longest first into the same loads
+    (what the group's tiles share stays in L2 while they pass)."""
+    import heapq
+
+    order = sorted(range(len(work)), key=lambda i: -work[i])  # of equal work, the lower i
     loads = [(0, p) for p in range(programs)]  # a heap: the least loaded program on top
     plan = [[] for _ in range(programs)]
     size = heads_together or heads
@@ -829,19 +836,24 @@ def plan_causal(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
     return plan if longest_first else [tiles[::-1] for tiles in plan]
 
 
-@functools.lru_cache(maxsize=64)
-def _plan_tensor(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
-                 longest_first: bool, heads_together: int, device: torch.device) -> tuple:
-    """``plan_causal`` as the kernel reads it: (rounds, programs) int32, program p's m-th item
-    at [m, p], ``total`` where it has none; made once for a shape and kept (a repeated call
-    makes no new table)."""
-    plan = plan_causal(Nq, Nk, heads, programs, CONSUMERS, longest_first, heads_together)
+def plan_table(plan: list[list[int]], programs: int, device) -> tuple:
+    """A plan as a kernel reads it: ((rounds, programs) int32 tensor, rounds), program p's
+    m-th item at [m, p], the count of all items where it has none."""
     rounds = max(len(tiles) for tiles in plan)
     total = sum(len(tiles) for tiles in plan)  # every work item once
     table = torch.full((rounds, programs), total, dtype=torch.int32)
     for p, tiles in enumerate(plan):
         table[:len(tiles), p] = torch.tensor(tiles, dtype=torch.int32)
     return table.to(device), rounds
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_tensor(Nq: int, Nk: int, heads: int, programs: int, CONSUMERS: int,
+                 longest_first: bool, heads_together: int, device: torch.device) -> tuple:
+    """``plan_causal`` as the kernel reads it (``plan_table``); made once for a shape and
+    kept (a repeated call makes no new table)."""
+    plan = plan_causal(Nq, Nk, heads, programs, CONSUMERS, longest_first, heads_together)
+    return plan_table(plan, programs, device)
 
 
 def dropout_arguments(dropout_p: float, rng):

@@ -273,7 +273,8 @@ def backward(q, k, v, o, lse2, do, call, dlse=None, mask_grad=False, D=None, *, 
     # not where torch.use_deterministic_algorithms asks (the Triton kernels' dQ pass adds none)
     plain = (FA3_BACKWARD and not interpreted and into is None and dlse is None
              and not mask_grad and not torch.are_deterministic_algorithms_enabled())
-    settings = config.fa3_backward_settings(q.shape[2], k.shape[2]) if plain else None
+    settings = (config.fa3_backward_settings(q.shape[2], k.shape[2], is_causal, dropout_p > 0)
+                if plain else None)
     if settings is not None and fa3_backward.usable(q, k, v, do, call):
         try:
             return _fa3_backward(q, k, v, o, lse2, do, call, D, settings, keep,

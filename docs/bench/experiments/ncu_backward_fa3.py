@@ -46,12 +46,12 @@ else:
         settings["PERSISTENT"] = not settings["PERSISTENT"]
         settings["KV_BUFFERS"] = 1
     o, lse2 = launch.forward(q, k, v, call)
+    lse2 = lse2.contiguous()
     D = launch.preprocess(o, do, config.preprocess_rows)
     acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    kernel = fa3_backward.launch(q, k, v, do, lse2.contiguous(), D, acc, dk, dv,
-                                 is_causal=args.causal, scale=call.scale, **settings)
-    lse2 = lse2.contiguous()
+    kernel = fa3_backward.launch(q, k, v, do, lse2, D, acc, dk, dv, is_causal=args.causal,
+                                 scale=call.scale, **settings)
 
     def run():
         kernel.start(q, k, v, do, lse2, D, acc, dk, dv)

@@ -1,5 +1,5 @@
-"""FlashAttention-3's backward on Hopper, in Gluon: one program per K/V tile, five products a
-tile pair, dQ_i added by the copy engine.
+"""FlashAttention-3's backward on Hopper, in Gluon: one program per K/V tile (or, persistent, one
+per SM taking K/V tiles in turn), five products a tile pair, dQ_i added by the copy engine.
 
 The backward of ``backward.py`` runs two programs per tile pair's work (dK/dV holding K_j, V_j
 and a dQ program holding Q_i), seven products in all: S_ij and dP_ij are computed twice. Here,
@@ -21,6 +21,13 @@ order the programs arrive, so dQ can differ in its last bits from run to run:
 ``launch.backward`` leaves calls under torch.use_deterministic_algorithms to the Triton
 kernels. Grouped-query attention: a program visits the Q tiles of every query head of its K/V
 head. q and dO must be laid out (B, H, N, d) contiguous (one descriptor walks all their rows).
+
+Persistent programs (PERSISTENT): one program an SM fits (the stages take most of its shared
+memory), and one program per K/V tile starts each with nothing in flight (descriptors, barriers,
+K_j and V_j copied before the first product) and ends it with dK_j, dV_j stored after the last.
+One program per SM instead takes its tiles in turn (causal: by the host's plan,
+``plan_backward``, longest first), its counts running on across them; with KV_BUFFERS = 2 the
+copy warp loads the next tile's K_j and V_j while the consumers finish this one.
 
 Dropout (the paper's Algorithm 4): the forward's Z_ij is drawn again, upright (queries down,
 as the forward holds S_ij, so that a thread draws each Philox call once for 16 entries; held

@@ -276,7 +276,7 @@ _FA3_DROPOUT = Schedule(consumers=2, stages=3, consumer_regs=240, pingpong=False
 # bits and dP_ij in float32; at d=128 it spills and runs 3-5% slower (H200, p=0.1, N=4096)
 # Persistent programs (one per SM, K/V tiles in turn; H200, N = 4096-16384, the kernel alone,
 # BENCHMARKS.md "A persistent backward"): at d=64 with two K/V buffers 0.95-0.97x the time
-# of one program per tile dense and 0.93-0.98x causal (4096 keys causal: 1687 us against 1801
+# of one program per tile dense and 0.94-0.98x causal (4096 keys causal: 1687 us against 1801
 # and cuDNN's whole backward 1813); at d=128 with one (two do not fit) 0.96-0.99x dense, but
 # causal 1.01x at 4096 keys and 1.03-1.05x at 8192-16384: one program per tile there.
 _FA3_BACKWARD = BackwardSchedule(stages=2, dq_buffers=1, select_once=True, persistent=True,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashedu  # noqa: F401 - first: decides GPU or interpreter before triton loads
-from flashedu.benchmarks.core import profile_once
+from flashedu.benchmarks.core import batch_heads, profile_once
 from flashedu.ops import Call
 from flashedu.triton import fa3
 from flashedu.triton.autograd import resolve_config
@@ -26,7 +26,8 @@ p.add_argument("--n", type=int, default=4096)
 p.add_argument("--causal", action="store_true")
 args = p.parse_args()
 
-B, H, N, d = 16384 // args.n, 2048 // args.d, args.n, args.d
+B, H = batch_heads(args.n, args.d)
+N, d = args.n, args.d
 torch.manual_seed(0)
 q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 scale = d ** -0.5

@@ -2,12 +2,13 @@
 The public API's backward is the preprocess (D = rowsum(dO * O)), dQ's float32 buffer zeroed,
 FlashAttention-3's backward kernel (which adds dQ into that buffer) and the cast of dQ into
 q's dtype; each piece is timed alone, and the kernel under other settings of its schedule
-(``--variants``: more stages or dQ buffers, persistent programs with one or two K/V buffers).
+(``--variants``: more stages or dQ buffers, persistent programs with one or two K/V buffers,
+one program per K/V tile).
 bf16, the shapes of ``flashedu bench fa3`` (B * N = 16384 tokens, H * d = 2048); every
 column timed in turn, ``--rounds`` times (``core.interleaved_ms``), the median kept.
 
     python scripts/gpu_backward_parts.py --n 4096 --rounds 3 --json docs/bench/backward_parts.json
-    python scripts/gpu_backward_parts.py --n 4096 8192 --variants persistent persistent-kv2
+    python scripts/gpu_backward_parts.py --n 4096 8192 --variants per-tile persistent persistent-kv2
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import flashedu  # noqa: F401  (before triton)
 VARIANTS = {"stages2": dict(STAGES=2, DQ_BUFFERS=1), "dq2": dict(STAGES=2, DQ_BUFFERS=2),
             "stages3": dict(STAGES=3, DQ_BUFFERS=1), "stages3-dq2": dict(STAGES=3, DQ_BUFFERS=2),
             "persistent": dict(PERSISTENT=True, KV_BUFFERS=1),
-            "persistent-kv2": dict(PERSISTENT=True, KV_BUFFERS=2)}
+            "persistent-kv2": dict(PERSISTENT=True, KV_BUFFERS=2),
+            "per-tile": dict(PERSISTENT=False, KV_BUFFERS=1)}
 FITS = {64: set(VARIANTS), 128: set(VARIANTS) - {"stages3-dq2", "persistent-kv2"}}
 KERNEL = "kernel (the table's)"  # the kernel alone with the tile table's settings
 
